@@ -1,0 +1,4 @@
+//! The mcpgw fleet mesh: the Redis directory of workers and session owners, and the
+//! mutually authenticated transports (QUIC, TCP) that carry forwarded requests.
+#![forbid(unsafe_code)]
+#![deny(rust_2018_idioms)]
