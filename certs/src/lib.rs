@@ -1,4 +1,54 @@
 //! Mesh certificates for mcpgw: a private CA, leaf issuance, and the rustls configs
 //! that make every mesh connection mutually authenticated.
+//!
+//! Every mesh member (a host or a worker) holds a leaf certificate signed by the mesh
+//! CA. The leaf carries two names:
+//!
+//! - the DNS SAN [`MESH_SERVER_NAME`], the same for every leaf, so a peer can dial any
+//!   IP address and still verify the server chain with ordinary webpki name checks;
+//! - a URI SAN [`MESH_URI_PREFIX`]`{member}`: the member's identity. webpki ignores URI
+//!   SANs, so this crate checks it itself inside the rustls verifiers: a handshake with
+//!   a certificate that chains to the mesh CA but carries no mesh identity fails.
+//!
+//! All TLS here uses one crypto provider, aws-lc-rs ([`crypto_provider`]); configs are
+//! built from PEM files in one place ([`MeshTls`]) so that rotation and reloading can
+//! be added there.
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
+
+mod config;
+mod error;
+mod identity;
+mod issue;
+mod verify;
+
+pub use config::{
+    MeshTls, MeshTlsFiles, client_config, explain_tls_error, load_ca_bundle, server_config,
+};
+pub use error::CertError;
+pub use identity::{
+    MESH_SERVER_NAME, MESH_URI_PREFIX, mesh_uri, peer_identity, validate_member_name,
+};
+pub use issue::{Pem, generate_ca, issue_leaf, load_pem_files, write_pem_files};
+pub use verify::{MeshClientCertVerifier, MeshServerCertVerifier};
+
+use std::sync::{Arc, OnceLock};
+
+/// The one crypto provider of the workspace (aws-lc-rs), shared by every config this
+/// crate builds. Configs name it explicitly so they never depend on which provider a
+/// process happened to install as its default.
+pub fn crypto_provider() -> Arc<rustls::crypto::CryptoProvider> {
+    static PROVIDER: OnceLock<Arc<rustls::crypto::CryptoProvider>> = OnceLock::new();
+    PROVIDER
+        .get_or_init(|| Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
+        .clone()
+}
+
+/// Installs aws-lc-rs as the process-wide default rustls provider, for libraries (quinn,
+/// hyper clients) that build configs without naming a provider. Idempotent: if a default
+/// is already installed, it is left alone.
+pub fn install_crypto_provider() {
+    // `install_default` fails only when a provider is already installed; that is the
+    // idempotent case, so the error is ignored on purpose.
+    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+}
