@@ -1,0 +1,154 @@
+//! The frame types: what one mesh message can say.
+//!
+//! The enum and field order *is* the wire format (bincode encodes enum variants by
+//! their index and struct fields in declaration order). Append new variants at the
+//! end and bump [`PROTOCOL_VERSION`] when a frame's shape changes. `Hello` and
+//! `Welcome` keep their tag and layout in every version, so a peer of another
+//! version can always read them and refuse with a clear error.
+
+use bytes::Bytes;
+use wincode::{SchemaRead, SchemaWrite};
+
+/// The mesh protocol version carried in [`Frame::Hello`] and [`Frame::Welcome`].
+/// Peers refuse a connection whose version differs from their own.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// One mesh message.
+#[derive(Debug, Clone, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub enum Frame {
+    /// Caller → owner, first frame of every TCP connection and of a QUIC connection's
+    /// first stream: who is calling, and which worker the caller expects to reach.
+    Hello {
+        /// The caller's [`PROTOCOL_VERSION`].
+        version: u32,
+        /// The caller's worker id, for the owner's logs.
+        worker_id: String,
+        /// The worker id the directory gave for this address. The owner does not
+        /// refuse a mismatch: it answers with its own id and the caller decides,
+        /// because "this address answers as another worker" is proof for the caller.
+        expect_worker_id: String,
+    },
+    /// Owner → caller, answer to `Hello`: the owner's version and real worker id.
+    Welcome {
+        /// The owner's [`PROTOCOL_VERSION`].
+        version: u32,
+        /// The worker id of the process that holds this mesh endpoint.
+        worker_id: String,
+    },
+    /// Caller → owner: run this request.
+    Request(Box<RequestFrame>),
+    /// Owner → caller: the response status and headers; precedes any `Chunk`.
+    Head(ResponseHead),
+    /// Owner → caller: one body chunk. An SSE event is one chunk, relayed as it comes.
+    Chunk(Bytes),
+    /// Owner → caller: the response is complete.
+    End,
+    /// Either direction: the request (or the connection, before `Welcome`) failed.
+    Error(ErrorFrame),
+    /// Caller → owner: the caller gave up; the owner stops work for this request.
+    Cancel,
+}
+
+/// A forwarded client request, already authenticated by the receiving worker.
+#[derive(Debug, Clone, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct RequestFrame {
+    /// Caller-chosen id, echoed in logs on both sides to correlate one request.
+    pub request_id: u64,
+    /// The MCP session the request belongs to; `None` for sessionless (modern) requests.
+    pub session_id: Option<String>,
+    /// The HTTP method of the client request (`POST`, `GET`, `DELETE`).
+    pub method: String,
+    /// The HTTP path of the client request, with query.
+    pub path: String,
+    /// The MCP-relevant request headers (names lower-case), in client order.
+    pub headers: Vec<(String, String)>,
+    /// The request body as the client sent it.
+    pub body: Bytes,
+    /// What the receiving worker established about the client (DESIGN invariant 4:
+    /// the edge decides auth, once).
+    pub auth: AuthContext,
+    /// Time left for this request in milliseconds, relative so that clock skew
+    /// between hosts does not matter. The owner stops the request when it passes.
+    pub deadline_ms: u32,
+}
+
+/// Status and headers of a response, sent before its body.
+#[derive(Debug, Clone, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct ResponseHead {
+    /// HTTP status code.
+    pub status: u16,
+    /// Response headers (names lower-case), in order.
+    pub headers: Vec<(String, String)>,
+}
+
+/// The authentication outcome the receiving worker forwards with a request.
+#[derive(Debug, Clone, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct AuthContext {
+    /// How the client authenticated.
+    pub scheme: AuthScheme,
+    /// Who the client is; the owner checks it against the session's principal.
+    pub principal: String,
+    /// Granted scopes.
+    pub scopes: Vec<String>,
+    /// Verified token claims as JSON, when the gateway's policy needs them downstream.
+    pub claims_json: Option<String>,
+}
+
+/// How a client authenticated at the receiving worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, SchemaWrite, SchemaRead)]
+pub enum AuthScheme {
+    /// Public mode: no credentials; the principal is anonymous or client-chosen.
+    Public,
+    /// A JWT verified by the gateway.
+    Jwt,
+    /// An OAuth bearer token verified by the gateway.
+    OAuth,
+}
+
+/// A failure reported by a peer, for one request or for the connection.
+#[derive(Debug, Clone, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct ErrorFrame {
+    /// What kind of failure, for the caller's decision table.
+    pub kind: ErrorKind,
+    /// Human-readable detail, for logs.
+    pub message: String,
+}
+
+impl ErrorFrame {
+    /// An error frame of `kind` with a human-readable `message`.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorFrame {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}: {}", self.kind, self.message)
+    }
+}
+
+/// Why a peer failed a request or a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, SchemaWrite, SchemaRead)]
+pub enum ErrorKind {
+    /// The peers speak different protocol versions; upgrade the older worker.
+    VersionMismatch,
+    /// A frame did not decode or came out of order; the request was not run.
+    Malformed,
+    /// A frame exceeded the receiver's maximum frame size; the request was not run.
+    TooLarge,
+    /// The owner is at its in-flight limit for this peer; retry later.
+    Busy,
+    /// The owner does not hold that session ("not mine"); ask the directory again.
+    NotOwner,
+    /// The owner is shutting down and takes no new requests.
+    Draining,
+    /// The request's deadline passed at the owner; its outcome is unknown.
+    DeadlineExceeded,
+    /// The request was cancelled before it completed.
+    Cancelled,
+    /// The owner failed for a reason of its own; see the message.
+    Internal,
+}
