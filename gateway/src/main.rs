@@ -1,1 +1,63 @@
-fn main() {}
+//! mcpgw: an MCP gateway that runs as a fleet of worker processes and keeps every
+//! client session on the one worker that holds its live upstream connection.
+//!
+//! This binary holds the CLI, the supervisor, the HTTP front, MCP semantics,
+//! sessions, upstream clients and the affinity decisions; the mesh and the directory
+//! live in `mcpgw-mesh`, frames in `mcpgw-wire`, certificates in `mcpgw-certs`.
+#![forbid(unsafe_code)]
+#![deny(rust_2018_idioms)]
+
+mod body;
+mod config;
+mod exec;
+mod front;
+mod mcp;
+mod request;
+mod serve;
+mod session;
+mod sse;
+mod upstream;
+mod worker;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::{Config, ServeArgs};
+
+#[derive(Debug, Parser)]
+#[command(name = "mcpgw", version, about = "A horizontally scaled MCP gateway")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve MCP clients: one worker, or a supervisor of --workers N processes.
+    Serve(ServeArgs),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve(args) => {
+            let config = match Config::load(&args) {
+                Ok(config) => config,
+                Err(e) => {
+                    eprintln!("mcpgw: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            serve::run(config)
+        }
+    }
+}

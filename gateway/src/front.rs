@@ -1,0 +1,214 @@
+//! The public HTTP front: accepts client connections on the shared port, turns each
+//! request into a checked call, and writes the reply (streams relayed as they come).
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
+use http::{HeaderValue, Request, Response, StatusCode, request::Parts};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use mcpgw_wire::{AuthContext, AuthScheme};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tracing::{debug, info, warn};
+
+use crate::body::{self, ReplyBody};
+use crate::exec::Reply;
+use crate::mcp::{self, GatewayError};
+use crate::request;
+use crate::worker::Worker;
+
+/// Binds `addr` so that every worker process can bind it too: the kernel spreads
+/// connections over them (SO_REUSEPORT).
+pub fn bind_shared(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let socket = shared_socket(addr)?;
+    socket.listen(1024)?;
+    Ok(socket.into())
+}
+
+/// A bound, not listening, SO_REUSEPORT socket: holds a port for the workers without
+/// taking connections (only listening sockets receive them).
+pub fn reserve_shared(addr: SocketAddr) -> std::io::Result<socket2::Socket> {
+    shared_socket(addr)
+}
+
+fn shared_socket(addr: SocketAddr) -> std::io::Result<socket2::Socket> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    Ok(socket)
+}
+
+/// Serves clients until `shutdown` turns true, then lets open exchanges finish for
+/// up to `grace`.
+pub async fn serve(
+    worker: Arc<Worker>,
+    listener: std::net::TcpListener,
+    mut shutdown: watch::Receiver<bool>,
+    grace: Duration,
+) -> std::io::Result<()> {
+    let listener = TcpListener::from_std(listener)?;
+    let graceful = GracefulShutdown::new();
+    let http = {
+        let mut builder = hyper::server::conn::http1::Builder::new();
+        builder
+            .keep_alive(true)
+            .timer(TokioTimer::new())
+            // Slow-loris guard: a client must send its headers within this time.
+            .header_read_timeout(Duration::from_secs(30));
+        builder
+    };
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, peer) = match accepted {
+                    Ok(conn) => conn,
+                    Err(e) => {
+                        // EMFILE and friends: back off instead of spinning.
+                        warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let worker = Arc::clone(&worker);
+                let service = service_fn(move |req| {
+                    let worker = Arc::clone(&worker);
+                    async move { Ok::<_, Infallible>(handle(worker, req).await) }
+                });
+                let connection = http.serve_connection(TokioIo::new(stream), service);
+                let connection = graceful.watch(connection);
+                tokio::spawn(async move {
+                    if let Err(e) = connection.await {
+                        debug!(%peer, error = %e, "client connection ended with an error");
+                    }
+                });
+            }
+            _ = shutdown.changed() => {
+                if *shutdown.borrow() {
+                    break;
+                }
+            }
+        }
+    }
+    drop(listener);
+    if tokio::time::timeout(grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        warn!(
+            ?grace,
+            "connections still open after the drain deadline; closing them"
+        );
+    }
+    Ok(())
+}
+
+async fn handle(worker: Arc<Worker>, request: Request<Incoming>) -> Response<ReplyBody> {
+    let (parts, body) = request.into_parts();
+    if parts.uri.path() == "/healthz" {
+        return health(&worker);
+    }
+    let reply = match route(&worker, parts, body).await {
+        Ok(reply) => reply,
+        Err((error, method, path)) => {
+            // The one log line for a refused request; the client gets the same words.
+            if error.status.is_server_error() {
+                warn!(%method, path, status = error.status.as_u16(), code = error.code, "{}", error.message);
+            } else {
+                info!(%method, path, status = error.status.as_u16(), code = error.code, "{}", error.message);
+            }
+            Reply::from_error(&error)
+        }
+    };
+    into_response(reply)
+}
+
+type Refusal = (GatewayError, http::Method, String);
+
+async fn route(worker: &Arc<Worker>, parts: Parts, body: Incoming) -> Result<Reply, Refusal> {
+    let path = parts.uri.path().to_owned();
+    let refuse = |e: GatewayError| (e, parts.method.clone(), path.clone());
+    let (upstream, era) = request::check_head(&worker.routes, &parts.method, &path, &parts.headers)
+        .map_err(refuse)?;
+    let body = read_body(body, &parts, worker.config.limits.max_body_bytes)
+        .await
+        .map_err(refuse)?;
+    let call = request::parse_call(
+        upstream,
+        era,
+        parts.method.clone(),
+        &path,
+        &parts.headers,
+        body,
+        public_auth(),
+    )
+    .map_err(refuse)?;
+    worker.dispatch(call).await.map_err(refuse)
+}
+
+/// Public mode: no credentials, so the session belongs to whoever holds its id.
+fn public_auth() -> AuthContext {
+    AuthContext {
+        scheme: AuthScheme::Public,
+        principal: String::new(),
+        scopes: Vec::new(),
+        claims_json: None,
+    }
+}
+
+async fn read_body(body: Incoming, parts: &Parts, max: usize) -> Result<Bytes, GatewayError> {
+    let too_large = || {
+        GatewayError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            mcp::code::INVALID_REQUEST,
+            format!("request body exceeds the {max}-byte limit: send a smaller message"),
+        )
+    };
+    let declared = parts
+        .headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > max as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(body, max).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Err(e) => Err(GatewayError::invalid_request(format!(
+            "could not read the request body: {e}"
+        ))),
+    }
+}
+
+fn health(worker: &Worker) -> Response<ReplyBody> {
+    let body = serde_json::json!({
+        "worker_id": worker.id,
+        "pid": std::process::id(),
+        "sessions": worker.sessions.len(),
+        "draining": worker.draining(),
+    });
+    let mut response = Response::new(body::full(Bytes::from(body.to_string())));
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+fn into_response(reply: Reply) -> Response<ReplyBody> {
+    let mut response = Response::new(reply.body);
+    *response.status_mut() = reply.status;
+    *response.headers_mut() = reply.headers;
+    response
+}

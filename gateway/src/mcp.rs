@@ -1,0 +1,501 @@
+//! MCP Streamable HTTP semantics the gateway enforces before anything runs: protocol
+//! eras, the headers that carry them, message classification, and JSON-RPC errors.
+
+use bytes::Bytes;
+use http::{HeaderMap, StatusCode};
+use serde_json::{Value, json};
+
+pub const HEADER_SESSION_ID: &str = "mcp-session-id";
+pub const HEADER_PROTOCOL_VERSION: &str = "mcp-protocol-version";
+pub const HEADER_METHOD: &str = "mcp-method";
+pub const HEADER_NAME: &str = "mcp-name";
+pub const HEADER_LAST_EVENT_ID: &str = "last-event-id";
+
+/// Revisions that open a session with `initialize` and carry `Mcp-Session-Id`.
+pub const LEGACY_VERSIONS: &[&str] = &["2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"];
+/// Revisions without sessions: every request carries its own protocol envelope.
+pub const MODERN_VERSIONS: &[&str] = &["2026-07-28"];
+/// What a legacy request without `MCP-Protocol-Version` is assumed to speak (the
+/// 2025-06-18 transport says to assume 2025-03-26).
+pub const DEFAULT_LEGACY_VERSION: &str = "2025-03-26";
+
+/// Methods whose `Mcp-Name` header mirrors a body parameter (2026-07-28).
+const NAME_BEARING_METHODS: &[(&str, &str)] = &[
+    ("tools/call", "name"),
+    ("prompts/get", "name"),
+    ("resources/read", "uri"),
+];
+
+/// Longest session id accepted; ours are far shorter, and a bound keeps logs and
+/// directory keys small.
+pub const MAX_SESSION_ID_LEN: usize = 256;
+
+/// JSON-RPC error codes the gateway answers with.
+pub mod code {
+    pub const PARSE_ERROR: i64 = -32700;
+    pub const INVALID_REQUEST: i64 = -32600;
+    pub const METHOD_NOT_FOUND: i64 = -32601;
+    pub const INVALID_PARAMS: i64 = -32602;
+    pub const INTERNAL_ERROR: i64 = -32603;
+    /// Implementation-defined server error: the gateway could not complete the call
+    /// (upstream unreachable, timeout, capacity); `data.reason` says which.
+    pub const GATEWAY_ERROR: i64 = -32000;
+    /// The session does not exist (any more): re-initialize.
+    pub const SESSION_NOT_FOUND: i64 = -32001;
+    /// 2026-07-28: an HTTP routing header disagrees with the body.
+    pub const HEADER_MISMATCH: i64 = -32020;
+    /// 2026-07-28: the requested protocol version is not served.
+    pub const UNSUPPORTED_PROTOCOL_VERSION: i64 = -32022;
+}
+
+/// The protocol era of one request, decided by its `MCP-Protocol-Version` header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Era {
+    /// 2024-11-05 … 2025-11-25: sessions.
+    Legacy,
+    /// 2026-07-28 and later: no sessions.
+    Modern,
+}
+
+/// Decides the era from the `MCP-Protocol-Version` header value.
+pub fn era_of(version: Option<&str>) -> Result<Era, GatewayError> {
+    match version {
+        None => Ok(Era::Legacy),
+        Some(v) if LEGACY_VERSIONS.contains(&v) => Ok(Era::Legacy),
+        Some(v) if MODERN_VERSIONS.contains(&v) => Ok(Era::Modern),
+        Some(v) => Err(GatewayError::new(
+            StatusCode::BAD_REQUEST,
+            code::UNSUPPORTED_PROTOCOL_VERSION,
+            format!(
+                "unsupported MCP-Protocol-Version {:?}: use one of {}",
+                truncate(v, 64),
+                LEGACY_VERSIONS
+                    .iter()
+                    .chain(MODERN_VERSIONS)
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        )
+        .with_data(json!({
+            "supported": LEGACY_VERSIONS.iter().chain(MODERN_VERSIONS).collect::<Vec<_>>(),
+            "requested": truncate(v, 64),
+        }))),
+    }
+}
+
+/// What kind of JSON-RPC message a POST body holds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MessageKind {
+    Request {
+        id: Value,
+        method: String,
+    },
+    Notification {
+        method: String,
+    },
+    /// A client's answer to a server-initiated request.
+    Response {
+        id: Value,
+    },
+}
+
+/// One parsed client message: its kind and the full JSON (kept for header checks).
+#[derive(Debug, Clone)]
+pub struct Message {
+    pub kind: MessageKind,
+    pub json: Value,
+}
+
+impl Message {
+    /// The JSON-RPC id to echo in an error, or null when there is none.
+    pub fn id(&self) -> Value {
+        match &self.kind {
+            MessageKind::Request { id, .. } | MessageKind::Response { id } => id.clone(),
+            MessageKind::Notification { .. } => Value::Null,
+        }
+    }
+
+    pub fn method(&self) -> Option<&str> {
+        match &self.kind {
+            MessageKind::Request { method, .. } | MessageKind::Notification { method } => {
+                Some(method)
+            }
+            MessageKind::Response { .. } => None,
+        }
+    }
+
+    pub fn is_initialize(&self) -> bool {
+        matches!(&self.kind, MessageKind::Request { method, .. } if method == "initialize")
+    }
+
+    /// Requests expect an answer; notifications and responses are acknowledged with 202.
+    pub fn expects_answer(&self) -> bool {
+        matches!(self.kind, MessageKind::Request { .. })
+    }
+}
+
+/// Parses and classifies one POST body.
+pub fn parse_message(body: &[u8]) -> Result<Message, GatewayError> {
+    let json: Value = serde_json::from_slice(body).map_err(|e| {
+        GatewayError::new(
+            StatusCode::BAD_REQUEST,
+            code::PARSE_ERROR,
+            format!("request body is not valid JSON ({e}): send one JSON-RPC message"),
+        )
+    })?;
+    let Some(object) = json.as_object() else {
+        let what = if json.is_array() {
+            "a JSON array (batches are not supported since 2025-06-18): send one JSON-RPC message per POST"
+        } else {
+            "not a JSON object: send one JSON-RPC message object"
+        };
+        return Err(GatewayError::invalid_request(format!(
+            "request body is {what}"
+        )));
+    };
+    if object.get("jsonrpc").and_then(Value::as_str) != Some("2.0") {
+        return Err(GatewayError::invalid_request(
+            "request body lacks \"jsonrpc\": \"2.0\"",
+        ));
+    }
+    let id = object.get("id");
+    if let Some(id) = id
+        && !(id.is_string() || id.is_i64() || id.is_u64())
+    {
+        return Err(GatewayError::invalid_request(
+            "JSON-RPC id must be a string or an integer",
+        ));
+    }
+    let kind = match (object.get("method"), id) {
+        (Some(Value::String(method)), Some(id)) => MessageKind::Request {
+            id: id.clone(),
+            method: method.clone(),
+        },
+        (Some(Value::String(method)), None) => MessageKind::Notification {
+            method: method.clone(),
+        },
+        (Some(_), _) => {
+            return Err(GatewayError::invalid_request(
+                "JSON-RPC \"method\" must be a string",
+            ));
+        }
+        (None, Some(id)) if object.contains_key("result") || object.contains_key("error") => {
+            MessageKind::Response { id: id.clone() }
+        }
+        (None, _) => {
+            return Err(GatewayError::invalid_request(
+                "JSON-RPC message has neither \"method\" nor \"result\"/\"error\"",
+            ));
+        }
+    };
+    Ok(Message { kind, json })
+}
+
+/// Checks a session id a client sent: visible ASCII only (0x21–0x7E), bounded length.
+pub fn validate_session_id(raw: &[u8]) -> Result<&str, GatewayError> {
+    let valid = !raw.is_empty()
+        && raw.len() <= MAX_SESSION_ID_LEN
+        && raw.iter().all(|b| (0x21..=0x7e).contains(b));
+    match std::str::from_utf8(raw) {
+        Ok(id) if valid => Ok(id),
+        _ => Err(GatewayError::new(
+            StatusCode::BAD_REQUEST,
+            code::INVALID_REQUEST,
+            format!(
+                "Mcp-Session-Id must be 1 to {MAX_SESSION_ID_LEN} visible ASCII characters: \
+                 send the id the gateway returned from initialize"
+            ),
+        )),
+    }
+}
+
+/// 2026-07-28: `Mcp-Method` (and `Mcp-Name` for name-bearing methods) must agree with
+/// the body, so intermediaries routing on headers see the truth.
+pub fn check_modern_headers(headers: &HeaderMap, message: &Message) -> Result<(), GatewayError> {
+    let Some(method) = message.method() else {
+        return Ok(());
+    };
+    let header_method = headers.get(HEADER_METHOD).map(|v| v.as_bytes());
+    if header_method != Some(method.as_bytes()) {
+        return Err(GatewayError::header_mismatch(format!(
+            "Mcp-Method header does not match the request body's method {:?}",
+            truncate(method, 64)
+        )));
+    }
+    let Some(&(_, key)) = NAME_BEARING_METHODS.iter().find(|(m, _)| *m == method) else {
+        return Ok(());
+    };
+    let Some(body_value) = message.json.pointer(&format!("/params/{key}")) else {
+        return Ok(());
+    };
+    let header_value = headers
+        .get(HEADER_NAME)
+        .and_then(|v| decode_header_value(v.as_bytes()));
+    if header_value.as_deref() != body_value.as_str() {
+        return Err(GatewayError::header_mismatch(format!(
+            "Mcp-Name header does not match the request body's {key:?} parameter"
+        )));
+    }
+    Ok(())
+}
+
+/// Decodes an `Mcp-Name`-style header value: verbatim, or `=?base64?…?=` for values
+/// that do not survive as an HTTP field. A malformed sentinel decodes to nothing.
+pub fn decode_header_value(raw: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(raw).ok()?;
+    match text
+        .strip_prefix("=?base64?")
+        .and_then(|t| t.strip_suffix("?="))
+    {
+        Some(encoded) => String::from_utf8(base64_decode(encoded)?).ok(),
+        None => Some(text.to_owned()),
+    }
+}
+
+/// Standard base64 with padding; small enough not to warrant a dependency.
+fn base64_decode(input: &str) -> Option<Vec<u8>> {
+    fn value(c: u8) -> Option<u32> {
+        Some(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        } as u32)
+    }
+    let bytes = input.as_bytes();
+    if bytes.len() % 4 != 0 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(bytes.len() / 4 * 3);
+    for quad in bytes.chunks(4) {
+        let pad = quad.iter().rev().take_while(|&&c| c == b'=').count();
+        if pad > 2 {
+            return None;
+        }
+        let mut n = 0u32;
+        for &c in &quad[..4 - pad] {
+            n = (n << 6) | value(c)?;
+        }
+        n <<= 6 * pad as u32;
+        let decoded = [(n >> 16) as u8, (n >> 8) as u8, n as u8];
+        out.extend_from_slice(&decoded[..3 - pad]);
+    }
+    Some(out)
+}
+
+fn truncate(text: &str, max: usize) -> &str {
+    match text.char_indices().nth(max) {
+        Some((i, _)) => &text[..i],
+        None => text,
+    }
+}
+
+/// An error the gateway answers itself: an HTTP status plus a JSON-RPC error body
+/// that says what was wrong and what to do.
+#[derive(Debug, Clone)]
+pub struct GatewayError {
+    pub status: StatusCode,
+    pub code: i64,
+    pub message: String,
+    pub data: Option<Value>,
+    /// Seconds a client should wait before retrying (sent as `Retry-After`).
+    pub retry_after: Option<u32>,
+    /// The id of the request being answered, once known.
+    pub id: Value,
+}
+
+impl GatewayError {
+    pub fn new(status: StatusCode, code: i64, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+            data: None,
+            retry_after: None,
+            id: Value::Null,
+        }
+    }
+
+    pub fn invalid_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, code::INVALID_REQUEST, message)
+    }
+
+    pub fn header_mismatch(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, code::HEADER_MISMATCH, message)
+    }
+
+    /// The session is unknown here and nowhere else claims it: the client must
+    /// start a new one (MCP: 404 means re-initialize).
+    pub fn session_not_found() -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            code::SESSION_NOT_FOUND,
+            "session not found: it ended or never existed; send initialize without \
+             Mcp-Session-Id to start a new session",
+        )
+    }
+
+    pub fn gateway(status: StatusCode, reason: &str, message: impl Into<String>) -> Self {
+        Self::new(status, code::GATEWAY_ERROR, message).with_data(json!({ "reason": reason }))
+    }
+
+    pub fn with_data(mut self, data: Value) -> Self {
+        self.data = Some(data);
+        self
+    }
+
+    pub fn with_id(mut self, id: Value) -> Self {
+        self.id = id;
+        self
+    }
+
+    pub fn with_retry_after(mut self, seconds: u32) -> Self {
+        self.retry_after = Some(seconds);
+        self
+    }
+
+    /// The JSON-RPC error body.
+    pub fn body(&self) -> Bytes {
+        let mut error = json!({ "code": self.code, "message": self.message });
+        if let Some(data) = &self.data {
+            error["data"] = data.clone();
+        }
+        let body = json!({ "jsonrpc": "2.0", "id": self.id, "error": error });
+        Bytes::from(body.to_string())
+    }
+}
+
+impl std::fmt::Display for GatewayError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {}: {}",
+            self.status.as_u16(),
+            self.code,
+            self.message
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    #[test]
+    fn era_follows_the_protocol_version_header() {
+        assert_eq!(era_of(None).ok(), Some(Era::Legacy));
+        assert_eq!(era_of(Some("2025-06-18")).ok(), Some(Era::Legacy));
+        assert_eq!(era_of(Some("2026-07-28")).ok(), Some(Era::Modern));
+        let err = era_of(Some("1999-01-01")).err().map(|e| (e.status, e.code));
+        assert_eq!(
+            err,
+            Some((StatusCode::BAD_REQUEST, code::UNSUPPORTED_PROTOCOL_VERSION))
+        );
+    }
+
+    #[test]
+    fn messages_are_classified() {
+        let req = parse_message(br#"{"jsonrpc":"2.0","id":1,"method":"initialize"}"#).unwrap();
+        assert!(req.is_initialize() && req.expects_answer());
+        let note =
+            parse_message(br#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#).unwrap();
+        assert_eq!(
+            note.kind,
+            MessageKind::Notification {
+                method: "notifications/initialized".into()
+            }
+        );
+        let resp = parse_message(br#"{"jsonrpc":"2.0","id":"a","result":{}}"#).unwrap();
+        assert!(!resp.expects_answer());
+    }
+
+    #[test]
+    fn bad_bodies_get_the_right_codes() {
+        let cases: &[(&[u8], i64)] = &[
+            (b"{not json", code::PARSE_ERROR),
+            (b"[1,2]", code::INVALID_REQUEST),
+            (b"42", code::INVALID_REQUEST),
+            (br#"{"id":1,"method":"x"}"#, code::INVALID_REQUEST),
+            (
+                br#"{"jsonrpc":"2.0","id":1.5,"method":"x"}"#,
+                code::INVALID_REQUEST,
+            ),
+            (
+                br#"{"jsonrpc":"2.0","id":1,"method":7}"#,
+                code::INVALID_REQUEST,
+            ),
+            (br#"{"jsonrpc":"2.0","id":1}"#, code::INVALID_REQUEST),
+        ];
+        for (body, expected) in cases {
+            let err = parse_message(body).expect_err("must be rejected");
+            assert_eq!(err.code, *expected, "{}", String::from_utf8_lossy(body));
+            assert_eq!(err.status, StatusCode::BAD_REQUEST);
+        }
+    }
+
+    #[test]
+    fn session_ids_must_be_visible_ascii() {
+        assert!(validate_session_id(b"abc-123.XYZ").is_ok());
+        assert!(validate_session_id(b"").is_err());
+        assert!(validate_session_id(b"has space").is_err());
+        assert!(validate_session_id(b"tab\there").is_err());
+        assert!(validate_session_id("caf\u{e9}".as_bytes()).is_err());
+        assert!(validate_session_id(&[b'a'; MAX_SESSION_ID_LEN + 1]).is_err());
+    }
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (k, v) in pairs {
+            map.insert(*k, HeaderValue::from_str(v).unwrap());
+        }
+        map
+    }
+
+    #[test]
+    fn modern_headers_must_match_the_body() {
+        let call = parse_message(
+            br#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"echo"}}"#,
+        )
+        .unwrap();
+        let good = headers(&[(HEADER_METHOD, "tools/call"), (HEADER_NAME, "echo")]);
+        assert!(check_modern_headers(&good, &call).is_ok());
+        let b64 = headers(&[
+            (HEADER_METHOD, "tools/call"),
+            (HEADER_NAME, "=?base64?ZWNobw==?="),
+        ]);
+        assert!(check_modern_headers(&b64, &call).is_ok());
+        for bad in [
+            headers(&[(HEADER_METHOD, "tools/list"), (HEADER_NAME, "echo")]),
+            headers(&[(HEADER_METHOD, "tools/call"), (HEADER_NAME, "other")]),
+            headers(&[(HEADER_METHOD, "tools/call")]),
+            headers(&[(HEADER_NAME, "echo")]),
+        ] {
+            let err = check_modern_headers(&bad, &call).expect_err("mismatch");
+            assert_eq!(err.code, code::HEADER_MISMATCH);
+        }
+    }
+
+    #[test]
+    fn base64_header_values_decode() {
+        assert_eq!(decode_header_value(b"plain").as_deref(), Some("plain"));
+        assert_eq!(
+            decode_header_value(b"=?base64?w6lk?=").as_deref(),
+            Some("\u{e9}d")
+        );
+        assert_eq!(decode_header_value(b"=?base64?!!!?="), None);
+    }
+
+    #[test]
+    fn error_body_is_json_rpc() {
+        let err = GatewayError::session_not_found().with_id(json!(7));
+        let body: Value = serde_json::from_slice(&err.body()).unwrap();
+        assert_eq!(body["jsonrpc"], "2.0");
+        assert_eq!(body["id"], 7);
+        assert_eq!(body["error"]["code"], code::SESSION_NOT_FOUND);
+        assert_eq!(err.status, StatusCode::NOT_FOUND);
+    }
+}

@@ -1,0 +1,97 @@
+//! Streamable HTTP upstreams over a pooled HTTP/1.1 client.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Uri};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use super::{UpstreamError, UpstreamReply, UpstreamRequest};
+
+pub struct HttpUpstream {
+    name: String,
+    uri: Uri,
+    /// Shared keep-alive pool: one upstream session does not need its own connection.
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl HttpUpstream {
+    pub fn new(name: &str, url: &str, connect_timeout: Duration) -> Result<Self, UpstreamError> {
+        let uri: Uri = url.parse().map_err(|_| UpstreamError::Unreachable {
+            name: name.to_owned(),
+            detail: format!("{url:?} is not a valid URL"),
+        })?;
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(connect_timeout));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_max_idle_per_host(1024)
+            .build(connector);
+        Ok(Self {
+            name: name.to_owned(),
+            uri,
+            client,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub async fn send(&self, request: UpstreamRequest) -> Result<UpstreamReply, UpstreamError> {
+        let mut builder = Request::builder()
+            .method(request.method)
+            .uri(self.uri.clone());
+        if let Some(headers) = builder.headers_mut() {
+            *headers = request.headers;
+        }
+        let http_request = builder
+            .body(Full::new(request.body))
+            .map_err(|e| self.failed(e.to_string()))?;
+        let response = tokio::time::timeout(request.timeout, self.client.request(http_request))
+            .await
+            .map_err(|_| UpstreamError::Timeout {
+                name: self.name.clone(),
+                timeout: request.timeout,
+            })?
+            .map_err(|e| {
+                if e.is_connect() {
+                    UpstreamError::Unreachable {
+                        name: self.name.clone(),
+                        detail: error_chain(&e),
+                    }
+                } else {
+                    self.failed(error_chain(&e))
+                }
+            })?;
+        let (parts, body) = response.into_parts();
+        Ok(UpstreamReply {
+            status: parts.status,
+            headers: parts.headers,
+            body: body.map_err(Into::into).boxed_unsync(),
+        })
+    }
+
+    fn failed(&self, detail: String) -> UpstreamError {
+        UpstreamError::Failed {
+            name: self.name.clone(),
+            detail,
+        }
+    }
+}
+
+/// The error and its causes in one line: hyper's top-level messages alone are vague.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
