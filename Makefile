@@ -1,0 +1,33 @@
+# mcpgw: two commands for a fresh machine with Rust: `make run` and `make test`.
+CARGO ?= cargo
+JOBS ?= 2
+export CARGO_BUILD_JOBS := $(JOBS)
+
+.PHONY: run test deps build build-release bench fmt clippy clean
+
+deps:
+	@scripts/deps.sh
+
+build:
+	$(CARGO) build -j$(JOBS) --workspace --bins
+
+build-release:
+	$(CARGO) build -j$(JOBS) --release --workspace --bins
+
+## Start a local fleet: Redis, the demo upstream, mesh certificates, 4 workers.
+run: deps build-release
+	@scripts/run.sh
+
+## Every test: unit, property, and integration tests against real processes.
+test: deps build
+	$(CARGO) test -j$(JOBS) --workspace --no-fail-fast
+
+fmt:
+	$(CARGO) fmt --all
+
+clippy:
+	$(CARGO) clippy -j$(JOBS) --workspace --all-targets -- -D warnings
+
+clean:
+	$(CARGO) clean
+	rm -rf build

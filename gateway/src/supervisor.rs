@@ -1,0 +1,211 @@
+//! The supervisor of `mcpgw serve --workers N`: starts N fresh worker processes (each
+//! with its own worker id), restarts one that dies under a new id, and passes SIGTERM
+//! on so every worker drains.
+
+use std::net::SocketAddr;
+use std::process::{ExitCode, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::{mpsc, watch};
+use tracing::{error, info, warn};
+
+use crate::config::Config;
+use crate::serve::{generate_worker_id, wait_for_signal};
+
+/// Environment variable carrying the resolved configuration to a worker process.
+pub const ENV_WORKER_CONFIG: &str = "MCPGW_WORKER_CONFIG";
+/// The worker's slot (0..N): picks its mesh port.
+pub const ENV_WORKER_INDEX: &str = "MCPGW_WORKER_INDEX";
+/// The worker id the supervisor chose for the process.
+pub const ENV_WORKER_ID_ASSIGNED: &str = "MCPGW_WORKER_ID_ASSIGNED";
+
+/// What a worker prints on stdout once it serves.
+pub const READY_PREFIX: &str = "mcpgw worker ready";
+
+/// Exit code of a worker that must not be restarted as is (bad configuration, its id
+/// is already leased): the supervisor stops instead of looping.
+pub const EXIT_FATAL: u8 = 3;
+
+/// How long workers may take to drain after SIGTERM before they are killed.
+const STOP_DEADLINE: Duration = Duration::from_secs(40);
+
+pub fn run(config: Config) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("mcpgw: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(supervise(config))
+}
+
+enum Event {
+    Ready { slot: usize, line: String },
+    Exited { slot: usize, generation: u32, code: Option<i32>, ready: bool },
+}
+
+async fn supervise(mut config: Config) -> ExitCode {
+    // Hold the public port (bound, not listening) so `--listen host:0` gives every
+    // worker the same port, and so it is never taken by someone else between restarts.
+    let reservation = match crate::front::reserve_shared(config.listen) {
+        Ok(socket) => socket,
+        Err(e) => {
+            eprintln!("mcpgw: cannot bind {}: {e}", config.listen);
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(addr) = reservation.local_addr().ok().and_then(|a| a.as_socket()) {
+        config.listen = addr;
+    }
+    let public: SocketAddr = config.listen;
+    let config = Arc::new(config);
+    let workers = config.fleet.workers;
+    let (events_tx, mut events) = mpsc::unbounded_channel();
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut pids: Vec<Option<u32>> = vec![None; workers];
+    let mut generations = vec![0u32; workers];
+    for slot in 0..workers {
+        match spawn_worker(&config, slot, 0, events_tx.clone()) {
+            Ok(pid) => pids[slot] = Some(pid),
+            Err(e) => {
+                eprintln!("mcpgw: cannot start worker {slot}: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    tokio::spawn({
+        let stop_tx = stop_tx.clone();
+        async move {
+            wait_for_signal().await;
+            let _ = stop_tx.send(true);
+        }
+    });
+    let mut ready = vec![false; workers];
+    let mut announced = false;
+    let mut stopping = stop_rx.clone();
+    let mut exit = ExitCode::SUCCESS;
+    loop {
+        tokio::select! {
+            _ = stopping.changed() => break,
+            event = events.recv() => {
+                let Some(event) = event else { break };
+                match event {
+                    Event::Ready { slot, line } => {
+                        info!(slot, "{line}");
+                        ready[slot] = true;
+                        if !announced && ready.iter().all(|r| *r) {
+                            announced = true;
+                            println!("mcpgw listening on http://{public} ({workers} workers)");
+                        }
+                    }
+                    Event::Exited { slot, generation, code, ready: was_ready } => {
+                        if generation != generations[slot] {
+                            continue;
+                        }
+                        pids[slot] = None;
+                        if code == Some(i32::from(EXIT_FATAL)) || (!was_ready && !announced) {
+                            error!(slot, ?code, "worker failed to start; stopping the fleet");
+                            eprintln!("mcpgw: worker {slot} failed to start (exit {code:?}); see its error above");
+                            exit = ExitCode::from(EXIT_FATAL);
+                            break;
+                        }
+                        warn!(slot, ?code, "worker died; starting a replacement under a new id");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        generations[slot] += 1;
+                        match spawn_worker(&config, slot, generations[slot], events_tx.clone()) {
+                            Ok(pid) => pids[slot] = Some(pid),
+                            Err(e) => error!(slot, error = %e, "cannot restart worker"),
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let _ = stop_tx.send(true);
+    stop_all(&pids, &mut events).await;
+    drop(reservation);
+    exit
+}
+
+/// SIGTERM to every worker, then wait for them to finish draining (SIGKILL at the
+/// deadline).
+async fn stop_all(pids: &[Option<u32>], events: &mut mpsc::UnboundedReceiver<Event>) {
+    let live: Vec<u32> = pids.iter().flatten().copied().collect();
+    for pid in &live {
+        let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGTERM);
+    }
+    let mut remaining = live.len();
+    let deadline = tokio::time::Instant::now() + STOP_DEADLINE;
+    while remaining > 0 {
+        match tokio::time::timeout_at(deadline, events.recv()).await {
+            Ok(Some(Event::Exited { .. })) => remaining -= 1,
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => break,
+        }
+    }
+    if remaining > 0 {
+        warn!(remaining, "workers still running at the stop deadline; killing them");
+        for pid in &live {
+            let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGKILL);
+        }
+    }
+}
+
+fn spawn_worker(
+    config: &Arc<Config>,
+    slot: usize,
+    generation: u32,
+    events: mpsc::UnboundedSender<Event>,
+) -> std::io::Result<u32> {
+    let exe = std::env::current_exe()?;
+    let serialized = serde_json::to_string(config.as_ref()).map_err(std::io::Error::other)?;
+    let worker_id = match &config.fleet.worker_id {
+        Some(fixed) if generation == 0 => fixed.clone(),
+        Some(fixed) => format!("{fixed}-r{generation}"),
+        None => generate_worker_id(),
+    };
+    let mut child: Child = Command::new(exe)
+        .arg("worker")
+        .env(ENV_WORKER_CONFIG, serialized)
+        .env(ENV_WORKER_INDEX, slot.to_string())
+        .env(ENV_WORKER_ID_ASSIGNED, &worker_id)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(false)
+        .spawn()?;
+    let pid = child.id().unwrap_or(0);
+    let stdout = child.stdout.take();
+    tokio::spawn(async move {
+        let mut ready = false;
+        if let Some(stdout) = stdout {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                if line.starts_with(READY_PREFIX) {
+                    ready = true;
+                    let _ = events.send(Event::Ready { slot, line });
+                } else {
+                    println!("{line}");
+                }
+            }
+        }
+        let code = child.wait().await.ok().and_then(|s| s.code());
+        let _ = events.send(Event::Exited {
+            slot,
+            generation,
+            code,
+            ready,
+        });
+    });
+    Ok(pid)
+}

@@ -1,0 +1,72 @@
+"""Drives mcpgw with the official MCP Python SDK client and prints one JSON line.
+
+usage: sdk_client.py URL MODE SCENARIO
+  MODE: legacy | 2026-07-28
+  SCENARIO:
+    basic    list tools, call echo
+    counter  counter_increment twice in one session, then once in a second session
+    stream   slow_stream with a progress callback; times of each progress and the result
+    notes    add_note twice then list_notes (the SDK-built upstream's stateful tool)
+"""
+
+import asyncio
+import json
+import sys
+import time
+
+import mcp
+
+
+def text_of(result):
+    return "".join(c.text for c in result.content if getattr(c, "type", "") == "text")
+
+
+async def basic(url, mode):
+    async with mcp.Client(url, mode=mode) as client:
+        tools = await client.list_tools()
+        echoed = await client.call_tool("echo", {"text": "hello through mcpgw"})
+        return {"tools": sorted(t.name for t in tools.tools), "echo": text_of(echoed),
+                "is_error": bool(echoed.is_error)}
+
+
+async def counter(url, mode):
+    values = []
+    async with mcp.Client(url, mode=mode) as first:
+        for _ in range(2):
+            values.append(text_of(await first.call_tool("counter_increment", {})))
+        async with mcp.Client(url, mode=mode) as second:
+            other = text_of(await second.call_tool("counter_increment", {}))
+        values.append(text_of(await first.call_tool("counter_increment", {})))
+    return {"first_session": values, "second_session": other}
+
+
+async def stream(url, mode):
+    start = time.monotonic()
+    progress_at = []
+
+    async def on_progress(progress, total, message):
+        progress_at.append(round((time.monotonic() - start) * 1000, 1))
+
+    async with mcp.Client(url, mode=mode) as client:
+        start = time.monotonic()
+        result = await client.call_tool(
+            "slow_stream", {"count": 10, "interval_ms": 100}, progress_callback=on_progress)
+        result_at = round((time.monotonic() - start) * 1000, 1)
+    return {"progress_ms": progress_at, "result_ms": result_at, "text": text_of(result)}
+
+
+async def notes(url, mode):
+    async with mcp.Client(url, mode=mode) as client:
+        await client.call_tool("add_note", {"note": "one"})
+        await client.call_tool("add_note", {"note": "two"})
+        mine = text_of(await client.call_tool("list_notes", {}))
+        async with mcp.Client(url, mode=mode) as other:
+            theirs = text_of(await other.call_tool("list_notes", {}))
+    return {"mine": mine, "theirs": theirs}
+
+
+SCENARIOS = {"basic": basic, "counter": counter, "stream": stream, "notes": notes}
+
+if __name__ == "__main__":
+    url, mode, scenario = sys.argv[1:4]
+    print(json.dumps(asyncio.run(SCENARIOS[scenario](url, mode))), flush=True)

@@ -1,0 +1,152 @@
+//! A real `redis-server` on a free loopback port, without persistence, killed on drop.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct RedisServer {
+    process: std::process::Child,
+    pub port: u16,
+    dir: PathBuf,
+}
+
+impl RedisServer {
+    pub fn start() -> RedisServer {
+        let dir = std::env::temp_dir().join(format!(
+            "mcpgw-test-redis-{}-{}",
+            std::process::id(),
+            crate::free_port()
+        ));
+        std::fs::create_dir_all(&dir).expect("temp dir for redis");
+        for _ in 0..5 {
+            let port = crate::free_port();
+            let process = Command::new("redis-server")
+                .args(["--port", &port.to_string()])
+                .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(&dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("redis-server is installed (make deps installs it)");
+            let mut server = RedisServer {
+                process,
+                port,
+                dir: dir.clone(),
+            };
+            if server.wait_ready(Duration::from_secs(10)) {
+                return server;
+            }
+            let _ = server.process.kill();
+        }
+        panic!("redis-server did not start");
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    fn wait_ready(&mut self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.process.try_wait() {
+                return false;
+            }
+            if self.try_command(&["PING"]).is_some_and(|r| r == "+PONG") {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    /// Runs one command and returns the first reply line (simple RESP only).
+    pub fn command(&self, args: &[&str]) -> String {
+        self.try_command(args)
+            .unwrap_or_else(|| panic!("redis command {args:?} failed"))
+    }
+
+    fn try_command(&self, args: &[&str]) -> Option<String> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        let mut request = format!("*{}\r\n", args.len());
+        for arg in args {
+            request.push_str(&format!("${}\r\n{arg}\r\n", arg.len()));
+        }
+        stream.write_all(request.as_bytes()).ok()?;
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        reader.read_line(&mut line).ok()?;
+        let line = line.trim_end().to_owned();
+        if let Some(len) = line.strip_prefix('$') {
+            let len: i64 = len.parse().ok()?;
+            if len < 0 {
+                return Some(String::new());
+            }
+            let mut value = String::new();
+            reader.read_line(&mut value).ok()?;
+            return Some(value.trim_end().to_owned());
+        }
+        if line.starts_with('*') {
+            // Arrays: return the raw rest for the caller to inspect.
+            let mut all = line.clone();
+            let mut rest = String::new();
+            while reader.read_line(&mut rest).ok()? > 0 {}
+            all.push('\n');
+            all.push_str(&rest);
+            return Some(all);
+        }
+        Some(line)
+    }
+
+    /// `INFO commandstats` as (command, calls) pairs.
+    pub fn command_calls(&self) -> Vec<(String, u64)> {
+        let mut stream =
+            TcpStream::connect(("127.0.0.1", self.port)).expect("redis reachable");
+        stream
+            .write_all(b"*2\r\n$4\r\nINFO\r\n$12\r\ncommandstats\r\n")
+            .expect("write INFO");
+        let mut reader = BufReader::new(stream);
+        let mut header = String::new();
+        reader.read_line(&mut header).expect("INFO header");
+        let len: usize = header.trim_end().trim_start_matches('$').parse().unwrap_or(0);
+        let mut body = vec![0u8; len + 2];
+        std::io::Read::read_exact(&mut reader, &mut body).expect("INFO body");
+        String::from_utf8_lossy(&body)
+            .lines()
+            .filter_map(|line| {
+                let rest = line.strip_prefix("cmdstat_")?;
+                let (name, stats) = rest.split_once(':')?;
+                let calls = stats
+                    .split(',')
+                    .find_map(|kv| kv.strip_prefix("calls="))?
+                    .parse()
+                    .ok()?;
+                Some((name.to_owned(), calls))
+            })
+            .collect()
+    }
+
+    /// Total commands executed, excluding the `info` calls used to measure.
+    pub fn total_calls(&self) -> u64 {
+        self.command_calls()
+            .into_iter()
+            .filter(|(name, _)| name != "info")
+            .map(|(_, calls)| calls)
+            .sum()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.process.id()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

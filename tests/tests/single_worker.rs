@@ -1,0 +1,310 @@
+//! One `mcpgw serve` process in front of the real demo upstream: the session
+//! protocol, the modern protocol, streaming, and every kind of bad input.
+
+use std::time::{Duration, Instant};
+
+use mcpgw_tests::http::{self, call_tool, initialize, mcp_headers, request};
+use mcpgw_tests::{Gateway, Upstream};
+use serde_json::json;
+
+fn start() -> (Upstream, Gateway) {
+    let upstream = Upstream::start();
+    let gateway = Gateway::start(&["--upstream", &format!("demo={}", upstream.url)]);
+    (upstream, gateway)
+}
+
+fn tool_text(response: &http::Response) -> String {
+    let messages = response.messages();
+    let result = messages
+        .iter()
+        .find(|m| m.get("result").is_some())
+        .unwrap_or_else(|| panic!("no result in {messages:?}"));
+    result["result"]["content"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+#[test]
+fn legacy_sessions_are_isolated_and_end_with_delete() {
+    let (upstream, gateway) = start();
+    let addr = &gateway.addr;
+    for path in ["/mcp", "/servers/demo/mcp"] {
+        let a = initialize(addr, path);
+        let b = initialize(addr, path);
+        assert_ne!(a, b);
+        assert_eq!(
+            tool_text(&call_tool(addr, path, &a, 2, "counter_increment", json!({}))),
+            "1"
+        );
+        assert_eq!(
+            tool_text(&call_tool(addr, path, &a, 3, "counter_increment", json!({}))),
+            "2"
+        );
+        assert_eq!(
+            tool_text(&call_tool(addr, path, &b, 2, "counter_increment", json!({}))),
+            "1",
+            "a second session starts at 1: one upstream session per client session"
+        );
+        let deleted = request(addr, "DELETE", path, &mcp_headers(Some(&a)), b"");
+        assert_eq!(deleted.status, 200);
+        let after = call_tool(addr, path, &a, 4, "counter_increment", json!({}));
+        assert_eq!(after.status, 404, "a deleted session is gone");
+        assert_eq!(after.error_code(), Some(-32001));
+    }
+    assert_eq!(
+        upstream.stats()["sessions_open"],
+        json!(2),
+        "DELETE ended the upstream session too; the two b sessions remain"
+    );
+}
+
+#[test]
+fn notifications_get_202_and_get_opens_the_session_stream() {
+    let (_upstream, gateway) = start();
+    let addr = &gateway.addr;
+    let session = initialize(addr, "/mcp");
+    let note = br#"{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":99}}"#;
+    let ack = request(addr, "POST", "/mcp", &mcp_headers(Some(&session)), note);
+    assert_eq!(ack.status, 202);
+
+    // The GET stream stays open; read its head, then close it from our side.
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let get = format!(
+        "GET /mcp HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\nMcp-Session-Id: {session}\r\nMCP-Protocol-Version: 2025-11-25\r\n\r\n"
+    );
+    std::io::Write::write_all(&mut stream, get.as_bytes()).unwrap();
+    let mut head = [0u8; 512];
+    let n = std::io::Read::read(&mut stream, &mut head).unwrap();
+    let head = String::from_utf8_lossy(&head[..n]).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("content-type: text/event-stream"), "{head}");
+}
+
+#[test]
+fn sse_events_are_relayed_as_they_arrive() {
+    let (_upstream, gateway) = start();
+    let addr = &gateway.addr;
+    let session = initialize(addr, "/mcp");
+    let body = json!({
+        "jsonrpc": "2.0", "id": 7, "method": "tools/call",
+        "params": { "name": "slow_stream", "arguments": { "count": 10, "interval_ms": 100 },
+                    "_meta": { "progressToken": "p7" } },
+    });
+    let start = Instant::now();
+    let mut arrivals = Vec::new();
+    let response = http::request_raw(
+        addr,
+        "POST",
+        "/mcp",
+        &mcp_headers(Some(&session)),
+        body.to_string().as_bytes(),
+        |chunk| {
+            let events = String::from_utf8_lossy(chunk).matches("data:").count();
+            for _ in 0..events {
+                arrivals.push(start.elapsed());
+            }
+        },
+    );
+    assert_eq!(response.status, 200);
+    assert_eq!(response.header("content-type"), Some("text/event-stream"));
+    let messages = response.messages();
+    assert_eq!(messages.len(), 11, "10 progress events and the result");
+    assert_eq!(messages[0]["method"], "notifications/progress");
+    assert_eq!(messages[10]["id"], 7);
+    assert_eq!(arrivals.len(), 11);
+    let first = arrivals[0];
+    let last = arrivals[10];
+    eprintln!("first event at {first:?}, result at {last:?}");
+    assert!(
+        last - first >= Duration::from_millis(500),
+        "events must arrive spread over the stream (first {first:?}, last {last:?}), not in one burst"
+    );
+}
+
+fn modern_headers<'a>(method: &'a str, name: Option<&'a str>) -> Vec<(&'a str, &'a str)> {
+    let mut headers = vec![
+        ("Content-Type", "application/json"),
+        ("Accept", "application/json, text/event-stream"),
+        ("MCP-Protocol-Version", "2026-07-28"),
+        ("Mcp-Method", method),
+    ];
+    if let Some(name) = name {
+        headers.push(("Mcp-Name", name));
+    }
+    headers
+}
+
+fn modern_body(id: u64, method: &str, params: serde_json::Value) -> Vec<u8> {
+    let mut params = params;
+    params["_meta"] = json!({
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientCapabilities": {},
+    });
+    json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params})
+        .to_string()
+        .into_bytes()
+}
+
+#[test]
+fn modern_requests_pass_through_without_sessions() {
+    let (_upstream, gateway) = start();
+    let addr = &gateway.addr;
+    let response = request(
+        addr,
+        "POST",
+        "/mcp",
+        &modern_headers("tools/call", Some("echo")),
+        &modern_body(1, "tools/call", json!({"name": "echo", "arguments": {"text": "hi"}})),
+    );
+    assert_eq!(response.status, 200);
+    assert!(response.header("mcp-session-id").is_none(), "no session minted");
+    assert_eq!(tool_text(&response), "hi");
+
+    let mismatch = request(
+        addr,
+        "POST",
+        "/mcp",
+        &modern_headers("tools/call", Some("other")),
+        &modern_body(2, "tools/call", json!({"name": "echo", "arguments": {"text": "hi"}})),
+    );
+    assert_eq!(mismatch.status, 400);
+    assert_eq!(mismatch.error_code(), Some(-32020));
+    assert_eq!(mismatch.json()["id"], 2);
+
+    for method in ["GET", "DELETE"] {
+        let refused = request(
+            addr,
+            method,
+            "/mcp",
+            &[("MCP-Protocol-Version", "2026-07-28"), ("Accept", "text/event-stream")],
+            b"",
+        );
+        assert_eq!(refused.status, 405, "{method}");
+        assert!(refused.error_code().is_some());
+    }
+}
+
+/// Each bad input gets its status and a JSON-RPC error body, and the gateway keeps
+/// serving: a good session works after all of them.
+#[test]
+fn bad_input_is_refused_clearly_and_the_gateway_keeps_serving() {
+    let upstream = Upstream::start();
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &format!("demo={}", upstream.url),
+        "--max-body-bytes",
+        "4096",
+    ]);
+    let addr = &gateway.addr;
+    let session = initialize(addr, "/mcp");
+    let json = ("Content-Type", "application/json");
+    let in_session = mcp_headers(Some(&session));
+    let big = vec![b' '; 5000];
+    let cases: Vec<(&str, &str, Vec<(&str, &str)>, &[u8], u16, i64)> = vec![
+        ("malformed JSON", "/mcp", in_session.clone(), b"{\"jsonrpc\":", 400, -32700),
+        ("non-object body", "/mcp", in_session.clone(), b"[1,2,3]", 400, -32600),
+        ("scalar body", "/mcp", in_session.clone(), b"\"hi\"", 400, -32600),
+        ("oversized body", "/mcp", in_session.clone(), &big, 413, -32600),
+        ("unknown route", "/nope/mcp", in_session.clone(), b"{}", 404, -32601),
+        (
+            "wrong content type",
+            "/mcp",
+            vec![("Content-Type", "text/plain"), ("Mcp-Session-Id", &session)],
+            b"{}",
+            415,
+            -32600,
+        ),
+        (
+            "unsupported protocol version",
+            "/mcp",
+            vec![json, ("MCP-Protocol-Version", "1999-01-01")],
+            b"{}",
+            400,
+            -32022,
+        ),
+        (
+            "forbidden characters in the session id",
+            "/mcp",
+            vec![json, ("Mcp-Session-Id", "bad\u{e9}id")],
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#,
+            400,
+            -32600,
+        ),
+        (
+            "no session on a non-initialize request",
+            "/mcp",
+            vec![json],
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#,
+            400,
+            -32600,
+        ),
+        (
+            "unknown session",
+            "/mcp",
+            vec![json, ("Mcp-Session-Id", "00000000000000000000000000000000.nobody")],
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#,
+            404,
+            -32001,
+        ),
+    ];
+    for (what, path, headers, body, status, code) in cases {
+        let response = request(addr, "POST", path, &headers, body);
+        assert_eq!(response.status, status, "{what}: status");
+        let error = response.json();
+        assert_eq!(error["jsonrpc"], "2.0", "{what}: JSON-RPC body");
+        assert_eq!(error["error"]["code"], code, "{what}: code");
+        let message = error["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.len() > 20, "{what}: the message explains: {message:?}");
+    }
+    // Still serving, and the session survived every bad request.
+    let ok = call_tool(addr, "/mcp", &session, 9, "echo", json!({"text": "still here"}));
+    assert_eq!(ok.status, 200);
+    assert_eq!(tool_text(&ok), "still here");
+}
+
+#[test]
+fn an_unreachable_upstream_gets_a_gateway_error() {
+    let port = mcpgw_tests::free_port();
+    let gateway = Gateway::start(&["--upstream", &format!("gone=http://127.0.0.1:{port}/mcp")]);
+    let body = br#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-11-25","capabilities":{},"clientInfo":{"name":"t","version":"0"}}}"#;
+    let response = request(
+        &gateway.addr,
+        "POST",
+        "/mcp",
+        &[("Content-Type", "application/json"), ("Accept", "application/json, text/event-stream")],
+        body,
+    );
+    assert_eq!(response.status, 502);
+    assert_eq!(response.json()["id"], 1);
+    assert_eq!(response.json()["error"]["data"]["reason"], "upstream_unreachable");
+}
+
+#[test]
+fn upstream_timeouts_become_504() {
+    let upstream = Upstream::start();
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &format!("demo={}", upstream.url),
+        "--upstream-timeout-ms",
+        "300",
+    ]);
+    let session = initialize(&gateway.addr, "/mcp");
+    let slow = call_tool(&gateway.addr, "/mcp", &session, 2, "sleep_ms", json!({"ms": 3000}));
+    assert_eq!(slow.status, 504);
+    assert_eq!(slow.json()["error"]["data"]["reason"], "upstream_timeout");
+}
+
+#[test]
+fn an_invalid_configuration_exits_2_naming_the_field() {
+    let output = std::process::Command::new(mcpgw_tests::bin("mcpgw"))
+        .args(["serve", "--upstream", "demo=ftp://x/mcp"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("upstream[0].url"), "{stderr}");
+}
