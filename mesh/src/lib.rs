@@ -2,3 +2,5 @@
 //! mutually authenticated transports (QUIC, TCP) that carry forwarded requests.
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
+
+pub mod directory;

@@ -1,0 +1,574 @@
+//! The directory against a real `redis-server` (Debian package `redis-server`), one
+//! fresh server per test on a free port, with persistence off.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use mcpgw_mesh::directory::{Directory, DirectoryConfig, DirectoryError, LeaseRenewal, WorkerInfo};
+
+/// A `redis-server` child process, killed (and its directory removed) on drop.
+struct RedisServer {
+    child: Child,
+    port: u16,
+    dir: PathBuf,
+}
+
+impl RedisServer {
+    fn start() -> Self {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "mcpgw-redis-test-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).expect("create redis dir");
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("find a free port")
+            .port();
+        let child = Self::spawn(port, &dir);
+        let server = Self { child, port, dir };
+        server.wait_ready();
+        server
+    }
+
+    fn spawn(port: u16, dir: &PathBuf) -> Child {
+        Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is needed for these tests: apt-get install -y redis-server")
+    }
+
+    fn wait_ready(&self) {
+        use std::io::{Read, Write};
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.port)) {
+                let mut buf = [0u8; 7];
+                if s.write_all(b"PING\r\n").is_ok()
+                    && s.read_exact(&mut buf).is_ok()
+                    && &buf == b"+PONG\r\n"
+                {
+                    return;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not start on port {}",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Kills the server and starts an empty one on the same port (Redis lost its data).
+    fn restart_empty(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = Self::spawn(self.port, &self.dir);
+        self.wait_ready();
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .expect("run kill")
+            .success();
+        assert!(ok, "kill {sig} failed");
+    }
+
+    async fn raw(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        // SIGKILL also ends a SIGSTOPped process.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn config(server: &RedisServer, lease: Duration) -> DirectoryConfig {
+    DirectoryConfig {
+        redis_url: server.url(),
+        prefix: "t*st:".into(),
+        lease,
+        op_timeout: Duration::from_millis(500),
+        connect_timeout: Duration::from_secs(5),
+    }
+}
+
+async fn directory(server: &RedisServer, lease: Duration) -> Directory {
+    Directory::connect(config(server, lease)).await.unwrap()
+}
+
+fn info() -> WorkerInfo {
+    WorkerInfo {
+        pid: std::process::id(),
+        host: "test-host".into(),
+        started_unix_ms: 1,
+        version: "0.1.0".into(),
+    }
+}
+
+const LONG: Duration = Duration::from_secs(60);
+const SHORT: Duration = Duration::from_millis(300);
+
+/// Sleeps well past a SHORT lease; Redis then reports the key absent.
+async fn let_short_lease_expire() {
+    tokio::time::sleep(SHORT * 3).await;
+}
+
+#[tokio::test]
+async fn a_second_registration_of_a_live_id_is_refused() {
+    let server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    let lease = dir
+        .register_worker("w1", &info(), "10.0.0.1:7000")
+        .await
+        .unwrap();
+    assert_eq!(lease.id(), "w1");
+
+    let err = dir
+        .register_worker("w1", &info(), "10.0.0.2:7000")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, DirectoryError::WorkerIdTaken { id } if id == "w1"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("WORKER_ID"), "{err}");
+
+    dir.register_worker("w2", &info(), "10.0.0.2:7000")
+        .await
+        .unwrap();
+    assert_eq!(
+        dir.worker_addr("w1").await.unwrap().as_deref(),
+        Some("10.0.0.1:7000")
+    );
+    assert_eq!(dir.worker_addr("nobody").await.unwrap(), None);
+
+    let workers = dir.workers().await.unwrap();
+    let ids: Vec<&str> = workers.iter().map(|w| w.id.as_str()).collect();
+    assert_eq!(ids, ["w1", "w2"]);
+    assert_eq!(workers[0].info, info());
+    assert_eq!(workers[0].lease_token, lease.token());
+    assert_eq!(workers[0].addr.as_deref(), Some("10.0.0.1:7000"));
+
+    assert!(dir.deregister(&lease).await.unwrap());
+    assert_eq!(dir.worker_addr("w1").await.unwrap(), None);
+    dir.register_worker("w1", &info(), "10.0.0.1:7000")
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn an_expired_lease_frees_the_id_and_renewal_keeps_it() {
+    let server = RedisServer::start();
+    let dir = directory(&server, SHORT).await;
+
+    let kept = dir.register_worker("kept", &info(), "a:1").await.unwrap();
+    dir.register_worker("dropped", &info(), "a:2")
+        .await
+        .unwrap();
+    for _ in 0..6 {
+        tokio::time::sleep(SHORT / 3).await;
+        let renewal = dir.renew_lease(&kept).await.unwrap();
+        let LeaseRenewal::Renewed { valid_until } = renewal else {
+            panic!("renewal failed: {renewal:?}");
+        };
+        assert!(valid_until > kept.valid_until());
+    }
+    // "dropped" was never renewed: its id is free, and its address is gone with it.
+    assert_eq!(dir.worker_addr("dropped").await.unwrap(), None);
+    dir.register_worker("dropped", &info(), "a:3")
+        .await
+        .unwrap();
+    assert!(matches!(
+        dir.register_worker("kept", &info(), "a:4").await,
+        Err(DirectoryError::WorkerIdTaken { .. })
+    ));
+}
+
+#[tokio::test]
+async fn renewal_after_another_process_took_the_id_is_lost() {
+    let server = RedisServer::start();
+    let dir = directory(&server, SHORT).await;
+    let old = dir.register_worker("w", &info(), "a:1").await.unwrap();
+    let_short_lease_expire().await;
+    let new = dir.register_worker("w", &info(), "a:2").await.unwrap();
+
+    assert_eq!(dir.renew_lease(&old).await.unwrap(), LeaseRenewal::Lost);
+    // The old holder cannot delete the new registration either.
+    assert!(!dir.deregister(&old).await.unwrap());
+    assert!(matches!(
+        dir.renew_lease(&new).await.unwrap(),
+        LeaseRenewal::Renewed { .. }
+    ));
+    assert_eq!(dir.worker_addr("w").await.unwrap().as_deref(), Some("a:2"));
+}
+
+#[tokio::test]
+async fn claiming_a_session_is_first_come_and_needs_a_lease() {
+    let server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    dir.register_worker("a", &info(), "a:1").await.unwrap();
+    dir.register_worker("b", &info(), "b:1").await.unwrap();
+
+    assert!(dir.claim_session("s1", "a").await.unwrap());
+    assert!(!dir.claim_session("s1", "b").await.unwrap());
+    assert!(!dir.claim_session("s1", "a").await.unwrap());
+    assert_eq!(dir.session_owner("s1").await.unwrap().as_deref(), Some("a"));
+    assert_eq!(dir.session_owner("s2").await.unwrap(), None);
+    assert_eq!(dir.worker_sessions("a").await.unwrap(), ["s1"]);
+    assert!(dir.worker_sessions("b").await.unwrap().is_empty());
+
+    let err = dir.claim_session("s3", "ghost").await.unwrap_err();
+    assert!(
+        matches!(err, DirectoryError::NotRegistered { .. }),
+        "{err:?}"
+    );
+    assert_eq!(dir.session_owner("s3").await.unwrap(), None);
+
+    assert!(matches!(
+        dir.claim_session("bad id", "a").await,
+        Err(DirectoryError::InvalidName { .. })
+    ));
+    assert_eq!(dir.session_owner("bad id").await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn release_deletes_only_its_own_ownership() {
+    let server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    dir.register_worker("a", &info(), "a:1").await.unwrap();
+    assert!(dir.claim_session("s1", "a").await.unwrap());
+
+    assert!(!dir.release_session("s1", "b").await.unwrap());
+    assert_eq!(dir.session_owner("s1").await.unwrap().as_deref(), Some("a"));
+
+    assert!(dir.release_session("s1", "a").await.unwrap());
+    assert_eq!(dir.session_owner("s1").await.unwrap(), None);
+    assert!(dir.worker_sessions("a").await.unwrap().is_empty());
+    assert!(!dir.release_session("s1", "a").await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_worker_is_reclaimed_exactly_once() {
+    let server = RedisServer::start();
+    let dir = directory(&server, SHORT).await;
+    let other = directory(&server, LONG).await;
+    dir.register_worker("dead", &info(), "a:1").await.unwrap();
+    other
+        .register_worker("alive", &info(), "b:1")
+        .await
+        .unwrap();
+    for sid in ["s1", "s2", "s3"] {
+        assert!(dir.claim_session(sid, "dead").await.unwrap());
+    }
+    assert!(other.claim_session("s4", "alive").await.unwrap());
+    // s3 changed hands behind the dead worker's back (its set still lists it): the
+    // reclaim must leave it alone.
+    let mut raw = server.raw().await;
+    let _: () = redis::cmd("SET")
+        .arg("t*st:pool_owner:s3")
+        .arg("alive")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+
+    let_short_lease_expire().await;
+    let racers: Vec<_> = (0..8)
+        .map(|_| {
+            let d = other.clone();
+            tokio::spawn(async move { d.reclaim_worker("dead", None).await })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for r in racers {
+        if let Some(freed) = r.await.unwrap().unwrap() {
+            winners.push(freed);
+        }
+    }
+    assert_eq!(winners, [vec!["s1".to_string(), "s2".to_string()]]);
+    assert_eq!(other.session_owner("s1").await.unwrap(), None);
+    assert_eq!(other.session_owner("s2").await.unwrap(), None);
+    assert_eq!(
+        other.session_owner("s3").await.unwrap().as_deref(),
+        Some("alive")
+    );
+    assert_eq!(
+        other.session_owner("s4").await.unwrap().as_deref(),
+        Some("alive")
+    );
+    assert!(other.worker_sessions("dead").await.unwrap().is_empty());
+    assert_eq!(other.reclaim_worker("dead", None).await.unwrap(), None);
+
+    // A worker that dies without sessions is reclaimed once too, and an id that
+    // registers again can be reclaimed again after it dies.
+    dir.register_worker("dead", &info(), "a:2").await.unwrap();
+    let_short_lease_expire().await;
+    assert_eq!(
+        other.reclaim_worker("dead", None).await.unwrap(),
+        Some(vec![])
+    );
+    assert_eq!(other.reclaim_worker("dead", None).await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn reclaim_is_refused_while_the_lease_is_alive_unless_its_token_is_proven_stale() {
+    let server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    let lease = dir.register_worker("w", &info(), "a:1").await.unwrap();
+    assert!(dir.claim_session("s1", "w").await.unwrap());
+
+    assert_eq!(dir.reclaim_worker("w", None).await.unwrap(), None);
+    assert_eq!(
+        dir.reclaim_worker("w", Some("not-the-token"))
+            .await
+            .unwrap(),
+        None
+    );
+    assert_eq!(dir.session_owner("s1").await.unwrap().as_deref(), Some("w"));
+    assert!(matches!(
+        dir.renew_lease(&lease).await.unwrap(),
+        LeaseRenewal::Renewed { .. }
+    ));
+
+    // Proven stale (say, its address answered as another worker): reclaimed, and the
+    // old holder learns at its next renewal that it lost its lease.
+    assert_eq!(
+        dir.reclaim_worker("w", Some(lease.token())).await.unwrap(),
+        Some(vec!["s1".to_string()])
+    );
+    assert_eq!(dir.session_owner("s1").await.unwrap(), None);
+    assert_eq!(dir.worker_addr("w").await.unwrap(), None);
+    assert_eq!(dir.renew_lease(&lease).await.unwrap(), LeaseRenewal::Lost);
+    assert!(matches!(
+        dir.claim_session("s2", "w").await,
+        Err(DirectoryError::NotRegistered { .. })
+    ));
+}
+
+#[tokio::test]
+async fn a_frozen_redis_gives_unavailable_within_the_deadline() {
+    let server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    let lease = dir.register_worker("w", &info(), "a:1").await.unwrap();
+    let op_timeout = dir.config().op_timeout;
+
+    server.signal("-STOP");
+    let checks: Vec<(&str, Result<(), DirectoryError>)> = vec![
+        (
+            "session_owner",
+            timed(op_timeout, dir.session_owner("s1")).await.map(drop),
+        ),
+        (
+            "claim_session",
+            timed(op_timeout, dir.claim_session("s1", "w"))
+                .await
+                .map(drop),
+        ),
+        (
+            "renew_lease",
+            timed(op_timeout, dir.renew_lease(&lease)).await.map(drop),
+        ),
+        ("workers", timed(op_timeout, dir.workers()).await.map(drop)),
+        (
+            "generation",
+            timed(op_timeout, dir.generation()).await.map(drop),
+        ),
+        (
+            "reclaim_worker",
+            timed(op_timeout, dir.reclaim_worker("x", None))
+                .await
+                .map(drop),
+        ),
+    ];
+    server.signal("-CONT");
+
+    for (op, result) in checks {
+        let err = result.expect_err(op);
+        assert!(
+            matches!(err, DirectoryError::Unavailable { .. }),
+            "{op}: {err:?}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("did not answer within 500ms") && text.contains("retry"),
+            "{text}"
+        );
+    }
+
+    // Once Redis runs again the same directory answers again.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match dir.renew_lease(&lease).await {
+            Ok(LeaseRenewal::Renewed { .. }) => break,
+            other => assert!(Instant::now() < deadline, "no recovery: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Runs a directory call and checks it came back by the deadline plus generous slack
+/// (the slack is for slow machines; a hang would take forever).
+async fn timed<T>(
+    op_timeout: Duration,
+    call: impl std::future::Future<Output = Result<T, DirectoryError>>,
+) -> Result<T, DirectoryError> {
+    let start = Instant::now();
+    let result = call.await;
+    let elapsed = start.elapsed();
+    assert!(
+        elapsed >= op_timeout || result.is_ok(),
+        "answered early: {elapsed:?}"
+    );
+    assert!(
+        elapsed < op_timeout + Duration::from_secs(3),
+        "took {elapsed:?}"
+    );
+    result
+}
+
+#[tokio::test]
+async fn a_flushed_directory_is_noticed_and_rebuilt_by_the_owners() {
+    let server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    let g1 = dir.generation().await.unwrap();
+    assert_eq!(dir.generation().await.unwrap(), g1);
+    let lease = dir.register_worker("w", &info(), "a:1").await.unwrap();
+    assert_eq!(lease.generation(), g1);
+    for sid in ["s1", "s2"] {
+        assert!(dir.claim_session(sid, "w").await.unwrap());
+    }
+
+    let mut raw = server.raw().await;
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut raw).await.unwrap();
+
+    assert_eq!(
+        dir.renew_lease(&lease).await.unwrap(),
+        LeaseRenewal::DirectoryLost
+    );
+    let g2 = dir.generation().await.unwrap();
+    assert_ne!(g2, g1);
+
+    // Another worker created s2 meanwhile (only possible if ids collide; it shows the
+    // owner learns which sessions it must drop).
+    dir.register_worker("x", &info(), "b:1").await.unwrap();
+    assert!(dir.claim_session("s2", "x").await.unwrap());
+
+    let again = dir.register_worker("w", &info(), "a:1").await.unwrap();
+    assert_eq!(again.generation(), g2);
+    let sids = vec!["s1".to_string(), "s2".to_string()];
+    assert_eq!(
+        dir.reclaim_sessions_after_loss("w", &sids).await.unwrap(),
+        ["s2"]
+    );
+    assert_eq!(dir.session_owner("s1").await.unwrap().as_deref(), Some("w"));
+    assert_eq!(dir.session_owner("s2").await.unwrap().as_deref(), Some("x"));
+    assert_eq!(dir.worker_sessions("w").await.unwrap(), ["s1"]);
+}
+
+#[tokio::test]
+async fn the_directory_reconnects_after_redis_restarts_empty() {
+    let mut server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    let g1 = dir.generation().await.unwrap();
+    let lease = dir.register_worker("w", &info(), "a:1").await.unwrap();
+
+    server.restart_empty();
+
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let renewal = loop {
+        match dir.renew_lease(&lease).await {
+            Ok(r) => break r,
+            Err(DirectoryError::Unavailable { .. }) => {
+                assert!(Instant::now() < deadline, "no reconnect");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("{e:?}"),
+        }
+    };
+    assert_eq!(renewal, LeaseRenewal::DirectoryLost);
+    assert_ne!(dir.generation().await.unwrap(), g1);
+}
+
+#[tokio::test]
+async fn connecting_to_nothing_fails_clearly_without_leaking_the_password() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let cfg = DirectoryConfig {
+        redis_url: format!("redis://user:hunter2@127.0.0.1:{port}"),
+        connect_timeout: Duration::from_secs(2),
+        ..Default::default()
+    };
+    let start = Instant::now();
+    let err = Directory::connect(cfg).await.unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(10));
+    assert!(matches!(err, DirectoryError::Connect { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(!text.contains("hunter2"), "{text}");
+    assert!(
+        text.contains(&format!("redis://***@127.0.0.1:{port}")),
+        "{text}"
+    );
+
+    let err = Directory::connect(DirectoryConfig {
+        redis_url: "hunter2".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap_err();
+    assert!(!err.to_string().contains("hunter2"), "{err}");
+}
+
+#[tokio::test]
+async fn a_wrong_password_is_rejected_without_echoing_it() {
+    let server = RedisServer::start();
+    let mut raw = server.raw().await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("requirepass")
+        .arg("right-one")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let cfg = DirectoryConfig {
+        redis_url: format!("redis://:wrong-one@127.0.0.1:{}", server.port),
+        connect_timeout: Duration::from_secs(2),
+        ..Default::default()
+    };
+    let err = Directory::connect(cfg.clone()).await.unwrap_err();
+    assert!(!err.to_string().contains("wrong-one"), "{err}");
+
+    let ok = DirectoryConfig {
+        redis_url: format!("redis://:right-one@127.0.0.1:{}", server.port),
+        ..cfg
+    };
+    let dir = Directory::connect(ok).await.unwrap();
+    dir.generation().await.unwrap();
+}
