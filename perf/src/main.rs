@@ -1,1 +1,41 @@
-fn main() {}
+//! `mcpgw-bench`: the tools that exercise mcpgw from the outside, over HTTP
+//! as a user would: a fast, stateful demo upstream MCP server to put behind
+//! the gateway (`upstream`), and later the load generator and its reports.
+#![forbid(unsafe_code)]
+#![deny(rust_2018_idioms)]
+
+mod upstream;
+
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "mcpgw-bench",
+    version,
+    about = "Demo upstream MCP server and load tools for mcpgw"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the demo upstream MCP server (Streamable HTTP at /mcp, counters at /stats).
+    Upstream(upstream::UpstreamConfig),
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    // Logs go to stderr: stdout carries the machine-read "listening on" line.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Upstream(config) => upstream::run(config).await,
+    }
+}

@@ -1,0 +1,119 @@
+//! `mcpgw-bench upstream`: a fast, stateful demo MCP server.
+//!
+//! It stands behind the gateway in `make run`, the integration tests and the
+//! benchmarks. It speaks Streamable HTTP at `/mcp` in both protocol eras
+//! (session-based legacy versions and sessionless 2026-07-28), keeps
+//! per-session state so tests can prove session affinity, and counts every
+//! request it executes (`GET /stats`) so tests can prove nothing ran twice.
+//! It is plain hyper on tokio so that it costs little next to the gateway.
+
+mod body;
+mod methods;
+mod protocol;
+mod server;
+mod session;
+mod stats;
+mod tools;
+
+#[cfg(test)]
+mod http_tests;
+
+use std::convert::Infallible;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+
+pub use server::Upstream;
+
+/// Settings of the `upstream` subcommand.
+#[derive(Debug, Clone, clap::Args)]
+pub struct UpstreamConfig {
+    /// Address to listen on. Port 0 picks a free port; the line printed on
+    /// stdout at start names the real one.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Answer every request as an SSE stream, as the official Python SDK
+    /// does, instead of a single application/json body.
+    #[arg(long)]
+    pub sse_always: bool,
+}
+
+/// Binds, announces the address on stdout, and serves until SIGINT or SIGTERM.
+pub async fn run(config: UpstreamConfig) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(config.listen).await.with_context(|| {
+        format!(
+            "cannot listen on {}; pick another --listen address",
+            config.listen
+        )
+    })?;
+    let address = listener
+        .local_addr()
+        .context("cannot read the bound address")?;
+    {
+        // Tests and scripts read this line to learn the port: exactly one line, flushed now.
+        let mut stdout = std::io::stdout().lock();
+        writeln!(
+            stdout,
+            "mcpgw-bench upstream listening on http://{address}/mcp"
+        )
+        .context("cannot write to stdout")?;
+        stdout.flush().context("cannot flush stdout")?;
+    }
+    tracing::info!(%address, sse_always = config.sse_always, "upstream MCP server ready");
+    let upstream = Arc::new(Upstream::new(config.sse_always));
+    tokio::select! {
+        () = serve(listener, upstream) => Ok(()),
+        result = shutdown_signal() => result,
+    }
+}
+
+/// Serves connections from `listener` forever.
+pub async fn serve(listener: TcpListener, upstream: Arc<Upstream>) {
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                // Usually out of file descriptors: back off instead of spinning, and keep serving.
+                tracing::warn!(%error, "accept failed; retrying shortly");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        // Small JSON-RPC answers must not wait for Nagle.
+        if let Err(error) = stream.set_nodelay(true) {
+            tracing::debug!(%error, %peer, "cannot set TCP_NODELAY");
+        }
+        let upstream = Arc::clone(&upstream);
+        tokio::spawn(async move {
+            let service = service_fn(move |request| {
+                let upstream = Arc::clone(&upstream);
+                async move { Ok::<_, Infallible>(upstream.handle(request).await) }
+            });
+            let connection = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .keep_alive(true)
+                .serve_connection(TokioIo::new(stream), service);
+            if let Err(error) = connection.await {
+                tracing::debug!(%error, %peer, "connection ended with an error");
+            }
+        });
+    }
+}
+
+async fn shutdown_signal() -> anyhow::Result<()> {
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("cannot install the SIGTERM handler")?;
+    tokio::select! {
+        result = tokio::signal::ctrl_c() => result.context("cannot listen for SIGINT")?,
+        _ = terminate.recv() => {}
+    }
+    tracing::info!("shutting down");
+    Ok(())
+}

@@ -1,0 +1,58 @@
+//! Exact execution counters, served at `GET /stats`.
+//!
+//! The gateway's tests use them to prove that one client request runs
+//! exactly once upstream, whatever the number of workers in between.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde_json::{Value, json};
+
+use super::session::SessionStore;
+
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// JSON-RPC requests that reached method dispatch (including
+    /// `initialize`, unknown methods and unknown tools); requests refused
+    /// before dispatch (bad headers, unknown session) and notifications do
+    /// not count.
+    requests: AtomicU64,
+    /// The subset of `requests` whose method was `tools/call`.
+    tool_calls: AtomicU64,
+}
+
+impl Stats {
+    /// Counts one request about to be executed.
+    pub fn record_request(&self, method: &str) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        if method == "tools/call" {
+            self.tool_calls.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    pub fn to_json(&self, sessions: &SessionStore) -> Value {
+        json!({
+            "requests": self.requests.load(Ordering::Relaxed),
+            "tool_calls": self.tool_calls.load(Ordering::Relaxed),
+            "sessions_open": sessions.open_count(),
+            "sessions_created": sessions.created_count(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tool_calls_are_counted_apart_from_requests() {
+        let stats = Stats::default();
+        let sessions = SessionStore::default();
+        for method in ["initialize", "tools/list", "tools/call", "tools/call"] {
+            stats.record_request(method);
+        }
+        assert_eq!(
+            stats.to_json(&sessions),
+            json!({"requests": 4, "tool_calls": 2, "sessions_open": 0, "sessions_created": 0})
+        );
+    }
+}
