@@ -3,7 +3,6 @@
 //! owner executes it exactly as if its client had connected directly.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use http::header::{ACCEPT, CACHE_CONTROL, CONTENT_TYPE};
 use http::{HeaderMap, HeaderValue, Method, StatusCode};
@@ -95,7 +94,6 @@ impl Worker {
             upstream: upstream_index,
             upstream_session_id,
             principal: call.auth.principal.clone(),
-            created: Instant::now(),
         };
         if let Err(error) = self.claim_session(&session_id).await {
             // Never hand out a session the fleet cannot route to: end it upstream.

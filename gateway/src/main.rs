@@ -7,15 +7,20 @@
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
+mod affinity;
 mod body;
+mod certs_cli;
 mod config;
 mod exec;
+mod fleet;
+mod forward;
 mod front;
 mod mcp;
 mod request;
 mod serve;
 mod session;
 mod sse;
+mod supervisor;
 mod upstream;
 mod worker;
 
@@ -32,10 +37,18 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once at start; the size difference between variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Serve MCP clients: one worker, or a supervisor of --workers N processes.
     Serve(ServeArgs),
+    /// Mesh certificates: a private CA and leaves for mesh members.
+    #[command(subcommand)]
+    Certs(certs_cli::CertsCommand),
+    /// One worker of a fleet, started by `mcpgw serve` (not for direct use).
+    #[command(hide = true)]
+    Worker,
 }
 
 fn main() -> ExitCode {
@@ -59,5 +72,7 @@ fn main() -> ExitCode {
             };
             serve::run(config)
         }
+        Command::Worker => serve::run_worker_process(),
+        Command::Certs(command) => certs_cli::run(command),
     }
 }

@@ -15,9 +15,6 @@ pub const HEADER_LAST_EVENT_ID: &str = "last-event-id";
 pub const LEGACY_VERSIONS: &[&str] = &["2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"];
 /// Revisions without sessions: every request carries its own protocol envelope.
 pub const MODERN_VERSIONS: &[&str] = &["2026-07-28"];
-/// What a legacy request without `MCP-Protocol-Version` is assumed to speak (the
-/// 2025-06-18 transport says to assume 2025-03-26).
-pub const DEFAULT_LEGACY_VERSION: &str = "2025-03-26";
 
 /// Methods whose `Mcp-Name` header mirrors a body parameter (2026-07-28).
 const NAME_BEARING_METHODS: &[(&str, &str)] = &[
@@ -35,8 +32,6 @@ pub mod code {
     pub const PARSE_ERROR: i64 = -32700;
     pub const INVALID_REQUEST: i64 = -32600;
     pub const METHOD_NOT_FOUND: i64 = -32601;
-    pub const INVALID_PARAMS: i64 = -32602;
-    pub const INTERNAL_ERROR: i64 = -32603;
     /// Implementation-defined server error: the gateway could not complete the call
     /// (upstream unreachable, timeout, capacity); `data.reason` says which.
     pub const GATEWAY_ERROR: i64 = -32000;
@@ -127,11 +122,6 @@ impl Message {
 
     pub fn is_initialize(&self) -> bool {
         matches!(&self.kind, MessageKind::Request { method, .. } if method == "initialize")
-    }
-
-    /// Requests expect an answer; notifications and responses are acknowledged with 202.
-    pub fn expects_answer(&self) -> bool {
-        matches!(self.kind, MessageKind::Request { .. })
     }
 }
 
@@ -266,7 +256,7 @@ fn base64_decode(input: &str) -> Option<Vec<u8>> {
         } as u32)
     }
     let bytes = input.as_bytes();
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return None;
     }
     let mut out = Vec::with_capacity(bytes.len() / 4 * 3);
@@ -400,7 +390,7 @@ mod tests {
     #[test]
     fn messages_are_classified() {
         let req = parse_message(br#"{"jsonrpc":"2.0","id":1,"method":"initialize"}"#).unwrap();
-        assert!(req.is_initialize() && req.expects_answer());
+        assert!(req.is_initialize());
         let note =
             parse_message(br#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#).unwrap();
         assert_eq!(
@@ -410,7 +400,7 @@ mod tests {
             }
         );
         let resp = parse_message(br#"{"jsonrpc":"2.0","id":"a","result":{}}"#).unwrap();
-        assert!(!resp.expects_answer());
+        assert_eq!(resp.kind, MessageKind::Response { id: "a".into() });
     }
 
     #[test]

@@ -265,14 +265,16 @@ mod tests {
     use mcpgw_wire::AuthScheme;
 
     fn routes(names: &[&str]) -> Routes {
-        let mut config = Config::default();
-        config.upstreams = names
-            .iter()
-            .map(|n| UpstreamConfig {
-                name: n.to_string(),
-                url: "http://127.0.0.1:1/mcp".into(),
-            })
-            .collect();
+        let config = Config {
+            upstreams: names
+                .iter()
+                .map(|n| UpstreamConfig {
+                    name: n.to_string(),
+                    url: "http://127.0.0.1:1/mcp".into(),
+                })
+                .collect(),
+            ..Config::default()
+        };
         Routes::new(&config)
     }
 

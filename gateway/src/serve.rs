@@ -1,4 +1,5 @@
-//! `mcpgw serve`: starts a worker in this process, waits for a signal, drains.
+//! `mcpgw serve` and `mcpgw worker`: runs one worker (standalone, or as a member of a
+//! supervised fleet), waits for a signal, drains.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -7,14 +8,66 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tracing::{error, info};
 
-use crate::config::Config;
-use crate::front;
+use mcpgw_certs::MeshTlsFiles;
+use mcpgw_mesh::directory::{Directory, DirectoryConfig, DirectoryError};
+use mcpgw_mesh::transport::{MeshClient, MeshLimits, MeshServer, MeshServerHandle, TransportKind};
+
+use crate::config::{Config, MeshTransport};
+use crate::fleet::{self, Fleet};
+use crate::forward::OwnerService;
 use crate::worker::Worker;
+use crate::{front, supervisor};
 
 /// How long open client exchanges may run on after a shutdown signal.
 const DRAIN_GRACE: Duration = Duration::from_secs(10);
 
 pub fn run(config: Config) -> ExitCode {
+    if config.fleet.redis_url.is_some() {
+        return crate::supervisor::run(config);
+    }
+    block_on(run_worker(config, None))
+}
+
+/// The hidden `mcpgw worker` command: one worker process of a supervised fleet, with
+/// the configuration the supervisor validated and the id it chose.
+pub fn run_worker_process() -> ExitCode {
+    let slot = (|| {
+        let config = std::env::var(supervisor::ENV_WORKER_CONFIG).ok()?;
+        let config: Config = serde_json::from_str(&config).ok()?;
+        let index = std::env::var(supervisor::ENV_WORKER_INDEX)
+            .ok()?
+            .parse()
+            .ok()?;
+        let id = std::env::var(supervisor::ENV_WORKER_ID_ASSIGNED).ok()?;
+        Some((config, Slot { index, id }))
+    })();
+    match slot {
+        Some((config, slot)) => block_on(run_worker(config, Some(slot))),
+        None => {
+            eprintln!(
+                "mcpgw worker: started without a supervisor's configuration; use `mcpgw serve`"
+            );
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// A worker's place in a supervised fleet.
+struct Slot {
+    /// 0..N: offsets the mesh port.
+    index: usize,
+    id: String,
+}
+
+/// Why a worker stopped before serving.
+enum WorkerError {
+    /// Restarting would not help (bad certificates, id already leased).
+    Fatal(String),
+    /// Something that may pass (Redis not reachable yet).
+    Failed(String),
+}
+
+fn block_on(work: impl std::future::Future<Output = Result<(), WorkerError>>) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -25,9 +78,14 @@ pub fn run(config: Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run_single(config)) {
+    match runtime.block_on(work) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
+        Err(WorkerError::Fatal(message)) => {
+            error!("{message}");
+            eprintln!("mcpgw: {message}");
+            ExitCode::from(supervisor::EXIT_FATAL)
+        }
+        Err(WorkerError::Failed(message)) => {
             error!("{message}");
             eprintln!("mcpgw: {message}");
             ExitCode::FAILURE
@@ -35,35 +93,175 @@ pub fn run(config: Config) -> ExitCode {
     }
 }
 
-async fn run_single(config: Config) -> Result<(), String> {
+async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerError> {
     let config = Arc::new(config);
-    let worker_id = config
-        .fleet
-        .worker_id
-        .clone()
-        .unwrap_or_else(generate_worker_id);
-    let worker = Worker::new(worker_id, Arc::clone(&config)).map_err(|e| e.message)?;
+    let worker_id = match &slot {
+        Some(slot) => slot.id.clone(),
+        None => config
+            .fleet
+            .worker_id
+            .clone()
+            .unwrap_or_else(generate_worker_id),
+    };
+    let worker =
+        Worker::new(worker_id, Arc::clone(&config)).map_err(|e| WorkerError::Fatal(e.message))?;
+    let mesh = match &slot {
+        Some(slot) => Some(join_fleet(&worker, &config, slot.index).await?),
+        None => None,
+    };
     let listener = front::bind_shared(config.listen)
-        .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
+        .map_err(|e| WorkerError::Fatal(format!("cannot listen on {}: {e}", config.listen)))?;
     let addr = listener
         .local_addr()
-        .map_err(|e| format!("cannot read the bound address: {e}"))?;
+        .map_err(|e| WorkerError::Failed(format!("cannot read the bound address: {e}")))?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     tokio::spawn(async move {
         wait_for_signal().await;
         let _ = shutdown_tx.send(true);
     });
-    announce(&config, addr);
+    match &mesh {
+        Some(mesh) => println!(
+            "{} id={} mesh={} pid={}",
+            supervisor::READY_PREFIX,
+            worker.id,
+            mesh.advertised,
+            std::process::id()
+        ),
+        None => announce(&config, addr),
+    }
     info!(worker = %worker.id, %addr, "worker serving");
     front::serve(Arc::clone(&worker), listener, shutdown_rx, DRAIN_GRACE)
         .await
-        .map_err(|e| format!("front failed: {e}"))?;
+        .map_err(|e| WorkerError::Failed(format!("front failed: {e}")))?;
     worker.start_draining();
     for session in worker.sessions.take_all() {
         worker.end_session(&session).await;
     }
+    if let Some(mesh) = mesh {
+        mesh.server.shutdown(DRAIN_GRACE).await;
+        if let Some(fleet) = worker.fleet() {
+            fleet.deregister().await;
+        }
+    }
     info!(worker = %worker.id, "worker stopped");
     Ok(())
+}
+
+/// What a fleet worker keeps of its mesh membership.
+struct MeshMembership {
+    server: MeshServerHandle,
+    /// The address peers dial, as registered in the directory.
+    advertised: String,
+}
+
+/// Binds the mesh endpoint, registers the worker (refusing to start if its id is
+/// leased), and starts the heartbeat.
+async fn join_fleet(
+    worker: &Arc<Worker>,
+    config: &Arc<Config>,
+    index: usize,
+) -> Result<MeshMembership, WorkerError> {
+    mcpgw_certs::install_crypto_provider();
+    let mesh = &config.mesh;
+    let (Some(ca), Some(cert), Some(key)) = (&mesh.ca, &mesh.cert, &mesh.key) else {
+        return Err(WorkerError::Fatal(
+            "a fleet worker needs --mesh-ca, --mesh-cert and --mesh-key".into(),
+        ));
+    };
+    let files = MeshTlsFiles {
+        ca: ca.clone(),
+        cert: cert.clone(),
+        key: key.clone(),
+    };
+    let server_tls =
+        mcpgw_certs::server_config(&files).map_err(|e| WorkerError::Fatal(e.to_string()))?;
+    let client_tls =
+        mcpgw_certs::client_config(&files).map_err(|e| WorkerError::Fatal(e.to_string()))?;
+    let kind = match mesh.transport {
+        MeshTransport::Quic => TransportKind::Quic,
+        MeshTransport::Tcp => TransportKind::Tcp,
+    };
+    let limits = MeshLimits {
+        max_frame: mesh.max_frame_bytes,
+        max_in_flight_per_peer: mesh.max_in_flight_per_peer,
+        connect_timeout: mesh.connect_timeout,
+        ..MeshLimits::default()
+    };
+    let mut listen = mesh.listen;
+    if listen.port() != 0 {
+        listen.set_port(offset_port(listen.port(), index)?);
+    }
+    let server = MeshServer::bind(
+        kind,
+        listen,
+        server_tls,
+        worker.id.clone(),
+        Arc::new(OwnerService(Arc::clone(worker))),
+        limits.clone(),
+    )
+    .await
+    .map_err(|e| WorkerError::Fatal(format!("cannot bind the mesh endpoint {listen}: {e}")))?;
+    let advertised = advertise_addr(mesh.advertise.as_deref(), server.local_addr(), index)
+        .map_err(WorkerError::Fatal)?;
+    let redis_url = config.fleet.redis_url.clone().unwrap_or_default();
+    let directory = Directory::connect(DirectoryConfig {
+        redis_url,
+        prefix: config.fleet.key_prefix.clone(),
+        lease: config.fleet.lease,
+        op_timeout: config.fleet.directory_timeout,
+        ..DirectoryConfig::default()
+    })
+    .await
+    .map_err(|e| WorkerError::Failed(e.to_string()))?;
+    let lease = match directory
+        .register_worker(&worker.id, &fleet::worker_info(), &advertised)
+        .await
+    {
+        Ok(lease) => lease,
+        Err(e @ DirectoryError::WorkerIdTaken { .. }) => {
+            return Err(WorkerError::Fatal(format!("refusing to start: {e}")));
+        }
+        Err(e) => return Err(WorkerError::Failed(e.to_string())),
+    };
+    let client = MeshClient::new(kind, client_tls, worker.id.clone(), limits)
+        .map_err(|e| WorkerError::Fatal(e.to_string()))?;
+    let fleet = Arc::new(Fleet::new(directory, lease, client, Arc::clone(config)));
+    worker.join(Arc::clone(&fleet));
+    tokio::spawn(fleet.heartbeat(Arc::clone(worker)));
+    info!(worker = %worker.id, mesh = %advertised, transport = %kind, "joined the fleet");
+    Ok(MeshMembership { server, advertised })
+}
+
+fn offset_port(port: u16, index: usize) -> Result<u16, WorkerError> {
+    u16::try_from(usize::from(port) + index).map_err(|_| {
+        WorkerError::Fatal(format!(
+            "mesh port {port} + worker index {index} exceeds 65535"
+        ))
+    })
+}
+
+/// The mesh address peers dial: `--mesh-advertise` (host, or host:port offset by the
+/// worker index), else the bound address.
+fn advertise_addr(
+    advertise: Option<&str>,
+    bound: std::net::SocketAddr,
+    index: usize,
+) -> Result<String, String> {
+    match advertise {
+        None if bound.ip().is_unspecified() => Err(format!(
+            "the mesh binds {bound}, which peers cannot dial: set --mesh-advertise HOST[:PORT]"
+        )),
+        None => Ok(bound.to_string()),
+        Some(advertised) => match advertised.rsplit_once(':') {
+            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+                let port: u16 = port.parse().unwrap_or(0);
+                let port = u16::try_from(usize::from(port) + index)
+                    .map_err(|_| format!("advertised mesh port {port} + {index} exceeds 65535"))?;
+                Ok(format!("{host}:{port}"))
+            }
+            _ => Ok(format!("{advertised}:{}", bound.port())),
+        },
+    }
 }
 
 /// One stdout line that scripts and tests wait for, then the endpoints.

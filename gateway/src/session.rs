@@ -6,7 +6,6 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
-use std::time::Instant;
 
 use http::HeaderValue;
 
@@ -24,7 +23,6 @@ pub struct Session {
     pub upstream_session_id: Option<HeaderValue>,
     /// Who created the session; only the same principal may use it.
     pub principal: String,
-    pub created: Instant,
 }
 
 /// Mints a session id owned by `worker_id`: 128 random bits, then the owner hint.
@@ -73,10 +71,6 @@ impl SessionRegistry {
 
     pub fn len(&self) -> usize {
         self.read().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// Every session id, for a drain or a directory rebuild.
@@ -131,7 +125,6 @@ mod tests {
             upstream: 0,
             upstream_session_id: None,
             principal: String::new(),
-            created: Instant::now(),
         });
         assert_eq!(registry.len(), 1);
         assert!(registry.get(&id).is_some());

@@ -87,32 +87,6 @@ fn line_end(buf: &[u8], i: usize) -> Option<usize> {
     }
 }
 
-/// Frames one JSON-RPC message as an SSE `message` event.
-pub fn message_event(json: &[u8]) -> Bytes {
-    let mut event = BytesMut::with_capacity(json.len() + 24);
-    event.extend_from_slice(b"event: message\ndata: ");
-    event.extend_from_slice(json);
-    event.extend_from_slice(b"\n\n");
-    event.freeze()
-}
-
-/// Extracts the `data:` payload of one event (several `data:` lines joined by `\n`).
-pub fn event_data(event: &[u8]) -> Vec<u8> {
-    let mut data = Vec::new();
-    let text = event.split(|&b| b == b'\n');
-    for raw_line in text {
-        let line = raw_line.strip_suffix(b"\r").unwrap_or(raw_line);
-        if let Some(rest) = line.strip_prefix(b"data:") {
-            let rest = rest.strip_prefix(b" ").unwrap_or(rest);
-            if !data.is_empty() {
-                data.push(b'\n');
-            }
-            data.extend_from_slice(rest);
-        }
-    }
-    data
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,12 +162,5 @@ mod tests {
         let mut s = SseSplitter::new();
         assert!(s.push(b"data: partial").is_empty());
         assert_eq!(s.finish().as_deref(), Some(&b"data: partial"[..]));
-    }
-
-    #[test]
-    fn data_lines_are_joined() {
-        assert_eq!(event_data(b"event: message\ndata: a\ndata:b\n\n"), b"a\nb");
-        assert_eq!(event_data(b"data: {\"x\":1}\r\n\r\n"), b"{\"x\":1}");
-        assert_eq!(event_data(message_event(b"{}").as_ref()), b"{}");
     }
 }

@@ -50,8 +50,16 @@ pub fn run(config: Config) -> ExitCode {
 }
 
 enum Event {
-    Ready { slot: usize, line: String },
-    Exited { slot: usize, generation: u32, code: Option<i32>, ready: bool },
+    Ready {
+        slot: usize,
+        line: String,
+    },
+    Exited {
+        slot: usize,
+        generation: u32,
+        code: Option<i32>,
+        ready: bool,
+    },
 }
 
 async fn supervise(mut config: Config) -> ExitCode {
@@ -74,9 +82,9 @@ async fn supervise(mut config: Config) -> ExitCode {
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut pids: Vec<Option<u32>> = vec![None; workers];
     let mut generations = vec![0u32; workers];
-    for slot in 0..workers {
+    for (slot, pid) in pids.iter_mut().enumerate() {
         match spawn_worker(&config, slot, 0, events_tx.clone()) {
-            Ok(pid) => pids[slot] = Some(pid),
+            Ok(started) => *pid = Some(started),
             Err(e) => {
                 eprintln!("mcpgw: cannot start worker {slot}: {e}");
                 return ExitCode::FAILURE;
@@ -154,7 +162,10 @@ async fn stop_all(pids: &[Option<u32>], events: &mut mpsc::UnboundedReceiver<Eve
         }
     }
     if remaining > 0 {
-        warn!(remaining, "workers still running at the stop deadline; killing them");
+        warn!(
+            remaining,
+            "workers still running at the stop deadline; killing them"
+        );
         for pid in &live {
             let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGKILL);
         }

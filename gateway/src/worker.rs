@@ -1,14 +1,16 @@
 //! One worker process: its identity, its upstream clients, the sessions it owns, and
 //! the decision of where each call runs.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use http::StatusCode;
 
+use crate::affinity::{Decision, Situation, decide};
 use crate::config::Config;
 use crate::exec::Reply;
-use crate::mcp::GatewayError;
+use crate::fleet::Fleet;
+use crate::mcp::{Era, GatewayError};
 use crate::request::{Call, Routes};
 use crate::session::SessionRegistry;
 use crate::upstream::{HttpUpstream, Upstream};
@@ -24,6 +26,8 @@ pub struct Worker {
     pub sessions: SessionRegistry,
     /// Set once a drain begins: no new sessions are admitted.
     draining: AtomicBool,
+    /// The fleet this worker belongs to; unset for a standalone worker.
+    fleet: OnceLock<Arc<Fleet>>,
 }
 
 impl Worker {
@@ -46,29 +50,78 @@ impl Worker {
             config,
             sessions: SessionRegistry::default(),
             draining: AtomicBool::new(false),
+            fleet: OnceLock::new(),
         }))
     }
 
-    /// Decides where a call runs and runs it.
+    /// Joins a fleet: from now on sessions are recorded in its directory and
+    /// requests for other workers' sessions are forwarded.
+    pub fn join(&self, fleet: Arc<Fleet>) {
+        let _ = self.fleet.set(fleet);
+    }
+
+    pub fn fleet(&self) -> Option<&Arc<Fleet>> {
+        self.fleet.get()
+    }
+
+    /// Decides where a call runs (DESIGN.md's decision table) and runs it.
     pub async fn dispatch(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
-        let Some(session_id) = call.session_id.as_deref() else {
-            return self.execute_local(call, None).await;
+        let local = call
+            .session_id
+            .as_deref()
+            .and_then(|id| self.sessions.get(id));
+        let situation = match (&call.session_id, &local) {
+            _ if call.era == Era::Modern => Situation::Modern,
+            (None, _) if call.is_initialize() => Situation::NewSession,
+            (None, _) => Situation::MissingSession,
+            (Some(_), Some(_)) if self.lease_valid() => Situation::LocalOwned,
+            (Some(_), Some(_)) => Situation::LocalLeaseInDoubt,
+            // Not here: the fleet finds the owner (or proves there is none).
+            (Some(_), None) if self.fleet.get().is_some() => Situation::RemoteOwner,
+            (Some(_), None) => Situation::NoSuchSession,
         };
-        match self.sessions.get(session_id) {
-            Some(session) => self.execute_local(call, Some(session)).await,
-            None => Err(GatewayError::session_not_found().with_id(call.id())),
+        match (decide(&situation), self.fleet.get()) {
+            (Decision::ExecuteHere, _) => self.execute_local(call, local).await,
+            (Decision::Forward, Some(fleet)) => fleet.route_remote(self, call).await,
+            (Decision::Forward, None) => Err(GatewayError::session_not_found().with_id(call.id())),
+            (Decision::Refuse(refusal), _) => Err(refusal
+                .to_error(
+                    StatusCode::NOT_FOUND,
+                    "its lease could not be renewed in time",
+                )
+                .with_id(call.id())),
         }
     }
 
-    /// Registers a freshly minted session as ours. Without a fleet there is nobody to
-    /// tell.
-    pub async fn claim_session(&self, _session_id: &str) -> Result<(), GatewayError> {
-        Ok(())
+    /// Whether this worker may act for its sessions now: always when standalone; in a
+    /// fleet, only while its lease is valid by its own clock.
+    pub fn lease_valid(&self) -> bool {
+        self.fleet.get().is_none_or(|fleet| fleet.lease_valid())
     }
 
-    /// Drops a session from this worker's registry.
+    /// Records a freshly minted session as ours in the fleet directory.
+    pub async fn claim_session(&self, session_id: &str) -> Result<(), GatewayError> {
+        match self.fleet.get() {
+            Some(fleet) => fleet.claim(session_id, &self.id).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Drops a session from this worker and from the directory.
     pub async fn forget_session(&self, session_id: &str) {
-        self.sessions.remove(session_id);
+        if self.sessions.remove(session_id).is_some()
+            && let Some(fleet) = self.fleet.get()
+        {
+            fleet.release(session_id, &self.id).await;
+        }
+    }
+
+    /// This worker was declared dead: drop every session without touching the
+    /// directory (the records belong to whoever reclaimed them).
+    pub fn fence(&self) {
+        self.start_draining();
+        let dropped = self.sessions.take_all().len();
+        tracing::warn!(worker = %self.id, dropped, "fenced: sessions dropped");
     }
 
     pub fn draining(&self) -> bool {

@@ -80,8 +80,7 @@ pub fn request_raw(
     body: &[u8],
     mut on_chunk: impl FnMut(&[u8]),
 ) -> Response {
-    let mut stream =
-        TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    let mut stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
     stream
         .set_read_timeout(Some(Duration::from_secs(60)))
         .expect("set timeout");

@@ -5,14 +5,17 @@
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
+pub mod fleet;
 pub mod http;
 pub mod process;
 pub mod redis;
+pub mod scatter;
 
 use std::path::PathBuf;
 
 pub use process::{Child, Gateway, Upstream};
 pub use redis::RedisServer;
+pub use scatter::ScatterProxy;
 
 /// The workspace root (one level above this crate).
 pub fn workspace_root() -> PathBuf {
@@ -74,9 +77,14 @@ pub fn run_python(script: &str, args: &[&str]) -> serde_json::Value {
         "{script} {args:?} failed ({}):\nstdout:\n{stdout}\nstderr:\n{stderr}",
         output.status
     );
-    let last = stdout.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
-    serde_json::from_str(last)
-        .unwrap_or_else(|e| panic!("{script}: last line is not JSON ({e}): {last:?}\nstderr:\n{stderr}"))
+    let last = stdout
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("");
+    serde_json::from_str(last).unwrap_or_else(|e| {
+        panic!("{script}: last line is not JSON ({e}): {last:?}\nstderr:\n{stderr}")
+    })
 }
 
 /// A port that was free a moment ago (for processes that cannot report their own).

@@ -121,7 +121,11 @@ impl Upstream {
     }
 
     pub fn start_with(extra: &[&str]) -> Upstream {
-        let mut args = vec!["upstream".to_owned(), "--listen".into(), "127.0.0.1:0".into()];
+        let mut args = vec![
+            "upstream".to_owned(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+        ];
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut child = Child::spawn("upstream", &crate::bin("mcpgw-bench"), &args);
         let line = child.wait_for_line("listening on", Duration::from_secs(20));

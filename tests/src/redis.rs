@@ -103,15 +103,18 @@ impl RedisServer {
 
     /// `INFO commandstats` as (command, calls) pairs.
     pub fn command_calls(&self) -> Vec<(String, u64)> {
-        let mut stream =
-            TcpStream::connect(("127.0.0.1", self.port)).expect("redis reachable");
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).expect("redis reachable");
         stream
             .write_all(b"*2\r\n$4\r\nINFO\r\n$12\r\ncommandstats\r\n")
             .expect("write INFO");
         let mut reader = BufReader::new(stream);
         let mut header = String::new();
         reader.read_line(&mut header).expect("INFO header");
-        let len: usize = header.trim_end().trim_start_matches('$').parse().unwrap_or(0);
+        let len: usize = header
+            .trim_end()
+            .trim_start_matches('$')
+            .parse()
+            .unwrap_or(0);
         let mut body = vec![0u8; len + 2];
         std::io::Read::read_exact(&mut reader, &mut body).expect("INFO body");
         String::from_utf8_lossy(&body)

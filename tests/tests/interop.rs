@@ -52,7 +52,11 @@ fn sdk_client_sees_progress_before_the_result() {
             .collect();
         let result_ms = out["result_ms"].as_f64().unwrap();
         eprintln!("{mode}: progress at {progress:?} ms, result at {result_ms} ms");
-        assert_eq!(progress.len(), 10, "{mode}: every progress notification arrives");
+        assert_eq!(
+            progress.len(),
+            10,
+            "{mode}: every progress notification arrives"
+        );
         // The upstream spaces 10 events 100 ms apart: the first must reach the client
         // long before the result, or the gateway buffered the stream.
         assert!(
@@ -79,7 +83,10 @@ fn sdk_built_upstream_keeps_state_per_session_through_the_gateway() {
     let gateway = gateway_for(&format!("http://127.0.0.1:{port}/mcp"));
     let out = run_python("sdk_client.py", &[&gateway.url(), "legacy", "notes"]);
     assert_eq!(out["mine"], "one,two");
-    assert_eq!(out["theirs"], "", "a second session sees none of the first's notes");
+    assert_eq!(
+        out["theirs"], "",
+        "a second session sees none of the first's notes"
+    );
 }
 
 fn wait_for_port(port: u16) {

@@ -34,15 +34,36 @@ fn legacy_sessions_are_isolated_and_end_with_delete() {
         let b = initialize(addr, path);
         assert_ne!(a, b);
         assert_eq!(
-            tool_text(&call_tool(addr, path, &a, 2, "counter_increment", json!({}))),
+            tool_text(&call_tool(
+                addr,
+                path,
+                &a,
+                2,
+                "counter_increment",
+                json!({})
+            )),
             "1"
         );
         assert_eq!(
-            tool_text(&call_tool(addr, path, &a, 3, "counter_increment", json!({}))),
+            tool_text(&call_tool(
+                addr,
+                path,
+                &a,
+                3,
+                "counter_increment",
+                json!({})
+            )),
             "2"
         );
         assert_eq!(
-            tool_text(&call_tool(addr, path, &b, 2, "counter_increment", json!({}))),
+            tool_text(&call_tool(
+                addr,
+                path,
+                &b,
+                2,
+                "counter_increment",
+                json!({})
+            )),
             "1",
             "a second session starts at 1: one upstream session per client session"
         );
@@ -158,10 +179,17 @@ fn modern_requests_pass_through_without_sessions() {
         "POST",
         "/mcp",
         &modern_headers("tools/call", Some("echo")),
-        &modern_body(1, "tools/call", json!({"name": "echo", "arguments": {"text": "hi"}})),
+        &modern_body(
+            1,
+            "tools/call",
+            json!({"name": "echo", "arguments": {"text": "hi"}}),
+        ),
     );
     assert_eq!(response.status, 200);
-    assert!(response.header("mcp-session-id").is_none(), "no session minted");
+    assert!(
+        response.header("mcp-session-id").is_none(),
+        "no session minted"
+    );
     assert_eq!(tool_text(&response), "hi");
 
     let mismatch = request(
@@ -169,7 +197,11 @@ fn modern_requests_pass_through_without_sessions() {
         "POST",
         "/mcp",
         &modern_headers("tools/call", Some("other")),
-        &modern_body(2, "tools/call", json!({"name": "echo", "arguments": {"text": "hi"}})),
+        &modern_body(
+            2,
+            "tools/call",
+            json!({"name": "echo", "arguments": {"text": "hi"}}),
+        ),
     );
     assert_eq!(mismatch.status, 400);
     assert_eq!(mismatch.error_code(), Some(-32020));
@@ -180,7 +212,10 @@ fn modern_requests_pass_through_without_sessions() {
             addr,
             method,
             "/mcp",
-            &[("MCP-Protocol-Version", "2026-07-28"), ("Accept", "text/event-stream")],
+            &[
+                ("MCP-Protocol-Version", "2026-07-28"),
+                ("Accept", "text/event-stream"),
+            ],
             b"",
         );
         assert_eq!(refused.status, 405, "{method}");
@@ -204,12 +239,56 @@ fn bad_input_is_refused_clearly_and_the_gateway_keeps_serving() {
     let json = ("Content-Type", "application/json");
     let in_session = mcp_headers(Some(&session));
     let big = vec![b' '; 5000];
-    let cases: Vec<(&str, &str, Vec<(&str, &str)>, &[u8], u16, i64)> = vec![
-        ("malformed JSON", "/mcp", in_session.clone(), b"{\"jsonrpc\":", 400, -32700),
-        ("non-object body", "/mcp", in_session.clone(), b"[1,2,3]", 400, -32600),
-        ("scalar body", "/mcp", in_session.clone(), b"\"hi\"", 400, -32600),
-        ("oversized body", "/mcp", in_session.clone(), &big, 413, -32600),
-        ("unknown route", "/nope/mcp", in_session.clone(), b"{}", 404, -32601),
+    // (what, path, headers, body, expected status, expected JSON-RPC code)
+    type Case<'a> = (
+        &'a str,
+        &'a str,
+        Vec<(&'a str, &'a str)>,
+        &'a [u8],
+        u16,
+        i64,
+    );
+    let cases: Vec<Case<'_>> = vec![
+        (
+            "malformed JSON",
+            "/mcp",
+            in_session.clone(),
+            b"{\"jsonrpc\":",
+            400,
+            -32700,
+        ),
+        (
+            "non-object body",
+            "/mcp",
+            in_session.clone(),
+            b"[1,2,3]",
+            400,
+            -32600,
+        ),
+        (
+            "scalar body",
+            "/mcp",
+            in_session.clone(),
+            b"\"hi\"",
+            400,
+            -32600,
+        ),
+        (
+            "oversized body",
+            "/mcp",
+            in_session.clone(),
+            &big,
+            413,
+            -32600,
+        ),
+        (
+            "unknown route",
+            "/nope/mcp",
+            in_session.clone(),
+            b"{}",
+            404,
+            -32601,
+        ),
         (
             "wrong content type",
             "/mcp",
@@ -245,7 +324,10 @@ fn bad_input_is_refused_clearly_and_the_gateway_keeps_serving() {
         (
             "unknown session",
             "/mcp",
-            vec![json, ("Mcp-Session-Id", "00000000000000000000000000000000.nobody")],
+            vec![
+                json,
+                ("Mcp-Session-Id", "00000000000000000000000000000000.nobody"),
+            ],
             br#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#,
             404,
             -32001,
@@ -258,10 +340,20 @@ fn bad_input_is_refused_clearly_and_the_gateway_keeps_serving() {
         assert_eq!(error["jsonrpc"], "2.0", "{what}: JSON-RPC body");
         assert_eq!(error["error"]["code"], code, "{what}: code");
         let message = error["error"]["message"].as_str().unwrap_or_default();
-        assert!(message.len() > 20, "{what}: the message explains: {message:?}");
+        assert!(
+            message.len() > 20,
+            "{what}: the message explains: {message:?}"
+        );
     }
     // Still serving, and the session survived every bad request.
-    let ok = call_tool(addr, "/mcp", &session, 9, "echo", json!({"text": "still here"}));
+    let ok = call_tool(
+        addr,
+        "/mcp",
+        &session,
+        9,
+        "echo",
+        json!({"text": "still here"}),
+    );
     assert_eq!(ok.status, 200);
     assert_eq!(tool_text(&ok), "still here");
 }
@@ -275,12 +367,18 @@ fn an_unreachable_upstream_gets_a_gateway_error() {
         &gateway.addr,
         "POST",
         "/mcp",
-        &[("Content-Type", "application/json"), ("Accept", "application/json, text/event-stream")],
+        &[
+            ("Content-Type", "application/json"),
+            ("Accept", "application/json, text/event-stream"),
+        ],
         body,
     );
     assert_eq!(response.status, 502);
     assert_eq!(response.json()["id"], 1);
-    assert_eq!(response.json()["error"]["data"]["reason"], "upstream_unreachable");
+    assert_eq!(
+        response.json()["error"]["data"]["reason"],
+        "upstream_unreachable"
+    );
 }
 
 #[test]
@@ -293,7 +391,14 @@ fn upstream_timeouts_become_504() {
         "300",
     ]);
     let session = initialize(&gateway.addr, "/mcp");
-    let slow = call_tool(&gateway.addr, "/mcp", &session, 2, "sleep_ms", json!({"ms": 3000}));
+    let slow = call_tool(
+        &gateway.addr,
+        "/mcp",
+        &session,
+        2,
+        "sleep_ms",
+        json!({"ms": 3000}),
+    );
     assert_eq!(slow.status, 504);
     assert_eq!(slow.json()["error"]["data"]["reason"], "upstream_timeout");
 }

@@ -1,0 +1,321 @@
+//! This worker's membership in the fleet: its lease in the directory, session
+//! ownership records, and routing a request for another worker's session over the mesh.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+use mcpgw_mesh::directory::{Directory, DirectoryError, Lease, LeaseRenewal};
+use mcpgw_mesh::transport::{MeshClient, MeshError};
+use mcpgw_wire::ErrorKind;
+use tracing::{debug, error, info, warn};
+
+use crate::affinity::{Decision, Situation, decide};
+use crate::config::Config;
+use crate::exec::Reply;
+use crate::forward;
+use crate::mcp::GatewayError;
+use crate::request::Call;
+use crate::session;
+use crate::worker::Worker;
+
+/// Exit code of a worker that lost its lease (fenced): the supervisor starts a
+/// replacement under a new id.
+pub const EXIT_FENCED: i32 = 75;
+
+pub struct Fleet {
+    pub directory: Directory,
+    /// This worker's registration, replaced when the directory is rebuilt.
+    lease: Mutex<Lease>,
+    /// Until when this worker may act for its sessions, by its own clock: the last
+    /// successful renewal + lease time − margin.
+    acts_until: Mutex<Instant>,
+    margin: Duration,
+    mesh: MeshClient,
+    /// Mesh addresses of peers by worker id, so steady-state forwarding needs no Redis.
+    peers: RwLock<HashMap<String, String>>,
+    request_ids: AtomicU64,
+    config: Arc<Config>,
+}
+
+impl Fleet {
+    pub fn new(directory: Directory, lease: Lease, mesh: MeshClient, config: Arc<Config>) -> Fleet {
+        let lease_time = config.fleet.lease;
+        // The margin covers clock drift between this host and Redis and the time a
+        // renewal takes to be written.
+        let margin = (lease_time / 5).max(Duration::from_millis(200));
+        let acts_until = lease.valid_until() - margin;
+        Fleet {
+            directory,
+            lease: Mutex::new(lease),
+            acts_until: Mutex::new(acts_until),
+            margin,
+            mesh,
+            peers: RwLock::new(HashMap::new()),
+            request_ids: AtomicU64::new(1),
+            config,
+        }
+    }
+
+    /// Whether this worker may act for its sessions right now.
+    pub fn lease_valid(&self) -> bool {
+        Instant::now() < *lock(&self.acts_until)
+    }
+
+    fn gone_status(&self) -> StatusCode {
+        StatusCode::NOT_FOUND
+    }
+
+    /// Records `session_id` as ours. A directory that does not answer means the
+    /// session cannot be routed by the fleet, so it is not created.
+    pub async fn claim(&self, session_id: &str, owner: &str) -> Result<(), GatewayError> {
+        match self.directory.claim_session(session_id, owner).await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(GatewayError::gateway(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "session_id_collision",
+                "a freshly minted session id is already claimed: retry initialize",
+            )),
+            Err(e) => Err(GatewayError::gateway(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "directory_unavailable",
+                format!("the fleet directory did not record the new session ({e}); no session was created: retry initialize"),
+            )
+            .with_data(serde_json::json!({"reason": "directory_unavailable", "retryable": true}))
+            .with_retry_after(crate::affinity::RETRY_AFTER_SECONDS)),
+        }
+    }
+
+    /// Removes the ownership record of an ended session.
+    pub async fn release(&self, session_id: &str, owner: &str) {
+        if let Err(e) = self.directory.release_session(session_id, owner).await {
+            warn!(session = session_id, error = %e, "could not remove the session's directory record");
+        }
+    }
+
+    /// Routes a request for a session this worker does not hold.
+    pub async fn route_remote(&self, worker: &Worker, call: Call) -> Result<Reply, GatewayError> {
+        let Some(session_id) = call.session_id.clone() else {
+            return Err(GatewayError::session_not_found().with_id(call.id()));
+        };
+        let id = call.id();
+        let refuse = |situation: Situation, why: &str| -> GatewayError {
+            match decide(&situation) {
+                Decision::Refuse(refusal) => refusal
+                    .to_error(self.gone_status(), why)
+                    .with_id(id.clone()),
+                other => {
+                    error!(?situation, ?other, "decision table returned no refusal");
+                    GatewayError::session_not_found().with_id(id.clone())
+                }
+            }
+        };
+        let owner = match session::owner_hint(&session_id) {
+            Some(owner) => owner.to_owned(),
+            None => match self.directory.session_owner(&session_id).await {
+                Ok(Some(owner)) => owner,
+                Ok(None) => return Err(refuse(Situation::NoSuchSession, "no owner recorded")),
+                Err(e) => return Err(refuse(Situation::Unknown, &e.to_string())),
+            },
+        };
+        if owner == worker.id {
+            // Minted here, not held here: it ended.
+            return Err(refuse(Situation::NoSuchSession, "ended on its owner"));
+        }
+        let forwarded = self.forward_to(&owner, &call).await;
+        match forwarded {
+            Ok(reply) => Ok(reply),
+            Err(ForwardFailure::Refuse(situation, why)) => Err(refuse(situation, &why)),
+            Err(ForwardFailure::NotOwner) => {
+                // The hint named a worker that says "not mine": ask the directory.
+                match self.directory.session_owner(&session_id).await {
+                    Ok(Some(recorded)) if recorded != owner && recorded != worker.id => {
+                        match self.forward_to(&recorded, &call).await {
+                            Ok(reply) => Ok(reply),
+                            Err(ForwardFailure::Refuse(situation, why)) => {
+                                Err(refuse(situation, &why))
+                            }
+                            Err(ForwardFailure::NotOwner) => Err(refuse(
+                                Situation::OwnerGone,
+                                "the recorded owner no longer holds it",
+                            )),
+                        }
+                    }
+                    Ok(Some(_)) => {
+                        Err(refuse(Situation::OwnerGone, "its owner no longer holds it"))
+                    }
+                    Ok(None) => Err(refuse(Situation::NoSuchSession, "no owner recorded")),
+                    Err(e) => Err(refuse(Situation::Unknown, &e.to_string())),
+                }
+            }
+        }
+    }
+
+    async fn forward_to(&self, owner: &str, call: &Call) -> Result<Reply, ForwardFailure> {
+        let addr = match self.peer_addr(owner).await {
+            Ok(Some(addr)) => addr,
+            Ok(None) => {
+                return Err(ForwardFailure::Refuse(
+                    Situation::OwnerGone,
+                    format!("worker {owner} holds no lease"),
+                ));
+            }
+            Err(e) => return Err(ForwardFailure::Refuse(Situation::Unknown, e.to_string())),
+        };
+        let request_id = self.request_ids.fetch_add(1, Ordering::Relaxed);
+        let frame = forward::to_frame(call, request_id, self.config.mesh.forward_timeout);
+        match self.mesh.forward(&addr, owner, frame).await {
+            Ok(response) => Ok(forward::from_forwarded(response)),
+            Err(e) => {
+                debug!(owner, %addr, error = %e, "forward failed");
+                Err(self.classify(owner, &addr, e))
+            }
+        }
+    }
+
+    fn classify(&self, owner: &str, addr: &str, error: MeshError) -> ForwardFailure {
+        if error.proves_peer_gone() {
+            self.forget_peer(owner, addr);
+            return ForwardFailure::Refuse(Situation::OwnerGone, error.to_string());
+        }
+        if let Some(frame) = error.remote() {
+            match frame.kind {
+                ErrorKind::NotOwner => return ForwardFailure::NotOwner,
+                ErrorKind::Draining | ErrorKind::Busy => {
+                    return ForwardFailure::Refuse(Situation::Unknown, frame.message.clone());
+                }
+                _ => {}
+            }
+        }
+        if error.may_have_executed() {
+            return ForwardFailure::Refuse(Situation::ForwardedThenLost, error.to_string());
+        }
+        ForwardFailure::Refuse(Situation::Unknown, error.to_string())
+    }
+
+    async fn peer_addr(&self, owner: &str) -> Result<Option<String>, DirectoryError> {
+        if let Some(addr) = read(&self.peers).get(owner) {
+            return Ok(Some(addr.clone()));
+        }
+        let addr = self.directory.worker_addr(owner).await?;
+        if let Some(addr) = &addr {
+            write(&self.peers).insert(owner.to_owned(), addr.clone());
+        }
+        Ok(addr)
+    }
+
+    fn forget_peer(&self, owner: &str, addr: &str) {
+        write(&self.peers).remove(owner);
+        self.mesh.forget_peer(addr);
+    }
+
+    /// Renews the lease every third of its time. A lost lease means this worker was
+    /// declared dead: it must stop acting at once, so the process exits and the
+    /// supervisor starts a replacement under a new id.
+    pub async fn heartbeat(self: Arc<Self>, worker: Arc<Worker>) {
+        let period = self.config.fleet.lease / 3;
+        loop {
+            tokio::time::sleep(period).await;
+            let lease = lock(&self.lease).clone();
+            match self.directory.renew_lease(&lease).await {
+                Ok(LeaseRenewal::Renewed { valid_until }) => {
+                    *lock(&self.acts_until) = valid_until - self.margin;
+                }
+                Ok(LeaseRenewal::Lost) => {
+                    error!(worker = %worker.id, "lease lost: this worker was declared dead; dropping its sessions and exiting for a fresh id");
+                    worker.fence();
+                    std::process::exit(EXIT_FENCED);
+                }
+                Ok(LeaseRenewal::DirectoryLost) => {
+                    warn!(worker = %worker.id, "directory came back empty; registering again and re-claiming sessions");
+                    self.rebuild(&worker, &lease).await;
+                }
+                Err(e) => {
+                    warn!(worker = %worker.id, error = %e, "lease renewal failed; sessions stay valid until the lease runs out");
+                }
+            }
+        }
+    }
+
+    /// Registers again under the same id after Redis lost its data, and re-claims the
+    /// sessions this worker still holds.
+    async fn rebuild(&self, worker: &Worker, old: &Lease) {
+        let info = worker_info();
+        match self
+            .directory
+            .register_worker(&worker.id, &info, old.addr())
+            .await
+        {
+            Ok(lease) => {
+                let valid_until = lease.valid_until();
+                *lock(&self.lease) = lease;
+                let ids = worker.sessions.ids();
+                match self
+                    .directory
+                    .reclaim_sessions_after_loss(&worker.id, &ids)
+                    .await
+                {
+                    Ok(taken) => {
+                        for sid in taken {
+                            warn!(session = %sid, "session now owned elsewhere; dropping it here");
+                            worker.sessions.remove(&sid);
+                        }
+                        *lock(&self.acts_until) = valid_until - self.margin;
+                        info!(worker = %worker.id, sessions = ids.len(), "directory rebuilt");
+                    }
+                    Err(e) => warn!(error = %e, "re-claiming sessions failed; will retry"),
+                }
+            }
+            Err(DirectoryError::WorkerIdTaken { .. }) => {
+                error!(worker = %worker.id, "another process took this worker id; exiting");
+                worker.fence();
+                std::process::exit(EXIT_FENCED);
+            }
+            Err(e) => warn!(error = %e, "registering again failed; will retry"),
+        }
+    }
+
+    /// Ends the registration on a clean shutdown.
+    pub async fn deregister(&self) {
+        let lease = lock(&self.lease).clone();
+        if let Err(e) = self.directory.deregister(&lease).await {
+            warn!(error = %e, "could not remove this worker's lease");
+        }
+    }
+}
+
+enum ForwardFailure {
+    Refuse(Situation, String),
+    NotOwner,
+}
+
+pub fn worker_info() -> mcpgw_mesh::directory::WorkerInfo {
+    mcpgw_mesh::directory::WorkerInfo {
+        pid: std::process::id(),
+        host: std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .unwrap_or_default()
+            .trim()
+            .to_owned(),
+        started_unix_ms: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+    }
+}
+
+// The guarded values are plain data replaced whole, so a poisoned lock still holds a
+// consistent value.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|e| e.into_inner())
+}

@@ -1,0 +1,212 @@
+//! Both ends of a forwarded request: the caller turns a checked call into a mesh
+//! request frame and the owner's streamed answer back into a reply; the owner turns
+//! the frame back into a call and runs it on its normal local path (never through
+//! the public port).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
+use http_body::Frame;
+use http_body_util::{BodyExt, StreamBody};
+use mcpgw_mesh::transport::{ForwardedResponse, MeshService, PeerInfo, ResponsePart};
+use mcpgw_wire::{ErrorFrame, ErrorKind, RequestFrame, ResponseHead};
+use tracing::{debug, warn};
+
+use crate::body::{BoxError, ReplyBody};
+use crate::exec::Reply;
+use crate::mcp;
+use crate::request::{self, Call};
+use crate::worker::Worker;
+
+/// Builds the mesh request for `call`. The session id travels as a header too, so
+/// the owner parses the request exactly as the edge did.
+pub fn to_frame(call: &Call, request_id: u64, deadline: Duration) -> RequestFrame {
+    let mut headers: Vec<(String, String)> = call
+        .headers
+        .iter()
+        .filter_map(|(k, v)| Some((k.as_str().to_owned(), v.to_str().ok()?.to_owned())))
+        .collect();
+    if let Some(session) = &call.session_id {
+        headers.push((mcp::HEADER_SESSION_ID.to_owned(), session.clone()));
+    }
+    RequestFrame {
+        request_id,
+        session_id: call.session_id.clone(),
+        method: call.method.as_str().to_owned(),
+        path: call.path.clone(),
+        headers,
+        body: call.body.clone(),
+        auth: call.auth.clone(),
+        deadline_ms: u32::try_from(deadline.as_millis()).unwrap_or(u32::MAX),
+    }
+}
+
+/// The owner's answer as a reply for the client: head as sent, body chunks relayed
+/// one by one as they arrive. Dropping the reply (client gone) drops the forwarded
+/// response, which cancels the request at the owner.
+pub fn from_forwarded(response: ForwardedResponse) -> Reply {
+    let head = response.head();
+    let mut headers = HeaderMap::new();
+    for (name, value) in &head.headers {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(value),
+        ) {
+            headers.append(name, value);
+        }
+    }
+    let status = StatusCode::from_u16(head.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let chunks = futures_util::stream::unfold(response, |mut response| async move {
+        match response.next_chunk().await {
+            Some(Ok(chunk)) => Some((Ok(Frame::data(chunk)), response)),
+            Some(Err(e)) => {
+                // The client gets a truncated stream: the truth, since the owner's
+                // answer broke mid-way. Nothing is retried elsewhere.
+                warn!(error = %e, "forwarded response broke mid-stream");
+                Some((Err(BoxError::from(e)), response))
+            }
+            None => None,
+        }
+    });
+    let body: ReplyBody = StreamBody::new(chunks).boxed_unsync();
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// The owner's end of the mesh: serves forwarded requests with this worker.
+pub struct OwnerService(pub Arc<Worker>);
+
+impl MeshService for OwnerService {
+    fn serve(&self, request: RequestFrame, peer: PeerInfo) -> BoxStream<'static, ResponsePart> {
+        serve_stream(Arc::clone(&self.0), request, peer)
+    }
+}
+
+fn serve_stream(
+    worker: Arc<Worker>,
+    request: RequestFrame,
+    peer: PeerInfo,
+) -> BoxStream<'static, ResponsePart> {
+    let deadline = Duration::from_millis(u64::from(request.deadline_ms));
+    let run = async move {
+        let request_id = request.request_id;
+        match serve_forwarded(&worker, request).await {
+            Ok(reply) => reply_parts(reply),
+            Err(frame) => {
+                debug!(request_id, peer = %peer.worker_id, kind = ?frame.kind, "forwarded request refused: {}", frame.message);
+                futures_util::stream::iter([ResponsePart::Error(frame)]).boxed()
+            }
+        }
+    };
+    // The head must come within the deadline; the body may stream on after it.
+    let timed = async move {
+        match tokio::time::timeout(deadline, run).await {
+            Ok(parts) => parts,
+            Err(_) => futures_util::stream::iter([ResponsePart::Error(ErrorFrame {
+                kind: ErrorKind::DeadlineExceeded,
+                message: format!("the owner did not start answering within {deadline:?}"),
+            })])
+            .boxed(),
+        }
+    };
+    futures_util::stream::once(timed).flatten().boxed()
+}
+
+/// Runs a forwarded request exactly as a local one: the same checks, the same path.
+async fn serve_forwarded(worker: &Arc<Worker>, frame: RequestFrame) -> Result<Reply, ErrorFrame> {
+    let malformed = |message: String| ErrorFrame {
+        kind: ErrorKind::Malformed,
+        message,
+    };
+    let method = Method::from_bytes(frame.method.as_bytes())
+        .map_err(|_| malformed(format!("bad HTTP method {:?}", frame.method)))?;
+    let mut headers = HeaderMap::new();
+    for (name, value) in &frame.headers {
+        let name = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| malformed(format!("bad header name {name:?}")))?;
+        let value = HeaderValue::from_str(value)
+            .map_err(|_| malformed(format!("bad value for header {name}")))?;
+        headers.append(name, value);
+    }
+    let checked = request::check_head(&worker.routes, &method, &frame.path, &headers).and_then(
+        |(upstream, era)| {
+            request::parse_call(
+                upstream,
+                era,
+                method,
+                &frame.path,
+                &headers,
+                frame.body,
+                frame.auth,
+            )
+        },
+    );
+    let call = match checked {
+        Ok(call) => call,
+        // The edge ran the same checks; a refusal here is still an answer to relay.
+        Err(error) => return Ok(Reply::from_error(&error)),
+    };
+    let session = match call.session_id.as_deref() {
+        None => None,
+        Some(id) => match worker.sessions.get(id) {
+            Some(session) => Some(session),
+            None => {
+                return Err(ErrorFrame {
+                    kind: ErrorKind::NotOwner,
+                    message: format!("worker {} does not hold session {id}", worker.id),
+                });
+            }
+        },
+    };
+    if session.is_some() && !worker.lease_valid() {
+        return Err(ErrorFrame {
+            kind: ErrorKind::Draining,
+            message: "owner cannot confirm its lease right now".into(),
+        });
+    }
+    Ok(match worker.execute_local(call, session).await {
+        Ok(reply) => reply,
+        Err(error) => Reply::from_error(&error),
+    })
+}
+
+/// Streams a reply as mesh response parts: head, one chunk per body frame, end.
+fn reply_parts(reply: Reply) -> BoxStream<'static, ResponsePart> {
+    let head = ResponsePart::Head(ResponseHead {
+        status: reply.status.as_u16(),
+        headers: reply
+            .headers
+            .iter()
+            .filter_map(|(k, v)| Some((k.as_str().to_owned(), v.to_str().ok()?.to_owned())))
+            .collect(),
+    });
+    let body = futures_util::stream::unfold(Some(reply.body), |body| async move {
+        let mut body = body?;
+        loop {
+            match body.frame().await {
+                None => return Some((ResponsePart::End, None)),
+                Some(Err(e)) => {
+                    let part = ResponsePart::Error(ErrorFrame {
+                        kind: ErrorKind::Internal,
+                        message: format!("upstream stream broke: {e}"),
+                    });
+                    return Some((part, None));
+                }
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        return Some((ResponsePart::Chunk(data), Some(body)));
+                    }
+                }
+            }
+        }
+    });
+    futures_util::stream::once(async move { head })
+        .chain(body)
+        .boxed()
+}

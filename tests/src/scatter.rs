@@ -1,0 +1,133 @@
+//! A scattering load balancer for tests: every HTTP request it receives goes out on a
+//! fresh connection to a randomly chosen backend, and the answer streams back as it
+//! arrives. Behind it, a client's session requests land on every worker, the way an
+//! L4 balancer plus SO_REUSEPORT scatter them in production.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread;
+
+pub struct ScatterProxy {
+    pub addr: String,
+    stop: Arc<AtomicBool>,
+    /// Requests sent to each backend, in the order of `backends`.
+    pub sent: Arc<Vec<AtomicU64>>,
+}
+
+impl ScatterProxy {
+    pub fn start(backends: Vec<String>) -> ScatterProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind scatter proxy");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let stop = Arc::new(AtomicBool::new(false));
+        let sent: Arc<Vec<AtomicU64>> =
+            Arc::new(backends.iter().map(|_| AtomicU64::new(0)).collect());
+        let backends = Arc::new(backends);
+        {
+            let stop = Arc::clone(&stop);
+            let sent = Arc::clone(&sent);
+            thread::spawn(move || {
+                for client in listener.incoming() {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let Ok(client) = client else { continue };
+                    let backends = Arc::clone(&backends);
+                    let sent = Arc::clone(&sent);
+                    thread::spawn(move || serve_client(client, &backends, &sent));
+                }
+            });
+        }
+        ScatterProxy { addr, stop, sent }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}/mcp", self.addr)
+    }
+}
+
+impl Drop for ScatterProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Wake the accept loop so it sees the flag.
+        let _ = TcpStream::connect(&self.addr);
+    }
+}
+
+fn random_index(n: usize) -> usize {
+    let mut bytes = [0u8; 8];
+    let _ = getrandom_fill(&mut bytes);
+    (u64::from_le_bytes(bytes) % n as u64) as usize
+}
+
+fn getrandom_fill(buf: &mut [u8]) -> std::io::Result<()> {
+    std::fs::File::open("/dev/urandom")?.read_exact(buf)
+}
+
+/// Serves the one request of a client connection on a fresh backend connection, then
+/// closes both (the backend's answer says `Connection: close`).
+fn serve_client(client: TcpStream, backends: &[String], sent: &[AtomicU64]) {
+    let _ = client.set_nodelay(true);
+    let Ok(mut writer) = client.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(client);
+    // Read one request head.
+    let mut head = Vec::new();
+    let mut content_length = 0usize;
+    loop {
+        let mut line = String::new();
+        match reader.read_line(&mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let lower = line.to_ascii_lowercase();
+        if let Some(v) = lower.strip_prefix("content-length:") {
+            content_length = v.trim().parse().unwrap_or(0);
+        }
+        if lower.starts_with("connection:") {
+            continue;
+        }
+        if line == "\r\n" || line == "\n" {
+            head.extend_from_slice(b"Connection: close\r\n\r\n");
+            break;
+        }
+        head.extend_from_slice(line.as_bytes());
+    }
+    let mut body = vec![0u8; content_length];
+    if reader.read_exact(&mut body).is_err() {
+        return;
+    }
+    let index = random_index(backends.len());
+    sent[index].fetch_add(1, Ordering::Relaxed);
+    let Ok(mut backend) = TcpStream::connect(&backends[index]) else {
+        let _ = writer.write_all(
+            b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        );
+        return;
+    };
+    let _ = backend.set_nodelay(true);
+    if backend
+        .write_all(&head)
+        .and_then(|_| backend.write_all(&body))
+        .is_err()
+    {
+        return;
+    }
+    // The backend closes after its answer (Connection: close), and its answer says
+    // so, so the client opens a new connection for its next request.
+    let mut buf = [0u8; 16384];
+    loop {
+        match backend.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                if writer.write_all(&buf[..n]).is_err() {
+                    let _ = backend.shutdown(Shutdown::Both);
+                    return;
+                }
+            }
+        }
+    }
+    let _ = writer.shutdown(Shutdown::Both);
+}
