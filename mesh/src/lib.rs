@@ -4,3 +4,9 @@
 #![deny(rust_2018_idioms)]
 
 pub mod directory;
+pub mod transport;
+
+pub use transport::{
+    ForwardedResponse, MeshClient, MeshError, MeshLimits, MeshServer, MeshServerHandle,
+    MeshService, PeerInfo, ResponsePart, TransportKind,
+};

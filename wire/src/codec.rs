@@ -128,6 +128,12 @@ impl MeshCodec {
         self.max_frame
     }
 
+    /// Whether the decoder is still skipping the rest of an oversized frame. A stream
+    /// that ends now ends inside a frame, not cleanly between two.
+    pub fn is_skipping(&self) -> bool {
+        self.discard > 0
+    }
+
     /// Encodes one frame, length prefix included, for transports that move whole
     /// messages (the Redis baseline). Same bytes as the [`Encoder`] produces.
     pub fn encode_frame(&self, frame: &Frame) -> Result<Bytes, WireError> {

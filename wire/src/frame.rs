@@ -49,6 +49,26 @@ pub enum Frame {
     Cancel,
 }
 
+impl Frame {
+    /// Bytes a [`Frame::Chunk`] body adds to its payload (the `u32` enum tag and the
+    /// `u64` length), so a sender can split a payload to fit the maximum frame size.
+    pub const CHUNK_OVERHEAD: usize = 12;
+
+    /// The variant's name, for log lines that must not print request contents.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Frame::Hello { .. } => "Hello",
+            Frame::Welcome { .. } => "Welcome",
+            Frame::Request(_) => "Request",
+            Frame::Head(_) => "Head",
+            Frame::Chunk(_) => "Chunk",
+            Frame::End => "End",
+            Frame::Error(_) => "Error",
+            Frame::Cancel => "Cancel",
+        }
+    }
+}
+
 /// A forwarded client request, already authenticated by the receiving worker.
 #[derive(Debug, Clone, PartialEq, Eq, SchemaWrite, SchemaRead)]
 pub struct RequestFrame {
@@ -68,7 +88,9 @@ pub struct RequestFrame {
     /// the edge decides auth, once).
     pub auth: AuthContext,
     /// Time left for this request in milliseconds, relative so that clock skew
-    /// between hosts does not matter. The owner stops the request when it passes.
+    /// between hosts does not matter. The owner stops the request when it passes;
+    /// `0` means no time is left (the owner refuses it at once), `u32::MAX` is about
+    /// 49 days, for streams meant to stay open.
     pub deadline_ms: u32,
 }
 

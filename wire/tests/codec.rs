@@ -327,3 +327,14 @@ fn truncated_stream_at_eof_is_an_error() {
     let mut buf = BytesMut::from(&wire[..wire.len() - 1]);
     assert!(codec.decode_eof(&mut buf).is_err());
 }
+
+#[test]
+fn chunk_overhead_is_exact() {
+    let codec = MeshCodec::default();
+    for n in [0usize, 1, 1000] {
+        let wire = codec
+            .encode_frame(&Frame::Chunk(Bytes::from(vec![1u8; n])))
+            .expect("fits");
+        assert_eq!(wire.len(), 4 + n + Frame::CHUNK_OVERHEAD);
+    }
+}

@@ -1,0 +1,372 @@
+//! The caller's side, shared by both transports: the peer pool facade, the greeting,
+//! and reading a forwarded response.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::stream::{self, BoxStream, StreamExt};
+use mcpgw_wire::{Frame, MeshCodec, PROTOCOL_VERSION, RequestFrame, ResponseHead};
+use rustls::ClientConfig;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::time::{Instant, timeout, timeout_at};
+
+use super::error::LinkError;
+use super::framed::{FrameReader, FrameWriter};
+use super::{MeshError, MeshLimits, TransportKind, quic, tcp};
+
+/// How long after a request's own deadline the caller still waits for the owner's
+/// answer. The owner stops the request at the deadline and says so; if that answer
+/// does not arrive within this grace, the link is presumed broken.
+pub const CALLER_DEADLINE_GRACE: Duration = Duration::from_secs(2);
+
+/// The caller's side of the mesh: a pool of connections to peers, made on first use
+/// and reused. Cheap to clone; clones share the pool.
+#[derive(Clone)]
+pub struct MeshClient {
+    inner: Arc<ClientInner>,
+}
+
+struct ClientInner {
+    /// The transport and its pool.
+    transport: Transport,
+    /// Encodes requests before any I/O, so a request too large is refused locally.
+    max_frame: usize,
+}
+
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one per client, behind an Arc; boxing would only add an indirection"
+)]
+enum Transport {
+    Quic(quic::QuicClient),
+    Tcp(tcp::TcpClient),
+}
+
+impl fmt::Debug for MeshClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MeshClient")
+            .field("kind", &self.kind())
+            .finish_non_exhaustive()
+    }
+}
+
+impl MeshClient {
+    /// A client for `kind`. `tls` comes from `mcpgw-certs` (our leaf, mesh CA); the
+    /// mesh ALPN is added here. `local_worker_id` is announced in every `Hello`.
+    /// Sockets are opened on first use, so this needs no runtime.
+    pub fn new(
+        kind: TransportKind,
+        tls: Arc<ClientConfig>,
+        local_worker_id: impl Into<String>,
+        limits: MeshLimits,
+    ) -> Result<Self, MeshError> {
+        let mut tls = (*tls).clone();
+        tls.alpn_protocols = vec![super::MESH_ALPN.to_vec()];
+        let tls = Arc::new(tls);
+        let worker_id = local_worker_id.into();
+        let max_frame = limits.max_frame;
+        let transport = match kind {
+            TransportKind::Quic => Transport::Quic(quic::QuicClient::new(tls, worker_id, limits)?),
+            TransportKind::Tcp => Transport::Tcp(tcp::TcpClient::new(tls, worker_id, limits)),
+        };
+        Ok(Self {
+            inner: Arc::new(ClientInner {
+                transport,
+                max_frame,
+            }),
+        })
+    }
+
+    /// The transport this client uses.
+    pub fn kind(&self) -> TransportKind {
+        match self.inner.transport {
+            Transport::Quic(_) => TransportKind::Quic,
+            Transport::Tcp(_) => TransportKind::Tcp,
+        }
+    }
+
+    /// Forwards `request` to the worker `expect_worker_id` at `peer_addr` (`host:port`
+    /// from the directory) and waits for the response head.
+    ///
+    /// Resolves once the owner answered with `Head` (the body follows through
+    /// [`ForwardedResponse::next_chunk`]) or with an error frame
+    /// ([`MeshError::Remote`]). Dropping the future after the request was sent cancels
+    /// it at the owner. A stale pooled connection is replaced transparently, once, as
+    /// long as the request cannot have reached the owner.
+    pub async fn forward(
+        &self,
+        peer_addr: &str,
+        expect_worker_id: &str,
+        request: RequestFrame,
+    ) -> Result<ForwardedResponse, MeshError> {
+        let deadline = Instant::now()
+            + Duration::from_millis(u64::from(request.deadline_ms))
+            + CALLER_DEADLINE_GRACE;
+        let encoded = MeshCodec::new(self.inner.max_frame)
+            .encode_frame(&Frame::Request(Box::new(request)))
+            .map_err(|e| MeshError::RequestTooLarge(e.to_string()))?;
+        let mut exchange = match &self.inner.transport {
+            Transport::Quic(q) => Exchange::Quic(
+                q.send_request(peer_addr, expect_worker_id, &encoded, deadline)
+                    .await?,
+            ),
+            Transport::Tcp(t) => Exchange::Tcp(
+                t.send_request(peer_addr, expect_worker_id, &encoded, deadline)
+                    .await?,
+            ),
+        };
+        let head = read_head(&mut exchange, deadline).await?;
+        Ok(ForwardedResponse {
+            head,
+            exchange,
+            deadline,
+            done: false,
+        })
+    }
+
+    /// Drops pooled connections to `peer_addr`, for when the directory says the worker
+    /// there is gone. Requests in flight on them are not affected.
+    pub fn forget_peer(&self, peer_addr: &str) {
+        match &self.inner.transport {
+            Transport::Quic(q) => q.forget_peer(peer_addr),
+            Transport::Tcp(t) => t.forget_peer(peer_addr),
+        }
+    }
+}
+
+/// A response being relayed from the owner: the head, then body chunks as they come.
+///
+/// Dropping it before the body ended cancels the request at the owner.
+pub struct ForwardedResponse {
+    /// Status and headers, as the owner sent them.
+    head: ResponseHead,
+    /// The stream (QUIC) or pooled connection (TCP) carrying the body.
+    exchange: Exchange,
+    /// When the caller stops waiting (request deadline + grace).
+    deadline: Instant,
+    /// Set once `End`, an error, or a failure ended the body.
+    done: bool,
+}
+
+impl fmt::Debug for ForwardedResponse {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ForwardedResponse")
+            .field("head", &self.head)
+            .field("done", &self.done)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ForwardedResponse {
+    /// The response status and headers.
+    pub fn head(&self) -> &ResponseHead {
+        &self.head
+    }
+
+    /// The next body chunk as soon as the owner sent it; `None` after `End`.
+    ///
+    /// An error ends the body: [`MeshError::Remote`] when the owner reported one
+    /// (e.g. `DeadlineExceeded`), [`MeshError::LostMidResponse`] when the connection
+    /// died, [`MeshError::DeadlineExceeded`] when the owner went silent past the
+    /// deadline. After an error or `End`, returns `None`.
+    pub async fn next_chunk(&mut self) -> Option<Result<Bytes, MeshError>> {
+        if self.done {
+            return None;
+        }
+        let outcome = match timeout_at(self.deadline, self.exchange.next()).await {
+            Err(_) => {
+                // Dropping the exchange below (state Open) cancels at the owner.
+                Some(Err(MeshError::DeadlineExceeded))
+            }
+            Ok(Ok(Some(Frame::Chunk(bytes)))) => return Some(Ok(bytes)),
+            Ok(Ok(Some(Frame::End))) => {
+                self.exchange.set_state(ExState::Clean);
+                None
+            }
+            Ok(Ok(Some(Frame::Error(e)))) => {
+                self.exchange.set_state(ExState::Clean);
+                Some(Err(MeshError::Remote(e)))
+            }
+            Ok(Ok(Some(other))) => {
+                self.exchange.set_state(ExState::Broken);
+                Some(Err(MeshError::Protocol(format!(
+                    "expected a body chunk, got {}",
+                    other.name()
+                ))))
+            }
+            Ok(Ok(None)) => {
+                self.exchange.set_state(ExState::Broken);
+                Some(Err(MeshError::LostMidResponse(
+                    "peer closed the stream before the end of the response".into(),
+                )))
+            }
+            Ok(Err(LinkError::BadFrame(e))) => {
+                self.exchange.set_state(ExState::Broken);
+                Some(Err(MeshError::Protocol(e.to_string())))
+            }
+            Ok(Err(LinkError::Broken { reason, .. })) => {
+                self.exchange.set_state(ExState::Broken);
+                Some(Err(MeshError::LostMidResponse(reason)))
+            }
+        };
+        self.done = true;
+        self.exchange.release();
+        outcome
+    }
+
+    /// The body as a stream of chunks, ending after `End` or after the first error.
+    pub fn into_body_stream(self) -> BoxStream<'static, Result<Bytes, MeshError>> {
+        stream::unfold(self, |mut response| async move {
+            let item = response.next_chunk().await?;
+            Some((item, response))
+        })
+        .boxed()
+    }
+}
+
+/// What the caller knows about an exchange's link when the exchange is dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ExState {
+    /// The response is still running: dropping cancels it at the owner.
+    Open,
+    /// The exchange ended with `End` or `Error`: the link can be reused.
+    Clean,
+    /// The link is unusable.
+    Broken,
+}
+
+/// One request's link: a QUIC stream pair, or a pooled TCP connection.
+pub(crate) enum Exchange {
+    Quic(quic::QuicExchange),
+    Tcp(tcp::TcpExchange),
+}
+
+impl Exchange {
+    async fn next(&mut self) -> Result<Option<Frame>, LinkError> {
+        match self {
+            Exchange::Quic(x) => x.next().await,
+            Exchange::Tcp(x) => x.next().await,
+        }
+    }
+
+    fn set_state(&mut self, state: ExState) {
+        match self {
+            Exchange::Quic(x) => x.state = state,
+            Exchange::Tcp(x) => x.state = state,
+        }
+    }
+
+    /// Gives the link back (pool) or closes it now, instead of when the response is
+    /// dropped: a caller may hold a finished response for a while.
+    fn release(&mut self) {
+        match self {
+            Exchange::Quic(x) => x.release(),
+            Exchange::Tcp(x) => x.release(),
+        }
+    }
+}
+
+/// Waits for the response head; an error frame instead of a head ends the exchange.
+async fn read_head(exchange: &mut Exchange, deadline: Instant) -> Result<ResponseHead, MeshError> {
+    let (state, result) = match timeout_at(deadline, exchange.next()).await {
+        // State stays Open: the caller drops the exchange, which cancels at the owner.
+        Err(_) => return Err(MeshError::DeadlineExceeded),
+        Ok(Ok(Some(Frame::Head(head)))) => return Ok(head),
+        Ok(Ok(Some(Frame::Error(e)))) => (ExState::Clean, MeshError::Remote(e)),
+        Ok(Ok(Some(other))) => (
+            ExState::Broken,
+            MeshError::Protocol(format!("expected a response head, got {}", other.name())),
+        ),
+        Ok(Ok(None)) => (
+            ExState::Broken,
+            MeshError::LostMidResponse("peer closed the stream without answering".into()),
+        ),
+        Ok(Err(LinkError::BadFrame(e))) => (ExState::Broken, MeshError::Protocol(e.to_string())),
+        Ok(Err(LinkError::Broken { reason, .. })) => {
+            (ExState::Broken, MeshError::LostMidResponse(reason))
+        }
+    };
+    exchange.set_state(state);
+    exchange.release();
+    Err(result)
+}
+
+/// Says `Hello` on a fresh link and reads `Welcome`: the real worker id at `addr`.
+pub(crate) async fn greet<R, W>(
+    addr: &str,
+    local_worker_id: &str,
+    expect_worker_id: &str,
+    reader: &mut FrameReader<R>,
+    writer: &mut FrameWriter<W>,
+) -> Result<String, MeshError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let hello = Frame::Hello {
+        version: PROTOCOL_VERSION,
+        worker_id: local_worker_id.to_owned(),
+        expect_worker_id: expect_worker_id.to_owned(),
+    };
+    let connect_err = |reason: String| MeshError::Connect {
+        addr: addr.to_owned(),
+        reason,
+    };
+    // A write failure here is reported by the read that follows, with the TLS alert
+    // that caused it when there is one (TLS 1.3 servers reject client certificates
+    // after the client considers the handshake done).
+    let sent = writer.send(&hello).await;
+    match reader.next().await {
+        Ok(Some(Frame::Welcome { version, worker_id })) => {
+            if version != PROTOCOL_VERSION {
+                return Err(MeshError::VersionMismatch {
+                    addr: addr.to_owned(),
+                    ours: PROTOCOL_VERSION,
+                    theirs: version,
+                });
+            }
+            Ok(worker_id)
+        }
+        Ok(Some(Frame::Error(e))) => Err(connect_err(format!("peer refused the greeting: {e}"))),
+        Ok(Some(other)) => Err(MeshError::Protocol(format!(
+            "expected Welcome, got {}",
+            other.name()
+        ))),
+        Ok(None) => Err(connect_err(match sent {
+            Err(e) => format!("connection closed during the greeting: {e}"),
+            Ok(()) => "peer closed the connection without answering Hello".into(),
+        })),
+        Err(LinkError::Broken {
+            tls: Some(reason), ..
+        }) => Err(MeshError::Tls {
+            addr: addr.to_owned(),
+            reason,
+        }),
+        Err(LinkError::Broken { reason, .. }) => Err(connect_err(reason)),
+        Err(LinkError::BadFrame(e)) => Err(MeshError::Protocol(e.to_string())),
+    }
+}
+
+/// Resolves `host:port` (an IP literal needs no lookup).
+pub(crate) async fn resolve(peer_addr: &str, within: Duration) -> Result<SocketAddr, MeshError> {
+    if let Ok(addr) = peer_addr.parse() {
+        return Ok(addr);
+    }
+    let lookup = timeout(within, tokio::net::lookup_host(peer_addr)).await;
+    let connect_err = |reason: String| MeshError::Connect {
+        addr: peer_addr.to_owned(),
+        reason,
+    };
+    match lookup {
+        Err(_) => Err(MeshError::ConnectTimeout {
+            addr: peer_addr.to_owned(),
+        }),
+        Ok(Err(e)) => Err(connect_err(format!("cannot resolve the address: {e}"))),
+        Ok(Ok(mut addrs)) => addrs
+            .next()
+            .ok_or_else(|| connect_err("the name resolves to no address".into())),
+    }
+}

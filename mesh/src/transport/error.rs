@@ -1,0 +1,202 @@
+//! What can go wrong forwarding a request, sorted by what the gateway may conclude.
+
+use std::io;
+
+use mcpgw_wire::{ErrorFrame, ErrorKind, WireError};
+
+/// Why a forwarded request failed. Each variant says whether the owner is provably
+/// gone, whether the request may have run, and what to do next; see
+/// [`proves_peer_gone`](Self::proves_peer_gone) and
+/// [`may_have_executed`](Self::may_have_executed).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MeshError {
+    /// Nothing listens at the peer's mesh address (TCP reset, ICMP port unreachable):
+    /// proof that the owner process is gone. The request was not sent.
+    #[error("mesh peer {addr} refused the connection: the worker that owned it is gone")]
+    Refused {
+        /// The address dialled.
+        addr: String,
+    },
+    /// The address answered as another worker: proof that the expected worker is gone
+    /// from it. The request was not sent.
+    #[error(
+        "mesh peer {addr} answers as worker {found:?}, not {expected:?}: the expected worker is gone"
+    )]
+    WrongWorker {
+        /// The address dialled.
+        addr: String,
+        /// The worker id the directory gave.
+        expected: String,
+        /// The worker id that answered.
+        found: String,
+    },
+    /// The peer did not complete the connection in time. Not proof of anything: the
+    /// owner may be alive behind a slow or partitioned network. The request was not sent.
+    #[error(
+        "mesh peer {addr} did not complete the connection within the connect timeout: \
+         ownership unknown, retry later"
+    )]
+    ConnectTimeout {
+        /// The address dialled.
+        addr: String,
+    },
+    /// Connecting failed for another reason (no route, reset during the handshake,
+    /// bad address). Not proof. The request was not sent.
+    #[error("cannot connect to mesh peer {addr}: {reason}")]
+    Connect {
+        /// The address dialled.
+        addr: String,
+        /// What failed.
+        reason: String,
+    },
+    /// TLS rejected a certificate, ours or the peer's: a mesh configuration problem
+    /// (wrong CA bundle, expired leaf, missing mesh identity). The request was not sent.
+    #[error("mesh TLS handshake with {addr} failed: {reason}")]
+    Tls {
+        /// The address dialled.
+        addr: String,
+        /// What the handshake rejected, and what to do.
+        reason: String,
+    },
+    /// The peer speaks another mesh protocol version. The request was not sent.
+    #[error(
+        "mesh peer {addr} speaks protocol version {theirs}, this worker {ours}: \
+         run the same mcpgw version on every worker"
+    )]
+    VersionMismatch {
+        /// The address dialled.
+        addr: String,
+        /// Our version.
+        ours: u32,
+        /// The peer's version.
+        theirs: u32,
+    },
+    /// The request does not fit in one mesh frame. It was not sent.
+    #[error("request cannot be forwarded: {0}")]
+    RequestTooLarge(String),
+    /// Every stream or connection to the peer stayed busy until the request's
+    /// deadline. The request was not sent; retry later.
+    #[error("mesh peer {addr} had no free connection or stream before the deadline")]
+    Saturated {
+        /// The address dialled.
+        addr: String,
+    },
+    /// The owner answered with an error frame (for example `NotOwner`, `Busy`,
+    /// `Draining`, `DeadlineExceeded`).
+    #[error("mesh peer answered with an error: {0}")]
+    Remote(ErrorFrame),
+    /// The connection died after the request was sent: its outcome is unknown. Never
+    /// retry it elsewhere; answer "outcome unknown".
+    #[error("mesh connection lost after the request was sent, outcome unknown: {0}")]
+    LostMidResponse(String),
+    /// The request's deadline (plus grace) passed at the caller without an answer from
+    /// the owner; the request was cancelled and its outcome is unknown.
+    #[error("mesh peer did not finish the response before the deadline: outcome unknown")]
+    DeadlineExceeded,
+    /// The peer broke the mesh protocol (unexpected or undecodable frame). If the
+    /// request had been sent, its outcome is unknown.
+    #[error("mesh protocol violation by peer: {0}")]
+    Protocol(String),
+    /// A local socket could not be set up (bind, socket options).
+    #[error("mesh socket setup failed: {0}")]
+    Io(String),
+    /// The TLS config cannot be used for this transport.
+    #[error("mesh TLS config unusable: {0}")]
+    Config(String),
+}
+
+impl MeshError {
+    /// True when the error proves that the expected owner is gone from its address
+    /// (refused, or answered as another worker). Everything else is "unknown".
+    pub fn proves_peer_gone(&self) -> bool {
+        matches!(
+            self,
+            MeshError::Refused { .. } | MeshError::WrongWorker { .. }
+        )
+    }
+
+    /// True when the request may have run at the owner, so it must not be retried
+    /// elsewhere (DESIGN: "forwarded, then the owner died before answering").
+    pub fn may_have_executed(&self) -> bool {
+        match self {
+            MeshError::LostMidResponse(_) | MeshError::DeadlineExceeded => true,
+            MeshError::Protocol(_) => true,
+            MeshError::Remote(frame) => matches!(
+                frame.kind,
+                ErrorKind::DeadlineExceeded | ErrorKind::Cancelled | ErrorKind::Internal
+            ),
+            _ => false,
+        }
+    }
+
+    /// The owner's error frame, if the owner answered with one.
+    pub fn remote(&self) -> Option<&ErrorFrame> {
+        match self {
+            MeshError::Remote(frame) => Some(frame),
+            _ => None,
+        }
+    }
+}
+
+impl From<io::Error> for MeshError {
+    fn from(e: io::Error) -> Self {
+        MeshError::Io(e.to_string())
+    }
+}
+
+/// What a frame reader saw instead of the frame it wanted, in a form both transports
+/// share. `Tls` carries a rustls explanation when the stream died of a TLS alert.
+#[derive(Debug)]
+pub(crate) enum LinkError {
+    /// The stream ended or broke; `tls` is set when a TLS alert is the cause.
+    Broken { reason: String, tls: Option<String> },
+    /// A frame arrived that did not decode or was too large (stream still in sync).
+    BadFrame(WireError),
+}
+
+impl LinkError {
+    pub(crate) fn reason(&self) -> String {
+        match self {
+            LinkError::Broken { reason, .. } => reason.clone(),
+            LinkError::BadFrame(e) => e.to_string(),
+        }
+    }
+}
+
+/// Digs a TLS cause out of an I/O error from tokio-rustls or quinn, in words that say
+/// what to do; `None` when the error is not about TLS.
+pub(crate) fn tls_cause(err: &io::Error) -> Option<String> {
+    let inner = err.get_ref()?;
+    if let Some(tls) = inner.downcast_ref::<rustls::Error>() {
+        return Some(mcpgw_certs::explain_tls_error(tls));
+    }
+    if let Some(quinn::ReadError::ConnectionLost(conn)) = inner.downcast_ref::<quinn::ReadError>() {
+        return quic_tls_cause(conn);
+    }
+    if let Some(quinn::WriteError::ConnectionLost(conn)) = inner.downcast_ref::<quinn::WriteError>()
+    {
+        return quic_tls_cause(conn);
+    }
+    None
+}
+
+/// The TLS cause of a QUIC connection error: a CONNECTION_CLOSE carrying a crypto
+/// error code (0x100 + TLS alert) from the peer, or a local TLS failure.
+pub(crate) fn quic_tls_cause(err: &quinn::ConnectionError) -> Option<String> {
+    let code = match err {
+        quinn::ConnectionError::ConnectionClosed(close) => u64::from(close.error_code),
+        quinn::ConnectionError::TransportError(te) => u64::from(te.code),
+        _ => return None,
+    };
+    if !(0x100..=0x1ff).contains(&code) {
+        return None;
+    }
+    if let quinn::ConnectionError::TransportError(te) = err {
+        // A local failure: the reason is rustls's own text about the peer's certificate.
+        return Some(format!("{}: {}", te.code, te.reason));
+    }
+    let alert = rustls::AlertDescription::from((code & 0xff) as u8);
+    Some(mcpgw_certs::explain_tls_error(
+        &rustls::Error::AlertReceived(alert),
+    ))
+}

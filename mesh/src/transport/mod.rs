@@ -1,0 +1,202 @@
+//! Mesh transports: how a worker forwards a request to the worker that owns its
+//! session, and how the owner serves it.
+//!
+//! Two transports sit behind one interface, chosen by [`TransportKind`]:
+//!
+//! - **QUIC** (quinn): one connection per peer, reused for every request, one
+//!   bidirectional stream per request. Requests never queue behind each other.
+//! - **TCP** (tokio-rustls): a bounded pool of persistent connections per peer, one
+//!   request in flight per connection (like an HTTP/1 pool).
+//!
+//! Both use TLS 1.3 with mutual authentication: the rustls configs come from
+//! `mcpgw-certs` (mesh CA, mesh URI SAN required on both sides); this module only adds
+//! the ALPN protocol [`MESH_ALPN`] and dials with SNI [`mcpgw_certs::MESH_SERVER_NAME`].
+//!
+//! # Protocol
+//!
+//! Frames are `mcpgw-wire` frames. A connection starts with `Hello` → `Welcome` (on
+//! TCP as its first exchange, on QUIC on a first, short-lived stream), which tells the
+//! caller the real worker id behind the address: an address that answers as another
+//! worker is proof that the expected worker is gone ([`MeshError::WrongWorker`]).
+//! Then, per request: `Request` → `Head`, `Chunk`*, `End` | `Error`. Chunks are
+//! written and flushed as the service produces them, so SSE events arrive one by one.
+//!
+//! # Cancellation and deadlines
+//!
+//! Dropping a [`ForwardedResponse`] (or the [`MeshClient::forward`] future) before the
+//! end cancels the request at the owner: QUIC resets and stops the stream; TCP sends
+//! `Cancel` and drains the connection back into the pool (or drops it). The owner
+//! drops the service's response stream, which is how a [`MeshService`] learns of a
+//! cancellation. The owner also stops a request when its `deadline_ms` passes and
+//! answers `Error(DeadlineExceeded)`; the caller gives up [`CALLER_DEADLINE_GRACE`]
+//! later if the owner's answer never comes.
+//!
+//! # Refused or unknown
+//!
+//! The gateway's decision table needs to tell "the owner is gone" (proof) from "the
+//! owner did not answer" (unknown); see [`MeshError::proves_peer_gone`].
+//!
+//! - TCP: a connect to a port nobody listens on fails at once with `ECONNREFUSED`
+//!   ([`MeshError::Refused`]); a silent host runs into [`MeshLimits::connect_timeout`]
+//!   ([`MeshError::ConnectTimeout`]).
+//! - QUIC: quinn ignores ICMP errors, so a dial to a closed UDP port just runs into the
+//!   handshake timeout. To keep the proof, the QUIC dialer probes the address with a
+//!   one-byte datagram from a *connected* UDP socket while the handshake runs: the
+//!   kernel reports the peer's ICMP "port unreachable" on that socket as
+//!   `ECONNREFUSED`, and the dial fails with [`MeshError::Refused`] within
+//!   milliseconds. (A live QUIC endpoint drops a one-byte datagram unread.) Where ICMP
+//!   is filtered, the dial ends in [`MeshError::ConnectTimeout`], which is not proof.
+//!   A peer that dies *after* the connection is up is noticed when the connection's
+//!   idle timeout ([`MeshLimits::idle_timeout`]) expires, or at once if it closed its
+//!   endpoint on the way out.
+
+mod client;
+mod error;
+mod framed;
+mod quic;
+mod server;
+mod tcp;
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::stream::BoxStream;
+use mcpgw_wire::{ErrorFrame, RequestFrame, ResponseHead};
+
+pub use client::{CALLER_DEADLINE_GRACE, ForwardedResponse, MeshClient};
+pub use error::MeshError;
+pub use server::{MeshServer, MeshServerHandle};
+
+/// ALPN protocol id of the mesh. Both transports require it, so a mesh port never
+/// talks to an HTTP client by accident, and a future incompatible protocol can
+/// take `mcpgw-mesh/2`.
+pub const MESH_ALPN: &[u8] = b"mcpgw-mesh/1";
+
+/// Which transport carries mesh traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    /// QUIC over UDP: one connection per peer, one stream per request.
+    Quic,
+    /// TLS over TCP: a pool of connections per peer, one request per connection at a time.
+    Tcp,
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TransportKind::Quic => "quic",
+            TransportKind::Tcp => "tcp",
+        })
+    }
+}
+
+impl FromStr for TransportKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "quic" => Ok(TransportKind::Quic),
+            "tcp" => Ok(TransportKind::Tcp),
+            other => Err(format!(
+                "unknown mesh transport {other:?}: expected \"quic\" or \"tcp\""
+            )),
+        }
+    }
+}
+
+/// Limits of one mesh endpoint (server or client). Defaults serve a first run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MeshLimits {
+    /// Largest frame body, in bytes, sent or accepted. A request body must fit in one
+    /// frame; response bodies are split into chunks of at most this size. Larger
+    /// frames are answered with `Error(TooLarge)`. Memory per in-flight request grows
+    /// with it.
+    pub max_frame: usize,
+    /// Requests one peer may have in flight at this server. QUIC enforces it with
+    /// stream credit (a caller waits for a free stream); TCP answers `Error(Busy)`.
+    pub max_in_flight_per_peer: usize,
+    /// Time to establish a connection: TCP or QUIC handshake, TLS, and `Hello` →
+    /// `Welcome`. Shorter detects a silent peer sooner, but gives up on a slow one.
+    pub connect_timeout: Duration,
+    /// TCP only: connections kept per peer; also the most requests in flight to one
+    /// peer from this client. Each costs a socket and TLS state on both ends.
+    pub tcp_pool_size: usize,
+    /// How long a silent link is trusted. QUIC: the connection's idle timeout, with
+    /// keep-alives every third of it, so only a dead or unreachable peer goes silent
+    /// this long. TCP: keepalive probing starts after this much silence.
+    pub idle_timeout: Duration,
+}
+
+impl Default for MeshLimits {
+    fn default() -> Self {
+        Self {
+            max_frame: mcpgw_wire::DEFAULT_MAX_FRAME,
+            max_in_flight_per_peer: 256,
+            connect_timeout: Duration::from_secs(2),
+            tcp_pool_size: 32,
+            idle_timeout: Duration::from_secs(15),
+        }
+    }
+}
+
+/// Who sent a forwarded request, as the owner sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// The peer's socket address as seen by this server.
+    pub addr: SocketAddr,
+    /// The peer's mesh identity from its certificate's URI SAN, verified by mTLS.
+    pub identity: String,
+    /// The worker id the peer announced in `Hello` (vouched for by its certificate
+    /// only as far as the identity above goes).
+    pub worker_id: String,
+    /// The transport the request came over.
+    pub transport: TransportKind,
+}
+
+/// One piece of a response produced by a [`MeshService`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResponsePart {
+    /// Status and headers; must come first (or be replaced by `Error`).
+    Head(ResponseHead),
+    /// A body chunk; relayed to the caller as soon as it is produced. Chunks larger
+    /// than the maximum frame are split.
+    Chunk(Bytes),
+    /// The response is complete.
+    End,
+    /// The request failed; ends the response (before or after the head).
+    Error(ErrorFrame),
+}
+
+impl ResponsePart {
+    /// The variant's name, for log lines.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ResponsePart::Head(_) => "Head",
+            ResponsePart::Chunk(_) => "Chunk",
+            ResponsePart::End => "End",
+            ResponsePart::Error(_) => "Error",
+        }
+    }
+}
+
+/// The owner's side of forwarding: runs a forwarded request on the owner's normal
+/// local path (DESIGN invariant 3) and streams the response.
+///
+/// The transport enforces the response shape: `Head`, then `Chunk`s, then `End` or
+/// `Error`. A stream that ends without `End` is reported to the caller as
+/// `Error(Internal)`. Dropping the returned stream is how the service learns that
+/// the request was cancelled (caller gone, `Cancel`, deadline, shutdown).
+pub trait MeshService: Send + Sync + 'static {
+    /// Starts serving `request` from `peer`; the stream yields the response parts.
+    fn serve(&self, request: RequestFrame, peer: PeerInfo) -> BoxStream<'static, ResponsePart>;
+}
+
+impl<T: MeshService + ?Sized> MeshService for Arc<T> {
+    fn serve(&self, request: RequestFrame, peer: PeerInfo) -> BoxStream<'static, ResponsePart> {
+        (**self).serve(request, peer)
+    }
+}

@@ -1,0 +1,572 @@
+//! QUIC transport (quinn): one connection per peer, one bidirectional stream per
+//! request.
+//!
+//! The connection's first stream carries `Hello` → `Welcome` and is then finished;
+//! every later stream carries exactly one request exchange. Streams are independent,
+//! so a slow or broken request never delays the others, and a bad frame costs only
+//! its own stream.
+
+use std::collections::HashMap;
+use std::future::pending;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use mcpgw_certs::MESH_SERVER_NAME;
+use mcpgw_wire::Frame;
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use quinn::{Connection, Endpoint, IdleTimeout, RecvStream, SendStream, TransportConfig, VarInt};
+use rustls::pki_types::CertificateDer;
+use tokio::net::UdpSocket;
+use tokio::time::{Instant, timeout, timeout_at};
+use tracing::{debug, warn};
+
+use super::client::{ExState, greet as client_greet, resolve};
+use super::error::{LinkError, quic_tls_cause};
+use super::framed::{FrameReader, FrameWriter, SendError};
+use super::server::{ExchangeEnd, ServerShared, greet as server_greet, serve_next};
+use super::{MeshError, MeshLimits, PeerInfo, TransportKind};
+
+/// Application error code on a stream the caller abandons (reset and stop).
+const CANCEL_CODE: VarInt = VarInt::from_u32(1);
+/// Application error code on a stream the owner abandons (write failed, stopping).
+const ABORT_CODE: VarInt = VarInt::from_u32(2);
+/// Application error code closing a connection whose greeting failed.
+const GREETING_FAILED: VarInt = VarInt::from_u32(3);
+
+fn idle_timeout(limits: &MeshLimits) -> Result<IdleTimeout, MeshError> {
+    IdleTimeout::try_from(limits.idle_timeout)
+        .map_err(|_| MeshError::Config("mesh idle timeout is too large for QUIC".into()))
+}
+
+// ---------------------------------------------------------------- server side
+
+/// Binds the QUIC endpoint and spawns its accept loop.
+pub(crate) fn serve(
+    listen: SocketAddr,
+    tls: Arc<rustls::ServerConfig>,
+    shared: Arc<ServerShared>,
+) -> Result<Endpoint, MeshError> {
+    let crypto = QuicServerConfig::try_from(tls).map_err(|e| {
+        MeshError::Config(format!("server TLS config cannot be used for QUIC: {e}"))
+    })?;
+    let mut transport = TransportConfig::default();
+    // +1: the greeting stream may still hold its credit while the first requests open.
+    let streams =
+        u32::try_from(shared.limits.max_in_flight_per_peer.saturating_add(1)).unwrap_or(u32::MAX);
+    transport
+        .max_concurrent_bidi_streams(VarInt::from_u32(streams))
+        .max_concurrent_uni_streams(VarInt::from_u32(0))
+        .max_idle_timeout(Some(idle_timeout(&shared.limits)?));
+    let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    config.transport_config(Arc::new(transport));
+    // Workers have fixed addresses; a peer's address changing mid-connection is not
+    // something the mesh needs to support.
+    config.migration(false);
+    let endpoint = Endpoint::server(config, listen)?;
+    shared
+        .tracker
+        .spawn(accept_loop(endpoint.clone(), shared.clone()));
+    Ok(endpoint)
+}
+
+async fn accept_loop(endpoint: Endpoint, shared: Arc<ServerShared>) {
+    loop {
+        let incoming = tokio::select! {
+            () = shared.stop.cancelled() => return,
+            incoming = endpoint.accept() => incoming,
+        };
+        let Some(incoming) = incoming else { return };
+        shared.tracker.spawn(connection(incoming, shared.clone()));
+    }
+}
+
+async fn connection(incoming: quinn::Incoming, shared: Arc<ServerShared>) {
+    let remote = incoming.remote_address();
+    let limits = &shared.limits;
+    let conn = match timeout(limits.connect_timeout, incoming).await {
+        Err(_) => {
+            warn!(%remote, "mesh QUIC handshake timed out");
+            return;
+        }
+        Ok(Err(e)) => {
+            let reason = quic_tls_cause(&e).unwrap_or_else(|| e.to_string());
+            warn!(%remote, %reason, "mesh QUIC handshake failed");
+            return;
+        }
+        Ok(Ok(conn)) => conn,
+    };
+    let identity = match peer_identity(&conn) {
+        Ok(identity) => identity,
+        Err(reason) => {
+            warn!(%remote, %reason, "mesh peer has no mesh identity; closing");
+            conn.close(GREETING_FAILED, b"no mesh identity");
+            return;
+        }
+    };
+    let greeting = tokio::select! {
+        () = shared.stop.cancelled() => return,
+        stream = timeout(limits.connect_timeout, conn.accept_bi()) => stream,
+    };
+    let Ok(Ok((send, recv))) = greeting else {
+        debug!(%remote, "mesh peer opened no greeting stream; closing");
+        conn.close(GREETING_FAILED, b"no greeting");
+        return;
+    };
+    let mut reader = FrameReader::new(recv, limits.max_frame);
+    let mut writer = FrameWriter::new(send, limits.max_frame);
+    let Some(worker_id) = server_greet(&shared, remote, &mut reader, &mut writer).await else {
+        let _ = writer.get_mut().finish();
+        // Let the refusal reach the caller: it closes the connection when it has read
+        // it. Closing first would discard the frames still in flight.
+        let _ = timeout(limits.connect_timeout, conn.closed()).await;
+        conn.close(GREETING_FAILED, b"greeting failed");
+        return;
+    };
+    let _ = writer.get_mut().finish();
+    drop((reader, writer));
+    let peer = PeerInfo {
+        addr: remote,
+        identity,
+        worker_id,
+        transport: TransportKind::Quic,
+    };
+    debug!(%remote, peer = %peer.worker_id, identity = %peer.identity, "mesh QUIC peer connected");
+    loop {
+        let stream = tokio::select! {
+            () = shared.stop.cancelled() => {
+                conn.close(VarInt::from_u32(0), b"mesh server stopped");
+                return;
+            }
+            stream = conn.accept_bi() => stream,
+        };
+        match stream {
+            Ok((send, recv)) => {
+                shared
+                    .tracker
+                    .spawn(serve_stream(send, recv, peer.clone(), shared.clone()));
+            }
+            Err(e) => {
+                debug!(%remote, peer = %peer.worker_id, reason = %e, "mesh QUIC connection closed");
+                return;
+            }
+        }
+    }
+}
+
+/// Serves the one request a stream carries.
+async fn serve_stream(
+    send: SendStream,
+    recv: RecvStream,
+    peer: PeerInfo,
+    shared: Arc<ServerShared>,
+) {
+    let mut reader = FrameReader::new(recv, shared.limits.max_frame);
+    let mut writer = FrameWriter::new(send, shared.limits.max_frame);
+    // A large request may take a while to arrive; a stream that sends nothing at all
+    // must not hold a stream slot forever.
+    let wait = shared
+        .limits
+        .idle_timeout
+        .max(shared.limits.connect_timeout);
+    let first = tokio::select! {
+        () = shared.stop.cancelled() => return,
+        first = timeout(wait, reader.next()) => first,
+    };
+    let Ok(first) = first else {
+        warn!(peer = %peer.worker_id, "mesh QUIC stream sent no request in time; reset");
+        let _ = writer.get_mut().reset(ABORT_CODE);
+        return;
+    };
+    match serve_next(&shared, &peer, first, &mut reader, &mut writer).await {
+        Some(ExchangeEnd::Clean) => {
+            let _ = writer.get_mut().finish();
+        }
+        Some(ExchangeEnd::Broken) | None => {
+            let _ = writer.get_mut().reset(ABORT_CODE);
+        }
+    }
+    // Whatever the caller still sends on this stream is not needed.
+    let _ = reader.get_mut().stop(VarInt::from_u32(0));
+}
+
+/// The mesh identity in the peer's certificate (already verified by the TLS layer).
+fn peer_identity(conn: &Connection) -> Result<String, String> {
+    let certs = conn
+        .peer_identity()
+        .and_then(|any| any.downcast::<Vec<CertificateDer<'static>>>().ok())
+        .ok_or("no client certificate")?;
+    let leaf = certs.first().ok_or("empty certificate chain")?;
+    mcpgw_certs::peer_identity(leaf).map_err(|e| e.to_string())
+}
+
+// ---------------------------------------------------------------- client side
+
+/// The QUIC peer pool: one connection per peer address.
+pub(crate) struct QuicClient {
+    /// quinn client config (TLS with ALPN, transport limits).
+    config: quinn::ClientConfig,
+    /// Announced in `Hello`.
+    worker_id: String,
+    /// Timeouts and frame size.
+    limits: MeshLimits,
+    /// Client endpoints by address family ([IPv4, IPv6]), bound on first use to an
+    /// ephemeral port. Separate from the server endpoint so that draining the server
+    /// never closes the connections this worker still forwards over.
+    endpoints: Mutex<[Option<Endpoint>; 2]>,
+    /// Connection slot per peer address, as the directory spells it.
+    peers: Mutex<HashMap<String, Arc<PeerSlot>>>,
+}
+
+/// One peer's connection, made by one task at a time.
+#[derive(Default)]
+struct PeerSlot {
+    state: tokio::sync::Mutex<SlotState>,
+}
+
+#[derive(Default)]
+struct SlotState {
+    /// The live connection, if any.
+    conn: Option<PeerConn>,
+    /// The last failed attempt: callers that were already waiting for it get its
+    /// error instead of dialling again one after another.
+    last_failure: Option<(Instant, MeshError)>,
+}
+
+#[derive(Clone)]
+struct PeerConn {
+    conn: Connection,
+    /// The worker id this connection's `Welcome` named.
+    worker_id: String,
+}
+
+impl QuicClient {
+    pub(crate) fn new(
+        tls: Arc<rustls::ClientConfig>,
+        worker_id: String,
+        limits: MeshLimits,
+    ) -> Result<Self, MeshError> {
+        let crypto = QuicClientConfig::try_from(tls).map_err(|e| {
+            MeshError::Config(format!("client TLS config cannot be used for QUIC: {e}"))
+        })?;
+        let mut transport = TransportConfig::default();
+        transport
+            .max_idle_timeout(Some(idle_timeout(&limits)?))
+            // Keep-alives make silence mean "peer gone", not "nothing to say".
+            .keep_alive_interval(Some(limits.idle_timeout / 3))
+            // Owners never open streams towards callers.
+            .max_concurrent_bidi_streams(VarInt::from_u32(0))
+            .max_concurrent_uni_streams(VarInt::from_u32(0));
+        let mut config = quinn::ClientConfig::new(Arc::new(crypto));
+        config.transport_config(Arc::new(transport));
+        Ok(Self {
+            config,
+            worker_id,
+            limits,
+            endpoints: Mutex::new([None, None]),
+            peers: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub(crate) fn forget_peer(&self, peer_addr: &str) {
+        if let Ok(mut peers) = self.peers.lock() {
+            peers.remove(peer_addr);
+        }
+    }
+
+    fn slot(&self, peer_addr: &str) -> Arc<PeerSlot> {
+        let Ok(mut peers) = self.peers.lock() else {
+            return Arc::default();
+        };
+        peers.entry(peer_addr.to_owned()).or_default().clone()
+    }
+
+    fn endpoint_for(&self, addr: SocketAddr) -> Result<Endpoint, MeshError> {
+        let mut endpoints = self
+            .endpoints
+            .lock()
+            .map_err(|_| MeshError::Io("QUIC endpoint table poisoned".into()))?;
+        let (index, bind): (usize, SocketAddr) = if addr.is_ipv4() {
+            (0, (Ipv4Addr::UNSPECIFIED, 0).into())
+        } else {
+            (1, (Ipv6Addr::UNSPECIFIED, 0).into())
+        };
+        if let Some(endpoint) = &endpoints[index] {
+            return Ok(endpoint.clone());
+        }
+        let endpoint = Endpoint::client(bind)?;
+        endpoints[index] = Some(endpoint.clone());
+        Ok(endpoint)
+    }
+
+    /// The peer's live connection, dialling it if needed.
+    async fn connection(&self, peer_addr: &str, expect: &str) -> Result<PeerConn, MeshError> {
+        let slot = self.slot(peer_addr);
+        let asked = Instant::now();
+        let mut state = slot.state.lock().await;
+        if let Some(pc) = &state.conn {
+            if pc.conn.close_reason().is_none() {
+                return Ok(pc.clone());
+            }
+            state.conn = None;
+        }
+        if let Some((at, err)) = &state.last_failure
+            && *at >= asked
+        {
+            return Err(err.clone());
+        }
+        match self.dial(peer_addr, expect).await {
+            Ok(pc) => {
+                state.conn = Some(pc.clone());
+                state.last_failure = None;
+                Ok(pc)
+            }
+            Err(e) => {
+                state.last_failure = Some((Instant::now(), e.clone()));
+                Err(e)
+            }
+        }
+    }
+
+    /// Forgets `pc` if it is still the peer's current connection.
+    fn invalidate(&self, peer_addr: &str, pc: &PeerConn) {
+        let slot = self.slot(peer_addr);
+        if let Ok(mut state) = slot.state.try_lock()
+            && state
+                .conn
+                .as_ref()
+                .is_some_and(|c| c.conn.stable_id() == pc.conn.stable_id())
+        {
+            state.conn = None;
+        }
+    }
+
+    /// Connects and greets, racing the handshake against a probe that notices at once
+    /// when nothing listens on the peer's UDP port (see the module docs of `transport`).
+    async fn dial(&self, peer_addr: &str, expect: &str) -> Result<PeerConn, MeshError> {
+        let addr = resolve(peer_addr, self.limits.connect_timeout).await?;
+        let endpoint = self.endpoint_for(addr)?;
+        let attempt = async {
+            let connecting = endpoint
+                .connect_with(self.config.clone(), addr, MESH_SERVER_NAME)
+                .map_err(|e| MeshError::Connect {
+                    addr: peer_addr.to_owned(),
+                    reason: e.to_string(),
+                })?;
+            let conn = connecting
+                .await
+                .map_err(|e| connection_error(peer_addr, &e))?;
+            match self.greet(&conn, peer_addr, expect).await {
+                Ok(worker_id) => Ok(PeerConn { conn, worker_id }),
+                Err(e) => {
+                    // A TLS 1.3 server rejects our certificate after our side of the
+                    // handshake is done; the close reason says so.
+                    let e = match (conn.close_reason(), &e) {
+                        (Some(reason), MeshError::Connect { .. } | MeshError::Protocol(_)) => {
+                            connection_error(peer_addr, &reason)
+                        }
+                        _ => e,
+                    };
+                    conn.close(GREETING_FAILED, b"greeting failed");
+                    Err(e)
+                }
+            }
+        };
+        tokio::select! {
+            result = timeout(self.limits.connect_timeout, attempt) => {
+                result.unwrap_or_else(|_| Err(MeshError::ConnectTimeout { addr: peer_addr.to_owned() }))
+            }
+            () = udp_port_refused(addr) => {
+                debug!(%addr, "mesh QUIC peer port unreachable (ICMP): nothing listens there");
+                Err(MeshError::Refused { addr: peer_addr.to_owned() })
+            }
+        }
+    }
+
+    async fn greet(
+        &self,
+        conn: &Connection,
+        peer_addr: &str,
+        expect: &str,
+    ) -> Result<String, MeshError> {
+        let (send, recv) = conn
+            .open_bi()
+            .await
+            .map_err(|e| connection_error(peer_addr, &e))?;
+        let mut writer = FrameWriter::new(send, self.limits.max_frame);
+        let mut reader = FrameReader::new(recv, self.limits.max_frame);
+        let worker_id =
+            client_greet(peer_addr, &self.worker_id, expect, &mut reader, &mut writer).await?;
+        let _ = writer.get_mut().finish();
+        Ok(worker_id)
+    }
+
+    /// Opens a stream to the peer and writes the encoded request on it.
+    pub(crate) async fn send_request(
+        &self,
+        peer_addr: &str,
+        expect: &str,
+        request: &[u8],
+        deadline: Instant,
+    ) -> Result<QuicExchange, MeshError> {
+        let mut retried = false;
+        loop {
+            let pc = self.connection(peer_addr, expect).await?;
+            if pc.worker_id != expect {
+                return Err(MeshError::WrongWorker {
+                    addr: peer_addr.to_owned(),
+                    expected: expect.to_owned(),
+                    found: pc.worker_id.clone(),
+                });
+            }
+            // Waits for stream credit when the owner is at max_in_flight_per_peer.
+            let (send, recv) = match timeout_at(deadline, pc.conn.open_bi()).await {
+                Err(_) => {
+                    return Err(MeshError::Saturated {
+                        addr: peer_addr.to_owned(),
+                    });
+                }
+                Ok(Err(e)) => {
+                    // The connection died before the request left: safe to redial once.
+                    self.invalidate(peer_addr, &pc);
+                    if !retried {
+                        retried = true;
+                        continue;
+                    }
+                    return Err(connection_error(peer_addr, &e));
+                }
+                Ok(Ok(pair)) => pair,
+            };
+            let mut exchange = QuicExchange {
+                writer: FrameWriter::new(send, self.limits.max_frame),
+                reader: FrameReader::new(recv, self.limits.max_frame),
+                state: ExState::Open,
+                released: false,
+            };
+            match exchange.writer.send_encoded(request).await {
+                Ok(()) => return Ok(exchange),
+                // The owner stopped reading: it refused the request (too large,
+                // malformed) and its answer is on the receive side.
+                Err(SendError::Io(e)) if is_stopped(&e) => return Ok(exchange),
+                Err(e) => {
+                    // Not all of the request left, so the owner cannot have run it.
+                    exchange.state = ExState::Broken;
+                    self.invalidate(peer_addr, &pc);
+                    if !retried {
+                        retried = true;
+                        continue;
+                    }
+                    return Err(MeshError::Connect {
+                        addr: peer_addr.to_owned(),
+                        reason: format!("connection lost while sending the request: {e}"),
+                    });
+                }
+            }
+        }
+    }
+}
+
+fn is_stopped(e: &std::io::Error) -> bool {
+    e.get_ref()
+        .and_then(|inner| inner.downcast_ref::<quinn::WriteError>())
+        .is_some_and(|w| matches!(w, quinn::WriteError::Stopped(_)))
+}
+
+/// Sorts a QUIC connection error into the mesh's categories.
+fn connection_error(peer_addr: &str, e: &quinn::ConnectionError) -> MeshError {
+    let addr = peer_addr.to_owned();
+    if let Some(reason) = quic_tls_cause(e) {
+        return MeshError::Tls { addr, reason };
+    }
+    match e {
+        quinn::ConnectionError::TimedOut => MeshError::ConnectTimeout { addr },
+        // The endpoint at that address exists but serves no connections: it was closed
+        // by a worker that stopped (the mesh server refuses only when stopping).
+        quinn::ConnectionError::ConnectionClosed(close)
+            if close.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED =>
+        {
+            MeshError::Refused { addr }
+        }
+        other => MeshError::Connect {
+            addr,
+            reason: other.to_string(),
+        },
+    }
+}
+
+/// Resolves only if the kernel reports that nothing listens on `addr`'s UDP port;
+/// otherwise never resolves.
+///
+/// quinn's socket is unconnected, and Linux reports ICMP errors on UDP only to
+/// connected sockets, so quinn never learns of them. This probe sends one-byte
+/// datagrams (too short to be QUIC; a live endpoint drops them) from a connected
+/// socket, whose `recv` then fails with `ECONNREFUSED` if the host answered "port
+/// unreachable". Resends cover a lost datagram or ICMP rate limiting.
+async fn udp_port_refused(addr: SocketAddr) {
+    let bind: SocketAddr = if addr.is_ipv4() {
+        (Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let Ok(socket) = UdpSocket::bind(bind).await else {
+        return pending().await;
+    };
+    if socket.connect(addr).await.is_err() {
+        return pending().await;
+    }
+    let refused = |e: &std::io::Error| e.kind() == std::io::ErrorKind::ConnectionRefused;
+    let mut wait = Duration::from_millis(25);
+    let mut buf = [0u8; 64];
+    loop {
+        match socket.send(&[0]).await {
+            Err(e) if refused(&e) => return,
+            Err(_) => return pending().await,
+            Ok(_) => {}
+        }
+        match timeout(wait, socket.recv(&mut buf)).await {
+            Ok(Err(e)) if refused(&e) => return,
+            Ok(Err(_)) => return pending().await,
+            // Silence (or a stray datagram): the port may well be live.
+            _ => {}
+        }
+        wait = (wait * 2).min(Duration::from_millis(400));
+    }
+}
+
+/// One request's stream pair, caller side.
+pub(crate) struct QuicExchange {
+    writer: FrameWriter<SendStream>,
+    reader: FrameReader<RecvStream>,
+    pub(crate) state: ExState,
+    /// Set once the streams were finished or cancelled.
+    released: bool,
+}
+
+impl QuicExchange {
+    pub(crate) async fn next(&mut self) -> Result<Option<Frame>, LinkError> {
+        self.reader.next().await
+    }
+
+    /// Finishes the streams as `state` says: a clean end just finishes our side; an
+    /// open or broken exchange resets and stops both, which cancels at the owner.
+    pub(crate) fn release(&mut self) {
+        if std::mem::replace(&mut self.released, true) {
+            return;
+        }
+        match self.state {
+            ExState::Clean => {
+                let _ = self.writer.get_mut().finish();
+            }
+            ExState::Open | ExState::Broken => {
+                let _ = self.writer.get_mut().reset(CANCEL_CODE);
+                let _ = self.reader.get_mut().stop(CANCEL_CODE);
+            }
+        }
+    }
+}
+
+impl Drop for QuicExchange {
+    fn drop(&mut self) {
+        self.release();
+    }
+}

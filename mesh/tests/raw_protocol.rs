@@ -1,0 +1,277 @@
+//! The owner's server against a hand-driven peer that speaks raw frames: bad frames,
+//! wrong versions and misplaced frames get error frames, and never cost the
+//! connection's other work.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::{BufMut, BytesMut};
+use common::*;
+use mcpgw_certs::{MESH_SERVER_NAME, MeshTls};
+use mcpgw_mesh::transport::{MESH_ALPN, MeshLimits, TransportKind};
+use mcpgw_wire::{ErrorKind, Frame, MeshCodec, PROTOCOL_VERSION, WireError};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio_util::codec::Decoder;
+
+/// A peer that writes and reads frames by hand.
+struct Raw<R, W> {
+    r: R,
+    w: W,
+    buf: BytesMut,
+    codec: MeshCodec,
+}
+
+impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Raw<R, W> {
+    fn new(r: R, w: W) -> Self {
+        Self {
+            r,
+            w,
+            buf: BytesMut::new(),
+            codec: MeshCodec::default(),
+        }
+    }
+
+    async fn send(&mut self, frame: &Frame) {
+        let bytes = self.codec.encode_frame(frame).expect("encode");
+        self.send_raw(&bytes).await;
+    }
+
+    async fn send_raw(&mut self, bytes: &[u8]) {
+        self.w.write_all(bytes).await.expect("write");
+        self.w.flush().await.expect("flush");
+    }
+
+    /// The next frame, or `None` at end of stream.
+    async fn next(&mut self) -> Option<Result<Frame, WireError>> {
+        let read = async {
+            loop {
+                match self.codec.decode(&mut self.buf) {
+                    Ok(Some(frame)) => return Some(Ok(frame)),
+                    Err(e) => return Some(Err(e)),
+                    Ok(None) => {}
+                }
+                if self.r.read_buf(&mut self.buf).await.ok()? == 0 {
+                    return None;
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), read)
+            .await
+            .expect("peer answered in time")
+    }
+
+    async fn expect_error(&mut self, kind: ErrorKind) {
+        match self.next().await {
+            Some(Ok(Frame::Error(e))) if e.kind == kind => {}
+            other => panic!("expected Error({kind:?}), got {other:?}"),
+        }
+    }
+
+    /// Reads a whole response: head status, then body until End.
+    async fn expect_response(&mut self) -> (u16, Vec<u8>) {
+        let status = match self.next().await {
+            Some(Ok(Frame::Head(head))) => head.status,
+            other => panic!("expected Head, got {other:?}"),
+        };
+        let mut body = Vec::new();
+        loop {
+            match self.next().await {
+                Some(Ok(Frame::Chunk(c))) => body.extend_from_slice(&c),
+                Some(Ok(Frame::End)) => return (status, body),
+                other => panic!("expected Chunk or End, got {other:?}"),
+            }
+        }
+    }
+}
+
+fn hello(version: u32) -> Frame {
+    Frame::Hello {
+        version,
+        worker_id: "raw-1".into(),
+        expect_worker_id: OWNER.into(),
+    }
+}
+
+/// A frame with a valid length prefix and a body that is no frame.
+fn garbage_frame() -> Vec<u8> {
+    let body = [0xFFu8, 0xFF, 0xFF, 0x7F, 1, 2, 3];
+    let mut out = BytesMut::new();
+    out.put_u32(body.len() as u32);
+    out.extend_from_slice(&body);
+    out.to_vec()
+}
+
+fn request_frame(path: &str, body: &'static str) -> Frame {
+    Frame::Request(Box::new(request(path, body)))
+}
+
+fn client_tls(member: &MeshTls) -> Arc<rustls::ClientConfig> {
+    let mut config = (*member.client_config()).clone();
+    config.alpn_protocols = vec![MESH_ALPN.to_vec()];
+    Arc::new(config)
+}
+
+type TcpRaw = Raw<
+    tokio::io::ReadHalf<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>,
+    tokio::io::WriteHalf<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>,
+>;
+
+async fn tcp_raw(mesh: &Mesh) -> TcpRaw {
+    let tls = client_tls(&mesh.pki.member("raw"));
+    let stream = tokio::net::TcpStream::connect(mesh.server.local_addr())
+        .await
+        .expect("connect");
+    let name = rustls::pki_types::ServerName::try_from(MESH_SERVER_NAME).expect("name");
+    let tls = tokio_rustls::TlsConnector::from(tls)
+        .connect(name, stream)
+        .await
+        .expect("TLS");
+    let (r, w) = tokio::io::split(tls);
+    Raw::new(r, w)
+}
+
+async fn greeted_tcp(mesh: &Mesh) -> TcpRaw {
+    let mut raw = tcp_raw(mesh).await;
+    raw.send(&hello(PROTOCOL_VERSION)).await;
+    match raw.next().await {
+        Some(Ok(Frame::Welcome { version, worker_id })) => {
+            assert_eq!(version, PROTOCOL_VERSION);
+            assert_eq!(worker_id, OWNER);
+        }
+        other => panic!("expected Welcome, got {other:?}"),
+    }
+    raw
+}
+
+async fn within_timeout(test: impl Future<Output = ()>) {
+    tokio::time::timeout(TEST_TIMEOUT, test)
+        .await
+        .expect("test timed out");
+}
+
+#[tokio::test]
+async fn tcp_malformed_frame_gets_an_error_and_the_connection_serves_on() {
+    within_timeout(async {
+        let small = MeshLimits {
+            max_frame: 64 * 1024,
+            ..limits()
+        };
+        let mesh = Mesh::start_with(TransportKind::Tcp, small, limits()).await;
+        let mut raw = greeted_tcp(&mesh).await;
+        raw.send_raw(&garbage_frame()).await;
+        raw.expect_error(ErrorKind::Malformed).await;
+        // A frame that is not a request where a request belongs.
+        raw.send(&Frame::End).await;
+        raw.expect_error(ErrorKind::Malformed).await;
+        // An oversized frame: skipped whole, answered TooLarge.
+        let mut big = BytesMut::new();
+        big.put_u32(100 * 1024);
+        raw.send_raw(&big).await;
+        raw.expect_error(ErrorKind::TooLarge).await;
+        raw.send_raw(&vec![0u8; 100 * 1024]).await;
+        // Still in sync: a real request is served on the same connection.
+        raw.send(&request_frame("/echo", "still here")).await;
+        assert_eq!(raw.expect_response().await, (200, b"still here".to_vec()));
+        assert_eq!(mesh.record.started.load(Ordering::SeqCst), 1);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn tcp_version_mismatch_is_refused_with_both_versions() {
+    within_timeout(async {
+        let mesh = Mesh::start(TransportKind::Tcp).await;
+        let mut raw = tcp_raw(&mesh).await;
+        raw.send(&hello(PROTOCOL_VERSION + 1)).await;
+        match raw.next().await {
+            Some(Ok(Frame::Welcome { version, .. })) => assert_eq!(version, PROTOCOL_VERSION),
+            other => panic!("expected Welcome with the owner's version, got {other:?}"),
+        }
+        raw.expect_error(ErrorKind::VersionMismatch).await;
+        assert!(
+            raw.next().await.is_none(),
+            "the owner closes the connection"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn tcp_request_before_hello_is_refused() {
+    within_timeout(async {
+        let mesh = Mesh::start(TransportKind::Tcp).await;
+        let mut raw = tcp_raw(&mesh).await;
+        raw.send(&request_frame("/echo", "no hello")).await;
+        raw.expect_error(ErrorKind::Malformed).await;
+        assert!(
+            raw.next().await.is_none(),
+            "the owner closes the connection"
+        );
+        assert_eq!(mesh.record.started.load(Ordering::SeqCst), 0);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn quic_bad_streams_do_not_disturb_other_streams() {
+    within_timeout(async {
+        init_tracing();
+        let mesh = Mesh::start(TransportKind::Quic).await;
+        let crypto =
+            quinn::crypto::rustls::QuicClientConfig::try_from(client_tls(&mesh.pki.member("raw")))
+                .expect("QUIC TLS");
+        let endpoint = quinn::Endpoint::client("127.0.0.1:0".parse::<SocketAddr>().expect("addr"))
+            .expect("endpoint");
+        let conn = endpoint
+            .connect_with(
+                quinn::ClientConfig::new(Arc::new(crypto)),
+                mesh.server.local_addr(),
+                MESH_SERVER_NAME,
+            )
+            .expect("connect")
+            .await
+            .expect("handshake");
+        let open = || async {
+            let (send, recv) = conn.open_bi().await.expect("stream");
+            Raw::new(recv, send)
+        };
+
+        let mut greeting = open().await;
+        greeting.send(&hello(PROTOCOL_VERSION)).await;
+        assert!(matches!(
+            greeting.next().await,
+            Some(Ok(Frame::Welcome { .. }))
+        ));
+
+        // A long-running request on its own stream.
+        let mut hanging = open().await;
+        hanging.send(&request_frame("/hang", "")).await;
+        assert!(matches!(hanging.next().await, Some(Ok(Frame::Head(_)))));
+
+        let mut garbage = open().await;
+        garbage.send_raw(&garbage_frame()).await;
+        garbage.expect_error(ErrorKind::Malformed).await;
+
+        let mut oversized = open().await;
+        let mut big = BytesMut::new();
+        big.put_u32(64 << 20);
+        oversized.send_raw(&big).await;
+        oversized.expect_error(ErrorKind::TooLarge).await;
+
+        let mut echo = open().await;
+        echo.send(&request_frame("/echo", "next stream")).await;
+        assert_eq!(echo.expect_response().await, (200, b"next stream".to_vec()));
+
+        // The long-running request was never disturbed...
+        assert_eq!(mesh.record.cancelled.load(Ordering::SeqCst), 0);
+        // ...and a Cancel frame stops it, answered Cancelled.
+        hanging.send(&Frame::Cancel).await;
+        hanging.expect_error(ErrorKind::Cancelled).await;
+        mesh.await_cancelled(1).await;
+    })
+    .await;
+}
