@@ -252,8 +252,9 @@ impl QuicClient {
         let mut transport = TransportConfig::default();
         transport
             .max_idle_timeout(Some(idle_timeout(&limits)?))
-            // Keep-alives make silence mean "peer gone", not "nothing to say".
-            .keep_alive_interval(Some(limits.idle_timeout / 3))
+            // Keep-alives make silence mean "peer gone", not "nothing to say". A zero
+            // idle timeout means "never time out" to QUIC, and needs none.
+            .keep_alive_interval((!limits.idle_timeout.is_zero()).then(|| limits.idle_timeout / 3))
             // Owners never open streams towards callers.
             .max_concurrent_bidi_streams(VarInt::from_u32(0))
             .max_concurrent_uni_streams(VarInt::from_u32(0));

@@ -43,6 +43,9 @@ impl MeshServer {
     ) -> Result<MeshServerHandle, MeshError> {
         let mut tls = (*tls).clone();
         tls.alpn_protocols = vec![super::MESH_ALPN.to_vec()];
+        let mut limits = limits;
+        // Zero would refuse every request; one is the least that serves.
+        limits.max_in_flight_per_peer = limits.max_in_flight_per_peer.max(1);
         let shared = Arc::new(ServerShared {
             kind,
             worker_id: local_worker_id.into(),
