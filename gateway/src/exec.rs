@@ -37,6 +37,13 @@ impl Reply {
     }
 }
 
+/// The worker that executed the request (the session's owner). With
+/// [`HEADER_EDGE_WORKER`] it shows clients and benchmarks whether a request was
+/// forwarded. Worker ids are not secret: they are in every session id.
+pub const HEADER_OWNER_WORKER: &str = "mcpgw-owner-worker";
+/// The worker that received the request from the client.
+pub const HEADER_EDGE_WORKER: &str = "mcpgw-edge-worker";
+
 const ACCEPT_BOTH: HeaderValue = HeaderValue::from_static("application/json, text/event-stream");
 
 impl Worker {
@@ -47,12 +54,16 @@ impl Worker {
         call: Call,
         session: Option<Arc<Session>>,
     ) -> Result<Reply, GatewayError> {
-        match (call.era, session) {
+        let mut reply = match (call.era, session) {
             (Era::Modern, _) => self.pass_through(call).await,
             (Era::Legacy, None) if call.is_initialize() => self.open_session(call).await,
             (Era::Legacy, None) => Err(GatewayError::session_not_found().with_id(call.id())),
             (Era::Legacy, Some(session)) => self.run_in_session(call, session).await,
-        }
+        }?;
+        reply
+            .headers
+            .insert(HEADER_OWNER_WORKER, self.id_header.clone());
+        Ok(reply)
     }
 
     /// 2026-07-28: no session; the request goes upstream as it came.

@@ -294,10 +294,7 @@ enum ForwardFailure {
 pub fn worker_info() -> mcpgw_mesh::directory::WorkerInfo {
     mcpgw_mesh::directory::WorkerInfo {
         pid: std::process::id(),
-        host: std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .unwrap_or_default()
-            .trim()
-            .to_owned(),
+        host: crate::serve::hostname(),
         started_unix_ms: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)

@@ -131,7 +131,11 @@ async fn handle(worker: Arc<Worker>, request: Request<Incoming>) -> Response<Rep
             Reply::from_error(&error)
         }
     };
-    into_response(reply)
+    let mut response = into_response(reply);
+    response
+        .headers_mut()
+        .insert(crate::exec::HEADER_EDGE_WORKER, worker.id_header.clone());
+    response
 }
 
 type Refusal = (GatewayError, http::Method, String);

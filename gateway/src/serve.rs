@@ -31,6 +31,15 @@ pub fn run(config: Config) -> ExitCode {
 /// The hidden `mcpgw worker` command: one worker process of a supervised fleet, with
 /// the configuration the supervisor validated and the id it chose.
 pub fn run_worker_process() -> ExitCode {
+    // A worker never outlives its supervisor: if the supervisor dies (even by
+    // SIGKILL), the kernel sends SIGTERM and the worker drains and exits.
+    if let Err(e) = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM) {
+        eprintln!("mcpgw worker: cannot follow the supervisor's lifetime: {e}");
+    }
+    if nix::unistd::getppid() == nix::unistd::Pid::from_raw(1) {
+        eprintln!("mcpgw worker: the supervisor is already gone; exiting");
+        return ExitCode::FAILURE;
+    }
     let slot = (|| {
         let config = std::env::var(supervisor::ENV_WORKER_CONFIG).ok()?;
         let config: Config = serde_json::from_str(&config).ok()?;
@@ -38,7 +47,9 @@ pub fn run_worker_process() -> ExitCode {
             .ok()?
             .parse()
             .ok()?;
-        let id = std::env::var(supervisor::ENV_WORKER_ID_ASSIGNED).ok()?;
+        let id = std::env::var(supervisor::ENV_WORKER_ID_ASSIGNED)
+            .ok()
+            .unwrap_or_else(generate_worker_id);
         Some((config, Slot { index, id }))
     })();
     match slot {
@@ -293,9 +304,7 @@ pub async fn wait_for_signal() {
 
 /// `host-pid-random`: readable in logs, unique across hosts and restarts.
 pub fn generate_worker_id() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .unwrap_or_default()
-        .trim()
+    let host = hostname()
         .chars()
         .filter(|c| c.is_ascii_alphanumeric() || *c == '-')
         .take(24)
@@ -314,4 +323,12 @@ pub fn generate_worker_id() -> String {
         random[1],
         random[2]
     )
+}
+
+/// This host's (container's) name, for worker ids and the lease's host field.
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
 }

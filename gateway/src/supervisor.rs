@@ -15,13 +15,13 @@ use tokio::sync::{mpsc, watch};
 use tracing::{error, info, warn};
 
 use crate::config::Config;
-use crate::serve::{generate_worker_id, wait_for_signal};
+use crate::serve::wait_for_signal;
 
 /// Environment variable carrying the resolved configuration to a worker process.
 pub const ENV_WORKER_CONFIG: &str = "MCPGW_WORKER_CONFIG";
 /// The worker's slot (0..N): picks its mesh port.
 pub const ENV_WORKER_INDEX: &str = "MCPGW_WORKER_INDEX";
-/// The worker id the supervisor chose for the process.
+/// A fixed worker id for the process (otherwise it generates its own).
 pub const ENV_WORKER_ID_ASSIGNED: &str = "MCPGW_WORKER_ID_ASSIGNED";
 
 /// What a worker prints on stdout once it serves.
@@ -180,16 +180,25 @@ fn spawn_worker(
 ) -> std::io::Result<u32> {
     let exe = std::env::current_exe()?;
     let serialized = serde_json::to_string(config.as_ref()).map_err(std::io::Error::other)?;
-    let worker_id = match &config.fleet.worker_id {
-        Some(fixed) if generation == 0 => fixed.clone(),
-        Some(fixed) => format!("{fixed}-r{generation}"),
-        None => generate_worker_id(),
-    };
-    let mut child: Child = Command::new(exe)
+    let mut command = Command::new(exe);
+    command
         .arg("worker")
         .env(ENV_WORKER_CONFIG, serialized)
-        .env(ENV_WORKER_INDEX, slot.to_string())
-        .env(ENV_WORKER_ID_ASSIGNED, &worker_id)
+        .env(ENV_WORKER_INDEX, slot.to_string());
+    // A fixed id (tests, debugging) is passed on; otherwise each worker names itself
+    // after its own pid, so a replacement always gets a new id.
+    match &config.fleet.worker_id {
+        Some(fixed) if generation == 0 => {
+            command.env(ENV_WORKER_ID_ASSIGNED, fixed);
+        }
+        Some(fixed) => {
+            command.env(ENV_WORKER_ID_ASSIGNED, format!("{fixed}-r{generation}"));
+        }
+        None => {
+            command.env_remove(ENV_WORKER_ID_ASSIGNED);
+        }
+    }
+    let mut child: Child = command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

@@ -18,6 +18,8 @@ use crate::upstream::{HttpUpstream, Upstream};
 pub struct Worker {
     /// This process's worker id: unique in the fleet, embedded in the session ids it mints.
     pub id: String,
+    /// `id` as a header value, made once.
+    pub id_header: http::HeaderValue,
     pub config: Arc<Config>,
     pub routes: Routes,
     /// One client per configured upstream, indexed like `config.upstreams`.
@@ -43,8 +45,16 @@ impl Worker {
             .map_err(|e| {
                 GatewayError::gateway(StatusCode::INTERNAL_SERVER_ERROR, "config", e.to_string())
             })?;
+        let id_header = http::HeaderValue::from_str(&id).map_err(|_| {
+            GatewayError::gateway(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "config",
+                format!("worker id {id:?} is not a valid header value"),
+            )
+        })?;
         Ok(Arc::new(Worker {
             id,
+            id_header,
             routes: Routes::new(&config),
             upstreams,
             config,

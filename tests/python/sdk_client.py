@@ -7,6 +7,7 @@ usage: sdk_client.py URL MODE SCENARIO
     counter  counter_increment twice in one session, then once in a second session
     stream   slow_stream with a progress callback; times of each progress and the result
     notes    add_note twice then list_notes (the SDK-built upstream's stateful tool)
+    fleet    counter_increment 20 times, tools/list, then slow_stream
 """
 
 import asyncio
@@ -65,7 +66,27 @@ async def notes(url, mode):
     return {"mine": mine, "theirs": theirs}
 
 
-SCENARIOS = {"basic": basic, "counter": counter, "stream": stream, "notes": notes}
+async def fleet(url, mode):
+    """Many calls in one session, then a stream: behind a scattering balancer every
+    request may land on another worker."""
+    start = time.monotonic()
+    progress_at = []
+
+    async def on_progress(progress, total, message):
+        progress_at.append(round((time.monotonic() - start) * 1000, 1))
+
+    async with mcp.Client(url, mode=mode) as client:
+        values = [text_of(await client.call_tool("counter_increment", {})) for _ in range(20)]
+        tools = await client.list_tools()
+        start = time.monotonic()
+        result = await client.call_tool(
+            "slow_stream", {"count": 10, "interval_ms": 100}, progress_callback=on_progress)
+        result_at = round((time.monotonic() - start) * 1000, 1)
+    return {"values": values, "tools": len(tools.tools), "progress_ms": progress_at,
+            "result_ms": result_at, "text": text_of(result)}
+
+
+SCENARIOS = {"basic": basic, "counter": counter, "stream": stream, "notes": notes, "fleet": fleet}
 
 if __name__ == "__main__":
     url, mode, scenario = sys.argv[1:4]

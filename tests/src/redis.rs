@@ -54,7 +54,7 @@ impl RedisServer {
             if let Ok(Some(_)) = self.process.try_wait() {
                 return false;
             }
-            if self.try_command(&["PING"]).is_some_and(|r| r == "+PONG") {
+            if self.try_command(&["PING"]).is_some_and(|r| r == "PONG") {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -62,13 +62,54 @@ impl RedisServer {
         false
     }
 
-    /// Runs one command and returns the first reply line (simple RESP only).
+    /// Runs one command; simple and bulk replies come back as their text, integers as
+    /// decimal, arrays as their elements joined by newlines.
     pub fn command(&self, args: &[&str]) -> String {
-        self.try_command(args)
-            .unwrap_or_else(|| panic!("redis command {args:?} failed"))
+        match self.query(args) {
+            Some(Resp::Text(text)) => text,
+            Some(Resp::Nil) => String::new(),
+            Some(Resp::Array(items)) => items
+                .into_iter()
+                .filter_map(|item| match item {
+                    Resp::Text(text) => Some(text),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+                .join("\n"),
+            None => panic!("redis command {args:?} failed"),
+        }
+    }
+
+    /// Keys matching `pattern` (KEYS: fine for a test Redis).
+    pub fn keys(&self, pattern: &str) -> Vec<String> {
+        match self.query(&["KEYS", pattern]) {
+            Some(Resp::Array(items)) => items
+                .into_iter()
+                .filter_map(|item| match item {
+                    Resp::Text(text) => Some(text),
+                    _ => None,
+                })
+                .collect(),
+            other => panic!("KEYS {pattern}: unexpected reply {other:?}"),
+        }
+    }
+
+    /// The value of a string key.
+    pub fn get(&self, key: &str) -> Option<String> {
+        match self.query(&["GET", key]) {
+            Some(Resp::Text(text)) => Some(text),
+            _ => None,
+        }
     }
 
     fn try_command(&self, args: &[&str]) -> Option<String> {
+        match self.query(args)? {
+            Resp::Text(text) => Some(text),
+            _ => Some(String::new()),
+        }
+    }
+
+    fn query(&self, args: &[&str]) -> Option<Resp> {
         let mut stream = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
         stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
         let mut request = format!("*{}\r\n", args.len());
@@ -76,29 +117,7 @@ impl RedisServer {
             request.push_str(&format!("${}\r\n{arg}\r\n", arg.len()));
         }
         stream.write_all(request.as_bytes()).ok()?;
-        let mut reader = BufReader::new(stream);
-        let mut line = String::new();
-        reader.read_line(&mut line).ok()?;
-        let line = line.trim_end().to_owned();
-        if let Some(len) = line.strip_prefix('$') {
-            let len: i64 = len.parse().ok()?;
-            if len < 0 {
-                return Some(String::new());
-            }
-            let mut value = String::new();
-            reader.read_line(&mut value).ok()?;
-            return Some(value.trim_end().to_owned());
-        }
-        if line.starts_with('*') {
-            // Arrays: return the raw rest for the caller to inspect.
-            let mut all = line.clone();
-            let mut rest = String::new();
-            while reader.read_line(&mut rest).ok()? > 0 {}
-            all.push('\n');
-            all.push_str(&rest);
-            return Some(all);
-        }
-        Some(line)
+        read_resp(&mut BufReader::new(stream))
     }
 
     /// `INFO commandstats` as (command, calls) pairs.
@@ -143,6 +162,46 @@ impl RedisServer {
 
     pub fn pid(&self) -> u32 {
         self.process.id()
+    }
+}
+
+/// A RESP reply, as much of it as tests need.
+#[derive(Debug)]
+enum Resp {
+    Text(String),
+    Nil,
+    Array(Vec<Resp>),
+}
+
+fn read_resp(reader: &mut impl BufRead) -> Option<Resp> {
+    let mut line = String::new();
+    reader.read_line(&mut line).ok()?;
+    let line = line.trim_end_matches(['\r', '\n']);
+    let (kind, rest) = line.split_at_checked(1)?;
+    match kind {
+        "+" | ":" => Some(Resp::Text(rest.to_owned())),
+        "-" => Some(Resp::Text(format!("-{rest}"))),
+        "$" => {
+            let len: i64 = rest.parse().ok()?;
+            if len < 0 {
+                return Some(Resp::Nil);
+            }
+            let mut data = vec![0u8; len as usize + 2];
+            std::io::Read::read_exact(reader, &mut data).ok()?;
+            data.truncate(len as usize);
+            Some(Resp::Text(String::from_utf8_lossy(&data).into_owned()))
+        }
+        "*" => {
+            let len: i64 = rest.parse().ok()?;
+            if len < 0 {
+                return Some(Resp::Nil);
+            }
+            (0..len)
+                .map(|_| read_resp(reader))
+                .collect::<Option<Vec<_>>>()
+                .map(Resp::Array)
+        }
+        _ => None,
     }
 }
 

@@ -122,7 +122,6 @@ impl MeshClient {
         Ok(ForwardedResponse {
             head,
             exchange,
-            deadline,
             done: false,
         })
     }
@@ -145,8 +144,6 @@ pub struct ForwardedResponse {
     head: ResponseHead,
     /// The stream (QUIC) or pooled connection (TCP) carrying the body.
     exchange: Exchange,
-    /// When the caller stops waiting (request deadline + grace).
-    deadline: Instant,
     /// Set once `End`, an error, or a failure ended the body.
     done: bool,
 }
@@ -169,45 +166,43 @@ impl ForwardedResponse {
     /// The next body chunk as soon as the owner sent it; `None` after `End`.
     ///
     /// An error ends the body: [`MeshError::Remote`] when the owner reported one
-    /// (e.g. `DeadlineExceeded`), [`MeshError::LostMidResponse`] when the connection
-    /// died, [`MeshError::DeadlineExceeded`] when the owner went silent past the
-    /// deadline. After an error or `End`, returns `None`.
+    /// (e.g. `Internal`), [`MeshError::LostMidResponse`] when the connection died.
+    /// After an error or `End`, returns `None`.
     pub async fn next_chunk(&mut self) -> Option<Result<Bytes, MeshError>> {
         if self.done {
             return None;
         }
-        let outcome = match timeout_at(self.deadline, self.exchange.next()).await {
-            Err(_) => {
-                // Dropping the exchange below (state Open) cancels at the owner.
-                Some(Err(MeshError::DeadlineExceeded))
-            }
-            Ok(Ok(Some(Frame::Chunk(bytes)))) => return Some(Ok(bytes)),
-            Ok(Ok(Some(Frame::End))) => {
+        // No deadline here: the request's deadline bounds the time to the head; a
+        // stream then runs as long as the owner produces it. A dead owner is noticed
+        // by the link (QUIC idle timeout with keep-alives, TCP keepalive).
+        let outcome = match self.exchange.next().await {
+            Ok(Some(Frame::Chunk(bytes))) => return Some(Ok(bytes)),
+            Ok(Some(Frame::End)) => {
                 self.exchange.set_state(ExState::Clean);
                 None
             }
-            Ok(Ok(Some(Frame::Error(e)))) => {
+            Ok(Some(Frame::Error(e))) => {
                 self.exchange.set_state(ExState::Clean);
                 Some(Err(MeshError::Remote(e)))
             }
-            Ok(Ok(Some(other))) => {
+            Ok(Some(other)) => {
                 self.exchange.set_state(ExState::Broken);
                 Some(Err(MeshError::Protocol(format!(
                     "expected a body chunk, got {}",
                     other.name()
                 ))))
             }
-            Ok(Ok(None)) => {
+            Ok(None) => {
                 self.exchange.set_state(ExState::Broken);
                 Some(Err(MeshError::LostMidResponse(
                     "peer closed the stream before the end of the response".into(),
                 )))
             }
-            Ok(Err(LinkError::BadFrame(e))) => {
+            Err(LinkError::BadFrame(e)) => {
                 self.exchange.set_state(ExState::Broken);
                 Some(Err(MeshError::Protocol(e.to_string())))
             }
-            Ok(Err(LinkError::Broken { reason, .. })) => {
+            Err(LinkError::Broken { reason, .. }) => {
                 self.exchange.set_state(ExState::Broken);
                 Some(Err(MeshError::LostMidResponse(reason)))
             }

@@ -352,11 +352,27 @@ where
 
     let mut response = shared.service.serve(request, peer.clone());
     let mut head_sent = false;
+    // The deadline bounds the time to the head. After it, a stream (SSE, a session's
+    // GET stream) runs as long as the service produces it and the caller reads it;
+    // each send is bounded by `stall` so a caller that stops reading cannot hold it.
+    let stall = shared.limits.idle_timeout;
     loop {
+        let head_deadline = async {
+            if head_sent {
+                std::future::pending::<()>().await
+            } else {
+                sleep_until(deadline).await
+            }
+        };
+        let send_by = if head_sent {
+            Instant::now() + stall
+        } else {
+            deadline
+        };
         tokio::select! {
             biased;
             () = shared.stop.cancelled() => return ExchangeEnd::Broken,
-            () = sleep_until(deadline) => {
+            () = head_deadline => {
                 drop(response);
                 debug!(request_id, peer = %peer.worker_id, "mesh request deadline passed; stopped");
                 let frame = refuse(ErrorKind::DeadlineExceeded, "the request's deadline passed at the owner".into());
@@ -385,7 +401,7 @@ where
                         error_for(&e)
                     }
                 };
-                return finish(writer, &frame, deadline).await;
+                return finish(writer, &frame, send_by).await;
             }
             part = response.next() => {
                 let step = match part {
@@ -394,24 +410,24 @@ where
                         send(writer, &Frame::Head(head), deadline).await
                     }
                     Some(ResponsePart::Chunk(bytes)) if head_sent => {
-                        send_chunk(writer, bytes, deadline).await
+                        send_chunk(writer, bytes, send_by).await
                     }
                     Some(ResponsePart::End) if head_sent => {
-                        return finish(writer, &Frame::End, deadline).await;
+                        return finish(writer, &Frame::End, send_by).await;
                     }
                     Some(ResponsePart::Error(e)) => {
-                        return finish(writer, &Frame::Error(e), deadline).await;
+                        return finish(writer, &Frame::Error(e), send_by).await;
                     }
                     Some(other) => {
                         warn!(request_id, part = other.name(), head_sent,
                             "mesh service produced a response out of order (Head, Chunk*, End)");
                         let frame = refuse(ErrorKind::Internal, "owner produced a malformed response".into());
-                        return finish(writer, &frame, deadline).await;
+                        return finish(writer, &frame, send_by).await;
                     }
                     None => {
                         warn!(request_id, "mesh service ended a response without End");
                         let frame = refuse(ErrorKind::Internal, "owner ended the response without End".into());
-                        return finish(writer, &frame, deadline).await;
+                        return finish(writer, &frame, send_by).await;
                     }
                 };
                 match step {

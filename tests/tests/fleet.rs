@@ -1,0 +1,445 @@
+//! The fleet: two supervisors × two workers sharing one real Redis, requests scattered
+//! over all workers, forwarded over mutually authenticated QUIC or TCP.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use mcpgw_tests::fleet::{MeshCerts, SupervisorSpec, start_supervisor};
+use mcpgw_tests::http::{self, call_tool, initialize, mcp_headers};
+use mcpgw_tests::{Gateway, RedisServer, ScatterProxy, Upstream, run_python};
+use serde_json::json;
+
+struct TestFleet {
+    redis: RedisServer,
+    upstream: Upstream,
+    _certs: MeshCerts,
+    a: Gateway,
+    b: Gateway,
+}
+
+fn start_fleet(transport: &str, extra: &[&str]) -> TestFleet {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start();
+    let certs = MeshCerts::create(&["host-a", "host-b"]);
+    let redis_url = redis.url();
+    let spec = |member| SupervisorSpec {
+        redis_url: &redis_url,
+        upstream_url: &upstream.url,
+        workers: 2,
+        transport,
+        certs: &certs,
+        member,
+        extra,
+    };
+    let a = start_supervisor(&spec("host-a"));
+    let b = start_supervisor(&spec("host-b"));
+    TestFleet {
+        redis,
+        upstream,
+        _certs: certs,
+        a,
+        b,
+    }
+}
+
+/// Worker leases in the directory: id → (pid, mesh address).
+fn leases(redis: &RedisServer) -> HashMap<String, (u64, String)> {
+    redis
+        .keys("mcpgw:worker:*")
+        .into_iter()
+        .filter_map(|key| {
+            let id = key.strip_prefix("mcpgw:worker:")?.to_owned();
+            let lease: serde_json::Value = serde_json::from_str(&redis.get(&key)?).ok()?;
+            let addr = redis.get(&format!("mcpgw:worker_addr:{id}"))?;
+            Some((id, (lease["pid"].as_u64()?, addr)))
+        })
+        .collect()
+}
+
+fn tool_text(response: &http::Response) -> String {
+    response
+        .messages()
+        .iter()
+        .find_map(|m| {
+            m["result"]["content"][0]["text"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "no tool result: {}",
+                String::from_utf8_lossy(&response.body)
+            )
+        })
+}
+
+fn forwarding_suite(transport: &str) {
+    let fleet = start_fleet(transport, &[]);
+    let proxy = ScatterProxy::start(vec![fleet.a.addr.clone(), fleet.b.addr.clone()]);
+
+    // The official SDK client, every request on a fresh connection to a random port.
+    let out = run_python("sdk_client.py", &[&proxy.url(), "legacy", "fleet"]);
+    let expected: Vec<String> = (1..=20).map(|i| i.to_string()).collect();
+    assert_eq!(
+        out["values"],
+        json!(expected),
+        "{transport}: one session's counter, in order"
+    );
+    let progress: Vec<f64> = out["progress_ms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v.as_f64())
+        .collect();
+    assert_eq!(
+        progress.len(),
+        10,
+        "{transport}: every progress event arrives"
+    );
+    let result_ms = out["result_ms"].as_f64().unwrap();
+    eprintln!("{transport}: progress at {progress:?} ms, result at {result_ms} ms");
+    assert!(
+        result_ms - progress[0] >= 500.0,
+        "{transport}: the stream is relayed incrementally"
+    );
+    let sent: Vec<u64> = proxy
+        .sent
+        .iter()
+        .map(|n| n.load(std::sync::atomic::Ordering::Relaxed))
+        .collect();
+    assert!(
+        sent.iter().all(|&n| n > 0),
+        "both ports got requests: {sent:?}"
+    );
+
+    // A stream that provably crossed the mesh arrives event by event.
+    let session = initialize(&fleet.a.addr, "/mcp");
+    let body = json!({
+        "jsonrpc": "2.0", "id": 5, "method": "tools/call",
+        "params": {"name": "slow_stream", "arguments": {"count": 10, "interval_ms": 100},
+                   "_meta": {"progressToken": "t"}},
+    })
+    .to_string();
+    // host-b's workers never hold a session initialized on host-a: this crosses the mesh.
+    let start = Instant::now();
+    let mut arrivals = Vec::new();
+    let response = http::request_raw(
+        &fleet.b.addr,
+        "POST",
+        "/mcp",
+        &mcp_headers(Some(&session)),
+        body.as_bytes(),
+        |chunk| {
+            for _ in 0..String::from_utf8_lossy(chunk).matches("data:").count() {
+                arrivals.push(start.elapsed());
+            }
+        },
+    );
+    assert_eq!(response.status, 200);
+    let edge = response.header("mcpgw-edge-worker").unwrap_or_default();
+    let owner = response.header("mcpgw-owner-worker").unwrap_or_default();
+    assert!(
+        !owner.is_empty() && owner != edge,
+        "host-b's port never holds host-a's session"
+    );
+    assert_eq!(arrivals.len(), 11);
+    assert!(
+        arrivals[10] - arrivals[0] >= Duration::from_millis(500),
+        "{transport}: forwarded events arrive as produced: {arrivals:?}"
+    );
+}
+
+#[test]
+fn forwarding_over_quic() {
+    forwarding_suite("quic");
+}
+
+#[test]
+fn forwarding_over_tcp() {
+    forwarding_suite("tcp");
+}
+
+#[test]
+fn every_worker_id_is_unique_and_its_own_process() {
+    let fleet = start_fleet("quic", &[]);
+    let leases = leases(&fleet.redis);
+    assert_eq!(leases.len(), 4, "four workers registered: {leases:?}");
+    let pids: HashSet<u64> = leases.values().map(|(pid, _)| *pid).collect();
+    assert_eq!(pids.len(), 4, "four distinct processes");
+    let addrs: HashSet<&String> = leases.values().map(|(_, addr)| addr).collect();
+    assert_eq!(addrs.len(), 4, "four distinct mesh endpoints");
+    for pid in pids {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        assert!(
+            cmdline.contains("mcpgw worker"),
+            "pid {pid} is a worker: {cmdline:?}"
+        );
+    }
+}
+
+#[test]
+fn a_worker_id_already_leased_refuses_to_start() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start();
+    let certs = MeshCerts::create(&["host-a"]);
+    let redis_url = redis.url();
+    let spec = SupervisorSpec {
+        redis_url: &redis_url,
+        upstream_url: &upstream.url,
+        workers: 1,
+        transport: "quic",
+        certs: &certs,
+        member: "host-a",
+        extra: &["--worker-id", "fixed-1"],
+    };
+    let _first = start_supervisor(&spec);
+    let mut args = vec![
+        "serve".to_string(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--redis".into(),
+        redis_url.clone(),
+        "--upstream".into(),
+        format!("demo={}", upstream.url),
+        "--worker-id".into(),
+        "fixed-1".into(),
+    ];
+    args.extend(certs.flags("host-a"));
+    let mut second = std::process::Command::new(mcpgw_tests::bin("mcpgw"))
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = second.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = second.kill();
+            panic!("the second process with a leased id did not exit");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(second.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("fixed-1") && stderr.contains("already held"),
+        "clear error: {stderr}"
+    );
+    assert_eq!(leases(&redis).len(), 1, "the first worker keeps its lease");
+}
+
+#[test]
+fn scattered_requests_execute_exactly_once() {
+    let fleet = start_fleet("quic", &[]);
+    let proxy = ScatterProxy::start(vec![fleet.a.addr.clone(), fleet.b.addr.clone()]);
+    let sessions: Vec<String> = (0..4).map(|_| initialize(&proxy.addr, "/mcp")).collect();
+    let before = fleet.upstream.stats()["tool_calls"].as_u64().unwrap();
+    let n = 200;
+    let mut forwarded = 0;
+    for i in 0..n {
+        let session = &sessions[i % sessions.len()];
+        let response = call_tool(
+            &proxy.addr,
+            "/mcp",
+            session,
+            i as u64 + 10,
+            "echo",
+            json!({"text": "x"}),
+        );
+        assert_eq!(response.status, 200, "request {i}");
+        assert_eq!(tool_text(&response), "x");
+        if response.header("mcpgw-edge-worker") != response.header("mcpgw-owner-worker") {
+            forwarded += 1;
+        }
+    }
+    let after = fleet.upstream.stats()["tool_calls"].as_u64().unwrap();
+    eprintln!("{forwarded} of {n} requests were forwarded");
+    assert!(
+        forwarded > n / 4,
+        "most scattered requests cross the mesh: {forwarded}"
+    );
+    assert_eq!(
+        after - before,
+        n as u64,
+        "no amplification: each request ran once"
+    );
+}
+
+#[test]
+fn the_supervisor_replaces_a_dead_worker_under_a_new_id() {
+    let fleet = start_fleet("quic", &[]);
+    let before = leases(&fleet.redis);
+    let (victim, (pid, _)) = before
+        .iter()
+        .next()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .unwrap();
+    let status = std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let now = leases(&fleet.redis);
+        let fresh: Vec<&String> = now.keys().filter(|id| !before.contains_key(*id)).collect();
+        if let Some(new_id) = fresh.first() {
+            assert_ne!(**new_id, victim);
+            assert_ne!(now[*new_id].0, pid, "a new process");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no replacement worker registered"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Steady state puts no Redis round trip on a forwarded request: the owner is named
+/// by the session id and peer addresses are cached.
+#[test]
+fn forwarded_requests_cost_no_redis_commands_in_steady_state() {
+    // A long lease keeps heartbeats (time-based, not request-based) out of the count.
+    let fleet = start_fleet("quic", &["--lease-ms", "60000"]);
+    let session = initialize(&fleet.a.addr, "/mcp");
+    // Warm up: every host-b worker learns the owner's address once.
+    for i in 0..20 {
+        let response = call_tool(
+            &fleet.b.addr,
+            "/mcp",
+            &session,
+            i,
+            "echo",
+            json!({"text": "w"}),
+        );
+        assert_eq!(response.status, 200);
+    }
+    let before = fleet.redis.total_calls();
+    let n = 1000;
+    for i in 0..n {
+        let response = call_tool(
+            &fleet.b.addr,
+            "/mcp",
+            &session,
+            i + 100,
+            "echo",
+            json!({"text": "x"}),
+        );
+        assert_eq!(response.status, 200);
+        assert_ne!(
+            response.header("mcpgw-edge-worker"),
+            response.header("mcpgw-owner-worker"),
+            "host-b's workers never own host-a's session"
+        );
+    }
+    let after = fleet.redis.total_calls();
+    let per_request = (after - before) as f64 / n as f64;
+    eprintln!(
+        "Redis commands per forwarded request: {per_request:.4} ({} in total)",
+        after - before
+    );
+    assert!(
+        per_request < 0.01,
+        "{per_request} Redis commands per forwarded request"
+    );
+}
+
+/// A peer without a certificate from the mesh CA cannot open a mesh stream.
+#[test]
+fn mesh_refuses_peers_without_a_mesh_ca_certificate() {
+    for transport in ["quic", "tcp"] {
+        let fleet = start_fleet(transport, &[]);
+        let (owner, (_, addr)) = leases(&fleet.redis).into_iter().next().unwrap();
+        let foreign = MeshCerts::create(&["intruder"]);
+        let mesh_ca = fleet._certs.dir.join("ca.crt");
+        for (label, tls) in [
+            ("foreign CA", foreign_client_config(&foreign)),
+            ("no certificate", anonymous_client_config(&mesh_ca)),
+        ] {
+            let outcome = try_forward(transport, tls, &addr, &owner);
+            assert!(
+                outcome.is_err(),
+                "{transport}/{label}: a mesh stream was opened: {outcome:?}"
+            );
+            eprintln!("{transport}/{label}: refused: {}", outcome.unwrap_err());
+        }
+        // And a member of the mesh is served.
+        let member = mcpgw_certs::client_config(&mcpgw_certs::MeshTlsFiles::in_dir(
+            &fleet._certs.dir,
+            "host-b",
+        ))
+        .unwrap();
+        let served = try_forward(transport, member, &addr, &owner);
+        assert!(served.is_ok(), "{transport}: member refused: {served:?}");
+    }
+}
+
+fn foreign_client_config(certs: &MeshCerts) -> std::sync::Arc<rustls::ClientConfig> {
+    mcpgw_certs::install_crypto_provider();
+    mcpgw_certs::client_config(&mcpgw_certs::MeshTlsFiles::in_dir(&certs.dir, "intruder")).unwrap()
+}
+
+fn anonymous_client_config(mesh_ca: &std::path::Path) -> std::sync::Arc<rustls::ClientConfig> {
+    mcpgw_certs::install_crypto_provider();
+    let roots = mcpgw_certs::load_ca_bundle(mesh_ca).unwrap();
+    std::sync::Arc::new(
+        rustls::ClientConfig::builder_with_provider(mcpgw_certs::crypto_provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+    )
+}
+
+/// Sends one modern `tools/list` over the mesh to `owner` at `addr`.
+fn try_forward(
+    transport: &str,
+    tls: std::sync::Arc<rustls::ClientConfig>,
+    addr: &str,
+    owner: &str,
+) -> Result<u16, String> {
+    use mcpgw_mesh::transport::{MeshClient, MeshLimits, TransportKind};
+    let kind: TransportKind = transport.parse().unwrap();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let client = MeshClient::new(kind, tls, "probe", MeshLimits::default())
+            .map_err(|e| e.to_string())?;
+        let body = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": {
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientCapabilities": {}}}});
+        let frame = mcpgw_wire::RequestFrame {
+            request_id: 1,
+            session_id: None,
+            method: "POST".into(),
+            path: "/mcp".into(),
+            headers: vec![
+                ("content-type".into(), "application/json".into()),
+                ("mcp-protocol-version".into(), "2026-07-28".into()),
+                ("mcp-method".into(), "tools/list".into()),
+            ],
+            body: body.to_string().into_bytes().into(),
+            auth: mcpgw_wire::AuthContext {
+                scheme: mcpgw_wire::AuthScheme::Public,
+                principal: String::new(),
+                scopes: Vec::new(),
+                claims_json: None,
+            },
+            deadline_ms: 5000,
+        };
+        let response =
+            tokio::time::timeout(Duration::from_secs(15), client.forward(addr, owner, frame))
+                .await
+                .map_err(|_| "timed out".to_string())?
+                .map_err(|e| e.to_string())?;
+        Ok(response.head().status)
+    })
+}
