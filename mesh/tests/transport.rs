@@ -44,7 +44,8 @@ both_transports!(
     chunks_arrive_while_the_owner_still_produces,
     dropping_the_response_cancels_at_the_owner,
     dropping_the_forward_before_the_head_cancels_at_the_owner,
-    owner_deadline_stops_the_request,
+    owner_deadline_bounds_the_time_to_the_head,
+    a_started_stream_outlives_the_deadline,
     wrong_expected_worker_is_proof,
     closed_port_is_refused,
     silent_port_is_a_timeout_not_proof,
@@ -149,24 +150,39 @@ async fn dropping_the_forward_before_the_head_cancels_at_the_owner(kind: Transpo
     mesh.await_cancelled(1).await;
 }
 
-async fn owner_deadline_stops_the_request(kind: TransportKind) {
+/// The deadline bounds the time to the head: an owner that has not started answering
+/// by then stops, and says so.
+async fn owner_deadline_bounds_the_time_to_the_head(kind: TransportKind) {
     let mesh = Mesh::start(kind).await;
-    let mut req = request("/hang", "");
+    let mut req = request("/silent", "");
     req.deadline_ms = 300;
+    match mesh.client.forward(&mesh.addr(), OWNER, req).await {
+        Err(MeshError::Remote(ErrorFrame {
+            kind: ErrorKind::DeadlineExceeded,
+            ..
+        })) => {}
+        other => panic!("{kind}: expected Remote(DeadlineExceeded), got {other:?}"),
+    }
+    mesh.await_cancelled(1).await;
+}
+
+/// Once the head is out, a stream (SSE, a session's GET stream) runs past the
+/// request's deadline for as long as the owner produces it.
+async fn a_started_stream_outlives_the_deadline(kind: TransportKind) {
+    let mesh = Mesh::start(kind).await;
+    let mut req = request("/gated", "3");
+    req.deadline_ms = 200;
     let mut response = mesh
         .client
         .forward(&mesh.addr(), OWNER, req)
         .await
         .expect("head");
-    match response.next_chunk().await {
-        Some(Err(MeshError::Remote(ErrorFrame {
-            kind: ErrorKind::DeadlineExceeded,
-            ..
-        }))) => {}
-        other => panic!("{kind}: expected Remote(DeadlineExceeded), got {other:?}"),
-    }
-    assert!(response.next_chunk().await.is_none(), "the body ended");
-    mesh.await_cancelled(1).await;
+    let first = response.next_chunk().await.expect("a chunk").expect("ok");
+    assert_eq!(&first[..], b"event 1\n");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    mesh.record.gate.add_permits(1);
+    let (rest, _) = body_of(response).await.expect("the stream goes on");
+    assert_eq!(rest, b"event 2\nevent 3\n");
 }
 
 async fn wrong_expected_worker_is_proof(kind: TransportKind) {
