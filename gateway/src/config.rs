@@ -71,6 +71,9 @@ pub struct FleetConfig {
     pub directory_timeout: Duration,
     /// Fixed worker id (tests and debugging); normally generated per process.
     pub worker_id: Option<String>,
+    /// HTTP status for "session gone: re-initialize": 404 as the MCP spec says, or 409
+    /// for clients that follow a "session reassigned" contract.
+    pub gone_status: u16,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
@@ -118,6 +121,7 @@ impl Default for Config {
                 lease: Duration::from_secs(10),
                 directory_timeout: Duration::from_millis(500),
                 worker_id: None,
+                gone_status: 404,
             },
             mesh: MeshConfig {
                 listen: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -162,6 +166,12 @@ pub struct ServeArgs {
     /// Fixed worker id (only with --workers 1; normally generated).
     #[arg(long, env = "MCPGW_WORKER_ID")]
     pub worker_id: Option<String>,
+    /// Time for a session's owner to start answering a forwarded request, in ms.
+    #[arg(long, env = "MCPGW_FORWARD_TIMEOUT_MS")]
+    pub forward_timeout_ms: Option<u64>,
+    /// Status for a session whose owner is gone: 404 (MCP) or 409.
+    #[arg(long, env = "MCPGW_SESSION_GONE_STATUS")]
+    pub session_gone_status: Option<u16>,
     /// Mesh bind address of worker 0 (worker i uses port + i; port 0 picks free ports).
     #[arg(long, env = "MCPGW_MESH_LISTEN")]
     pub mesh_listen: Option<String>,
@@ -223,6 +233,7 @@ struct FileFleet {
     key_prefix: Option<String>,
     lease_ms: Option<u64>,
     directory_timeout_ms: Option<u64>,
+    gone_status: Option<u16>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -279,6 +290,7 @@ impl Config {
         set(&mut self.fleet.key_prefix, f.key_prefix);
         set_ms(&mut self.fleet.lease, f.lease_ms);
         set_ms(&mut self.fleet.directory_timeout, f.directory_timeout_ms);
+        set(&mut self.fleet.gone_status, f.gone_status);
         let m = file.mesh;
         if let Some(listen) = m.listen {
             self.mesh.listen = parse_addr("mesh.listen", &listen)?;
@@ -326,6 +338,8 @@ impl Config {
         if a.worker_id.is_some() {
             self.fleet.worker_id = a.worker_id.clone();
         }
+        set(&mut self.fleet.gone_status, a.session_gone_status);
+        set_ms(&mut self.mesh.forward_timeout, a.forward_timeout_ms);
         if let Some(listen) = &a.mesh_listen {
             self.mesh.listen = parse_addr("--mesh-listen", listen)?;
         }
@@ -423,6 +437,12 @@ impl Config {
             return Err(invalid(
                 "fleet.worker_id",
                 "use 1 to 64 letters, digits, '-', '_' or '.'",
+            ));
+        }
+        if !matches!(self.fleet.gone_status, 404 | 409) {
+            return Err(invalid(
+                "fleet.gone_status",
+                "must be 404 (MCP: re-initialize) or 409 (session reassigned)",
             ));
         }
         if self.fleet.lease < Duration::from_secs(1) {

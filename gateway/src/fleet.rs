@@ -34,14 +34,25 @@ pub struct Fleet {
     acts_until: Mutex<Instant>,
     margin: Duration,
     mesh: MeshClient,
+    /// A separate pool for liveness probes, so a probe always dials afresh instead of
+    /// riding the connection whose health is in question.
+    probe_mesh: MeshClient,
     /// Mesh addresses of peers by worker id, so steady-state forwarding needs no Redis.
     peers: RwLock<HashMap<String, String>>,
     request_ids: AtomicU64,
+    /// Makes renewals single-flight (heartbeat and on-demand revalidation).
+    renewing: tokio::sync::Mutex<()>,
     config: Arc<Config>,
 }
 
 impl Fleet {
-    pub fn new(directory: Directory, lease: Lease, mesh: MeshClient, config: Arc<Config>) -> Fleet {
+    pub fn new(
+        directory: Directory,
+        lease: Lease,
+        mesh: MeshClient,
+        probe_mesh: MeshClient,
+        config: Arc<Config>,
+    ) -> Fleet {
         let lease_time = config.fleet.lease;
         // The margin covers clock drift between this host and Redis and the time a
         // renewal takes to be written.
@@ -53,8 +64,10 @@ impl Fleet {
             acts_until: Mutex::new(acts_until),
             margin,
             mesh,
+            probe_mesh,
             peers: RwLock::new(HashMap::new()),
             request_ids: AtomicU64::new(1),
+            renewing: tokio::sync::Mutex::new(()),
             config,
         }
     }
@@ -64,8 +77,8 @@ impl Fleet {
         Instant::now() < *lock(&self.acts_until)
     }
 
-    fn gone_status(&self) -> StatusCode {
-        StatusCode::NOT_FOUND
+    pub fn gone_status(&self) -> StatusCode {
+        StatusCode::from_u16(self.config.fleet.gone_status).unwrap_or(StatusCode::NOT_FOUND)
     }
 
     /// Records `session_id` as ours. A directory that does not answer means the
@@ -156,28 +169,47 @@ impl Fleet {
     async fn forward_to(&self, owner: &str, call: &Call) -> Result<Reply, ForwardFailure> {
         let addr = match self.peer_addr(owner).await {
             Ok(Some(addr)) => addr,
-            Ok(None) => {
-                return Err(ForwardFailure::Refuse(
-                    Situation::OwnerGone,
-                    format!("worker {owner} holds no lease"),
-                ));
-            }
+            Ok(None) => return Err(self.owner_without_lease(owner).await),
             Err(e) => return Err(ForwardFailure::Refuse(Situation::Unknown, e.to_string())),
         };
         let request_id = self.request_ids.fetch_add(1, Ordering::Relaxed);
         let frame = forward::to_frame(call, request_id, self.config.mesh.forward_timeout);
-        match self.mesh.forward(&addr, owner, frame).await {
+        let forward = self.mesh.forward(&addr, owner, frame);
+        tokio::pin!(forward);
+        // A head normally comes within milliseconds. When it does not, find out in
+        // parallel whether the owner still exists, so a dead owner is answered now
+        // rather than after the forward timeout.
+        let outcome = tokio::select! {
+            outcome = &mut forward => outcome,
+            () = tokio::time::sleep(SUSPECT_AFTER) => {
+                let probe = self.probe(owner, &addr);
+                tokio::pin!(probe);
+                tokio::select! {
+                    outcome = &mut forward => outcome,
+                    liveness = &mut probe => match liveness {
+                        Liveness::Dead(why) => {
+                            self.bury(owner, &addr).await;
+                            return Err(ForwardFailure::Refuse(Situation::ForwardedThenLost, why));
+                        }
+                        Liveness::Alive | Liveness::Unknown => forward.await,
+                    },
+                }
+            }
+        };
+        match outcome {
             Ok(response) => Ok(forward::from_forwarded(response)),
             Err(e) => {
                 debug!(owner, %addr, error = %e, "forward failed");
-                Err(self.classify(owner, &addr, e))
+                Err(self.classify(owner, &addr, e).await)
             }
         }
     }
 
-    fn classify(&self, owner: &str, addr: &str, error: MeshError) -> ForwardFailure {
+    /// What a failed forward proves.
+    async fn classify(&self, owner: &str, addr: &str, error: MeshError) -> ForwardFailure {
         if error.proves_peer_gone() {
-            self.forget_peer(owner, addr);
+            // Refused or answered as another worker before the request was sent.
+            self.bury(owner, addr).await;
             return ForwardFailure::Refuse(Situation::OwnerGone, error.to_string());
         }
         if let Some(frame) = error.remote() {
@@ -190,9 +222,56 @@ impl Fleet {
             }
         }
         if error.may_have_executed() {
-            return ForwardFailure::Refuse(Situation::ForwardedThenLost, error.to_string());
+            // Sent, then lost: dead owner (502, never re-run) or unreachable one (503).
+            return match self.probe(owner, addr).await {
+                Liveness::Dead(why) => {
+                    self.bury(owner, addr).await;
+                    ForwardFailure::Refuse(Situation::ForwardedThenLost, format!("{error}; {why}"))
+                }
+                Liveness::Alive | Liveness::Unknown => {
+                    ForwardFailure::Refuse(Situation::Unknown, error.to_string())
+                }
+            };
         }
         ForwardFailure::Refuse(Situation::Unknown, error.to_string())
+    }
+
+    /// The directory has no mesh address for `owner`: its lease expired (proof of
+    /// death), unless the directory itself was lost (then nothing is known).
+    async fn owner_without_lease(&self, owner: &str) -> ForwardFailure {
+        let ours = lock(&self.lease).generation().to_owned();
+        match self.directory.generation().await {
+            Ok(current) if current == ours => {
+                self.bury(owner, "").await;
+                ForwardFailure::Refuse(
+                    Situation::OwnerGone,
+                    format!("worker {owner}'s lease expired"),
+                )
+            }
+            Ok(_) => ForwardFailure::Refuse(
+                Situation::Unknown,
+                "the directory was lost and is being rebuilt".into(),
+            ),
+            Err(e) => ForwardFailure::Refuse(Situation::Unknown, e.to_string()),
+        }
+    }
+
+    /// Whether `owner` still lives at `addr`: a fresh connection (Refused or another
+    /// worker's Welcome is proof of death), then its lease.
+    async fn probe(&self, owner: &str, addr: &str) -> Liveness {
+        self.probe_mesh.forget_peer(addr);
+        let frame = probe_frame(self.config.mesh.connect_timeout);
+        match self.probe_mesh.forward(addr, owner, frame).await {
+            Ok(_) => return Liveness::Alive,
+            Err(e) if e.proves_peer_gone() => return Liveness::Dead(e.to_string()),
+            Err(MeshError::Remote(_)) => return Liveness::Alive,
+            Err(_) => {}
+        }
+        match self.directory.worker(owner).await {
+            Ok(Some(_)) => Liveness::Unknown,
+            Ok(None) => Liveness::Dead(format!("worker {owner}'s lease expired")),
+            Err(_) => Liveness::Unknown,
+        }
     }
 
     async fn peer_addr(&self, owner: &str) -> Result<Option<String>, DirectoryError> {
@@ -206,42 +285,105 @@ impl Fleet {
         Ok(addr)
     }
 
-    fn forget_peer(&self, owner: &str, addr: &str) {
+    /// Acts on proof that `owner` is dead: forget it, and reclaim its sessions in the
+    /// directory (exactly once fleet-wide; the directory arbitrates races).
+    async fn bury(&self, owner: &str, addr: &str) {
         write(&self.peers).remove(owner);
-        self.mesh.forget_peer(addr);
+        if !addr.is_empty() {
+            self.mesh.forget_peer(addr);
+            self.probe_mesh.forget_peer(addr);
+        }
+        let token = match self.directory.worker(owner).await {
+            Ok(Some(entry)) if entry.addr.as_deref() == Some(addr) => Some(entry.lease_token),
+            // A newer registration at another address is not what we proved dead.
+            Ok(Some(_)) => return,
+            Ok(None) => None,
+            Err(e) => {
+                warn!(owner, error = %e, "cannot reclaim a dead worker now; its sessions stay unknown until its lease expires");
+                return;
+            }
+        };
+        match self.directory.reclaim_worker(owner, token.as_deref()).await {
+            Ok(Some(sids)) => info!(owner, sessions = sids.len(), "reclaimed a dead worker's sessions"),
+            Ok(None) => debug!(owner, "dead worker already reclaimed"),
+            Err(e) => warn!(owner, error = %e, "reclaiming a dead worker failed"),
+        }
     }
 
-    /// Renews the lease every third of its time. A lost lease means this worker was
-    /// declared dead: it must stop acting at once, so the process exits and the
-    /// supervisor starts a replacement under a new id.
+    /// Renews the lease every third of its time.
     pub async fn heartbeat(self: Arc<Self>, worker: Arc<Worker>) {
         let period = self.config.fleet.lease / 3;
         loop {
             tokio::time::sleep(period).await;
-            let lease = lock(&self.lease).clone();
-            match self.directory.renew_lease(&lease).await {
+            self.renew(&worker, false).await;
+        }
+    }
+
+    /// Called when this worker's own lease deadline has passed (Redis was slow or
+    /// unreachable): tries to renew now, so a worker that can prove its lease goes on
+    /// at once and one that lost it learns so before answering.
+    pub async fn revalidate(&self, worker: &Worker) -> bool {
+        self.renew(worker, true).await
+    }
+
+    /// One renewal (single-flight). Returns whether this worker may act for its
+    /// sessions afterwards.
+    async fn renew(&self, worker: &Worker, only_if_invalid: bool) -> bool {
+        let _one_at_a_time = self.renewing.lock().await;
+        if only_if_invalid && self.lease_valid() {
+            return true;
+        }
+        let lease = lock(&self.lease).clone();
+        match self.directory.renew_lease(&lease).await {
+            Ok(LeaseRenewal::Renewed { valid_until }) => {
+                *lock(&self.acts_until) = valid_until - self.margin;
+                true
+            }
+            Ok(LeaseRenewal::Lost) => match self.directory.resume_lease(&lease).await {
                 Ok(LeaseRenewal::Renewed { valid_until }) => {
+                    // Redis stalled past the lease, but nobody acted on the expiry.
+                    warn!(worker = %worker.id, "lease had expired in Redis and nobody reclaimed this worker; resumed it");
                     *lock(&self.acts_until) = valid_until - self.margin;
+                    true
                 }
+                Ok(LeaseRenewal::DirectoryLost) => self.rebuild(worker, &lease).await,
                 Ok(LeaseRenewal::Lost) => {
                     error!(worker = %worker.id, "lease lost: this worker was declared dead; dropping its sessions and exiting for a fresh id");
-                    worker.fence();
-                    std::process::exit(EXIT_FENCED);
-                }
-                Ok(LeaseRenewal::DirectoryLost) => {
-                    warn!(worker = %worker.id, "directory came back empty; registering again and re-claiming sessions");
-                    self.rebuild(&worker, &lease).await;
+                    self.fence(worker);
+                    false
                 }
                 Err(e) => {
-                    warn!(worker = %worker.id, error = %e, "lease renewal failed; sessions stay valid until the lease runs out");
+                    warn!(worker = %worker.id, error = %e, "lease expired and cannot be resumed yet");
+                    false
                 }
+            },
+            Ok(LeaseRenewal::DirectoryLost) => {
+                warn!(worker = %worker.id, "directory came back empty; registering again and re-claiming sessions");
+                self.rebuild(worker, &lease).await
+            }
+            Err(e) => {
+                warn!(worker = %worker.id, error = %e, "lease renewal failed; sessions stay valid until the lease runs out");
+                self.lease_valid()
             }
         }
     }
 
+    /// Fencing: this worker was declared dead, so it must never act for its sessions
+    /// again. It drops them at once (answering "gone" for them from now on) and exits
+    /// shortly after, so the supervisor starts a replacement under a new id.
+    fn fence(&self, worker: &Worker) {
+        worker.fence();
+        *lock(&self.acts_until) = Instant::now();
+        tokio::spawn(async {
+            // Lets answers already being written go out.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            std::process::exit(EXIT_FENCED);
+        });
+    }
+
     /// Registers again under the same id after Redis lost its data, and re-claims the
     /// sessions this worker still holds.
-    async fn rebuild(&self, worker: &Worker, old: &Lease) {
+    async fn rebuild(&self, worker: &Worker, old: &Lease) -> bool {
         let info = worker_info();
         match self
             .directory
@@ -264,16 +406,23 @@ impl Fleet {
                         }
                         *lock(&self.acts_until) = valid_until - self.margin;
                         info!(worker = %worker.id, sessions = ids.len(), "directory rebuilt");
+                        true
                     }
-                    Err(e) => warn!(error = %e, "re-claiming sessions failed; will retry"),
+                    Err(e) => {
+                        warn!(error = %e, "re-claiming sessions failed; will retry");
+                        false
+                    }
                 }
             }
             Err(DirectoryError::WorkerIdTaken { .. }) => {
-                error!(worker = %worker.id, "another process took this worker id; exiting");
-                worker.fence();
-                std::process::exit(EXIT_FENCED);
+                error!(worker = %worker.id, "another process took this worker id; fencing");
+                self.fence(worker);
+                false
             }
-            Err(e) => warn!(error = %e, "registering again failed; will retry"),
+            Err(e) => {
+                warn!(error = %e, "registering again failed; will retry");
+                false
+            }
         }
     }
 
@@ -289,6 +438,38 @@ impl Fleet {
 enum ForwardFailure {
     Refuse(Situation, String),
     NotOwner,
+}
+
+/// What a probe found out about an owner.
+enum Liveness {
+    Alive,
+    /// Proof: refused, another worker at its address, or its lease expired.
+    Dead(String),
+    /// Its lease is alive but it does not answer, or the directory cannot tell.
+    Unknown,
+}
+
+/// How long a forwarded request waits for its head before the owner is probed.
+const SUSPECT_AFTER: Duration = Duration::from_secs(1);
+
+/// A request that any worker answers at once without side effects (405 from the
+/// request checks), used to test that an owner is alive on a fresh connection.
+fn probe_frame(deadline: Duration) -> mcpgw_wire::RequestFrame {
+    mcpgw_wire::RequestFrame {
+        request_id: 0,
+        session_id: None,
+        method: "OPTIONS".into(),
+        path: "/mcp".into(),
+        headers: Vec::new(),
+        body: bytes::Bytes::new(),
+        auth: mcpgw_wire::AuthContext {
+            scheme: mcpgw_wire::AuthScheme::Public,
+            principal: String::new(),
+            scopes: Vec::new(),
+            claims_json: None,
+        },
+        deadline_ms: u32::try_from(deadline.as_millis()).unwrap_or(u32::MAX),
+    }
 }
 
 pub fn worker_info() -> mcpgw_mesh::directory::WorkerInfo {

@@ -144,15 +144,24 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
     front::serve(Arc::clone(&worker), listener, shutdown_rx, DRAIN_GRACE)
         .await
         .map_err(|e| WorkerError::Failed(format!("front failed: {e}")))?;
+    // Drain: the public port is closed and its exchanges are done; forwarded requests
+    // in flight finish next; only then do the sessions end (upstream and in the
+    // directory), so later requests for them get a fast "gone".
     worker.start_draining();
-    for session in worker.sessions.take_all() {
-        worker.end_session(&session).await;
+    if let Some(mesh) = &mesh {
+        mesh.server.drain();
     }
-    if let Some(mesh) = mesh {
-        mesh.server.shutdown(DRAIN_GRACE).await;
-        if let Some(fleet) = worker.fleet() {
-            fleet.deregister().await;
+    let mesh_server = mesh.map(|m| m.server);
+    if let Some(server) = mesh_server {
+        server.shutdown(DRAIN_GRACE).await;
+    }
+    for id in worker.sessions.ids() {
+        if let Some(session) = worker.sessions.get(&id) {
+            worker.end_session(&session).await;
         }
+    }
+    if let Some(fleet) = worker.fleet() {
+        fleet.deregister().await;
     }
     info!(worker = %worker.id, "worker stopped");
     Ok(())
@@ -234,9 +243,17 @@ async fn join_fleet(
         }
         Err(e) => return Err(WorkerError::Failed(e.to_string())),
     };
-    let client = MeshClient::new(kind, client_tls, worker.id.clone(), limits)
+    let client = MeshClient::new(kind, client_tls.clone(), worker.id.clone(), limits.clone())
         .map_err(|e| WorkerError::Fatal(e.to_string()))?;
-    let fleet = Arc::new(Fleet::new(directory, lease, client, Arc::clone(config)));
+    let probe_client = MeshClient::new(kind, client_tls, worker.id.clone(), limits)
+        .map_err(|e| WorkerError::Fatal(e.to_string()))?;
+    let fleet = Arc::new(Fleet::new(
+        directory,
+        lease,
+        client,
+        probe_client,
+        Arc::clone(config),
+    ));
     worker.join(Arc::clone(&fleet));
     tokio::spawn(fleet.heartbeat(Arc::clone(worker)));
     info!(worker = %worker.id, mesh = %advertised, transport = %kind, "joined the fleet");

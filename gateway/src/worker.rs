@@ -76,10 +76,20 @@ impl Worker {
 
     /// Decides where a call runs (DESIGN.md's decision table) and runs it.
     pub async fn dispatch(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
-        let local = call
-            .session_id
-            .as_deref()
-            .and_then(|id| self.sessions.get(id));
+        let lookup = |worker: &Worker| {
+            call.session_id
+                .as_deref()
+                .and_then(|id| worker.sessions.get(id))
+        };
+        let mut local = lookup(self);
+        if local.is_some()
+            && !self.lease_valid()
+            && let Some(fleet) = self.fleet.get()
+            && !fleet.revalidate(self).await
+        {
+            // Fenced meanwhile? Then the session is gone, and is answered as such.
+            local = lookup(self);
+        }
         let situation = match (&call.session_id, &local) {
             _ if call.era == Era::Modern => Situation::Modern,
             (None, _) if call.is_initialize() => Situation::NewSession,
@@ -94,12 +104,12 @@ impl Worker {
             (Decision::ExecuteHere, _) => self.execute_local(call, local).await,
             (Decision::Forward, Some(fleet)) => fleet.route_remote(self, call).await,
             (Decision::Forward, None) => Err(GatewayError::session_not_found().with_id(call.id())),
-            (Decision::Refuse(refusal), _) => Err(refusal
-                .to_error(
-                    StatusCode::NOT_FOUND,
-                    "its lease could not be renewed in time",
-                )
-                .with_id(call.id())),
+            (Decision::Refuse(refusal), fleet) => {
+                let gone = fleet.map_or(StatusCode::NOT_FOUND, |f| f.gone_status());
+                Err(refusal
+                    .to_error(gone, "the worker holding it could not renew its lease in time")
+                    .with_id(call.id()))
+            }
         }
     }
 

@@ -302,6 +302,7 @@ struct Scripts {
     reclaim: Script,
     reclaim_after_loss: Script,
     generation: Script,
+    resume: Script,
 }
 
 /// Get-or-create of the generation token, shared by the scripts that need it.
@@ -340,6 +341,19 @@ if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('GET', KEYS[3]) ~= ARGV[4] 
   return 2
 end
 return 0
+"#,
+            ),
+            // KEYS: worker, addr, tombstone, generation. ARGV: value, addr, px, lease
+            // generation. 1 resumed, 0 lost (reclaimed or taken), 2 directory lost.
+            resume: Script::new(
+                r#"
+if redis.call('GET', KEYS[4]) ~= ARGV[4] then return 2 end
+if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+return 1
 "#,
             ),
             // KEYS: worker, addr. ARGV: value.
@@ -560,6 +574,60 @@ impl Directory {
             2 => LeaseRenewal::DirectoryLost,
             _ => LeaseRenewal::Lost,
         })
+    }
+
+    /// Takes the lease back after it expired in Redis while nobody declared this worker
+    /// dead: no reclaim tombstone, no other holder, same directory generation. A lease
+    /// expires in Redis when Redis stalls longer than the lease (paused, overloaded);
+    /// the owner stopped acting at its own deadline meanwhile, so resuming is safe as
+    /// long as no other worker acted on the expiry. `Lost` means one did: fence.
+    pub async fn resume_lease(&self, lease: &Lease) -> Result<LeaseRenewal, DirectoryError> {
+        let sent = Instant::now();
+        let outcome: i64 = self
+            .run("resume_lease", |mut c, s| async move {
+                s.resume
+                    .key(self.key_worker(&lease.id))
+                    .key(self.key_addr(&lease.id))
+                    .key(self.key_tombstone(&lease.id))
+                    .key(self.key_generation())
+                    .arg(&lease.value)
+                    .arg(&lease.addr)
+                    .arg(self.lease_px())
+                    .arg(&lease.generation)
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(match outcome {
+            1 => LeaseRenewal::Renewed {
+                valid_until: sent + self.inner.cfg.lease,
+            },
+            2 => LeaseRenewal::DirectoryLost,
+            _ => LeaseRenewal::Lost,
+        })
+    }
+
+    /// One worker's current registration, if its lease is alive.
+    pub async fn worker(&self, id: &str) -> Result<Option<WorkerEntry>, DirectoryError> {
+        check_name("worker id", id)?;
+        let mut pipe = redis::pipe();
+        pipe.cmd("GET").arg(self.key_worker(id));
+        pipe.cmd("GET").arg(self.key_addr(id));
+        let (lease, addr): (Option<String>, Option<String>) = self
+            .run("worker", |mut c, _| {
+                let pipe = pipe.clone();
+                async move { pipe.query_async(&mut c).await }
+            })
+            .await?;
+        let Some(lease) = lease else { return Ok(None) };
+        Ok(serde_json::from_str::<LeaseValue>(&lease)
+            .ok()
+            .map(|v| WorkerEntry {
+                id: id.to_owned(),
+                info: v.info,
+                lease_token: v.token,
+                addr,
+            }))
     }
 
     /// Deletes the lease and address if they are still ours. Returns whether they were.
