@@ -1,9 +1,11 @@
 //! `mcpgw-bench`: the tools that exercise mcpgw from the outside, over HTTP
 //! as a user would: a fast, stateful demo upstream MCP server to put behind
-//! the gateway (`upstream`), and later the load generator and its reports.
+//! the gateway (`upstream`), and the load generator with its reports (`run`,
+//! `compare`, `sessions`; see `bench`).
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
+mod bench;
 mod upstream;
 
 use clap::{Parser, Subcommand};
@@ -24,6 +26,9 @@ struct Cli {
 enum Command {
     /// Run the demo upstream MCP server (Streamable HTTP at /mcp, counters at /stats).
     Upstream(upstream::UpstreamConfig),
+    /// Drive concurrent MCP sessions against gateway URLs and report latency,
+    /// throughput, forwarding, Redis commands and CPU per request.
+    Run(bench::run::RunArgs),
 }
 
 #[tokio::main]
@@ -37,5 +42,6 @@ async fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Upstream(config) => upstream::run(config).await,
+        Command::Run(args) => bench::run::main(args).await,
     }
 }

@@ -1,0 +1,639 @@
+//! `mcpgw-bench run`: closed-loop load against one or more gateway URLs.
+//!
+//! Every load session is a task that sends its next request when the previous answer
+//! is complete (a closed loop: offered load follows the system's speed, so latency
+//! is not inflated by a queue the generator built itself). Legacy sessions open with
+//! `initialize` and learn their owner from the `mcpgw-owner-worker` header; the
+//! routing mode then decides, per request, which URL (which worker) gets it.
+//!
+//! Measurement starts after every session is open and a warm-up has passed, so
+//! connection setup and first-use costs (mesh handshakes, pools) stay out of the
+//! figures; the CPU and Redis counters are read at the same two instants.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use http::HeaderValue;
+use serde::Serialize;
+use tokio::sync::Barrier;
+
+use super::client::{self, Connection, Target};
+use super::latency::{self, LatencySummary, new_histogram};
+use super::mix::{Era, Mix, Op};
+use super::procfs;
+use super::redis::{self, RedisClient};
+use super::report;
+use super::routing::{Routing, pick_url};
+use super::units::parse_duration;
+
+/// Flags of `mcpgw-bench run`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs {
+    /// A gateway MCP endpoint, e.g. http://127.0.0.1:8080/mcp; repeat for several.
+    /// `sticky` and `forward` are exact when each URL reaches one worker
+    /// (`mcpgw serve --workers 1` per URL).
+    #[arg(long = "url", required = true)]
+    pub urls: Vec<String>,
+    /// Concurrent load sessions (each one request at a time).
+    #[arg(long, default_value_t = 64)]
+    pub sessions: usize,
+    /// Protocol era: legacy sessions, or modern (2026-07-28) stateless requests.
+    #[arg(long, value_enum, default_value_t = Era::Legacy)]
+    pub era: Era,
+    /// Which worker each request reaches: sticky (the owner), round-robin over the
+    /// URLs, or forward (never the owner).
+    #[arg(long, value_enum, default_value_t = Routing::RoundRobin)]
+    pub routing: Routing,
+    /// tools/call echo : tools/list.
+    #[arg(long, default_value_t = Mix::default())]
+    pub mix: Mix,
+    /// Measured time (ignored with --requests).
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub duration: Duration,
+    /// Measure this many requests instead of a duration.
+    #[arg(long)]
+    pub requests: Option<u64>,
+    /// Unmeasured load before measuring starts.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub warmup: Duration,
+    /// Deadline of one request (connect included).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub timeout: Duration,
+    /// Redis of the fleet, to count Redis commands per request (INFO commandstats).
+    #[arg(long)]
+    pub redis: Option<String>,
+    /// More gateway process ids to count CPU for (children included). The workers
+    /// behind the URLs are found through GET /healthz.
+    #[arg(long = "pid")]
+    pub pids: Vec<u32>,
+    /// Write the result as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write the result as a Markdown table here.
+    #[arg(long)]
+    pub markdown: Option<PathBuf>,
+    /// Name of this run in reports.
+    #[arg(long, default_value = "run")]
+    pub label: String,
+    /// Leave the legacy sessions open afterwards instead of deleting them.
+    #[arg(long)]
+    pub keep_sessions: bool,
+}
+
+/// Everything one load run needs; `compare` builds these directly.
+#[derive(Debug, Clone)]
+pub struct LoadSpec {
+    pub label: String,
+    pub urls: Vec<String>,
+    pub sessions: usize,
+    pub era: Era,
+    pub routing: Routing,
+    pub mix: Mix,
+    pub duration: Duration,
+    pub requests: Option<u64>,
+    pub warmup: Duration,
+    pub timeout: Duration,
+    pub redis_url: Option<String>,
+    pub pids: Vec<u32>,
+    /// Show a progress line on stderr (only when it is a terminal).
+    pub progress: bool,
+    /// DELETE the legacy sessions after measuring.
+    pub cleanup: bool,
+}
+
+impl From<&RunArgs> for LoadSpec {
+    fn from(args: &RunArgs) -> Self {
+        LoadSpec {
+            label: args.label.clone(),
+            urls: args.urls.clone(),
+            sessions: args.sessions,
+            era: args.era,
+            routing: args.routing,
+            mix: args.mix,
+            duration: args.duration,
+            requests: args.requests,
+            warmup: args.warmup,
+            timeout: args.timeout,
+            redis_url: args.redis.clone(),
+            pids: args.pids.clone(),
+            progress: true,
+            cleanup: !args.keep_sessions,
+        }
+    }
+}
+
+/// The outcome of one load run.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunResult {
+    pub label: String,
+    pub urls: Vec<String>,
+    /// Worker id behind each URL (GET /healthz); null for a URL that is no gateway.
+    pub workers: Vec<Option<String>>,
+    pub era: Era,
+    pub routing: Routing,
+    pub mix: String,
+    pub sessions: usize,
+    /// Time to open every session (initialize + initialized), unmeasured.
+    pub setup_s: f64,
+    /// Measured time: from the start of measuring until the last counted answer.
+    pub window_s: f64,
+    /// Counted requests: successes plus errors.
+    pub requests: u64,
+    pub ok: u64,
+    /// Errors by class (`http 503`, `json-rpc -32001`, `timeout`, …).
+    pub errors: BTreeMap<String, u64>,
+    /// Errors during set-up and warm-up, not part of `requests`.
+    pub unmeasured_errors: BTreeMap<String, u64>,
+    /// Successful requests per second.
+    pub throughput_rps: f64,
+    /// Latency of every successful request.
+    pub latency: LatencySummary,
+    /// Latency of the successful `tools/call` requests alone.
+    pub tools_call_latency: LatencySummary,
+    /// Share of successful answers whose edge and owner workers differ; null when
+    /// the answers carry no worker headers (no gateway in the path).
+    pub forwarded_fraction: Option<f64>,
+    /// Redis commands per counted request (all clients, `info` excluded).
+    pub redis_commands_per_request: Option<f64>,
+    /// Redis commands during the window, by command.
+    pub redis_commands: Option<BTreeMap<String, u64>>,
+    pub cpu: CpuFigures,
+}
+
+/// CPU seconds per 1,000 counted requests, from utime + stime in /proc.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CpuFigures {
+    pub clock_ticks_per_second: u64,
+    /// The gateway processes (workers behind the URLs, and --pid trees).
+    pub gateway_s_per_1k: Option<f64>,
+    /// Gateway CPU seconds per second of the window (cores busy).
+    pub gateway_cores: Option<f64>,
+    /// The Redis server, when it runs on this machine.
+    pub redis_s_per_1k: Option<f64>,
+    /// This process: the load generator.
+    pub loadgen_s_per_1k: Option<f64>,
+}
+
+/// `mcpgw-bench run`.
+pub async fn main(args: RunArgs) -> anyhow::Result<()> {
+    let result = run_load(&LoadSpec::from(&args))
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let table = report::runs_markdown(std::slice::from_ref(&result));
+    print!("{table}");
+    if let Some(path) = &args.json {
+        let json = serde_json::to_string_pretty(&result)?;
+        std::fs::write(path, json + "\n")
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+    }
+    if let Some(path) = &args.markdown {
+        std::fs::write(path, table)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// What every load session reads, fixed for the run.
+struct Plan {
+    targets: Vec<Target>,
+    /// Worker id → index of the URL that reaches it.
+    owner_urls: HashMap<String, usize>,
+    era: Era,
+    routing: Routing,
+    mix: Mix,
+    timeout: Duration,
+}
+
+/// What the coordinator and the sessions share while the load runs.
+#[derive(Default)]
+struct Flags {
+    /// Set when warm-up ends: requests started from now on are counted.
+    measuring: AtomicBool,
+    /// Set when the duration is over: sessions send no new request.
+    stop: AtomicBool,
+    /// With --requests: how many counted requests may be started in total.
+    budget: Option<u64>,
+    /// Counted requests started so far (only kept with a budget).
+    claimed: AtomicU64,
+    /// Counted answers so far, for the progress line.
+    completed: AtomicU64,
+    /// Counted errors so far, for the progress line.
+    failed: AtomicU64,
+}
+
+/// One session's measurements, merged at the end.
+struct SessionStats {
+    all: Histogram<u64>,
+    calls: Histogram<u64>,
+    ok: u64,
+    errors: BTreeMap<String, u64>,
+    unmeasured_errors: BTreeMap<String, u64>,
+    /// Successful answers that crossed the mesh.
+    forwarded: u64,
+    /// Successful answers that carried both worker headers.
+    with_worker_headers: u64,
+}
+
+impl SessionStats {
+    fn new() -> Self {
+        SessionStats {
+            all: new_histogram(),
+            calls: new_histogram(),
+            ok: 0,
+            errors: BTreeMap::new(),
+            unmeasured_errors: BTreeMap::new(),
+            forwarded: 0,
+            with_worker_headers: 0,
+        }
+    }
+
+    fn merge(&mut self, other: &SessionStats) {
+        // Histograms of the same precision always merge.
+        let _ = self.all.add(&other.all);
+        let _ = self.calls.add(&other.calls);
+        self.ok += other.ok;
+        merge_counts(&mut self.errors, &other.errors);
+        merge_counts(&mut self.unmeasured_errors, &other.unmeasured_errors);
+        self.forwarded += other.forwarded;
+        self.with_worker_headers += other.with_worker_headers;
+    }
+}
+
+fn merge_counts(into: &mut BTreeMap<String, u64>, from: &BTreeMap<String, u64>) {
+    for (class, count) in from {
+        *into.entry(class.clone()).or_default() += count;
+    }
+}
+
+/// A session's connections and id, handed back for the DELETE after measuring.
+struct Leftover {
+    slots: Vec<Option<Connection>>,
+    session: HeaderValue,
+    url: usize,
+}
+
+struct SessionOutcome {
+    stats: SessionStats,
+    leftover: Option<Leftover>,
+}
+
+/// Runs one load as `spec` says and measures it.
+pub async fn run_load(spec: &LoadSpec) -> Result<RunResult, String> {
+    if spec.sessions == 0 {
+        return Err("--sessions must be at least 1".into());
+    }
+    let targets = spec
+        .urls
+        .iter()
+        .map(|url| Target::parse(url))
+        .collect::<Result<Vec<_>, _>>()?;
+    if targets.is_empty() {
+        return Err("give at least one --url".into());
+    }
+    if spec.routing == Routing::Forward && targets.len() < 2 {
+        return Err("forward routing needs at least two URLs (two workers)".into());
+    }
+
+    // Who is behind each URL: the owner map for routing, and pids for CPU.
+    let mut owner_urls = HashMap::new();
+    let mut workers = Vec::with_capacity(targets.len());
+    let mut gateway_pids = spec.pids.clone();
+    for (index, target) in targets.iter().enumerate() {
+        let health = client::probe_health(target, spec.timeout).await;
+        if let Some(health) = &health {
+            owner_urls.entry(health.worker_id.clone()).or_insert(index);
+            gateway_pids.extend(health.pid);
+        }
+        workers.push(health.map(|h| h.worker_id));
+    }
+    if spec.era == Era::Legacy && spec.routing != Routing::RoundRobin && targets.len() > 1 {
+        let distinct: std::collections::HashSet<&String> = workers.iter().flatten().collect();
+        if distinct.len() < targets.len() {
+            eprintln!(
+                "mcpgw-bench: warning: the URLs do not each reach one distinct worker ({workers:?}); \
+                 {} routing is approximate (see the forwarded fraction)",
+                spec.routing
+            );
+        }
+    }
+
+    let mut redis = match &spec.redis_url {
+        Some(url) => Some(RedisClient::connect(url).await?),
+        None => None,
+    };
+    let redis_pid = match redis.as_mut() {
+        Some(redis) => local_redis_pid(redis).await,
+        None => None,
+    };
+
+    let plan = Arc::new(Plan {
+        targets,
+        owner_urls,
+        era: spec.era,
+        routing: spec.routing,
+        mix: spec.mix,
+        timeout: spec.timeout,
+    });
+    let flags = Arc::new(Flags {
+        budget: spec.requests,
+        ..Flags::default()
+    });
+    let ready = Arc::new(Barrier::new(spec.sessions + 1));
+    let setup_started = Instant::now();
+    let handles: Vec<_> = (0..spec.sessions)
+        .map(|index| {
+            tokio::spawn(drive_session(
+                index,
+                Arc::clone(&plan),
+                Arc::clone(&flags),
+                Arc::clone(&ready),
+            ))
+        })
+        .collect();
+    ready.wait().await;
+    let setup = setup_started.elapsed();
+    tokio::time::sleep(spec.warmup).await;
+
+    let clock = procfs::clock_ticks_per_second();
+    let before = Snapshot::take(&gateway_pids, redis_pid, redis.as_mut()).await;
+    flags.measuring.store(true, Ordering::Relaxed);
+    let started = Instant::now();
+    let progress = (spec.progress && std::io::stderr().is_terminal()).then(|| {
+        tokio::spawn(show_progress(
+            spec.label.clone(),
+            Arc::clone(&flags),
+            started,
+            spec.duration,
+            spec.requests,
+        ))
+    });
+    if spec.requests.is_none() {
+        tokio::time::sleep(spec.duration).await;
+        flags.stop.store(true, Ordering::Relaxed);
+    }
+    let mut totals = SessionStats::new();
+    let mut leftovers = Vec::new();
+    for handle in handles {
+        let outcome = handle
+            .await
+            .map_err(|e| format!("a load session failed: {e}"))?;
+        totals.merge(&outcome.stats);
+        leftovers.extend(outcome.leftover);
+    }
+    let window = started.elapsed();
+    let after = Snapshot::take(&gateway_pids, redis_pid, redis.as_mut()).await;
+    if let Some(progress) = progress {
+        progress.abort();
+        eprint!("\r\x1b[K");
+    }
+    if spec.cleanup {
+        close_sessions(&plan, leftovers).await;
+    }
+
+    let requests = totals.ok + totals.errors.values().sum::<u64>();
+    let window_s = window.as_secs_f64();
+    let per_1k =
+        |ticks: u64| (requests > 0).then(|| ticks as f64 / clock as f64 / requests as f64 * 1000.0);
+    let gateway_ticks = (!gateway_pids.is_empty())
+        .then(|| after.gateway_ticks.saturating_sub(before.gateway_ticks));
+    let redis_ticks = match (before.redis_ticks, after.redis_ticks) {
+        (Some(b), Some(a)) => Some(a.saturating_sub(b)),
+        _ => None,
+    };
+    let redis_commands = match (&before.redis_commands, &after.redis_commands) {
+        (Some(b), Some(a)) => Some(redis::command_delta(b, a)),
+        _ => None,
+    };
+    Ok(RunResult {
+        label: spec.label.clone(),
+        urls: spec.urls.clone(),
+        workers,
+        era: spec.era,
+        routing: spec.routing,
+        mix: spec.mix.to_string(),
+        sessions: spec.sessions,
+        setup_s: setup.as_secs_f64(),
+        window_s,
+        requests,
+        ok: totals.ok,
+        throughput_rps: if window_s > 0.0 {
+            totals.ok as f64 / window_s
+        } else {
+            0.0
+        },
+        latency: LatencySummary::of(&totals.all),
+        tools_call_latency: LatencySummary::of(&totals.calls),
+        forwarded_fraction: (totals.with_worker_headers > 0)
+            .then(|| totals.forwarded as f64 / totals.with_worker_headers as f64),
+        redis_commands_per_request: redis_commands.as_ref().and_then(|commands| {
+            (requests > 0).then(|| commands.values().sum::<u64>() as f64 / requests as f64)
+        }),
+        redis_commands,
+        cpu: CpuFigures {
+            clock_ticks_per_second: clock,
+            gateway_s_per_1k: gateway_ticks.and_then(per_1k),
+            gateway_cores: gateway_ticks
+                .filter(|_| window_s > 0.0)
+                .map(|ticks| ticks as f64 / clock as f64 / window_s),
+            redis_s_per_1k: redis_ticks.and_then(per_1k),
+            loadgen_s_per_1k: per_1k(after.own_ticks.saturating_sub(before.own_ticks)),
+        },
+        errors: totals.errors,
+        unmeasured_errors: totals.unmeasured_errors,
+    })
+}
+
+/// One load session: open (legacy), wait for everyone, then request until told to stop.
+async fn drive_session(
+    index: usize,
+    plan: Arc<Plan>,
+    flags: Arc<Flags>,
+    ready: Arc<Barrier>,
+) -> SessionOutcome {
+    let url_count = plan.targets.len();
+    let home = index % url_count;
+    let mut slots: Vec<Option<Connection>> = (0..url_count).map(|_| None).collect();
+    let mut stats = SessionStats::new();
+    let opened = match plan.era {
+        Era::Legacy => client::open_session(&mut slots[home], &plan.targets[home], plan.timeout)
+            .await
+            .map(Some),
+        Era::Modern => Ok(None),
+    };
+    // Every session waits here, opened or not, so the coordinator never hangs.
+    ready.wait().await;
+    let opened = match opened {
+        Ok(opened) => opened,
+        Err(class) => {
+            *stats
+                .unmeasured_errors
+                .entry(format!("initialize: {class}"))
+                .or_default() += 1;
+            return SessionOutcome {
+                stats,
+                leftover: None,
+            };
+        }
+    };
+    let session = opened.as_ref().map(|o| o.id.clone());
+    let owner = opened
+        .as_ref()
+        .and_then(|o| o.owner.as_deref())
+        .and_then(|worker| plan.owner_urls.get(worker).copied());
+
+    let mut seq: u64 = 0;
+    loop {
+        if flags.stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let counted = flags.measuring.load(Ordering::Relaxed);
+        if counted
+            && let Some(budget) = flags.budget
+            && flags.claimed.fetch_add(1, Ordering::Relaxed) >= budget
+        {
+            break;
+        }
+        // Offsetting the mix by the session index spreads the tools/list requests.
+        let op = plan.mix.op(seq + index as u64);
+        let url = pick_url(plan.routing, url_count, home, owner, seq);
+        let target = &plan.targets[url];
+        let request = match client::mix_request(target, plan.era, op, seq + 1, session.as_ref()) {
+            Ok(request) => request,
+            Err(_) => {
+                // Only a session id that is no valid header could cause this.
+                *stats.errors.entry("bad session id".into()).or_default() += 1;
+                break;
+            }
+        };
+        let sent = Instant::now();
+        let outcome = client::exchange_on(&mut slots[url], target, request, plan.timeout).await;
+        let micros = u64::try_from(sent.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let error = match &outcome {
+            Ok(answer) => answer.error_class(),
+            Err(failure) => Some(failure.class()),
+        };
+        match (error, counted) {
+            (None, true) => {
+                stats.ok += 1;
+                latency::record(&mut stats.all, micros);
+                if op == Op::CallEcho {
+                    latency::record(&mut stats.calls, micros);
+                }
+                if let Some(forwarded) = outcome.as_ref().ok().and_then(|a| a.forwarded()) {
+                    stats.with_worker_headers += 1;
+                    stats.forwarded += u64::from(forwarded);
+                }
+                flags.completed.fetch_add(1, Ordering::Relaxed);
+            }
+            (Some(class), true) => {
+                *stats.errors.entry(class).or_default() += 1;
+                flags.completed.fetch_add(1, Ordering::Relaxed);
+                flags.failed.fetch_add(1, Ordering::Relaxed);
+            }
+            (Some(class), false) => {
+                *stats
+                    .unmeasured_errors
+                    .entry(format!("warm-up: {class}"))
+                    .or_default() += 1;
+            }
+            (None, false) => {}
+        }
+        seq += 1;
+    }
+    let leftover = session.map(|session| Leftover {
+        url: pick_url(Routing::Sticky, url_count, home, owner, 0),
+        slots,
+        session,
+    });
+    SessionOutcome { stats, leftover }
+}
+
+/// Deletes the load's sessions, a bounded number at a time.
+async fn close_sessions(plan: &Arc<Plan>, leftovers: Vec<Leftover>) {
+    let mut tasks = tokio::task::JoinSet::new();
+    for mut leftover in leftovers {
+        let plan = Arc::clone(plan);
+        tasks.spawn(async move {
+            let url = leftover.url;
+            let _ = client::close_session(
+                &mut leftover.slots[url],
+                &plan.targets[url],
+                &leftover.session,
+                plan.timeout,
+            )
+            .await;
+        });
+        if tasks.len() >= 64 {
+            tasks.join_next().await;
+        }
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+/// The Redis server's pid, when that process runs on this machine.
+async fn local_redis_pid(redis: &mut RedisClient) -> Option<u32> {
+    let pid = u32::try_from(redis.info_number("server", "process_id").await.ok()?).ok()?;
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    comm.starts_with("redis").then_some(pid)
+}
+
+/// Counters read at the start and at the end of the measured window.
+struct Snapshot {
+    gateway_ticks: u64,
+    redis_ticks: Option<u64>,
+    own_ticks: u64,
+    redis_commands: Option<BTreeMap<String, u64>>,
+}
+
+impl Snapshot {
+    async fn take(
+        gateway_pids: &[u32],
+        redis_pid: Option<u32>,
+        redis: Option<&mut RedisClient>,
+    ) -> Snapshot {
+        let redis_commands = match redis {
+            Some(redis) => redis.command_counts().await.ok(),
+            None => None,
+        };
+        Snapshot {
+            gateway_ticks: procfs::tree_cpu_ticks(gateway_pids),
+            redis_ticks: redis_pid.map(procfs::cpu_ticks),
+            own_ticks: procfs::cpu_ticks(std::process::id()),
+            redis_commands,
+        }
+    }
+}
+
+async fn show_progress(
+    label: String,
+    flags: Arc<Flags>,
+    started: Instant,
+    duration: Duration,
+    requests: Option<u64>,
+) {
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    loop {
+        tick.tick().await;
+        let done = flags.completed.load(Ordering::Relaxed);
+        let elapsed = started.elapsed();
+        let fraction = match requests {
+            Some(total) if total > 0 => done as f64 / total as f64,
+            _ => elapsed.as_secs_f64() / duration.as_secs_f64().max(1e-9),
+        };
+        let line = report::progress_line(
+            &label,
+            fraction,
+            done,
+            done as f64 / elapsed.as_secs_f64().max(1e-9),
+            flags.failed.load(Ordering::Relaxed),
+        );
+        let mut stderr = std::io::stderr().lock();
+        let _ = write!(stderr, "\r\x1b[K{line}");
+        let _ = stderr.flush();
+    }
+}
