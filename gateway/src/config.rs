@@ -81,6 +81,9 @@ pub struct FleetConfig {
 pub enum MeshTransport {
     Quic,
     Tcp,
+    /// Redis pub/sub through the fleet's Redis: the measured baseline, never the
+    /// default. Needs --redis; no mesh certificates (Redis is its trust boundary).
+    Redis,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -448,6 +451,13 @@ impl Config {
         if self.fleet.lease < Duration::from_secs(1) {
             return Err(invalid("fleet.lease_ms", "must be at least 1000"));
         }
+        if self.mesh.transport == MeshTransport::Redis && self.fleet.redis_url.is_none() {
+            return Err(invalid(
+                "mesh.transport",
+                "the redis mesh transport forwards through the fleet's Redis: pass --redis \
+                 redis://HOST:PORT",
+            ));
+        }
         if self.fleet.redis_url.is_some() {
             for (field, value) in [
                 ("mesh.ca", &self.mesh.ca),
@@ -455,6 +465,8 @@ impl Config {
                 ("mesh.key", &self.mesh.key),
             ] {
                 match value {
+                    // The Redis transport has no mTLS; files given anyway are still checked.
+                    None if self.mesh.transport == MeshTransport::Redis => {}
                     None => {
                         return Err(invalid(
                             field,
@@ -618,11 +630,29 @@ mod tests {
                 },
                 "mesh.ca",
             ),
+            (
+                ServeArgs {
+                    mesh_transport: Some(MeshTransport::Redis),
+                    ..args(&["a=http://x/mcp"])
+                },
+                "mesh.transport",
+            ),
         ];
         for (a, field) in cases {
             let err = Config::load(&a).expect_err(field);
             assert_eq!(err.field, field, "{err}");
         }
+    }
+
+    #[test]
+    fn the_redis_transport_needs_redis_but_no_mesh_certificates() {
+        let config = Config::load(&ServeArgs {
+            redis: Some("redis://127.0.0.1:1".into()),
+            mesh_transport: Some(MeshTransport::Redis),
+            ..args(&["a=http://x/mcp"])
+        })
+        .expect("redis transport without certificates");
+        assert_eq!(config.mesh.transport, MeshTransport::Redis);
     }
 
     #[test]

@@ -167,6 +167,7 @@ impl Fleet {
     }
 
     async fn forward_to(&self, owner: &str, call: &Call) -> Result<Reply, ForwardFailure> {
+        let session = call.session_id.as_deref().unwrap_or_default();
         let addr = match self.peer_addr(owner).await {
             Ok(Some(addr)) => addr,
             Ok(None) => return Err(self.owner_without_lease(owner).await),
@@ -188,8 +189,7 @@ impl Fleet {
                     outcome = &mut forward => outcome,
                     liveness = &mut probe => match liveness {
                         Liveness::Dead(why) => {
-                            self.bury(owner, &addr).await;
-                            return Err(ForwardFailure::Refuse(Situation::ForwardedThenLost, why));
+                            return Err(self.lost_after_sending(owner, &addr, session, why).await);
                         }
                         Liveness::Alive | Liveness::Unknown => forward.await,
                     },
@@ -200,13 +200,19 @@ impl Fleet {
             Ok(response) => Ok(forward::from_forwarded(response)),
             Err(e) => {
                 debug!(owner, %addr, error = %e, "forward failed");
-                Err(self.classify(owner, &addr, e).await)
+                Err(self.classify(owner, &addr, session, e).await)
             }
         }
     }
 
     /// What a failed forward proves.
-    async fn classify(&self, owner: &str, addr: &str, error: MeshError) -> ForwardFailure {
+    async fn classify(
+        &self,
+        owner: &str,
+        addr: &str,
+        session: &str,
+        error: MeshError,
+    ) -> ForwardFailure {
         if error.proves_peer_gone() {
             // Refused or answered as another worker before the request was sent.
             self.bury(owner, addr).await;
@@ -215,7 +221,18 @@ impl Fleet {
         if let Some(frame) = error.remote() {
             match frame.kind {
                 ErrorKind::NotOwner => return ForwardFailure::NotOwner,
-                ErrorKind::Draining | ErrorKind::Busy => {
+                // A draining owner ends its sessions once its requests finish: gone
+                // when the directory no longer records the session, else unknown.
+                ErrorKind::Draining => {
+                    return match self.directory.session_owner(session).await {
+                        Ok(None) => ForwardFailure::Refuse(
+                            Situation::NoSuchSession,
+                            "its worker drained and ended it".into(),
+                        ),
+                        _ => ForwardFailure::Refuse(Situation::Unknown, frame.message.clone()),
+                    };
+                }
+                ErrorKind::Busy => {
                     return ForwardFailure::Refuse(Situation::Unknown, frame.message.clone());
                 }
                 _ => {}
@@ -225,8 +242,8 @@ impl Fleet {
             // Sent, then lost: dead owner (502, never re-run) or unreachable one (503).
             return match self.probe(owner, addr).await {
                 Liveness::Dead(why) => {
-                    self.bury(owner, addr).await;
-                    ForwardFailure::Refuse(Situation::ForwardedThenLost, format!("{error}; {why}"))
+                    self.lost_after_sending(owner, addr, session, format!("{error}; {why}"))
+                        .await
                 }
                 Liveness::Alive | Liveness::Unknown => {
                     ForwardFailure::Refuse(Situation::Unknown, error.to_string())
@@ -234,6 +251,25 @@ impl Fleet {
             };
         }
         ForwardFailure::Refuse(Situation::Unknown, error.to_string())
+    }
+
+    /// The owner died after the request was sent. If it had ended the session before
+    /// (a drain releases the record first), the request cannot have run: the session
+    /// is simply gone. Otherwise the outcome is unknown.
+    async fn lost_after_sending(
+        &self,
+        owner: &str,
+        addr: &str,
+        session: &str,
+        why: String,
+    ) -> ForwardFailure {
+        let ended_before = matches!(self.directory.session_owner(session).await, Ok(None));
+        self.bury(owner, addr).await;
+        if ended_before {
+            ForwardFailure::Refuse(Situation::NoSuchSession, why)
+        } else {
+            ForwardFailure::Refuse(Situation::ForwardedThenLost, why)
+        }
     }
 
     /// The directory has no mesh address for `owner`: its lease expired (proof of
@@ -304,7 +340,11 @@ impl Fleet {
             }
         };
         match self.directory.reclaim_worker(owner, token.as_deref()).await {
-            Ok(Some(sids)) => info!(owner, sessions = sids.len(), "reclaimed a dead worker's sessions"),
+            Ok(Some(sids)) => info!(
+                owner,
+                sessions = sids.len(),
+                "reclaimed a dead worker's sessions"
+            ),
             Ok(None) => debug!(owner, "dead worker already reclaimed"),
             Err(e) => warn!(owner, error = %e, "reclaiming a dead worker failed"),
         }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 use mcpgw_certs::MeshTlsFiles;
 use mcpgw_mesh::directory::{Directory, DirectoryConfig, DirectoryError};
@@ -148,12 +148,10 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
     // in flight finish next; only then do the sessions end (upstream and in the
     // directory), so later requests for them get a fast "gone".
     worker.start_draining();
-    if let Some(mesh) = &mesh {
-        mesh.server.drain();
-    }
-    let mesh_server = mesh.map(|m| m.server);
-    if let Some(server) = mesh_server {
-        server.shutdown(DRAIN_GRACE).await;
+    if let Some(mesh) = &mesh
+        && !mesh.server.wait_idle(DRAIN_GRACE).await
+    {
+        warn!(worker = %worker.id, "forwarded requests still running at the drain deadline");
     }
     for id in worker.sessions.ids() {
         if let Some(session) = worker.sessions.get(&id) {
@@ -162,6 +160,9 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
     }
     if let Some(fleet) = worker.fleet() {
         fleet.deregister().await;
+    }
+    if let Some(mesh) = mesh {
+        mesh.server.shutdown(Duration::from_secs(1)).await;
     }
     info!(worker = %worker.id, "worker stopped");
     Ok(())
@@ -183,46 +184,80 @@ async fn join_fleet(
 ) -> Result<MeshMembership, WorkerError> {
     mcpgw_certs::install_crypto_provider();
     let mesh = &config.mesh;
-    let (Some(ca), Some(cert), Some(key)) = (&mesh.ca, &mesh.cert, &mesh.key) else {
-        return Err(WorkerError::Fatal(
-            "a fleet worker needs --mesh-ca, --mesh-cert and --mesh-key".into(),
-        ));
-    };
-    let files = MeshTlsFiles {
-        ca: ca.clone(),
-        cert: cert.clone(),
-        key: key.clone(),
-    };
-    let server_tls =
-        mcpgw_certs::server_config(&files).map_err(|e| WorkerError::Fatal(e.to_string()))?;
-    let client_tls =
-        mcpgw_certs::client_config(&files).map_err(|e| WorkerError::Fatal(e.to_string()))?;
-    let kind = match mesh.transport {
-        MeshTransport::Quic => TransportKind::Quic,
-        MeshTransport::Tcp => TransportKind::Tcp,
-    };
     let limits = MeshLimits {
         max_frame: mesh.max_frame_bytes,
         max_in_flight_per_peer: mesh.max_in_flight_per_peer,
         connect_timeout: mesh.connect_timeout,
         ..MeshLimits::default()
     };
-    let mut listen = mesh.listen;
-    if listen.port() != 0 {
-        listen.set_port(offset_port(listen.port(), index)?);
+    let service = Arc::new(OwnerService(Arc::clone(worker)));
+    /// What this worker's mesh client needs to reach its peers: the mTLS client
+    /// config, or the Redis that carries the baseline transport.
+    enum Dial<Tls> {
+        Tls(Tls),
+        Redis(mcpgw_mesh::transport::RedisTransportConfig),
     }
-    let server = MeshServer::bind(
-        kind,
-        listen,
-        server_tls,
-        worker.id.clone(),
-        Arc::new(OwnerService(Arc::clone(worker))),
-        limits.clone(),
-    )
-    .await
-    .map_err(|e| WorkerError::Fatal(format!("cannot bind the mesh endpoint {listen}: {e}")))?;
-    let advertised = advertise_addr(mesh.advertise.as_deref(), server.local_addr(), index)
-        .map_err(WorkerError::Fatal)?;
+    let (kind, server, advertised, dial) = match mesh.transport {
+        // The measured baseline: requests travel through the fleet's Redis, on
+        // channels named by worker id. No socket to bind and no mTLS (Redis is the
+        // trust boundary).
+        MeshTransport::Redis => {
+            let redis = mcpgw_mesh::transport::RedisTransportConfig {
+                redis_url: config.fleet.redis_url.clone().unwrap_or_default(),
+                prefix: config.fleet.key_prefix.clone(),
+            };
+            let server =
+                MeshServer::bind_redis(redis.clone(), worker.id.clone(), service, limits.clone())
+                    .await
+                    .map_err(|e| {
+                        WorkerError::Failed(format!("cannot take the mesh channel: {e}"))
+                    })?;
+            // Callers derive the channel from the worker id; the directory records it
+            // for operators.
+            let advertised = server.redis_channel().unwrap_or_default().to_owned();
+            (TransportKind::Redis, server, advertised, Dial::Redis(redis))
+        }
+        MeshTransport::Quic | MeshTransport::Tcp => {
+            let (Some(ca), Some(cert), Some(key)) = (&mesh.ca, &mesh.cert, &mesh.key) else {
+                return Err(WorkerError::Fatal(
+                    "a fleet worker needs --mesh-ca, --mesh-cert and --mesh-key".into(),
+                ));
+            };
+            let files = MeshTlsFiles {
+                ca: ca.clone(),
+                cert: cert.clone(),
+                key: key.clone(),
+            };
+            let server_tls = mcpgw_certs::server_config(&files)
+                .map_err(|e| WorkerError::Fatal(e.to_string()))?;
+            let client_tls = mcpgw_certs::client_config(&files)
+                .map_err(|e| WorkerError::Fatal(e.to_string()))?;
+            let kind = if mesh.transport == MeshTransport::Quic {
+                TransportKind::Quic
+            } else {
+                TransportKind::Tcp
+            };
+            let mut listen = mesh.listen;
+            if listen.port() != 0 {
+                listen.set_port(offset_port(listen.port(), index)?);
+            }
+            let server = MeshServer::bind(
+                kind,
+                listen,
+                server_tls,
+                worker.id.clone(),
+                service,
+                limits.clone(),
+            )
+            .await
+            .map_err(|e| {
+                WorkerError::Fatal(format!("cannot bind the mesh endpoint {listen}: {e}"))
+            })?;
+            let advertised = advertise_addr(mesh.advertise.as_deref(), server.local_addr(), index)
+                .map_err(WorkerError::Fatal)?;
+            (kind, server, advertised, Dial::Tls(client_tls))
+        }
+    };
     let redis_url = config.fleet.redis_url.clone().unwrap_or_default();
     let directory = Directory::connect(DirectoryConfig {
         redis_url,
@@ -243,10 +278,23 @@ async fn join_fleet(
         }
         Err(e) => return Err(WorkerError::Failed(e.to_string())),
     };
-    let client = MeshClient::new(kind, client_tls.clone(), worker.id.clone(), limits.clone())
-        .map_err(|e| WorkerError::Fatal(e.to_string()))?;
-    let probe_client = MeshClient::new(kind, client_tls, worker.id.clone(), limits)
-        .map_err(|e| WorkerError::Fatal(e.to_string()))?;
+    let (client, probe_client) = match dial {
+        Dial::Tls(client_tls) => (
+            MeshClient::new(kind, client_tls.clone(), worker.id.clone(), limits.clone())
+                .map_err(|e| WorkerError::Fatal(e.to_string()))?,
+            MeshClient::new(kind, client_tls, worker.id.clone(), limits)
+                .map_err(|e| WorkerError::Fatal(e.to_string()))?,
+        ),
+        Dial::Redis(redis) => {
+            // One client serves both: a second would subscribe the worker's reply
+            // channel twice and receive every reply twice, and a probe over Redis is a
+            // fresh PUBLISH anyway, with no pooled connection to go stale.
+            let client = MeshClient::new_redis(redis, worker.id.clone(), limits)
+                .await
+                .map_err(|e| WorkerError::Failed(e.to_string()))?;
+            (client.clone(), client)
+        }
+    };
     let fleet = Arc::new(Fleet::new(
         directory,
         lease,

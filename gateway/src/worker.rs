@@ -107,7 +107,10 @@ impl Worker {
             (Decision::Refuse(refusal), fleet) => {
                 let gone = fleet.map_or(StatusCode::NOT_FOUND, |f| f.gone_status());
                 Err(refusal
-                    .to_error(gone, "the worker holding it could not renew its lease in time")
+                    .to_error(
+                        gone,
+                        "the worker holding it could not renew its lease in time",
+                    )
                     .with_id(call.id()))
             }
         }

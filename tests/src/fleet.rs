@@ -94,3 +94,73 @@ pub fn start_supervisor(spec: &SupervisorSpec<'_>) -> Gateway {
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     Gateway::start(&refs)
 }
+
+/// Redis, the demo upstream, certificates and two supervisors ("host-a", "host-b")
+/// of `workers` workers each.
+pub struct LocalFleet {
+    pub redis: crate::RedisServer,
+    pub upstream: crate::Upstream,
+    pub certs: MeshCerts,
+    pub a: Gateway,
+    pub b: Gateway,
+}
+
+impl LocalFleet {
+    pub fn start(transport: &str, workers: usize, extra: &[&str]) -> LocalFleet {
+        let redis = crate::RedisServer::start();
+        let upstream = crate::Upstream::start();
+        let certs = MeshCerts::create(&["host-a", "host-b"]);
+        let redis_url = redis.url();
+        let spec = |member| SupervisorSpec {
+            redis_url: &redis_url,
+            upstream_url: &upstream.url,
+            workers,
+            transport,
+            certs: &certs,
+            member,
+            extra,
+        };
+        let a = start_supervisor(&spec("host-a"));
+        let b = start_supervisor(&spec("host-b"));
+        LocalFleet {
+            redis,
+            upstream,
+            certs,
+            a,
+            b,
+        }
+    }
+
+    /// Worker leases in the directory: id → (pid, mesh address).
+    pub fn leases(&self) -> std::collections::HashMap<String, (u64, String)> {
+        let redis = &self.redis;
+        redis
+            .keys("mcpgw:worker:*")
+            .into_iter()
+            .filter_map(|key| {
+                let id = key.strip_prefix("mcpgw:worker:")?.to_owned();
+                let lease: serde_json::Value = serde_json::from_str(&redis.get(&key)?).ok()?;
+                let addr = redis.get(&format!("mcpgw:worker_addr:{id}"))?;
+                Some((id, (lease["pid"].as_u64()?, addr)))
+            })
+            .collect()
+    }
+
+    /// The pid of worker `id`.
+    pub fn pid_of(&self, id: &str) -> u64 {
+        self.leases()
+            .get(id)
+            .map(|(pid, _)| *pid)
+            .unwrap_or_else(|| panic!("worker {id} has no lease"))
+    }
+}
+
+/// Sends a signal (TERM, KILL, STOP, CONT) to a process.
+pub fn signal(pid: u64, name: &str) {
+    let status = Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("kill(1)");
+    assert!(status.success(), "kill -{name} {pid}");
+}

@@ -44,6 +44,32 @@ impl RedisServer {
         panic!("redis-server did not start");
     }
 
+    /// Kills Redis and starts it again, empty, on the same port: a restart without
+    /// persistence.
+    pub fn restart_empty(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+        for _ in 0..50 {
+            let process = Command::new("redis-server")
+                .args(["--port", &self.port.to_string()])
+                .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(&self.dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("redis-server");
+            self.process = process;
+            if self.wait_ready(Duration::from_secs(5)) {
+                return;
+            }
+            let _ = self.process.kill();
+            let _ = self.process.wait();
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("redis-server did not restart on port {}", self.port);
+    }
+
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
     }

@@ -102,6 +102,19 @@ impl MeshServerHandle {
     }
 
     /// Drains, waits up to `grace` for in-flight requests to finish, then stops.
+    /// Drains and waits up to `grace` for the requests in flight to finish, while the
+    /// endpoint keeps answering (`Draining`), so the owner can end its sessions before
+    /// it stops listening. Returns whether everything finished in time.
+    pub async fn wait_idle(&self, grace: Duration) -> bool {
+        self.drain();
+        let settled = async {
+            while self.shared.total_in_flight() > 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        timeout(grace, settled).await.is_ok()
+    }
+
     pub async fn shutdown(self, grace: Duration) {
         self.drain();
         self.shared.tracker.close();
