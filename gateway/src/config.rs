@@ -35,6 +35,8 @@ pub struct Config {
     pub limits: Limits,
     pub fleet: FleetConfig,
     pub mesh: MeshConfig,
+    /// `principal:token` lines; without it the gateway runs in public mode.
+    pub auth_tokens_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -138,6 +140,7 @@ impl Default for Config {
                 max_frame_bytes: 8 * 1024 * 1024,
                 max_in_flight_per_peer: 1024,
             },
+            auth_tokens_file: None,
         }
     }
 }
@@ -172,6 +175,9 @@ pub struct ServeArgs {
     /// Time for a session's owner to start answering a forwarded request, in ms.
     #[arg(long, env = "MCPGW_FORWARD_TIMEOUT_MS")]
     pub forward_timeout_ms: Option<u64>,
+    /// API keys: a file of `principal:token` lines. Without it, public mode.
+    #[arg(long, env = "MCPGW_AUTH_TOKENS_FILE")]
+    pub auth_tokens_file: Option<PathBuf>,
     /// Status for a session whose owner is gone: 404 (MCP) or 409.
     #[arg(long, env = "MCPGW_SESSION_GONE_STATUS")]
     pub session_gone_status: Option<u16>,
@@ -217,6 +223,14 @@ struct FileConfig {
     fleet: FileFleet,
     #[serde(default)]
     mesh: FileMesh,
+    #[serde(default)]
+    auth: FileAuth,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileAuth {
+    tokens_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -312,6 +326,9 @@ impl Config {
             }
         }
         set_ms(&mut self.mesh.forward_timeout, m.forward_timeout_ms);
+        if file.auth.tokens_file.is_some() {
+            self.auth_tokens_file = file.auth.tokens_file;
+        }
         set_ms(&mut self.mesh.connect_timeout, m.connect_timeout_ms);
         set(&mut self.mesh.max_frame_bytes, m.max_frame_bytes);
         set(
@@ -343,6 +360,9 @@ impl Config {
         }
         set(&mut self.fleet.gone_status, a.session_gone_status);
         set_ms(&mut self.mesh.forward_timeout, a.forward_timeout_ms);
+        if a.auth_tokens_file.is_some() {
+            self.auth_tokens_file = a.auth_tokens_file.clone();
+        }
         if let Some(listen) = &a.mesh_listen {
             self.mesh.listen = parse_addr("--mesh-listen", listen)?;
         }
@@ -483,6 +503,10 @@ impl Config {
                     Some(_) => {}
                 }
             }
+        }
+        if let Some(path) = &self.auth_tokens_file {
+            crate::auth::Authenticator::from_file(path)
+                .map_err(|problem| invalid("auth.tokens_file", problem))?;
         }
         if self.mesh.max_frame_bytes < self.limits.max_body_bytes + 64 * 1024 {
             return Err(invalid(

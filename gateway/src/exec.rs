@@ -29,6 +29,12 @@ impl Reply {
         if let Some(seconds) = error.retry_after {
             headers.insert(http::header::RETRY_AFTER, HeaderValue::from(seconds));
         }
+        if error.status == StatusCode::UNAUTHORIZED {
+            headers.insert(
+                http::header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"mcpgw\""),
+            );
+        }
         Reply {
             status: error.status,
             headers,

@@ -14,7 +14,6 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
-use mcpgw_wire::{AuthContext, AuthScheme};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
@@ -143,6 +142,7 @@ type Refusal = (GatewayError, http::Method, String);
 async fn route(worker: &Arc<Worker>, parts: Parts, body: Incoming) -> Result<Reply, Refusal> {
     let path = parts.uri.path().to_owned();
     let refuse = |e: GatewayError| (e, parts.method.clone(), path.clone());
+    let auth = worker.auth.authenticate(&parts.headers).map_err(refuse)?;
     let (upstream, era) = request::check_head(&worker.routes, &parts.method, &path, &parts.headers)
         .map_err(refuse)?;
     let body = read_body(body, &parts, worker.config.limits.max_body_bytes)
@@ -155,20 +155,10 @@ async fn route(worker: &Arc<Worker>, parts: Parts, body: Incoming) -> Result<Rep
         &path,
         &parts.headers,
         body,
-        public_auth(),
+        auth,
     )
     .map_err(refuse)?;
     worker.dispatch(call).await.map_err(refuse)
-}
-
-/// Public mode: no credentials, so the session belongs to whoever holds its id.
-fn public_auth() -> AuthContext {
-    AuthContext {
-        scheme: AuthScheme::Public,
-        principal: String::new(),
-        scopes: Vec::new(),
-        claims_json: None,
-    }
 }
 
 async fn read_body(body: Incoming, parts: &Parts, max: usize) -> Result<Bytes, GatewayError> {

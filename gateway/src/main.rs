@@ -8,6 +8,7 @@
 #![deny(rust_2018_idioms)]
 
 mod affinity;
+mod auth;
 mod body;
 mod certs_cli;
 mod config;

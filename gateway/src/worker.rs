@@ -26,6 +26,8 @@ pub struct Worker {
     pub upstreams: Vec<Upstream>,
     /// Sessions whose upstream connection lives in this process.
     pub sessions: SessionRegistry,
+    /// Decides who each client is, at the edge.
+    pub auth: crate::auth::Authenticator,
     /// Set once a drain begins: no new sessions are admitted.
     draining: AtomicBool,
     /// The fleet this worker belongs to; unset for a standalone worker.
@@ -52,9 +54,16 @@ impl Worker {
                 format!("worker id {id:?} is not a valid header value"),
             )
         })?;
+        let auth = match &config.auth_tokens_file {
+            Some(path) => crate::auth::Authenticator::from_file(path).map_err(|e| {
+                GatewayError::gateway(StatusCode::INTERNAL_SERVER_ERROR, "config", e)
+            })?,
+            None => crate::auth::Authenticator::default(),
+        };
         Ok(Arc::new(Worker {
             id,
             id_header,
+            auth,
             routes: Routes::new(&config),
             upstreams,
             config,

@@ -552,3 +552,76 @@ fn wait_for_listener(addr: &str) {
         thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// A session belongs to the principal that created it: another principal using its
+/// id, on the owner or through another worker, is answered as if it did not exist.
+#[test]
+fn another_principal_cannot_use_a_session() {
+    let tokens = std::env::temp_dir().join(format!("mcpgw-tokens-{}", std::process::id()));
+    std::fs::write(
+        &tokens,
+        "alice:alice-token-0123456789\nbob:bob-token-0123456789ab\n",
+    )
+    .unwrap();
+    let tokens_arg = tokens.display().to_string();
+    let fleet = LocalFleet::start("quic", 1, &["--auth-tokens-file", &tokens_arg]);
+    let init = br#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-11-25","capabilities":{},"clientInfo":{"name":"t","version":"0"}}}"#;
+    let headers = |token: &'static str, session: Option<&str>| {
+        let mut h = vec![
+            ("Content-Type", "application/json".to_owned()),
+            ("Accept", "application/json, text/event-stream".to_owned()),
+            ("Authorization", format!("Bearer {token}")),
+        ];
+        if let Some(s) = session {
+            h.push(("Mcp-Session-Id", s.to_owned()));
+            h.push(("MCP-Protocol-Version", "2025-11-25".to_owned()));
+        }
+        h
+    };
+    let send = |addr: &str, token: &'static str, session: Option<&str>, body: &[u8]| {
+        let h = headers(token, session);
+        let refs: Vec<(&str, &str)> = h.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        mcpgw_tests::http::request(addr, "POST", "/mcp", &refs, body)
+    };
+    let opened = send(&fleet.a.addr, "alice-token-0123456789", None, init);
+    assert_eq!(opened.status, 200);
+    let session = opened.header("mcp-session-id").unwrap().to_owned();
+    let call = br#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"counter_increment","arguments":{}}}"#;
+    for addr in [&fleet.a.addr, &fleet.b.addr] {
+        let mine = send(addr, "alice-token-0123456789", Some(&session), call);
+        assert_eq!(mine.status, 200, "alice via {addr}");
+        let theirs = send(addr, "bob-token-0123456789ab", Some(&session), call);
+        assert_eq!(
+            theirs.status, 404,
+            "bob via {addr} is told it does not exist"
+        );
+        assert_eq!(theirs.error_code(), Some(-32001));
+        let anonymous = mcpgw_tests::http::request(
+            addr,
+            "POST",
+            "/mcp",
+            &[
+                ("Content-Type", "application/json"),
+                ("Mcp-Session-Id", &session),
+            ],
+            call,
+        );
+        assert_eq!(anonymous.status, 401);
+        assert!(anonymous.header("www-authenticate").is_some());
+        let wrong = send(addr, "not-a-valid-token-at-all", Some(&session), call);
+        assert_eq!(wrong.status, 401);
+    }
+    // Bob's attempts changed nothing: alice's counter went 1, 2, now 3.
+    let third = send(
+        &fleet.b.addr,
+        "alice-token-0123456789",
+        Some(&session),
+        call,
+    );
+    assert!(
+        String::from_utf8_lossy(&third.body).contains("\"3\""),
+        "{}",
+        String::from_utf8_lossy(&third.body)
+    );
+    let _ = std::fs::remove_file(&tokens);
+}

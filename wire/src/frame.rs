@@ -125,6 +125,8 @@ pub enum AuthScheme {
     Jwt,
     /// An OAuth bearer token verified by the gateway.
     OAuth,
+    /// A static API key (bearer token) from the gateway's token file.
+    ApiKey,
 }
 
 /// A failure reported by a peer, for one request or for the connection.

@@ -22,7 +22,8 @@ fn auth() -> impl Strategy<Value = AuthContext> {
         prop_oneof![
             Just(AuthScheme::Public),
             Just(AuthScheme::Jwt),
-            Just(AuthScheme::OAuth)
+            Just(AuthScheme::OAuth),
+            Just(AuthScheme::ApiKey)
         ],
         any::<String>(),
         proptest::collection::vec(any::<String>(), 0..4),
