@@ -31,6 +31,10 @@ pub const READY_PREFIX: &str = "mcpgw worker ready";
 /// is already leased): the supervisor stops instead of looping.
 pub const EXIT_FATAL: u8 = 3;
 
+/// First and longest delay before a dead worker's replacement starts.
+const RESTART_BACKOFF_MIN: Duration = Duration::from_millis(100);
+const RESTART_BACKOFF_MAX: Duration = Duration::from_secs(5);
+
 /// How long workers may take to drain after SIGTERM before they are killed.
 const STOP_DEADLINE: Duration = Duration::from_secs(40);
 
@@ -53,6 +57,10 @@ enum Event {
     Ready {
         slot: usize,
         line: String,
+    },
+    /// A backoff delay for a dead worker's replacement has passed.
+    Restart {
+        slot: usize,
     },
     Exited {
         slot: usize,
@@ -99,6 +107,7 @@ async fn supervise(mut config: Config) -> ExitCode {
         }
     });
     let mut ready = vec![false; workers];
+    let mut failures = vec![0u32; workers];
     let mut announced = false;
     let mut stopping = stop_rx.clone();
     let mut exit = ExitCode::SUCCESS;
@@ -127,8 +136,20 @@ async fn supervise(mut config: Config) -> ExitCode {
                             exit = ExitCode::from(EXIT_FATAL);
                             break;
                         }
-                        warn!(slot, ?code, "worker died; starting a replacement under a new id");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        // Back off when replacements keep dying before they serve (Redis
+                        // down, say), so a broken dependency is not hammered.
+                        failures[slot] = if was_ready { 0 } else { failures[slot] + 1 };
+                        let delay = RESTART_BACKOFF_MIN
+                            .saturating_mul(1 << failures[slot].min(6))
+                            .min(RESTART_BACKOFF_MAX);
+                        warn!(slot, ?code, ?delay, "worker died; starting a replacement under a new id");
+                        let events = events_tx.clone();
+                        tokio::spawn(async move {
+                            tokio::time::sleep(delay).await;
+                            let _ = events.send(Event::Restart { slot });
+                        });
+                    }
+                    Event::Restart { slot } => {
                         generations[slot] += 1;
                         match spawn_worker(&config, slot, generations[slot], events_tx.clone()) {
                             Ok(pid) => pids[slot] = Some(pid),
