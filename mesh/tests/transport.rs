@@ -244,6 +244,7 @@ async fn free_port(kind: TransportKind) -> SocketAddr {
                 .expect("tcp");
             s.local_addr().expect("addr")
         }
+        TransportKind::Redis => unreachable!("the Redis transport has its own tests"),
     }
 }
 
@@ -269,6 +270,7 @@ async fn silent_port_is_a_timeout_not_proof(kind: TransportKind) {
                 .expect("tcp");
             (s.local_addr().expect("addr"), Box::new(s) as Box<dyn Send>)
         }
+        TransportKind::Redis => unreachable!("the Redis transport has its own tests"),
     };
     let err = mesh
         .client

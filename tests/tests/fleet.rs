@@ -73,7 +73,8 @@ fn tool_text(response: &http::Response) -> String {
         })
 }
 
-fn forwarding_suite(transport: &str) {
+/// Returns the fleet, still running, for checks of its own.
+fn forwarding_suite(transport: &str) -> TestFleet {
     let fleet = start_fleet(transport, &[]);
     let proxy = ScatterProxy::start(vec![fleet.a.addr.clone(), fleet.b.addr.clone()]);
 
@@ -147,6 +148,7 @@ fn forwarding_suite(transport: &str) {
         arrivals[10] - arrivals[0] >= Duration::from_millis(500),
         "{transport}: forwarded events arrive as produced: {arrivals:?}"
     );
+    fleet
 }
 
 #[test]
@@ -157,6 +159,30 @@ fn forwarding_over_quic() {
 #[test]
 fn forwarding_over_tcp() {
     forwarding_suite("tcp");
+}
+
+/// The Redis pub/sub baseline passes the same suite, and keeps DESIGN invariant 2:
+/// every worker's request channel has exactly one subscriber.
+#[test]
+fn forwarding_over_redis() {
+    let fleet = forwarding_suite("redis");
+    let workers = leases(&fleet.redis);
+    assert_eq!(
+        workers.len(),
+        4,
+        "two supervisors of two workers: {workers:?}"
+    );
+    for (id, (_, addr)) in &workers {
+        let channel = format!("mcpgw:pool_rpc:{id}");
+        assert_eq!(addr, &channel, "a Redis worker advertises its channel");
+        // NUMSUB answers [channel, count].
+        let reply = fleet.redis.command(&["PUBSUB", "NUMSUB", &channel]);
+        assert_eq!(
+            reply.lines().nth(1),
+            Some("1"),
+            "{channel} must have exactly one subscriber: {reply:?}"
+        );
+    }
 }
 
 #[test]

@@ -1,4 +1,4 @@
-//! The caller's side, shared by both transports: the peer pool facade, the greeting,
+//! The caller's side, shared by all transports: the peer pool facade, the greeting,
 //! and reading a forwarded response.
 
 use std::fmt;
@@ -15,7 +15,7 @@ use tokio::time::{Instant, timeout, timeout_at};
 
 use super::error::LinkError;
 use super::framed::{FrameReader, FrameWriter};
-use super::{MeshError, MeshLimits, TransportKind, quic, tcp};
+use super::{MeshError, MeshLimits, RedisTransportConfig, TransportKind, quic, redis, tcp};
 
 /// How long after a request's own deadline the caller still waits for the owner's
 /// answer. The owner stops the request at the deadline and says so; if that answer
@@ -43,6 +43,7 @@ struct ClientInner {
 enum Transport {
     Quic(quic::QuicClient),
     Tcp(tcp::TcpClient),
+    Redis(redis::RedisClient),
 }
 
 impl fmt::Debug for MeshClient {
@@ -71,10 +72,38 @@ impl MeshClient {
         let transport = match kind {
             TransportKind::Quic => Transport::Quic(quic::QuicClient::new(tls, worker_id, limits)?),
             TransportKind::Tcp => Transport::Tcp(tcp::TcpClient::new(tls, worker_id, limits)),
+            TransportKind::Redis => {
+                return Err(MeshError::Config(
+                    "the Redis transport takes no TLS config: make its client with \
+                     MeshClient::new_redis"
+                        .into(),
+                ));
+            }
         };
         Ok(Self {
             inner: Arc::new(ClientInner {
                 transport,
+                max_frame,
+            }),
+        })
+    }
+
+    /// A client for the Redis transport, the measured baseline: requests go to
+    /// `{prefix}pool_rpc:{worker}`, replies come back on this worker's
+    /// `{prefix}pool_reply:{local_worker_id}`. Unlike [`new`](Self::new) this connects
+    /// at once: it subscribes to the reply channel before any request may go out, and
+    /// fails if Redis is unreachable within [`MeshLimits::connect_timeout`]. No mTLS:
+    /// Redis is the trust boundary.
+    pub async fn new_redis(
+        redis: RedisTransportConfig,
+        local_worker_id: impl Into<String>,
+        limits: MeshLimits,
+    ) -> Result<Self, MeshError> {
+        let max_frame = limits.max_frame;
+        let client = redis::RedisClient::new(redis, local_worker_id.into(), limits).await?;
+        Ok(Self {
+            inner: Arc::new(ClientInner {
+                transport: Transport::Redis(client),
                 max_frame,
             }),
         })
@@ -85,6 +114,7 @@ impl MeshClient {
         match self.inner.transport {
             Transport::Quic(_) => TransportKind::Quic,
             Transport::Tcp(_) => TransportKind::Tcp,
+            Transport::Redis(_) => TransportKind::Redis,
         }
     }
 
@@ -95,7 +125,8 @@ impl MeshClient {
     /// [`ForwardedResponse::next_chunk`]) or with an error frame
     /// ([`MeshError::Remote`]). Dropping the future after the request was sent cancels
     /// it at the owner. A stale pooled connection is replaced transparently, once, as
-    /// long as the request cannot have reached the owner.
+    /// long as the request cannot have reached the owner. The Redis transport needs no
+    /// address: it publishes to the channel of `expect_worker_id`.
     pub async fn forward(
         &self,
         peer_addr: &str,
@@ -105,18 +136,25 @@ impl MeshClient {
         let deadline = Instant::now()
             + Duration::from_millis(u64::from(request.deadline_ms))
             + CALLER_DEADLINE_GRACE;
-        let encoded = MeshCodec::new(self.inner.max_frame)
-            .encode_frame(&Frame::Request(Box::new(request)))
-            .map_err(|e| MeshError::RequestTooLarge(e.to_string()))?;
+        let frame = Frame::Request(Box::new(request));
+        let encode = || {
+            MeshCodec::new(self.inner.max_frame)
+                .encode_frame(&frame)
+                .map_err(|e| MeshError::RequestTooLarge(e.to_string()))
+        };
         let mut exchange = match &self.inner.transport {
             Transport::Quic(q) => Exchange::Quic(
-                q.send_request(peer_addr, expect_worker_id, &encoded, deadline)
+                q.send_request(peer_addr, expect_worker_id, &encode()?, deadline)
                     .await?,
             ),
             Transport::Tcp(t) => Exchange::Tcp(
-                t.send_request(peer_addr, expect_worker_id, &encoded, deadline)
+                t.send_request(peer_addr, expect_worker_id, &encode()?, deadline)
                     .await?,
             ),
+            // Encoded behind its routing header by the transport, in one buffer.
+            Transport::Redis(r) => {
+                Exchange::Redis(r.send_request(expect_worker_id, &frame, deadline).await?)
+            }
         };
         let head = read_head(&mut exchange, deadline).await?;
         Ok(ForwardedResponse {
@@ -132,6 +170,8 @@ impl MeshClient {
         match &self.inner.transport {
             Transport::Quic(q) => q.forget_peer(peer_addr),
             Transport::Tcp(t) => t.forget_peer(peer_addr),
+            // No connection per peer: the channel follows from the worker id.
+            Transport::Redis(_) => {}
         }
     }
 }
@@ -142,7 +182,8 @@ impl MeshClient {
 pub struct ForwardedResponse {
     /// Status and headers, as the owner sent them.
     head: ResponseHead,
-    /// The stream (QUIC) or pooled connection (TCP) carrying the body.
+    /// The stream (QUIC), pooled connection (TCP) or reply queue (Redis) carrying the
+    /// body.
     exchange: Exchange,
     /// Set once `End`, an error, or a failure ended the body.
     done: bool,
@@ -233,10 +274,12 @@ pub(crate) enum ExState {
     Broken,
 }
 
-/// One request's link: a QUIC stream pair, or a pooled TCP connection.
+/// One request's link: a QUIC stream pair, a pooled TCP connection, or a Redis
+/// exchange's reply queue.
 pub(crate) enum Exchange {
     Quic(quic::QuicExchange),
     Tcp(tcp::TcpExchange),
+    Redis(redis::RedisExchange),
 }
 
 impl Exchange {
@@ -244,6 +287,7 @@ impl Exchange {
         match self {
             Exchange::Quic(x) => x.next().await,
             Exchange::Tcp(x) => x.next().await,
+            Exchange::Redis(x) => x.next().await,
         }
     }
 
@@ -251,6 +295,7 @@ impl Exchange {
         match self {
             Exchange::Quic(x) => x.state = state,
             Exchange::Tcp(x) => x.state = state,
+            Exchange::Redis(x) => x.state = state,
         }
     }
 
@@ -260,6 +305,7 @@ impl Exchange {
         match self {
             Exchange::Quic(x) => x.release(),
             Exchange::Tcp(x) => x.release(),
+            Exchange::Redis(x) => x.release(),
         }
     }
 }

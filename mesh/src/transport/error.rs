@@ -10,8 +10,10 @@ use mcpgw_wire::{ErrorFrame, ErrorKind, WireError};
 /// [`may_have_executed`](Self::may_have_executed).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MeshError {
-    /// Nothing listens at the peer's mesh address (TCP reset, ICMP port unreachable):
-    /// proof that the owner process is gone. The request was not sent.
+    /// Nothing listens at the peer's mesh address (TCP reset, ICMP port unreachable;
+    /// over Redis, a request that reached no subscriber on the worker's channel):
+    /// proof that the owner process is gone. The request was not sent (over Redis:
+    /// received by no one). `addr` is the Redis channel there.
     #[error("mesh peer {addr} refused the connection: the worker that owned it is gone")]
     Refused {
         /// The address dialled.
@@ -100,9 +102,16 @@ pub enum MeshError {
     /// A local socket could not be set up (bind, socket options).
     #[error("mesh socket setup failed: {0}")]
     Io(String),
-    /// The TLS config cannot be used for this transport.
+    /// The TLS config cannot be used for this transport (the Redis transport takes
+    /// none: it has its own constructors).
     #[error("mesh TLS config unusable: {0}")]
     Config(String),
+    /// The Redis that carries the Redis transport could not be used: bad URL,
+    /// unreachable, it refused a command, this worker's reply subscription is down, or
+    /// the worker's request channel already has a subscriber. Not proof of anything;
+    /// the request was not sent.
+    #[error("mesh Redis transport: {0}")]
+    Redis(String),
 }
 
 impl MeshError {

@@ -1,14 +1,19 @@
 //! Mesh transports: how a worker forwards a request to the worker that owns its
 //! session, and how the owner serves it.
 //!
-//! Two transports sit behind one interface, chosen by [`TransportKind`]:
+//! Three transports sit behind one interface, chosen by [`TransportKind`]:
 //!
 //! - **QUIC** (quinn): one connection per peer, reused for every request, one
 //!   bidirectional stream per request. Requests never queue behind each other.
 //! - **TCP** (tokio-rustls): a bounded pool of persistent connections per peer, one
 //!   request in flight per connection (like an HTTP/1 pool).
+//! - **Redis** pub/sub: the established alternative, kept as a measured baseline and
+//!   never the default. Requests and response parts travel as messages through Redis;
+//!   Redis, not mTLS, is its trust boundary. Made with [`MeshServer::bind_redis`] and
+//!   [`MeshClient::new_redis`]; see [`RedisTransportConfig`] and the `redis` module
+//!   source for its channels, liveness and cancellation.
 //!
-//! Both use TLS 1.3 with mutual authentication: the rustls configs come from
+//! QUIC and TCP use TLS 1.3 with mutual authentication: the rustls configs come from
 //! `mcpgw-certs` (mesh CA, mesh URI SAN required on both sides); this module only adds
 //! the ALPN protocol [`MESH_ALPN`] and dials with SNI [`mcpgw_certs::MESH_SERVER_NAME`].
 //!
@@ -49,11 +54,15 @@
 //!   A peer that dies *after* the connection is up is noticed when the connection's
 //!   idle timeout ([`MeshLimits::idle_timeout`]) expires, or at once if it closed its
 //!   endpoint on the way out.
+//! - Redis: a request published to a worker's channel that reaches no subscriber
+//!   ([`MeshError::Refused`]); an owner that stops answering mid-response is noticed
+//!   when its keep-alives stop for [`MeshLimits::idle_timeout`].
 
 mod client;
 mod error;
 mod framed;
 mod quic;
+mod redis;
 mod server;
 mod tcp;
 
@@ -67,6 +76,7 @@ use bytes::Bytes;
 use futures_util::stream::BoxStream;
 use mcpgw_wire::{ErrorFrame, RequestFrame, ResponseHead};
 
+pub use self::redis::RedisTransportConfig;
 pub use client::{CALLER_DEADLINE_GRACE, ForwardedResponse, MeshClient};
 pub use error::MeshError;
 pub use server::{MeshServer, MeshServerHandle};
@@ -83,6 +93,9 @@ pub enum TransportKind {
     Quic,
     /// TLS over TCP: a pool of connections per peer, one request per connection at a time.
     Tcp,
+    /// Redis pub/sub: the measured baseline; a request channel per worker, a reply
+    /// channel per caller worker, no mTLS.
+    Redis,
 }
 
 impl fmt::Display for TransportKind {
@@ -90,6 +103,7 @@ impl fmt::Display for TransportKind {
         f.write_str(match self {
             TransportKind::Quic => "quic",
             TransportKind::Tcp => "tcp",
+            TransportKind::Redis => "redis",
         })
     }
 }
@@ -101,8 +115,9 @@ impl FromStr for TransportKind {
         match s.to_ascii_lowercase().as_str() {
             "quic" => Ok(TransportKind::Quic),
             "tcp" => Ok(TransportKind::Tcp),
+            "redis" => Ok(TransportKind::Redis),
             other => Err(format!(
-                "unknown mesh transport {other:?}: expected \"quic\" or \"tcp\""
+                "unknown mesh transport {other:?}: expected \"quic\", \"tcp\" or \"redis\""
             )),
         }
     }
@@ -121,13 +136,16 @@ pub struct MeshLimits {
     pub max_in_flight_per_peer: usize,
     /// Time to establish a connection: TCP or QUIC handshake, TLS, and `Hello` →
     /// `Welcome`. Shorter detects a silent peer sooner, but gives up on a slow one.
+    /// Redis: the time to connect to Redis and for Redis to answer one command.
     pub connect_timeout: Duration,
     /// TCP only: connections kept per peer; also the most requests in flight to one
     /// peer from this client. Each costs a socket and TLS state on both ends.
     pub tcp_pool_size: usize,
     /// How long a silent link is trusted. QUIC: the connection's idle timeout, with
     /// keep-alives every third of it, so only a dead or unreachable peer goes silent
-    /// this long. TCP: keepalive probing starts after this much silence.
+    /// this long. TCP: keepalive probing starts after this much silence. Redis: an
+    /// owner sends a keep-alive message every third of it while a response is quiet,
+    /// and a caller gives up on an owner silent this long. Zero: never time out.
     pub idle_timeout: Duration,
 }
 
@@ -146,12 +164,14 @@ impl Default for MeshLimits {
 /// Who sent a forwarded request, as the owner sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerInfo {
-    /// The peer's socket address as seen by this server.
+    /// The peer's socket address as seen by this server; the unspecified address
+    /// `0.0.0.0:0` over Redis, where the peer's messages come from Redis.
     pub addr: SocketAddr,
-    /// The peer's mesh identity from its certificate's URI SAN, verified by mTLS.
+    /// The peer's mesh identity from its certificate's URI SAN, verified by mTLS;
+    /// empty over Redis, which has no mTLS (Redis is that transport's trust boundary).
     pub identity: String,
     /// The worker id the peer announced in `Hello` (vouched for by its certificate
-    /// only as far as the identity above goes).
+    /// only as far as the identity above goes), or over Redis in each request.
     pub worker_id: String,
     /// The transport the request came over.
     pub transport: TransportKind,

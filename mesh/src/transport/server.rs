@@ -19,7 +19,7 @@ use tracing::{debug, warn};
 use super::error::LinkError;
 use super::framed::{FrameReader, FrameWriter, SendError};
 use super::{MeshError, MeshLimits, MeshService, PeerInfo, ResponsePart, TransportKind};
-use super::{quic, tcp};
+use super::{RedisTransportConfig, quic, redis, tcp};
 
 /// Starts mesh servers. See [`MeshServer::bind`].
 #[derive(Debug)]
@@ -43,19 +43,7 @@ impl MeshServer {
     ) -> Result<MeshServerHandle, MeshError> {
         let mut tls = (*tls).clone();
         tls.alpn_protocols = vec![super::MESH_ALPN.to_vec()];
-        let mut limits = limits;
-        // Zero would refuse every request; one is the least that serves.
-        limits.max_in_flight_per_peer = limits.max_in_flight_per_peer.max(1);
-        let shared = Arc::new(ServerShared {
-            kind,
-            worker_id: local_worker_id.into(),
-            service,
-            limits,
-            draining: AtomicBool::new(false),
-            stop: CancellationToken::new(),
-            tracker: TaskTracker::new(),
-            in_flight: Mutex::new(HashMap::new()),
-        });
+        let shared = ServerShared::new(kind, local_worker_id.into(), service, limits);
         let (local_addr, endpoint) = match kind {
             TransportKind::Quic => {
                 let endpoint = quic::serve(listen, Arc::new(tls), shared.clone())?;
@@ -66,12 +54,50 @@ impl MeshServer {
                 tcp::serve(listen, Arc::new(tls), shared.clone()).await?,
                 None,
             ),
+            TransportKind::Redis => {
+                return Err(MeshError::Config(
+                    "the Redis transport takes no TLS config and binds no socket: start it \
+                     with MeshServer::bind_redis"
+                        .into(),
+                ));
+            }
         };
         debug!(%local_addr, %kind, worker_id = %shared.worker_id, "mesh server listening");
         Ok(MeshServerHandle {
             local_addr,
             shared,
             quic_endpoint: endpoint,
+            redis_channel: None,
+        })
+    }
+
+    /// Starts serving forwarded requests with `service` on this worker's Redis request
+    /// channel (`{prefix}pool_rpc:{local_worker_id}`), the measured baseline transport.
+    ///
+    /// Subscribes on a dedicated pub/sub connection and fails if Redis is unreachable
+    /// within [`MeshLimits::connect_timeout`] or if the channel already has another
+    /// subscriber (another process with this worker id). No mTLS: Redis is the trust
+    /// boundary. [`MeshServerHandle::local_addr`] is the unspecified address `0.0.0.0:0`;
+    /// [`MeshServerHandle::redis_channel`] names the channel.
+    pub async fn bind_redis(
+        redis: RedisTransportConfig,
+        local_worker_id: impl Into<String>,
+        service: Arc<dyn MeshService>,
+        limits: MeshLimits,
+    ) -> Result<MeshServerHandle, MeshError> {
+        let shared = ServerShared::new(
+            TransportKind::Redis,
+            local_worker_id.into(),
+            service,
+            limits,
+        );
+        let channel = redis::serve(&redis, shared.clone()).await?;
+        debug!(%channel, worker_id = %shared.worker_id, "mesh server subscribed");
+        Ok(MeshServerHandle {
+            local_addr: SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, 0)),
+            shared,
+            quic_endpoint: None,
+            redis_channel: Some(channel),
         })
     }
 }
@@ -86,12 +112,20 @@ pub struct MeshServerHandle {
     shared: Arc<ServerShared>,
     /// The QUIC endpoint, closed on stop so peers learn at once instead of timing out.
     quic_endpoint: Option<quinn::Endpoint>,
+    /// The Redis transport's request channel; `None` for QUIC and TCP.
+    redis_channel: Option<String>,
 }
 
 impl MeshServerHandle {
-    /// The address the server listens on.
+    /// The address the server listens on (`0.0.0.0:0` for the Redis transport, which
+    /// listens on no socket).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// The Redis channel the server takes requests on; `None` for QUIC and TCP.
+    pub fn redis_channel(&self) -> Option<&str> {
+        self.redis_channel.as_deref()
     }
 
     /// Stops taking new requests: each is answered `Error(Draining)`. Requests in
@@ -185,6 +219,26 @@ impl std::fmt::Debug for ServerShared {
 }
 
 impl ServerShared {
+    fn new(
+        kind: TransportKind,
+        worker_id: String,
+        service: Arc<dyn MeshService>,
+        mut limits: MeshLimits,
+    ) -> Arc<Self> {
+        // Zero would refuse every request; one is the least that serves.
+        limits.max_in_flight_per_peer = limits.max_in_flight_per_peer.max(1);
+        Arc::new(ServerShared {
+            kind,
+            worker_id,
+            service,
+            limits,
+            draining: AtomicBool::new(false),
+            stop: CancellationToken::new(),
+            tracker: TaskTracker::new(),
+            in_flight: Mutex::new(HashMap::new()),
+        })
+    }
+
     fn total_in_flight(&self) -> usize {
         self.in_flight
             .lock()
@@ -193,7 +247,7 @@ impl ServerShared {
     }
 
     /// Takes an in-flight slot for `peer`, or `None` when it is at its limit.
-    fn admit(self: &Arc<Self>, peer: &str) -> Option<InFlight> {
+    pub(crate) fn admit(self: &Arc<Self>, peer: &str) -> Option<InFlight> {
         let mut map = self.in_flight.lock().ok()?;
         let n = map.entry(peer.to_owned()).or_default();
         if *n >= self.limits.max_in_flight_per_peer {
@@ -208,7 +262,7 @@ impl ServerShared {
 }
 
 /// One admitted request; frees its slot when dropped.
-struct InFlight {
+pub(crate) struct InFlight {
     shared: Arc<ServerShared>,
     peer: String,
 }

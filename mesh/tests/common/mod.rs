@@ -2,6 +2,10 @@
 //! that records what it saw, and a server/client pair on loopback.
 #![allow(dead_code)] // each test crate uses a different part of the harness
 
+mod redis_server;
+#[allow(unused_imports)] // only the Redis transport tests start a Redis
+pub use redis_server::RedisServer;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -12,7 +16,7 @@ use futures_util::stream::{self, BoxStream};
 use mcpgw_certs::{MeshTls, MeshTlsFiles, Pem, generate_ca, issue_leaf, write_pem_files};
 use mcpgw_mesh::transport::{
     ForwardedResponse, MeshClient, MeshError, MeshLimits, MeshServer, MeshServerHandle,
-    MeshService, PeerInfo, ResponsePart, TransportKind,
+    MeshService, PeerInfo, RedisTransportConfig, ResponsePart, TransportKind,
 };
 use mcpgw_wire::{AuthContext, AuthScheme, ErrorFrame, ErrorKind, RequestFrame, ResponseHead};
 use tokio::sync::Semaphore;
@@ -292,6 +296,34 @@ impl Mesh {
         }
     }
 
+    /// An owner and a caller on the Redis transport at `redis_url`. `pki` is unused
+    /// there (Redis is the trust boundary) and only keeps the harness one shape.
+    pub async fn start_redis(
+        redis_url: &str,
+        server_limits: MeshLimits,
+        client_limits: MeshLimits,
+    ) -> Self {
+        init_tracing();
+        let record = Arc::new(Record::default());
+        let service = Arc::new(TestService {
+            record: record.clone(),
+        });
+        let server = MeshServer::bind_redis(redis_config(redis_url), OWNER, service, server_limits)
+            .await
+            .expect("bind mesh server on redis");
+        let client = MeshClient::new_redis(redis_config(redis_url), CALLER, client_limits)
+            .await
+            .expect("mesh client on redis");
+        Self {
+            pki: Pki::new("unused on redis"),
+            server,
+            client,
+            record,
+            kind: TransportKind::Redis,
+        }
+    }
+
+    /// The server's address: for Redis, `0.0.0.0:0`, which forwarding ignores.
     pub fn addr(&self) -> String {
         self.server.local_addr().to_string()
     }
@@ -329,6 +361,15 @@ impl Mesh {
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+}
+
+/// The Redis transport's settings in the tests: a prefix unlike the default, so that
+/// nothing depends on it.
+pub fn redis_config(redis_url: &str) -> RedisTransportConfig {
+    RedisTransportConfig {
+        redis_url: redis_url.to_owned(),
+        prefix: "t*st:".into(),
     }
 }
 
