@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use http::StatusCode;
 use mcpgw_mesh::directory::{Directory, DirectoryError, Lease, LeaseRenewal};
-use mcpgw_mesh::transport::{MeshClient, MeshError};
+use mcpgw_mesh::transport::{MeshClient, MeshError, TransportKind};
 use mcpgw_wire::ErrorKind;
 use tracing::{debug, error, info, warn};
 
@@ -214,7 +214,14 @@ impl Fleet {
         error: MeshError,
     ) -> ForwardFailure {
         if error.proves_peer_gone() {
-            // Refused or answered as another worker before the request was sent.
+            // Refused or answered as another worker before the request was sent. Over
+            // the Redis baseline, "no subscriber" is also what a subscriber in the
+            // middle of reconnecting looks like, so there only an expired lease proves.
+            if self.mesh.kind() == TransportKind::Redis
+                && !matches!(self.directory.worker(owner).await, Ok(None))
+            {
+                return ForwardFailure::Refuse(Situation::Unknown, error.to_string());
+            }
             self.bury(owner, addr).await;
             return ForwardFailure::Refuse(Situation::OwnerGone, error.to_string());
         }
@@ -297,9 +304,12 @@ impl Fleet {
     async fn probe(&self, owner: &str, addr: &str) -> Liveness {
         self.probe_mesh.forget_peer(addr);
         let frame = probe_frame(self.config.mesh.connect_timeout);
+        let refusal_proves = self.mesh.kind() != TransportKind::Redis;
         match self.probe_mesh.forward(addr, owner, frame).await {
             Ok(_) => return Liveness::Alive,
-            Err(e) if e.proves_peer_gone() => return Liveness::Dead(e.to_string()),
+            Err(e) if e.proves_peer_gone() && refusal_proves => {
+                return Liveness::Dead(e.to_string());
+            }
             Err(MeshError::Remote(_)) => return Liveness::Alive,
             Err(_) => {}
         }

@@ -2,111 +2,14 @@
 //! fresh server per test on a free port, with persistence off.
 
 use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use mcpgw_mesh::directory::{Directory, DirectoryConfig, DirectoryError, LeaseRenewal, WorkerInfo};
 
-/// A `redis-server` child process, killed (and its directory removed) on drop.
-struct RedisServer {
-    child: Child,
-    port: u16,
-    dir: PathBuf,
-}
-
-impl RedisServer {
-    fn start() -> Self {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "mcpgw-redis-test-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).expect("create redis dir");
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("find a free port")
-            .port();
-        let child = Self::spawn(port, &dir);
-        let server = Self { child, port, dir };
-        server.wait_ready();
-        server
-    }
-
-    fn spawn(port: u16, dir: &PathBuf) -> Child {
-        Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is needed for these tests: apt-get install -y redis-server")
-    }
-
-    fn wait_ready(&self) {
-        use std::io::{Read, Write};
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.port)) {
-                let mut buf = [0u8; 7];
-                if s.write_all(b"PING\r\n").is_ok()
-                    && s.read_exact(&mut buf).is_ok()
-                    && &buf == b"+PONG\r\n"
-                {
-                    return;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "redis-server did not start on port {}",
-                self.port
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// Kills the server and starts an empty one on the same port (Redis lost its data).
-    fn restart_empty(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        self.child = Self::spawn(self.port, &self.dir);
-        self.wait_ready();
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    fn signal(&self, sig: &str) {
-        let ok = Command::new("kill")
-            .args([sig, &self.child.id().to_string()])
-            .status()
-            .expect("run kill")
-            .success();
-        assert!(ok, "kill {sig} failed");
-    }
-
-    async fn raw(&self) -> redis::aio::MultiplexedConnection {
-        redis::Client::open(self.url())
-            .unwrap()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap()
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        // SIGKILL also ends a SIGSTOPped process.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
+#[path = "common/redis_server.rs"]
+#[allow(dead_code)]
+mod redis_server;
+use redis_server::RedisServer;
 
 fn config(server: &RedisServer, lease: Duration) -> DirectoryConfig {
     DirectoryConfig {
@@ -289,7 +192,7 @@ async fn a_dead_worker_is_reclaimed_exactly_once() {
     assert!(other.claim_session("s4", "alive").await.unwrap());
     // s3 changed hands behind the dead worker's back (its set still lists it): the
     // reclaim must leave it alone.
-    let mut raw = server.raw().await;
+    let mut raw = server.conn().await;
     let _: () = redis::cmd("SET")
         .arg("t*st:pool_owner:s3")
         .arg("alive")
@@ -463,7 +366,7 @@ async fn a_flushed_directory_is_noticed_and_rebuilt_by_the_owners() {
         assert!(dir.claim_session(sid, "w").await.unwrap());
     }
 
-    let mut raw = server.raw().await;
+    let mut raw = server.conn().await;
     let _: () = redis::cmd("FLUSHALL").query_async(&mut raw).await.unwrap();
 
     assert_eq!(
@@ -492,12 +395,12 @@ async fn a_flushed_directory_is_noticed_and_rebuilt_by_the_owners() {
 
 #[tokio::test]
 async fn the_directory_reconnects_after_redis_restarts_empty() {
-    let mut server = RedisServer::start();
+    let server = RedisServer::start();
     let dir = directory(&server, LONG).await;
     let g1 = dir.generation().await.unwrap();
     let lease = dir.register_worker("w", &info(), "a:1").await.unwrap();
 
-    server.restart_empty();
+    server.restart();
 
     let deadline = Instant::now() + Duration::from_secs(20);
     let renewal = loop {
@@ -549,7 +452,7 @@ async fn connecting_to_nothing_fails_clearly_without_leaking_the_password() {
 #[tokio::test]
 async fn a_wrong_password_is_rejected_without_echoing_it() {
     let server = RedisServer::start();
-    let mut raw = server.raw().await;
+    let mut raw = server.conn().await;
     let _: () = redis::cmd("CONFIG")
         .arg("SET")
         .arg("requirepass")

@@ -133,17 +133,7 @@ impl LocalFleet {
 
     /// Worker leases in the directory: id → (pid, mesh address).
     pub fn leases(&self) -> std::collections::HashMap<String, (u64, String)> {
-        let redis = &self.redis;
-        redis
-            .keys("mcpgw:worker:*")
-            .into_iter()
-            .filter_map(|key| {
-                let id = key.strip_prefix("mcpgw:worker:")?.to_owned();
-                let lease: serde_json::Value = serde_json::from_str(&redis.get(&key)?).ok()?;
-                let addr = redis.get(&format!("mcpgw:worker_addr:{id}"))?;
-                Some((id, (lease["pid"].as_u64()?, addr)))
-            })
-            .collect()
+        leases(&self.redis)
     }
 
     /// The pid of worker `id`.
@@ -163,4 +153,18 @@ pub fn signal(pid: u64, name: &str) {
         .status()
         .expect("kill(1)");
     assert!(status.success(), "kill -{name} {pid}");
+}
+
+/// Worker leases in a directory: id → (pid, mesh address).
+pub fn leases(redis: &crate::RedisServer) -> std::collections::HashMap<String, (u64, String)> {
+    redis
+        .keys("mcpgw:worker:*")
+        .into_iter()
+        .filter_map(|key| {
+            let id = key.strip_prefix("mcpgw:worker:")?.to_owned();
+            let lease: serde_json::Value = serde_json::from_str(&redis.get(&key)?).ok()?;
+            let addr = redis.get(&format!("mcpgw:worker_addr:{id}"))?;
+            Some((id, (lease["pid"].as_u64()?, addr)))
+        })
+        .collect()
 }

@@ -1,60 +1,13 @@
 //! The fleet: two supervisors × two workers sharing one real Redis, requests scattered
 //! over all workers, forwarded over mutually authenticated QUIC or TCP.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use mcpgw_tests::fleet::{MeshCerts, SupervisorSpec, start_supervisor};
+use mcpgw_tests::fleet::{LocalFleet, MeshCerts, SupervisorSpec, leases, start_supervisor};
 use mcpgw_tests::http::{self, call_tool, initialize, mcp_headers};
-use mcpgw_tests::{Gateway, RedisServer, ScatterProxy, Upstream, run_python};
+use mcpgw_tests::{RedisServer, ScatterProxy, Upstream, run_python};
 use serde_json::json;
-
-struct TestFleet {
-    redis: RedisServer,
-    upstream: Upstream,
-    _certs: MeshCerts,
-    a: Gateway,
-    b: Gateway,
-}
-
-fn start_fleet(transport: &str, extra: &[&str]) -> TestFleet {
-    let redis = RedisServer::start();
-    let upstream = Upstream::start();
-    let certs = MeshCerts::create(&["host-a", "host-b"]);
-    let redis_url = redis.url();
-    let spec = |member| SupervisorSpec {
-        redis_url: &redis_url,
-        upstream_url: &upstream.url,
-        workers: 2,
-        transport,
-        certs: &certs,
-        member,
-        extra,
-    };
-    let a = start_supervisor(&spec("host-a"));
-    let b = start_supervisor(&spec("host-b"));
-    TestFleet {
-        redis,
-        upstream,
-        _certs: certs,
-        a,
-        b,
-    }
-}
-
-/// Worker leases in the directory: id → (pid, mesh address).
-fn leases(redis: &RedisServer) -> HashMap<String, (u64, String)> {
-    redis
-        .keys("mcpgw:worker:*")
-        .into_iter()
-        .filter_map(|key| {
-            let id = key.strip_prefix("mcpgw:worker:")?.to_owned();
-            let lease: serde_json::Value = serde_json::from_str(&redis.get(&key)?).ok()?;
-            let addr = redis.get(&format!("mcpgw:worker_addr:{id}"))?;
-            Some((id, (lease["pid"].as_u64()?, addr)))
-        })
-        .collect()
-}
 
 fn tool_text(response: &http::Response) -> String {
     response
@@ -74,8 +27,8 @@ fn tool_text(response: &http::Response) -> String {
 }
 
 /// Returns the fleet, still running, for checks of its own.
-fn forwarding_suite(transport: &str) -> TestFleet {
-    let fleet = start_fleet(transport, &[]);
+fn forwarding_suite(transport: &str) -> LocalFleet {
+    let fleet = LocalFleet::start(transport, 2, &[]);
     let proxy = ScatterProxy::start(vec![fleet.a.addr.clone(), fleet.b.addr.clone()]);
 
     // The official SDK client, every request on a fresh connection to a random port.
@@ -187,7 +140,7 @@ fn forwarding_over_redis() {
 
 #[test]
 fn every_worker_id_is_unique_and_its_own_process() {
-    let fleet = start_fleet("quic", &[]);
+    let fleet = LocalFleet::start("quic", 2, &[]);
     let leases = leases(&fleet.redis);
     assert_eq!(leases.len(), 4, "four workers registered: {leases:?}");
     let pids: HashSet<u64> = leases.values().map(|(pid, _)| *pid).collect();
@@ -261,7 +214,7 @@ fn a_worker_id_already_leased_refuses_to_start() {
 
 #[test]
 fn scattered_requests_execute_exactly_once() {
-    let fleet = start_fleet("quic", &[]);
+    let fleet = LocalFleet::start("quic", 2, &[]);
     let proxy = ScatterProxy::start(vec![fleet.a.addr.clone(), fleet.b.addr.clone()]);
     let sessions: Vec<String> = (0..4).map(|_| initialize(&proxy.addr, "/mcp")).collect();
     let before = fleet.upstream.stats()["tool_calls"].as_u64().unwrap();
@@ -298,7 +251,7 @@ fn scattered_requests_execute_exactly_once() {
 
 #[test]
 fn the_supervisor_replaces_a_dead_worker_under_a_new_id() {
-    let fleet = start_fleet("quic", &[]);
+    let fleet = LocalFleet::start("quic", 2, &[]);
     let before = leases(&fleet.redis);
     let (victim, (pid, _)) = before
         .iter()
@@ -332,7 +285,7 @@ fn the_supervisor_replaces_a_dead_worker_under_a_new_id() {
 #[test]
 fn forwarded_requests_cost_no_redis_commands_in_steady_state() {
     // A long lease keeps heartbeats (time-based, not request-based) out of the count.
-    let fleet = start_fleet("quic", &["--lease-ms", "60000"]);
+    let fleet = LocalFleet::start("quic", 2, &["--lease-ms", "60000"]);
     let session = initialize(&fleet.a.addr, "/mcp");
     // Warm up: every host-b worker learns the owner's address once.
     for i in 0..20 {
@@ -380,10 +333,10 @@ fn forwarded_requests_cost_no_redis_commands_in_steady_state() {
 #[test]
 fn mesh_refuses_peers_without_a_mesh_ca_certificate() {
     for transport in ["quic", "tcp"] {
-        let fleet = start_fleet(transport, &[]);
+        let fleet = LocalFleet::start(transport, 2, &[]);
         let (owner, (_, addr)) = leases(&fleet.redis).into_iter().next().unwrap();
         let foreign = MeshCerts::create(&["intruder"]);
-        let mesh_ca = fleet._certs.dir.join("ca.crt");
+        let mesh_ca = fleet.certs.dir.join("ca.crt");
         for (label, tls) in [
             ("foreign CA", foreign_client_config(&foreign)),
             ("no certificate", anonymous_client_config(&mesh_ca)),
@@ -397,7 +350,7 @@ fn mesh_refuses_peers_without_a_mesh_ca_certificate() {
         }
         // And a member of the mesh is served.
         let member = mcpgw_certs::client_config(&mcpgw_certs::MeshTlsFiles::in_dir(
-            &fleet._certs.dir,
+            &fleet.certs.dir,
             "host-b",
         ))
         .unwrap();

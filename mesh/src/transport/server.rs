@@ -135,7 +135,6 @@ impl MeshServerHandle {
         self.shared.draining.store(true, Ordering::SeqCst);
     }
 
-    /// Drains, waits up to `grace` for in-flight requests to finish, then stops.
     /// Drains and waits up to `grace` for the requests in flight to finish, while the
     /// endpoint keeps answering (`Draining`), so the owner can end its sessions before
     /// it stops listening. Returns whether everything finished in time.
@@ -149,6 +148,7 @@ impl MeshServerHandle {
         timeout(grace, settled).await.is_ok()
     }
 
+    /// Drains, waits up to `grace` for in-flight requests to finish, then stops.
     pub async fn shutdown(self, grace: Duration) {
         self.drain();
         self.shared.tracker.close();

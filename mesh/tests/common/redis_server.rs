@@ -97,6 +97,17 @@ impl RedisServer {
             .expect("connect to the test redis")
     }
 
+    /// Sends a signal (`-STOP`, `-CONT`, …) to the server process.
+    pub fn signal(&self, sig: &str) {
+        let pid = self.child.lock().unwrap_or_else(|e| e.into_inner()).id();
+        let ok = Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .expect("run kill")
+            .success();
+        assert!(ok, "kill {sig} failed");
+    }
+
     /// `PUBSUB NUMSUB channel`: the channel's subscribers.
     pub async fn numsub(&self, channel: &str) -> i64 {
         let (_, n): (String, i64) = redis::cmd("PUBSUB")
