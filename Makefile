@@ -22,6 +22,12 @@ run: deps build-release
 test: deps build
 	$(CARGO) test -j$(JOBS) --workspace --no-fail-fast
 
+## Every forwarding configuration side by side (direct, sticky, QUIC, TCP, Redis
+## pub/sub, round-robin) at several concurrency levels, plus idle-session memory:
+## about two minutes on 2 cores. Pass options with BENCH_ARGS="--duration 10s ...".
+bench: deps build-release
+	$(CARGO) run -j$(JOBS) --quiet --release -p mcpgw-perf --bin mcpgw-bench -- compare $(BENCH_ARGS)
+
 fmt:
 	$(CARGO) fmt --all
 

@@ -29,6 +29,13 @@ enum Command {
     /// Drive concurrent MCP sessions against gateway URLs and report latency,
     /// throughput, forwarding, Redis commands and CPU per request.
     Run(bench::run::RunArgs),
+    /// Start Redis, the demo upstream and fleets, and run the same load through
+    /// every configuration (direct, sticky, QUIC, TCP, Redis pub/sub, round-robin)
+    /// at several concurrency levels; write report.md, report.json and chart.svg.
+    Compare(bench::compare::CompareArgs),
+    /// Open K idle sessions on one worker and report memory per session (owner
+    /// RSS, Redis directory).
+    Sessions(bench::sessions::SessionsArgs),
 }
 
 #[tokio::main]
@@ -43,5 +50,7 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Upstream(config) => upstream::run(config).await,
         Command::Run(args) => bench::run::main(args).await,
+        Command::Compare(args) => bench::compare::main(args).await,
+        Command::Sessions(args) => bench::sessions::main(args).await,
     }
 }

@@ -337,6 +337,8 @@ pub async fn close_session(
 pub struct Health {
     pub worker_id: String,
     pub pid: Option<u32>,
+    /// Sessions the worker holds.
+    pub sessions: Option<u64>,
 }
 
 /// Asks the gateway behind `target` who it is. None when the URL is not a gateway
@@ -366,6 +368,7 @@ pub fn parse_health(body: &[u8]) -> Option<Health> {
             .get("pid")
             .and_then(serde_json::Value::as_u64)
             .and_then(|pid| u32::try_from(pid).ok()),
+        sessions: value.get("sessions").and_then(serde_json::Value::as_u64),
     })
 }
 
@@ -430,7 +433,8 @@ mod tests {
             parse_health(br#"{"worker_id":"w-1","pid":42,"sessions":0}"#),
             Some(Health {
                 worker_id: "w-1".into(),
-                pid: Some(42)
+                pid: Some(42),
+                sessions: Some(0),
             })
         );
         assert_eq!(parse_health(br#"{"error":{}}"#), None);

@@ -6,11 +6,17 @@
 //! own counters (/proc, Redis INFO) around each measured window.
 
 mod client;
+pub mod compare;
+mod fleet;
 mod latency;
+mod loopback;
 mod mix;
 mod procfs;
 mod redis;
 mod report;
 mod routing;
 pub mod run;
+pub mod sessions;
+mod svg;
+mod targets;
 mod units;

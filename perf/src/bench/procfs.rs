@@ -55,6 +55,28 @@ pub fn parse_vm_rss_bytes(status: &str) -> Option<u64> {
     }
 }
 
+/// Busy clock ticks of the whole machine (all CPUs) from the text of `/proc/stat`:
+/// user, nice, system, irq, softirq and steal; idle and iowait are not busy.
+pub fn parse_machine_busy_ticks(stat: &str) -> Option<u64> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let fields: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|f| f.parse().ok())
+        .collect::<Option<_>>()?;
+    // user nice system idle iowait irq softirq steal (guest time is inside user).
+    let busy = [0, 1, 2, 5, 6, 7]
+        .iter()
+        .filter_map(|&i| fields.get(i))
+        .sum();
+    (fields.len() >= 4).then_some(busy)
+}
+
+/// Busy ticks of the whole machine so far, to see what else ran during a window.
+pub fn machine_busy_ticks() -> Option<u64> {
+    parse_machine_busy_ticks(&std::fs::read_to_string("/proc/stat").ok()?)
+}
+
 /// CPU ticks consumed so far by `pid` (0 when it is gone).
 pub fn cpu_ticks(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -161,6 +183,16 @@ mod tests {
         let status = "Name:\tmcpgw\nVmPeak:\t  9000 kB\nVmRSS:\t   12345 kB\nThreads:\t4\n";
         assert_eq!(parse_vm_rss_bytes(status), Some(12345 * 1024));
         assert_eq!(parse_vm_rss_bytes("Name:\tx\n"), None);
+    }
+
+    #[test]
+    fn machine_busy_time_leaves_out_idle_and_iowait() {
+        let stat = "cpu  100 5 50 9000 40 3 2 1 0 0\ncpu0 50 2 25 4500 20 1 1 0 0 0\nintr 1\n";
+        assert_eq!(
+            parse_machine_busy_ticks(stat),
+            Some(100 + 5 + 50 + 3 + 2 + 1)
+        );
+        assert_eq!(parse_machine_busy_ticks("intr 1\n"), None);
     }
 
     #[test]

@@ -4,8 +4,14 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
+use super::compare::{CompareReport, ConfigName};
 use super::run::RunResult;
+use super::sessions::{Outcome, SessionsReport};
+use super::targets::{self, Verdict};
 use super::units::{grouped, ms};
+
+/// Cores of other work during a run above which the report says the figures are skewed.
+pub const OTHER_LOAD_WARNING: f64 = 0.25;
 
 /// One Markdown table, a row per run.
 pub fn runs_markdown(results: &[RunResult]) -> String {
@@ -20,7 +26,7 @@ pub fn runs_markdown(results: &[RunResult]) -> String {
         let _ = writeln!(
             out,
             "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-            r.label,
+            cell(&r.label),
             r.sessions,
             grouped(r.throughput_rps.round() as u64),
             ms(l.p50_us),
@@ -39,6 +45,11 @@ pub fn runs_markdown(results: &[RunResult]) -> String {
         );
     }
     out
+}
+
+/// Text made safe for a Markdown table cell (a `|` would end the cell).
+pub fn cell(text: &str) -> String {
+    text.replace('|', "\\|").replace('\n', " ")
 }
 
 /// `0`, or the count and its classes: `12 (0.1%: http 503 ×10, timeout ×2)`.
@@ -73,6 +84,264 @@ pub fn progress_line(label: &str, fraction: f64, done: u64, rate: f64, errors: u
         grouped(rate.round() as u64),
         grouped(errors),
     )
+}
+
+/// The targets as a Markdown table.
+pub fn targets_markdown(report: &CompareReport) -> String {
+    let mut out = String::from("| target | measured | verdict |\n|---|---|---|\n");
+    for check in &report.targets {
+        let verdict = match check.verdict {
+            Verdict::Met => "met",
+            Verdict::Missed => "**missed**",
+            Verdict::NotMeasured => "not measured",
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {verdict} |",
+            cell(&check.target),
+            cell(&check.measured)
+        );
+    }
+    out
+}
+
+/// What `compare` prints at the end: the verdicts.
+pub fn compare_summary(report: &CompareReport) -> String {
+    let mut out = String::from("\n");
+    out.push_str(&targets_markdown(report));
+    for config in &report.configurations {
+        if let Some(reason) = &config.not_available {
+            let _ = writeln!(out, "\n{}: not available: {reason}", config.name);
+        }
+    }
+    out
+}
+
+/// report.md of `compare`.
+pub fn compare_markdown(report: &CompareReport) -> String {
+    let mut out = String::new();
+    let m = &report.machine;
+    let s = &report.settings;
+    let _ = writeln!(out, "# mcpgw-bench compare, {} UTC\n", report.started_utc);
+    let _ = writeln!(
+        out,
+        "Machine: {} cores{}{}. {}",
+        m.cores,
+        m.cpu_model
+            .as_deref()
+            .map_or(String::new(), |model| format!(" ({model})")),
+        m.kernel
+            .as_deref()
+            .map_or(String::new(), |k| format!(", Linux {k}")),
+        m.loopback.map_or(
+            "Loopback round trip: not measured.".to_owned(),
+            |rtt| format!(
+                "Loopback TCP round trip (1 byte, {} times): p50 {:.1} µs, p99 {:.1} µs.",
+                grouped(u64::from(rtt.iterations)),
+                rtt.p50_us,
+                rtt.p99_us
+            )
+        ),
+    );
+    let _ = writeln!(
+        out,
+        "\nLoad: closed loop (each session sends its next request when the answer is complete), \
+         legacy MCP sessions (initialize, then `tools/call echo` : `tools/list` = {}), one keep-alive \
+         connection per session and worker. Each point measures {} s after {} s of warm-up. \
+         Fleet: {} × `mcpgw serve --workers 1` (one URL = one worker), {}; upstream: {}. \
+         The load generator runs on the same cores. Total time {:.0} s. mcpgw: `{}`.\n",
+        s.mix,
+        s.duration_s,
+        s.warmup_s,
+        s.workers,
+        s.redis,
+        s.upstream,
+        report.total_seconds,
+        s.mcpgw
+    );
+    let others: Vec<f64> = report
+        .configurations
+        .iter()
+        .flat_map(|c| c.runs.iter().filter_map(|r| r.cpu.other_cores))
+        .collect();
+    if let Some(worst) = others.iter().copied().reduce(f64::max) {
+        let mean = others.iter().sum::<f64>() / others.len() as f64;
+        let _ = writeln!(
+            out,
+            "Other processes on the machine used {mean:.2} cores on average during the measured \
+             windows (at most {worst:.2}){}\n",
+            if worst > OTHER_LOAD_WARNING {
+                ": the figures are skewed by that load; rerun on a quiet machine"
+            } else {
+                "."
+            }
+        );
+    }
+    out.push_str("![latency and throughput per configuration](chart.svg)\n\n## Targets\n\n");
+    out.push_str(&targets_markdown(report));
+
+    out.push_str("\n## Configurations\n\n");
+    for config in &report.configurations {
+        match &config.not_available {
+            None => {
+                let _ = writeln!(out, "- `{}`: {}", config.name, config.description);
+            }
+            Some(reason) => {
+                let _ = writeln!(
+                    out,
+                    "- `{}`: {} — **not available**: {reason}",
+                    config.name, config.description
+                );
+            }
+        }
+    }
+
+    out.push_str("\n## Results\n");
+    for &level in &s.concurrency {
+        let runs: Vec<RunResult> = report
+            .configurations
+            .iter()
+            .filter_map(|c| c.runs.iter().find(|r| r.sessions == level).cloned())
+            .collect();
+        if runs.is_empty() {
+            continue;
+        }
+        let _ = writeln!(out, "\n### {level} concurrent sessions\n");
+        out.push_str(&runs_markdown(&runs));
+    }
+
+    out.push_str(
+        "\n## Forwarding cost over sticky (`tools/call`)\n\n\
+         | sessions | configuration | added p50 µs | added p99 µs | req/s | tools/call/s | gateway CPU s/1k req | Redis CPU s/1k req |\n\
+         |---:|---|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for &level in &s.concurrency {
+        let find = |name: ConfigName| {
+            report
+                .configurations
+                .iter()
+                .find(|c| c.name == name)
+                .and_then(|c| c.runs.iter().find(|r| r.sessions == level))
+        };
+        let Some(sticky) = find(ConfigName::Sticky) else {
+            continue;
+        };
+        for name in [
+            ConfigName::Quic,
+            ConfigName::Tcp,
+            ConfigName::Redis,
+            ConfigName::RoundRobin,
+        ] {
+            let Some(run) = find(name) else { continue };
+            let added = |get: fn(&RunResult) -> u64| get(run) as f64 - get(sticky) as f64;
+            let _ = writeln!(
+                out,
+                "| {level} | {name} | {:+.0} | {:+.0} | {} | {} | {} | {} |",
+                added(|r| r.tools_call_latency.p50_us),
+                added(|r| r.tools_call_latency.p99_us),
+                grouped(run.throughput_rps.round() as u64),
+                grouped(targets::tools_call_rps(run).round() as u64),
+                run.cpu
+                    .gateway_s_per_1k
+                    .map_or("–".into(), |c| format!("{c:.3}")),
+                run.cpu
+                    .redis_s_per_1k
+                    .map_or("–".into(), |c| format!("{c:.3}")),
+            );
+        }
+    }
+
+    if let Some(sessions) = &report.idle_sessions {
+        out.push_str("\n## Idle sessions\n\n");
+        out.push_str(&sessions_markdown(sessions));
+    }
+
+    out.push_str(
+        "\n## How the figures are made\n\n\
+         - Latency: successful requests only, from the request leaving the client to the last \
+         byte of the answer, in an HDR histogram (3 significant digits); errors are counted by \
+         class instead.\n\
+         - Added latency: a configuration's `tools/call` percentile minus sticky's at the same \
+         concurrency.\n\
+         - Forwarded: share of answers whose `mcpgw-edge-worker` differs from `mcpgw-owner-worker`.\n\
+         - Redis cmd/req: `INFO commandstats` difference over the measured window (the `info` \
+         command excluded) divided by the requests, on the fleet's own Redis; lease renewals \
+         are included.\n\
+         - CPU: utime + stime from /proc/<pid>/stat of the supervisors and their workers \
+         (clock ticks from `getconf CLK_TCK`), per 1,000 requests.\n\
+         - Closed loop on a shared 2-core machine: at high concurrency every configuration is \
+         CPU-bound, so its latency there mostly reflects CPU cost per request.\n",
+    );
+    out
+}
+
+/// The idle-session figures as Markdown.
+pub fn sessions_markdown(report: &SessionsReport) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{} idle legacy sessions opened on one worker after {} warm-up sessions.\n",
+        grouped(report.count as u64),
+        report.warmup
+    );
+    out.push_str("| measurement | per session | before → after | sessions |\n|---|---:|---|---|\n");
+    let kib = |bytes: f64| format!("{:.2} KiB", bytes / 1024.0);
+    let mib = |bytes: u64| format!("{:.1} MiB", bytes as f64 / 1024.0 / 1024.0);
+    match &report.owner {
+        Outcome::Measured(owner) => {
+            let _ = writeln!(
+                out,
+                "| owner RSS, standalone worker | {} | {} → {} | {} opened, {} failed, {} held, {:.1} s |",
+                kib(owner.per_session_bytes),
+                mib(owner.rss_before_bytes),
+                mib(owner.rss_after_bytes),
+                grouped(owner.opened as u64),
+                grouped(owner.failed as u64),
+                owner.sessions_held.map_or("?".into(), grouped),
+                owner.open_seconds
+            );
+        }
+        Outcome::NotAvailable { not_available } => {
+            let _ = writeln!(
+                out,
+                "| owner RSS, standalone worker | not available: {not_available} | | |"
+            );
+        }
+    }
+    match &report.directory {
+        Outcome::Measured(directory) => {
+            let _ = writeln!(
+                out,
+                "| directory: Redis used_memory | {} | {} → {} | {} → {} keys |",
+                kib(directory.per_session_bytes),
+                mib(directory.used_memory_before_bytes),
+                mib(directory.used_memory_after_bytes),
+                grouped(directory.keys_before),
+                grouped(directory.keys_after)
+            );
+            let w = &directory.worker;
+            let _ = writeln!(
+                out,
+                "| owner RSS, fleet worker | {} | {} → {} | {} opened, {} failed |",
+                kib(w.per_session_bytes),
+                mib(w.rss_before_bytes),
+                mib(w.rss_after_bytes),
+                grouped(w.opened as u64),
+                grouped(w.failed as u64)
+            );
+        }
+        Outcome::NotAvailable { not_available } => {
+            let _ = writeln!(out, "| directory | not available: {not_available} | | |");
+        }
+    }
+    if let Some(upstream) = report.upstream_per_session_bytes {
+        let _ = writeln!(
+            out,
+            "| upstream RSS (its own process, not the owner's) | {} | | |",
+            kib(upstream)
+        );
+    }
+    out
 }
 
 #[cfg(test)]
@@ -123,6 +392,9 @@ pub(crate) mod tests {
                 gateway_cores: Some(1.0),
                 redis_s_per_1k: Some(0.0),
                 loadgen_s_per_1k: Some(0.03),
+                upstream_s_per_1k: Some(0.01),
+                machine_cores: Some(2.0),
+                other_cores: Some(0.0),
             },
         }
     }
@@ -144,6 +416,11 @@ pub(crate) mod tests {
         for line in &lines {
             assert_eq!(line.matches('|').count(), 13, "{line}");
         }
+    }
+
+    #[test]
+    fn table_cells_cannot_break_the_table() {
+        assert_eq!(cell("a | b\nc"), "a \\| b c");
     }
 
     #[test]

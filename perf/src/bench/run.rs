@@ -100,6 +100,9 @@ pub struct LoadSpec {
     pub timeout: Duration,
     pub redis_url: Option<String>,
     pub pids: Vec<u32>,
+    /// The upstream's pid, when it runs here: its CPU is reported apart, and not
+    /// counted as "other" load.
+    pub upstream_pid: Option<u32>,
     /// Show a progress line on stderr (only when it is a terminal).
     pub progress: bool,
     /// DELETE the legacy sessions after measuring.
@@ -121,6 +124,7 @@ impl From<&RunArgs> for LoadSpec {
             timeout: args.timeout,
             redis_url: args.redis.clone(),
             pids: args.pids.clone(),
+            upstream_pid: None,
             progress: true,
             cleanup: !args.keep_sessions,
         }
@@ -177,6 +181,13 @@ pub struct CpuFigures {
     pub redis_s_per_1k: Option<f64>,
     /// This process: the load generator.
     pub loadgen_s_per_1k: Option<f64>,
+    /// The upstream, when its pid is known.
+    pub upstream_s_per_1k: Option<f64>,
+    /// Cores the whole machine kept busy during the window.
+    pub machine_cores: Option<f64>,
+    /// Cores used by everything else (not the gateway, Redis, upstream or load
+    /// generator): other work on the machine that skews the figures when high.
+    pub other_cores: Option<f64>,
 }
 
 /// `mcpgw-bench run`.
@@ -360,7 +371,7 @@ pub async fn run_load(spec: &LoadSpec) -> Result<RunResult, String> {
     tokio::time::sleep(spec.warmup).await;
 
     let clock = procfs::clock_ticks_per_second();
-    let before = Snapshot::take(&gateway_pids, redis_pid, redis.as_mut()).await;
+    let before = Snapshot::take(&gateway_pids, redis_pid, spec.upstream_pid, redis.as_mut()).await;
     flags.measuring.store(true, Ordering::Relaxed);
     let started = Instant::now();
     let progress = (spec.progress && std::io::stderr().is_terminal()).then(|| {
@@ -386,7 +397,7 @@ pub async fn run_load(spec: &LoadSpec) -> Result<RunResult, String> {
         leftovers.extend(outcome.leftover);
     }
     let window = started.elapsed();
-    let after = Snapshot::take(&gateway_pids, redis_pid, redis.as_mut()).await;
+    let after = Snapshot::take(&gateway_pids, redis_pid, spec.upstream_pid, redis.as_mut()).await;
     if let Some(progress) = progress {
         progress.abort();
         eprint!("\r\x1b[K");
@@ -401,10 +412,16 @@ pub async fn run_load(spec: &LoadSpec) -> Result<RunResult, String> {
         |ticks: u64| (requests > 0).then(|| ticks as f64 / clock as f64 / requests as f64 * 1000.0);
     let gateway_ticks = (!gateway_pids.is_empty())
         .then(|| after.gateway_ticks.saturating_sub(before.gateway_ticks));
-    let redis_ticks = match (before.redis_ticks, after.redis_ticks) {
-        (Some(b), Some(a)) => Some(a.saturating_sub(b)),
-        _ => None,
-    };
+    let delta = |b: Option<u64>, a: Option<u64>| Some(a?.saturating_sub(b?));
+    let redis_ticks = delta(before.redis_ticks, after.redis_ticks);
+    let upstream_ticks = delta(before.upstream_ticks, after.upstream_ticks);
+    let machine_ticks = delta(before.machine_ticks, after.machine_ticks);
+    let own_ticks = after.own_ticks.saturating_sub(before.own_ticks);
+    let cores = |ticks: u64| (window_s > 0.0).then(|| ticks as f64 / clock as f64 / window_s);
+    let ours = gateway_ticks.unwrap_or(0)
+        + redis_ticks.unwrap_or(0)
+        + upstream_ticks.unwrap_or(0)
+        + own_ticks;
     let redis_commands = match (&before.redis_commands, &after.redis_commands) {
         (Some(b), Some(a)) => Some(redis::command_delta(b, a)),
         _ => None,
@@ -437,11 +454,12 @@ pub async fn run_load(spec: &LoadSpec) -> Result<RunResult, String> {
         cpu: CpuFigures {
             clock_ticks_per_second: clock,
             gateway_s_per_1k: gateway_ticks.and_then(per_1k),
-            gateway_cores: gateway_ticks
-                .filter(|_| window_s > 0.0)
-                .map(|ticks| ticks as f64 / clock as f64 / window_s),
+            gateway_cores: gateway_ticks.and_then(cores),
             redis_s_per_1k: redis_ticks.and_then(per_1k),
-            loadgen_s_per_1k: per_1k(after.own_ticks.saturating_sub(before.own_ticks)),
+            loadgen_s_per_1k: per_1k(own_ticks),
+            upstream_s_per_1k: upstream_ticks.and_then(per_1k),
+            machine_cores: machine_ticks.and_then(cores),
+            other_cores: machine_ticks.and_then(|m| cores(m.saturating_sub(ours))),
         },
         errors: totals.errors,
         unmeasured_errors: totals.unmeasured_errors,
@@ -587,6 +605,8 @@ struct Snapshot {
     gateway_ticks: u64,
     redis_ticks: Option<u64>,
     own_ticks: u64,
+    upstream_ticks: Option<u64>,
+    machine_ticks: Option<u64>,
     redis_commands: Option<BTreeMap<String, u64>>,
 }
 
@@ -594,6 +614,7 @@ impl Snapshot {
     async fn take(
         gateway_pids: &[u32],
         redis_pid: Option<u32>,
+        upstream_pid: Option<u32>,
         redis: Option<&mut RedisClient>,
     ) -> Snapshot {
         let redis_commands = match redis {
@@ -604,6 +625,8 @@ impl Snapshot {
             gateway_ticks: procfs::tree_cpu_ticks(gateway_pids),
             redis_ticks: redis_pid.map(procfs::cpu_ticks),
             own_ticks: procfs::cpu_ticks(std::process::id()),
+            upstream_ticks: upstream_pid.map(procfs::cpu_ticks),
+            machine_ticks: procfs::machine_busy_ticks(),
             redis_commands,
         }
     }

@@ -25,23 +25,6 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(value * scale))
 }
 
-/// Parses a comma-separated list of positive integers (`8,64,512`).
-pub fn parse_counts(text: &str) -> Result<Vec<usize>, String> {
-    let counts = text
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| match s.parse::<usize>() {
-            Ok(0) | Err(_) => Err(format!("{s:?} is not a positive integer")),
-            Ok(n) => Ok(n),
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    if counts.is_empty() {
-        return Err("give at least one number, e.g. 8,64,512".into());
-    }
-    Ok(counts)
-}
-
 /// `YYYYMMDD-HHMMSS` in UTC for `unix_seconds`: sortable, and safe in a path.
 pub fn utc_timestamp(unix_seconds: u64) -> String {
     let days = (unix_seconds / 86_400) as i64;
@@ -100,13 +83,6 @@ mod tests {
         assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
         assert!(parse_duration("soon").is_err());
         assert!(parse_duration("-1s").is_err());
-    }
-
-    #[test]
-    fn counts_are_positive() {
-        assert_eq!(parse_counts("8, 64,512"), Ok(vec![8, 64, 512]));
-        assert!(parse_counts("8,0").is_err());
-        assert!(parse_counts("").is_err());
     }
 
     #[test]
