@@ -14,6 +14,7 @@ use super::{UpstreamError, UpstreamReply, UpstreamRequest};
 pub struct HttpUpstream {
     name: String,
     uri: Uri,
+    connect_timeout: Duration,
     /// Shared keep-alive pool: one upstream session does not need its own connection.
     client: Client<HttpConnector, Full<Bytes>>,
 }
@@ -34,6 +35,7 @@ impl HttpUpstream {
         Ok(Self {
             name: name.to_owned(),
             uri,
+            connect_timeout,
             client,
         })
     }
@@ -59,13 +61,20 @@ impl HttpUpstream {
                 timeout: request.timeout,
             })?
             .map_err(|e| {
-                if e.is_connect() {
+                let detail = error_chain(&e);
+                if e.is_connect() && timed_out(&e) {
+                    // The connector's own deadline: slow, not refused.
+                    UpstreamError::Timeout {
+                        name: self.name.clone(),
+                        timeout: self.connect_timeout,
+                    }
+                } else if e.is_connect() {
                     UpstreamError::Unreachable {
                         name: self.name.clone(),
-                        detail: error_chain(&e),
+                        detail,
                     }
                 } else {
-                    self.failed(error_chain(&e))
+                    self.failed(detail)
                 }
             })?;
         let (parts, body) = response.into_parts();
@@ -84,6 +93,20 @@ impl HttpUpstream {
     }
 }
 
+/// Whether any cause in the chain is an I/O timeout (the connector's deadline).
+fn timed_out(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut current = Some(error);
+    while let Some(e) = current {
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return true;
+        }
+        current = e.source();
+    }
+    false
+}
+
 /// The error and its causes in one line: hyper's top-level messages alone are vague.
 fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
@@ -94,4 +117,37 @@ fn error_chain(error: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Outer(std::io::Error);
+    impl std::fmt::Display for Outer {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("tcp connect error")
+        }
+    }
+    impl std::error::Error for Outer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn a_connect_deadline_anywhere_in_the_chain_is_a_timeout() {
+        let slow = Outer(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "deadline has elapsed",
+        ));
+        let refused = Outer(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(timed_out(&slow));
+        assert!(!timed_out(&refused));
+        assert_eq!(
+            error_chain(&slow),
+            "tcp connect error: deadline has elapsed"
+        );
+    }
 }
