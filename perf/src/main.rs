@@ -8,6 +8,8 @@
 mod bench;
 mod upstream;
 
+use std::process::ExitCode;
+
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
@@ -39,7 +41,7 @@ enum Command {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> ExitCode {
     // Logs go to stderr: stdout carries the machine-read "listening on" line.
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -47,10 +49,19 @@ async fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
+    let result = match Cli::parse().command {
         Command::Upstream(config) => upstream::run(config).await,
         Command::Run(args) => bench::run::main(args).await,
         Command::Compare(args) => bench::compare::main(args).await,
         Command::Sessions(args) => bench::sessions::main(args).await,
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            // One line with the causes, not a backtrace: these are usage and
+            // environment errors, and the message says what to do.
+            eprintln!("mcpgw-bench: {error:#}");
+            ExitCode::FAILURE
+        }
     }
 }

@@ -41,7 +41,7 @@ pub fn runs_markdown(results: &[RunResult]) -> String {
             r.cpu
                 .gateway_s_per_1k
                 .map_or("–".into(), |c| format!("{c:.3}")),
-            errors_cell(&r.errors, r.requests),
+            errors_with_unmeasured(r),
         );
     }
     out
@@ -50,6 +50,22 @@ pub fn runs_markdown(results: &[RunResult]) -> String {
 /// Text made safe for a Markdown table cell (a `|` would end the cell).
 pub fn cell(text: &str) -> String {
     text.replace('|', "\\|").replace('\n', " ")
+}
+
+/// The errors cell of a run, with set-up and warm-up errors noted apart.
+fn errors_with_unmeasured(run: &RunResult) -> String {
+    let cell = errors_cell(&run.errors, run.requests);
+    let unmeasured: u64 = run.unmeasured_errors.values().sum();
+    if unmeasured == 0 {
+        cell
+    } else {
+        let classes: Vec<String> = run
+            .unmeasured_errors
+            .iter()
+            .map(|(class, count)| format!("{class} ×{count}"))
+            .collect();
+        format!("{cell}; not measured: {}", classes.join(", "))
+    }
 }
 
 /// `0`, or the count and its classes: `12 (0.1%: http 503 ×10, timeout ×2)`.
@@ -416,6 +432,18 @@ pub(crate) mod tests {
         for line in &lines {
             assert_eq!(line.matches('|').count(), 13, "{line}");
         }
+    }
+
+    #[test]
+    fn set_up_errors_are_shown_apart() {
+        let mut run = sample("quic", 8, 100, 1.0);
+        run.unmeasured_errors
+            .insert("initialize: http 503".into(), 2);
+        let table = runs_markdown(&[run]);
+        assert!(
+            table.contains("| 0; not measured: initialize: http 503 ×2 |"),
+            "{table}"
+        );
     }
 
     #[test]

@@ -406,6 +406,19 @@ pub async fn run_load(spec: &LoadSpec) -> Result<RunResult, String> {
         close_sessions(&plan, leftovers).await;
     }
 
+    let opened = spec.sessions as u64
+        - totals
+            .unmeasured_errors
+            .iter()
+            .filter(|(class, _)| class.starts_with("initialize"))
+            .map(|(_, count)| count)
+            .sum::<u64>();
+    if opened == 0 {
+        return Err(format!(
+            "no load session could be opened: {}",
+            report::errors_cell(&totals.unmeasured_errors, spec.sessions as u64)
+        ));
+    }
     let requests = totals.ok + totals.errors.values().sum::<u64>();
     let window_s = window.as_secs_f64();
     let per_1k =
