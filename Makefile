@@ -20,7 +20,7 @@ run: deps build-release
 
 ## Every test: unit, property, and integration tests against real processes.
 test: deps build
-	$(CARGO) test -j$(JOBS) --workspace --no-fail-fast
+	@JOBS=$(JOBS) scripts/test.sh
 
 ## Every forwarding configuration side by side (direct, sticky, QUIC, TCP, Redis
 ## pub/sub, round-robin) at several concurrency levels, plus idle-session memory:
