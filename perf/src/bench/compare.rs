@@ -247,8 +247,12 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<()> {
         .and_then(Result::ok);
     if let Some(rtt) = &loopback {
         eprintln!(
-            "loopback TCP round trip: p50 {:.1} µs, p99 {:.1} µs",
-            rtt.p50_us, rtt.p99_us
+            "loopback TCP round trip: p50 {:.1} µs, p99 {:.1} µs on {}; p50 {} µs on one CPU",
+            rtt.p50_us,
+            rtt.p99_us,
+            rtt.placement,
+            rtt.same_cpu_p50_us
+                .map_or("?".into(), |p| format!("{p:.1}"))
         );
     }
 

@@ -77,6 +77,42 @@ pub fn machine_busy_ticks() -> Option<u64> {
     parse_machine_busy_ticks(&std::fs::read_to_string("/proc/stat").ok()?)
 }
 
+/// Network counters of this machine's network namespace (`/proc/net/snmp`): how
+/// many packets a request costs, and whether any were dropped or resent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NetCounters {
+    pub tcp_in_segments: u64,
+    pub tcp_retransmitted: u64,
+    pub udp_in_datagrams: u64,
+    /// UDP datagrams dropped because a socket's receive buffer was full (QUIC loss).
+    pub udp_receive_buffer_drops: u64,
+}
+
+/// Reads the counters from the text of `/proc/net/snmp`: each protocol has a line
+/// of names followed by a line of values.
+pub fn parse_snmp(text: &str) -> Option<NetCounters> {
+    let value = |protocol: &str, name: &str| -> Option<u64> {
+        let prefix = format!("{protocol}:");
+        let mut lines = text.lines().filter(|l| l.starts_with(&prefix));
+        let names = lines.next()?.split_whitespace();
+        let values = lines.next()?.split_whitespace();
+        names
+            .zip(values)
+            .find(|(n, _)| *n == name)
+            .and_then(|(_, v)| v.parse().ok())
+    };
+    Some(NetCounters {
+        tcp_in_segments: value("Tcp", "InSegs")?,
+        tcp_retransmitted: value("Tcp", "RetransSegs")?,
+        udp_in_datagrams: value("Udp", "InDatagrams")?,
+        udp_receive_buffer_drops: value("Udp", "RcvbufErrors")?,
+    })
+}
+
+pub fn net_counters() -> Option<NetCounters> {
+    parse_snmp(&std::fs::read_to_string("/proc/net/snmp").ok()?)
+}
+
 /// CPU ticks consumed so far by `pid` (0 when it is gone).
 pub fn cpu_ticks(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -193,6 +229,23 @@ mod tests {
             Some(100 + 5 + 50 + 3 + 2 + 1)
         );
         assert_eq!(parse_machine_busy_ticks("intr 1\n"), None);
+    }
+
+    #[test]
+    fn snmp_counters_are_found_by_name() {
+        let snmp = "Tcp: RtoAlgorithm InSegs OutSegs RetransSegs\nTcp: 1 2000 1990 7\n\
+                    Udp: InDatagrams NoPorts InErrors OutDatagrams RcvbufErrors\n\
+                    Udp: 500 0 3 499 3\n";
+        assert_eq!(
+            parse_snmp(snmp),
+            Some(NetCounters {
+                tcp_in_segments: 2000,
+                tcp_retransmitted: 7,
+                udp_in_datagrams: 500,
+                udp_receive_buffer_drops: 3,
+            })
+        );
+        assert_eq!(parse_snmp("Tcp: InSegs\n"), None);
     }
 
     #[test]

@@ -152,10 +152,17 @@ pub fn compare_markdown(report: &CompareReport) -> String {
         m.loopback.map_or(
             "Loopback round trip: not measured.".to_owned(),
             |rtt| format!(
-                "Loopback TCP round trip (1 byte, {} times): p50 {:.1} µs, p99 {:.1} µs.",
+                "Loopback TCP round trip (1 byte, {} times, threads pinned): p50 {:.1} µs, \
+                 p99 {:.1} µs with the ends on {} (the yardstick){}.",
                 grouped(u64::from(rtt.iterations)),
                 rtt.p50_us,
-                rtt.p99_us
+                rtt.p99_us,
+                rtt.placement,
+                match (rtt.same_cpu_p50_us, rtt.same_cpu_p99_us) {
+                    (Some(p50), Some(p99)) =>
+                        format!("; p50 {p50:.1} µs, p99 {p99:.1} µs with both on one CPU"),
+                    _ => String::new(),
+                }
             )
         ),
     );
@@ -227,9 +234,9 @@ pub fn compare_markdown(report: &CompareReport) -> String {
     }
 
     out.push_str(
-        "\n## Forwarding cost over sticky (`tools/call`)\n\n\
-         | sessions | configuration | added p50 µs | added p99 µs | req/s | tools/call/s | gateway CPU s/1k req | Redis CPU s/1k req |\n\
-         |---:|---|---:|---:|---:|---:|---:|---:|\n",
+        "\n## Forwarding cost: `tools/call` latency added over sticky, CPU and packets per request\n\n\
+         | sessions | configuration | added p50 µs | added p99 µs | req/s | tools/call/s | gateway CPU s/1k req | Redis CPU s/1k req | TCP segments/req | UDP datagrams/req | UDP drops, TCP resends |\n\
+         |---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
     );
     for &level in &s.concurrency {
         let find = |name: ConfigName| {
@@ -243,6 +250,7 @@ pub fn compare_markdown(report: &CompareReport) -> String {
             continue;
         };
         for name in [
+            ConfigName::Sticky,
             ConfigName::Quic,
             ConfigName::Tcp,
             ConfigName::Redis,
@@ -250,9 +258,10 @@ pub fn compare_markdown(report: &CompareReport) -> String {
         ] {
             let Some(run) = find(name) else { continue };
             let added = |get: fn(&RunResult) -> u64| get(run) as f64 - get(sticky) as f64;
+            let net = run.network.as_ref();
             let _ = writeln!(
                 out,
-                "| {level} | {name} | {:+.0} | {:+.0} | {} | {} | {} | {} |",
+                "| {level} | {name} | {:+.0} | {:+.0} | {} | {} | {} | {} | {} | {} | {} |",
                 added(|r| r.tools_call_latency.p50_us),
                 added(|r| r.tools_call_latency.p99_us),
                 grouped(run.throughput_rps.round() as u64),
@@ -263,6 +272,19 @@ pub fn compare_markdown(report: &CompareReport) -> String {
                 run.cpu
                     .redis_s_per_1k
                     .map_or("–".into(), |c| format!("{c:.3}")),
+                net.map_or("–".into(), |n| format!(
+                    "{:.1}",
+                    n.tcp_segments_per_request
+                )),
+                net.map_or("–".into(), |n| format!(
+                    "{:.1}",
+                    n.udp_datagrams_per_request
+                )),
+                net.map_or("–".into(), |n| format!(
+                    "{}, {}",
+                    grouped(n.udp_receive_buffer_drops),
+                    grouped(n.tcp_retransmitted)
+                )),
             );
         }
     }
@@ -350,10 +372,14 @@ pub fn sessions_markdown(report: &SessionsReport) -> String {
             let _ = writeln!(out, "| directory | not available: {not_available} | | |");
         }
     }
-    if let Some(upstream) = report.upstream_per_session_bytes {
+    if let Some(upstream) = report
+        .owner
+        .measured()
+        .and_then(|owner| owner.upstream_per_session_bytes)
+    {
         let _ = writeln!(
             out,
-            "| upstream RSS (its own process, not the owner's) | {} | | |",
+            "| upstream RSS (its own process, not the owner's) | {} | | same sessions |",
             kib(upstream)
         );
     }
@@ -412,6 +438,7 @@ pub(crate) mod tests {
                 machine_cores: Some(2.0),
                 other_cores: Some(0.0),
             },
+            network: None,
         }
     }
 

@@ -167,6 +167,18 @@ pub struct RunResult {
     /// Redis commands during the window, by command.
     pub redis_commands: Option<BTreeMap<String, u64>>,
     pub cpu: CpuFigures,
+    /// Packets on this machine during the window (all processes), when readable.
+    pub network: Option<NetworkFigures>,
+}
+
+/// What the window cost in packets: the mesh's share shows as the difference to
+/// sticky; UDP drops and TCP retransmissions show loss that inflates the tail.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct NetworkFigures {
+    pub tcp_segments_per_request: f64,
+    pub udp_datagrams_per_request: f64,
+    pub tcp_retransmitted: u64,
+    pub udp_receive_buffer_drops: u64,
 }
 
 /// CPU seconds per 1,000 counted requests, from utime + stime in /proc.
@@ -474,6 +486,20 @@ pub async fn run_load(spec: &LoadSpec) -> Result<RunResult, String> {
             machine_cores: machine_ticks.and_then(cores),
             other_cores: machine_ticks.and_then(|m| cores(m.saturating_sub(ours))),
         },
+        network: before.net.zip(after.net).and_then(|(b, a)| {
+            (requests > 0).then(|| NetworkFigures {
+                tcp_segments_per_request: a.tcp_in_segments.saturating_sub(b.tcp_in_segments)
+                    as f64
+                    / requests as f64,
+                udp_datagrams_per_request: a.udp_in_datagrams.saturating_sub(b.udp_in_datagrams)
+                    as f64
+                    / requests as f64,
+                tcp_retransmitted: a.tcp_retransmitted.saturating_sub(b.tcp_retransmitted),
+                udp_receive_buffer_drops: a
+                    .udp_receive_buffer_drops
+                    .saturating_sub(b.udp_receive_buffer_drops),
+            })
+        }),
         errors: totals.errors,
         unmeasured_errors: totals.unmeasured_errors,
     })
@@ -620,6 +646,7 @@ struct Snapshot {
     own_ticks: u64,
     upstream_ticks: Option<u64>,
     machine_ticks: Option<u64>,
+    net: Option<procfs::NetCounters>,
     redis_commands: Option<BTreeMap<String, u64>>,
 }
 
@@ -640,6 +667,7 @@ impl Snapshot {
             own_ticks: procfs::cpu_ticks(std::process::id()),
             upstream_ticks: upstream_pid.map(procfs::cpu_ticks),
             machine_ticks: procfs::machine_busy_ticks(),
+            net: procfs::net_counters(),
             redis_commands,
         }
     }

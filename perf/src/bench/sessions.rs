@@ -58,6 +58,9 @@ pub struct OwnerMemory {
     pub rss_before_bytes: u64,
     pub rss_after_bytes: u64,
     pub per_session_bytes: f64,
+    /// The upstream process's RSS growth per session over the same window, when its
+    /// pid is known: not part of the owner's figure, shown so the whole cost is visible.
+    pub upstream_per_session_bytes: Option<f64>,
 }
 
 /// The directory's side: Redis memory per session.
@@ -108,9 +111,6 @@ pub struct SessionsReport {
     pub owner: Outcome<OwnerMemory>,
     /// A one-worker fleet: Redis memory per session.
     pub directory: Outcome<DirectoryMemory>,
-    /// The upstream process's growth per session, when we started it (not part of
-    /// the owner's figure; shown so the whole cost is visible).
-    pub upstream_per_session_bytes: Option<f64>,
 }
 
 /// `mcpgw-bench sessions`.
@@ -175,22 +175,13 @@ pub async fn measure(
     upstream_pid: Option<u32>,
     log_dir: &Path,
 ) -> SessionsReport {
-    let upstream_before = upstream_pid.and_then(procfs::rss_bytes);
-    let owner = owner_memory(bins, plan, upstream_url, log_dir).await;
-    let upstream_after = upstream_pid.and_then(procfs::rss_bytes);
-    let upstream_per_session_bytes = match (upstream_before, upstream_after, &owner) {
-        (Some(before), Some(after), Ok(_)) if plan.count + plan.warmup > 0 => {
-            Some((after as f64 - before as f64) / (plan.count + plan.warmup) as f64)
-        }
-        _ => None,
-    };
+    let owner = owner_memory(bins, plan, upstream_url, upstream_pid, log_dir).await;
     let directory = directory_memory(bins, plan, upstream_url, log_dir).await;
     SessionsReport {
         count: plan.count,
         warmup: plan.warmup,
         owner: owner.into(),
         directory: directory.into(),
-        upstream_per_session_bytes,
     }
 }
 
@@ -198,6 +189,7 @@ async fn owner_memory(
     bins: &Bins,
     plan: &SessionsPlan,
     upstream_url: &str,
+    upstream_pid: Option<u32>,
     log_dir: &Path,
 ) -> Result<OwnerMemory, String> {
     let args: Vec<String> = [
@@ -221,7 +213,7 @@ async fn owner_memory(
     let result = async {
         let base = url_in(&line).ok_or_else(|| format!("no address in {line:?}"))?;
         let target = Target::parse(&format!("{base}/mcp"))?;
-        grow(&target, proc.pid, plan).await
+        grow(&target, proc.pid, upstream_pid, plan).await
     }
     .await;
     proc.stop().await;
@@ -259,7 +251,7 @@ async fn directory_memory(
             settle().await;
             let used_before = redis_client.info_number("memory", "used_memory").await?;
             let keys_before = key_count(&mut redis_client).await?;
-            let worker = grow(&target, pid, &SessionsPlan { warmup: 0, ..*plan }).await?;
+            let worker = grow(&target, pid, None, &SessionsPlan { warmup: 0, ..*plan }).await?;
             let used_after = redis_client.info_number("memory", "used_memory").await?;
             let keys_after = key_count(&mut redis_client).await?;
             Ok::<_, String>(DirectoryMemory {
@@ -287,18 +279,26 @@ async fn key_count(redis: &mut RedisClient) -> Result<u64, String> {
     }
 }
 
-/// Opens `plan.warmup` sessions, reads RSS, opens `plan.count` more, reads it again.
-async fn grow(target: &Target, pid: u32, plan: &SessionsPlan) -> Result<OwnerMemory, String> {
+/// Opens `plan.warmup` sessions, reads RSS, opens `plan.count` more, reads it again
+/// (the upstream's too, when `upstream_pid` is given).
+async fn grow(
+    target: &Target,
+    pid: u32,
+    upstream_pid: Option<u32>,
+    plan: &SessionsPlan,
+) -> Result<OwnerMemory, String> {
     if plan.warmup > 0 {
         open_sessions(target, plan.warmup, plan.parallel).await;
     }
     settle().await;
     let before = procfs::rss_bytes(pid).ok_or_else(|| format!("cannot read VmRSS of {pid}"))?;
+    let upstream_before = upstream_pid.and_then(procfs::rss_bytes);
     let started = Instant::now();
     let (opened, failed) = open_sessions(target, plan.count, plan.parallel).await;
     let open_seconds = started.elapsed().as_secs_f64();
     settle().await;
     let after = procfs::rss_bytes(pid).ok_or_else(|| format!("cannot read VmRSS of {pid}"))?;
+    let upstream_after = upstream_pid.and_then(procfs::rss_bytes);
     let sessions_held = held_sessions(target).await;
     Ok(OwnerMemory {
         pid,
@@ -309,6 +309,9 @@ async fn grow(target: &Target, pid: u32, plan: &SessionsPlan) -> Result<OwnerMem
         rss_before_bytes: before,
         rss_after_bytes: after,
         per_session_bytes: per_session(before, after, opened),
+        upstream_per_session_bytes: upstream_before
+            .zip(upstream_after)
+            .map(|(before, after)| per_session(before, after, opened)),
     })
 }
 

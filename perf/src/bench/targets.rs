@@ -138,9 +138,10 @@ fn forwarded_p50(
         Some(verdict) => TargetCheck {
             target,
             measured: format!(
-                "{} (loopback RTT p50 {:.0} µs; judged at the lowest concurrency)",
+                "{} (loopback RTT p50 {:.0} µs on {}; judged at the lowest concurrency)",
                 parts.join("; "),
-                rtt.p50_us
+                rtt.p50_us,
+                rtt.placement
             ),
             verdict,
         },
@@ -375,9 +376,12 @@ mod tests {
     fn rtt(p50_us: f64) -> LoopbackRtt {
         LoopbackRtt {
             iterations: 1,
+            placement: "different CPUs",
             p50_us,
             p99_us: p50_us * 2.0,
             max_us: p50_us * 3.0,
+            same_cpu_p50_us: None,
+            same_cpu_p99_us: None,
         }
     }
 
