@@ -146,14 +146,34 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
         self.write_buffered().await
     }
 
+    /// Encodes `frame` after the frames already queued, without writing: parts of a
+    /// response that are ready together then leave in one write (one TLS record, one
+    /// syscall) instead of one each.
+    pub(crate) fn queue(&mut self, frame: &Frame) -> Result<(), mcpgw_wire::WireError> {
+        self.codec.encode(frame, &mut self.buf)
+    }
+
+    /// Bytes queued and not yet written.
+    pub(crate) fn queued_len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Writes and flushes every queued frame at once.
+    pub(crate) async fn flush_queued(&mut self) -> Result<(), SendError> {
+        self.write_buffered().await
+    }
+
     /// Writes and flushes bytes already encoded as one or more whole frames.
     pub(crate) async fn send_encoded(&mut self, frames: &[u8]) -> Result<(), SendError> {
         self.io.write_all(frames).await.map_err(SendError::Io)?;
         self.io.flush().await.map_err(SendError::Io)
     }
 
+    /// Writes and flushes the buffer, leaving it empty for the next frames.
     async fn write_buffered(&mut self) -> Result<(), SendError> {
-        self.io.write_all(&self.buf).await.map_err(SendError::Io)?;
+        let written = self.io.write_all(&self.buf).await;
+        self.buf.clear();
+        written.map_err(SendError::Io)?;
         self.io.flush().await.map_err(SendError::Io)
     }
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use mcpgw_wire::{ErrorFrame, ErrorKind, Frame, PROTOCOL_VERSION, RequestFrame};
 use rustls::ServerConfig;
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -471,36 +471,73 @@ where
                 return finish(writer, &frame, send_by).await;
             }
             part = response.next() => {
-                let step = match part {
-                    Some(ResponsePart::Head(head)) if !head_sent => {
-                        head_sent = true;
-                        send(writer, &Frame::Head(head), deadline).await
+                // Queue this part and every part that is already ready behind it
+                // (a JSON answer is Head, Chunk and End at once), then write them in
+                // one go; a stream still gets each event out as it is produced.
+                let mut part = part;
+                let mut ending: Option<Frame> = None;
+                loop {
+                    let queued = match part {
+                        Some(ResponsePart::Head(head)) if !head_sent => {
+                            head_sent = true;
+                            writer.queue(&Frame::Head(head))
+                        }
+                        Some(ResponsePart::Chunk(bytes)) if head_sent => queue_chunk(writer, bytes),
+                        Some(ResponsePart::End) if head_sent => {
+                            ending = Some(Frame::End);
+                            break;
+                        }
+                        Some(ResponsePart::Error(e)) => {
+                            ending = Some(Frame::Error(e));
+                            break;
+                        }
+                        Some(other) => {
+                            warn!(request_id, part = other.name(), head_sent,
+                                "mesh service produced a response out of order (Head, Chunk*, End)");
+                            ending = Some(refuse(ErrorKind::Internal, "owner produced a malformed response".into()));
+                            break;
+                        }
+                        None => {
+                            warn!(request_id, "mesh service ended a response without End");
+                            ending = Some(refuse(ErrorKind::Internal, "owner ended the response without End".into()));
+                            break;
+                        }
+                    };
+                    if let Err(e) = queued {
+                        warn!(request_id, error = %e, "mesh response part cannot be encoded");
+                        ending = Some(refuse(ErrorKind::Internal, format!("owner cannot encode the response: {e}")));
+                        break;
                     }
-                    Some(ResponsePart::Chunk(bytes)) if head_sent => {
-                        send_chunk(writer, bytes, send_by).await
+                    if writer.queued_len() >= writer.max_frame() {
+                        break;
                     }
-                    Some(ResponsePart::End) if head_sent => {
-                        return finish(writer, &Frame::End, send_by).await;
+                    match response.next().now_or_never() {
+                        Some(next) => part = next,
+                        None => break,
                     }
-                    Some(ResponsePart::Error(e)) => {
-                        return finish(writer, &Frame::Error(e), send_by).await;
-                    }
-                    Some(other) => {
-                        warn!(request_id, part = other.name(), head_sent,
-                            "mesh service produced a response out of order (Head, Chunk*, End)");
-                        let frame = refuse(ErrorKind::Internal, "owner produced a malformed response".into());
-                        return finish(writer, &frame, send_by).await;
-                    }
-                    None => {
-                        warn!(request_id, "mesh service ended a response without End");
-                        let frame = refuse(ErrorKind::Internal, "owner ended the response without End".into());
-                        return finish(writer, &frame, send_by).await;
-                    }
+                }
+                let end = match &ending {
+                    Some(frame) => writer.queue(frame).map(|()| true),
+                    None => Ok(false),
                 };
-                match step {
-                    Ok(()) => {}
+                let written = match end {
+                    Ok(ending_queued) => {
+                        let by = if ending_queued { send_by.max(Instant::now() + Duration::from_secs(1)) } else { send_by };
+                        match timeout_at(by, writer.flush_queued()).await {
+                            Ok(result) => result.map(|()| ending_queued),
+                            Err(_) => Err(SendError::Io(std::io::Error::new(
+                                std::io::ErrorKind::TimedOut,
+                                "caller did not take the response before the deadline",
+                            ))),
+                        }
+                    }
+                    Err(e) => Err(SendError::Encode(e)),
+                };
+                match written {
+                    Ok(true) => return ExchangeEnd::Clean,
+                    Ok(false) => {}
                     Err(SendError::Encode(e)) => {
-                        warn!(request_id, error = %e, "mesh response head cannot be encoded");
+                        warn!(request_id, error = %e, "mesh response cannot be encoded");
                         let frame = refuse(ErrorKind::Internal, format!("owner cannot encode the response: {e}"));
                         return finish(writer, &frame, deadline).await;
                     }
@@ -530,12 +567,11 @@ async fn send<W: AsyncWrite + Unpin>(
     }
 }
 
-/// Sends a body chunk, split so that each frame fits the maximum frame size.
-async fn send_chunk<W: AsyncWrite + Unpin>(
+/// Queues a body chunk, split so that each frame fits the maximum frame size.
+fn queue_chunk<W: AsyncWrite + Unpin>(
     writer: &mut FrameWriter<W>,
     mut bytes: bytes::Bytes,
-    deadline: Instant,
-) -> Result<(), SendError> {
+) -> Result<(), mcpgw_wire::WireError> {
     let piece = writer
         .max_frame()
         .saturating_sub(Frame::CHUNK_OVERHEAD)
@@ -546,7 +582,7 @@ async fn send_chunk<W: AsyncWrite + Unpin>(
         } else {
             bytes::Bytes::new()
         };
-        send(writer, &Frame::Chunk(bytes), deadline).await?;
+        writer.queue(&Frame::Chunk(bytes))?;
         if rest.is_empty() {
             return Ok(());
         }
