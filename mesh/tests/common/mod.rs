@@ -2,6 +2,8 @@
 //! that records what it saw, and a server/client pair on loopback.
 #![allow(dead_code)] // each test crate uses a different part of the harness
 
+pub mod scenarios;
+
 mod redis_server;
 #[allow(unused_imports)] // only the Redis transport tests start a Redis
 pub use redis_server::RedisServer;
