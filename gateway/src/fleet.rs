@@ -178,21 +178,30 @@ impl Fleet {
         let forward = self.mesh.forward(&addr, owner, frame);
         tokio::pin!(forward);
         // A head normally comes within milliseconds. When it does not, find out in
-        // parallel whether the owner still exists, so a dead owner is answered now
-        // rather than after the forward timeout.
-        let outcome = tokio::select! {
-            outcome = &mut forward => outcome,
-            () = tokio::time::sleep(SUSPECT_AFTER) => {
-                let probe = self.probe(owner, &addr);
-                tokio::pin!(probe);
-                tokio::select! {
-                    outcome = &mut forward => outcome,
-                    liveness = &mut probe => match liveness {
-                        Liveness::Dead(why) => {
-                            return Err(self.lost_after_sending(owner, &addr, session, why).await);
-                        }
-                        Liveness::Alive | Liveness::Unknown => forward.await,
-                    },
+        // parallel whether the owner still exists, and keep checking while the answer
+        // is "unknown" (lease alive, owner silent): a dead owner is answered as soon as
+        // that is proven (at the latest when its lease expires), never only after the
+        // forward timeout. An owner that answers the probe is merely slow.
+        let mut probing = true;
+        let outcome = loop {
+            if !probing {
+                break (&mut forward).await;
+            }
+            tokio::select! {
+                outcome = &mut forward => break outcome,
+                () = tokio::time::sleep(SUSPECT_AFTER) => {
+                    let probe = self.probe(owner, &addr);
+                    tokio::pin!(probe);
+                    tokio::select! {
+                        outcome = &mut forward => break outcome,
+                        liveness = &mut probe => match liveness {
+                            Liveness::Dead(why) => {
+                                return Err(self.lost_after_sending(owner, &addr, session, why).await);
+                            }
+                            Liveness::Alive => probing = false,
+                            Liveness::Unknown => {}
+                        },
+                    }
                 }
             }
         };
@@ -499,7 +508,8 @@ enum Liveness {
     Unknown,
 }
 
-/// How long a forwarded request waits for its head before the owner is probed.
+/// How long a forwarded request waits for its head before the owner is probed, and
+/// between probes while the owner's fate is unknown.
 const SUSPECT_AFTER: Duration = Duration::from_secs(1);
 
 /// A request that any worker answers at once without side effects (405 from the

@@ -625,3 +625,44 @@ fn another_principal_cannot_use_a_session() {
     );
     let _ = std::fs::remove_file(&tokens);
 }
+
+/// A host that goes silent (no refusal, no answer) is declared dead when its lease
+/// expires, and a request waiting on it is answered then, not after the forward
+/// timeout (30 s by default).
+#[test]
+fn a_silent_owner_is_answered_within_its_lease_not_the_forward_timeout() {
+    let fleet = LocalFleet::start("quic", 1, &["--lease-ms", "3000"]);
+    let session = initialize(&fleet.a.addr, "/mcp");
+    let ok = call_tool(
+        &fleet.b.addr,
+        "/mcp",
+        &session,
+        2,
+        "counter_increment",
+        json!({}),
+    );
+    assert_eq!(ok.status, 200);
+    let pid = fleet.pid_of(&owner(&session));
+    signal(pid, "STOP");
+    let started = Instant::now();
+    let r = call_tool(
+        &fleet.b.addr,
+        "/mcp",
+        &session,
+        3,
+        "counter_increment",
+        json!({}),
+    );
+    let took = started.elapsed();
+    signal(pid, "CONT");
+    eprintln!("silent owner: answered {} after {took:?}", r.status);
+    assert!(
+        matches!(r.status, 502 | 404),
+        "the truth once the lease expired: {}",
+        r.status
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "answered within the lease, not the forward timeout: {took:?}"
+    );
+}
