@@ -78,12 +78,36 @@ pub fn request_raw(
     path: &str,
     headers: &[(&str, &str)],
     body: &[u8],
-    mut on_chunk: impl FnMut(&[u8]),
+    on_chunk: impl FnMut(&[u8]),
 ) -> Response {
-    let mut stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    try_request_raw(addr, method, path, headers, body, on_chunk)
+        .unwrap_or_else(|e| panic!("{method} {path} via {addr}: {e}"))
+}
+
+/// Like [`request`], but a connection that fails or closes without an HTTP answer is
+/// an `Err` (with why) instead of a panic: load tests count those.
+pub fn try_request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Result<Response, String> {
+    try_request_raw(addr, method, path, headers, body, |_| {})
+}
+
+fn try_request_raw(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    mut on_chunk: impl FnMut(&[u8]),
+) -> Result<Response, String> {
+    let mut stream = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
     stream
         .set_read_timeout(Some(Duration::from_secs(60)))
-        .expect("set timeout");
+        .map_err(|e| e.to_string())?;
     let _ = stream.set_nodelay(true);
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
     for (k, v) in headers {
@@ -95,16 +119,18 @@ pub fn request_raw(
     head.push_str("\r\n");
     let mut bytes = head.into_bytes();
     bytes.extend_from_slice(body);
-    stream.write_all(&bytes).expect("send request");
+    stream.write_all(&bytes).map_err(|e| format!("send: {e}"))?;
 
     let mut reader = BufReader::new(stream);
     let mut status_line = String::new();
-    reader.read_line(&mut status_line).expect("status line");
+    reader
+        .read_line(&mut status_line)
+        .map_err(|e| format!("read status line: {e}"))?;
     let status: u16 = status_line
         .split_whitespace()
         .nth(1)
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
+        .ok_or_else(|| format!("no HTTP answer (status line {status_line:?})"))?;
     let mut headers = Vec::new();
     loop {
         let mut line = String::new();
@@ -150,11 +176,11 @@ pub fn request_raw(
             }
         }
     }
-    Response {
+    Ok(Response {
         status,
         headers,
         body,
-    }
+    })
 }
 
 /// Headers of a legacy MCP POST, optionally in a session.
