@@ -31,6 +31,11 @@ use clap::{Parser, Subcommand};
 
 use crate::config::{Config, ServeArgs};
 
+/// mimalloc instead of glibc malloc: allocation was 13–17 % of a forwarded request's
+/// CPU in profiles, and many small per-request buffers are mimalloc's strong case.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Debug, Parser)]
 #[command(name = "mcpgw", version, about = "A horizontally scaled MCP gateway")]
 struct Cli {
