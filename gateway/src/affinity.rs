@@ -85,6 +85,34 @@ pub fn decide(situation: &Situation) -> Decision {
     }
 }
 
+/// `data.reason` of the two "unknown" answers.
+pub const REASON_OWNERSHIP_UNKNOWN: &str = "ownership_unknown";
+pub const REASON_LEASE_IN_DOUBT: &str = "lease_in_doubt";
+
+/// Whether `error` says that ownership could not be established right now (as
+/// opposed to a proven answer): the only case where a stateless answer may stand in.
+pub fn is_unknown(error: &GatewayError) -> bool {
+    let reason = error
+        .data
+        .as_ref()
+        .and_then(|d| d.get("reason"))
+        .and_then(|r| r.as_str());
+    matches!(
+        reason,
+        Some(REASON_OWNERSHIP_UNKNOWN | REASON_LEASE_IN_DOUBT)
+    )
+}
+
+/// Methods whose answer does not depend on the session's state, so a worker may
+/// answer them without the session when its owner cannot be reached (opt-in).
+pub const STATELESS_METHODS: &[&str] = &[
+    "ping",
+    "tools/list",
+    "resources/list",
+    "resources/templates/list",
+    "prompts/list",
+];
+
 /// Seconds a client should wait before retrying an "unknown" answer.
 pub const RETRY_AFTER_SECONDS: u32 = 1;
 
@@ -116,7 +144,9 @@ impl Refusal {
                      still be alive: retry the same request with the same Mcp-Session-Id"
                 ),
             )
-            .with_data(json!({ "reason": "ownership_unknown", "detail": why, "retryable": true }))
+            .with_data(
+                json!({ "reason": REASON_OWNERSHIP_UNKNOWN, "detail": why, "retryable": true }),
+            )
             .with_retry_after(RETRY_AFTER_SECONDS),
             Refusal::LeaseInDoubt => GatewayError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -126,7 +156,7 @@ impl Refusal {
                      retry the same request with the same Mcp-Session-Id"
                 ),
             )
-            .with_data(json!({ "reason": "lease_in_doubt", "detail": why, "retryable": true }))
+            .with_data(json!({ "reason": REASON_LEASE_IN_DOUBT, "detail": why, "retryable": true }))
             .with_retry_after(RETRY_AFTER_SECONDS),
             Refusal::OutcomeUnknown => GatewayError::new(
                 StatusCode::BAD_GATEWAY,
@@ -203,6 +233,14 @@ mod tests {
         let gone = Refusal::SessionGone.to_error(StatusCode::NOT_FOUND, "refused");
         assert_eq!(gone.data.as_ref().unwrap()["retryable"], false);
         assert!(gone.message.contains("initialize"));
+        assert!(is_unknown(&unknown));
+        assert!(is_unknown(
+            &Refusal::LeaseInDoubt.to_error(StatusCode::NOT_FOUND, "x")
+        ));
+        assert!(
+            !is_unknown(&gone),
+            "a proven answer is never replaced statelessly"
+        );
     }
 
     #[test]

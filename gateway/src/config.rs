@@ -76,6 +76,9 @@ pub struct FleetConfig {
     /// HTTP status for "session gone: re-initialize": 404 as the MCP spec says, or 409
     /// for clients that follow a "session reassigned" contract.
     pub gone_status: u16,
+    /// When a session's owner cannot be confirmed, answer ping and the list methods
+    /// without the session (from a short-lived upstream session) instead of 503.
+    pub stateless_when_unknown: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
@@ -127,6 +130,7 @@ impl Default for Config {
                 directory_timeout: Duration::from_millis(500),
                 worker_id: None,
                 gone_status: 404,
+                stateless_when_unknown: false,
             },
             mesh: MeshConfig {
                 listen: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -178,6 +182,10 @@ pub struct ServeArgs {
     /// API keys: a file of `principal:token` lines. Without it, public mode.
     #[arg(long, env = "MCPGW_AUTH_TOKENS_FILE")]
     pub auth_tokens_file: Option<PathBuf>,
+    /// While a session's owner cannot be confirmed, answer ping and */list without the
+    /// session instead of 503.
+    #[arg(long, env = "MCPGW_STATELESS_WHEN_UNKNOWN")]
+    pub stateless_when_unknown: bool,
     /// Status for a session whose owner is gone: 404 (MCP) or 409.
     #[arg(long, env = "MCPGW_SESSION_GONE_STATUS")]
     pub session_gone_status: Option<u16>,
@@ -251,6 +259,7 @@ struct FileFleet {
     lease_ms: Option<u64>,
     directory_timeout_ms: Option<u64>,
     gone_status: Option<u16>,
+    stateless_when_unknown: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -308,6 +317,10 @@ impl Config {
         set_ms(&mut self.fleet.lease, f.lease_ms);
         set_ms(&mut self.fleet.directory_timeout, f.directory_timeout_ms);
         set(&mut self.fleet.gone_status, f.gone_status);
+        set(
+            &mut self.fleet.stateless_when_unknown,
+            f.stateless_when_unknown,
+        );
         let m = file.mesh;
         if let Some(listen) = m.listen {
             self.mesh.listen = parse_addr("mesh.listen", &listen)?;
@@ -359,6 +372,9 @@ impl Config {
             self.fleet.worker_id = a.worker_id.clone();
         }
         set(&mut self.fleet.gone_status, a.session_gone_status);
+        if a.stateless_when_unknown {
+            self.fleet.stateless_when_unknown = true;
+        }
         set_ms(&mut self.mesh.forward_timeout, a.forward_timeout_ms);
         if a.auth_tokens_file.is_some() {
             self.auth_tokens_file = a.auth_tokens_file.clone();

@@ -85,6 +85,30 @@ impl Worker {
 
     /// Decides where a call runs (DESIGN.md's decision table) and runs it.
     pub async fn dispatch(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
+        // Kept only when a stateless answer could stand in for an "unknown" one.
+        let fallback = self.stateless_candidate(&call).then(|| call.clone());
+        let result = self.route(call).await;
+        match (result, fallback) {
+            (Err(error), Some(call)) if crate::affinity::is_unknown(&error) => {
+                self.answer_statelessly(call, error).await
+            }
+            (result, _) => result,
+        }
+    }
+
+    /// Opt-in (`--stateless-when-unknown`): session methods whose answer does not
+    /// depend on the session.
+    fn stateless_candidate(&self, call: &Call) -> bool {
+        self.config.fleet.stateless_when_unknown
+            && call.session_id.is_some()
+            && call
+                .message
+                .as_ref()
+                .and_then(|m| m.method())
+                .is_some_and(|m| crate::affinity::STATELESS_METHODS.contains(&m))
+    }
+
+    async fn route(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
         let lookup = |worker: &Worker| {
             call.session_id
                 .as_deref()

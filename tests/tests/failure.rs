@@ -720,3 +720,65 @@ fn wait_until_dead(pid: u64) {
         thread::sleep(Duration::from_millis(2));
     }
 }
+
+/// Opt-in: while a session's owner cannot be confirmed, session-independent methods
+/// (ping, the list methods) are answered without the session; anything stateful
+/// still gets the truthful 503.
+#[test]
+fn idempotent_methods_may_be_answered_statelessly_while_ownership_is_unknown() {
+    let fleet = LocalFleet::start(
+        "quic",
+        1,
+        &[
+            "--lease-ms",
+            "20000",
+            "--forward-timeout-ms",
+            "1000",
+            "--stateless-when-unknown",
+        ],
+    );
+    let session = initialize(&fleet.a.addr, "/mcp");
+    let pid = fleet.pid_of(&owner(&session));
+    signal(pid, "STOP");
+    let list = br#"{"jsonrpc":"2.0","id":7,"method":"tools/list"}"#;
+    let listed = http::request(
+        &fleet.b.addr,
+        "POST",
+        "/mcp",
+        &http::mcp_headers(Some(&session)),
+        list,
+    );
+    let stateful = call_tool(
+        &fleet.b.addr,
+        "/mcp",
+        &session,
+        8,
+        "counter_increment",
+        json!({}),
+    );
+    signal(pid, "CONT");
+    assert_eq!(
+        listed.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&listed.body)
+    );
+    assert_eq!(listed.header("mcpgw-stateless"), Some("1"));
+    let tools = &listed.messages()[0]["result"]["tools"];
+    assert!(tools.as_array().is_some_and(|t| !t.is_empty()), "{tools}");
+    assert_eq!(listed.messages()[0]["id"], 7);
+    assert_eq!(
+        stateful.status, 503,
+        "stateful calls are never answered without the session"
+    );
+    // The temporary upstream session was ended again.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while fleet.upstream.stats()["sessions_open"] != json!(1) {
+        assert!(
+            Instant::now() < deadline,
+            "temporary upstream session left open: {}",
+            fleet.upstream.stats()
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+}
