@@ -294,28 +294,7 @@ fn an_owner_paused_within_its_lease_gets_503_then_serves_again() {
         &["--lease-ms", "20000", "--forward-timeout-ms", "1000"],
     );
     let session = initialize(&fleet.a.addr, "/mcp");
-    let ok = call_tool(
-        &fleet.b.addr,
-        "/mcp",
-        &session,
-        2,
-        "counter_increment",
-        json!({}),
-    );
-    assert_eq!(ok.status, 200);
-    let pid = fleet.pid_of(&owner(&session));
-    signal(pid, "STOP");
-    let started = Instant::now();
-    let paused = call_tool(
-        &fleet.b.addr,
-        "/mcp",
-        &session,
-        3,
-        "counter_increment",
-        json!({}),
-    );
-    let took = started.elapsed();
-    signal(pid, "CONT");
+    let (paused, took) = call_while_owner_paused(&fleet, &session);
     eprintln!("paused owner answered {} in {took:?}", paused.status);
     assert_eq!(
         paused.status,
@@ -669,28 +648,7 @@ fn another_principal_cannot_use_a_session() {
 fn a_silent_owner_is_answered_within_its_lease_not_the_forward_timeout() {
     let fleet = LocalFleet::start("quic", 1, &["--lease-ms", "3000"]);
     let session = initialize(&fleet.a.addr, "/mcp");
-    let ok = call_tool(
-        &fleet.b.addr,
-        "/mcp",
-        &session,
-        2,
-        "counter_increment",
-        json!({}),
-    );
-    assert_eq!(ok.status, 200);
-    let pid = fleet.pid_of(&owner(&session));
-    signal(pid, "STOP");
-    let started = Instant::now();
-    let r = call_tool(
-        &fleet.b.addr,
-        "/mcp",
-        &session,
-        3,
-        "counter_increment",
-        json!({}),
-    );
-    let took = started.elapsed();
-    signal(pid, "CONT");
+    let (r, took) = call_while_owner_paused(&fleet, &session);
     eprintln!("silent owner: answered {} after {took:?}", r.status);
     assert!(
         matches!(r.status, 502 | 404),
@@ -703,20 +661,12 @@ fn a_silent_owner_is_answered_within_its_lease_not_the_forward_timeout() {
     );
 }
 
-/// Waits until `pid` has exited (gone, or a zombie whose descriptors are closed).
+/// Waits until `pid` is gone: reaped by its supervisor. (A zombie leader is not
+/// enough: the other threads of a multi-threaded process may still hold its sockets.)
 fn wait_until_dead(pid: u64) {
     let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .ok()
-            .and_then(|stat| {
-                let after_name = stat.rsplit_once(')')?.1.trim_start().to_owned();
-                after_name.chars().next()
-            });
-        if matches!(state, None | Some('Z') | Some('X')) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "process {pid} did not die");
+    while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+        assert!(Instant::now() < deadline, "process {pid} was not reaped");
         thread::sleep(Duration::from_millis(2));
     }
 }
@@ -781,4 +731,32 @@ fn idempotent_methods_may_be_answered_statelessly_while_ownership_is_unknown() {
         );
         thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// One stateful call through host-b while the session's owner is stopped (SIGSTOP),
+/// after a first call proved the session works; the owner is resumed afterwards.
+fn call_while_owner_paused(fleet: &LocalFleet, session: &str) -> (http::Response, Duration) {
+    let ok = call_tool(
+        &fleet.b.addr,
+        "/mcp",
+        session,
+        2,
+        "counter_increment",
+        json!({}),
+    );
+    assert_eq!(ok.status, 200);
+    let pid = fleet.pid_of(&owner(session));
+    signal(pid, "STOP");
+    let started = Instant::now();
+    let answer = call_tool(
+        &fleet.b.addr,
+        "/mcp",
+        session,
+        3,
+        "counter_increment",
+        json!({}),
+    );
+    let took = started.elapsed();
+    signal(pid, "CONT");
+    (answer, took)
 }
