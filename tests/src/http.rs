@@ -53,6 +53,15 @@ impl Response {
             .collect()
     }
 
+    /// The text of the first tool result in the body (JSON or SSE), if any.
+    pub fn tool_text(&self) -> Option<String> {
+        self.messages().iter().find_map(|m| {
+            m.get("result")?["content"][0]["text"]
+                .as_str()
+                .map(str::to_owned)
+        })
+    }
+
     /// The JSON-RPC error code of an error body.
     pub fn error_code(&self) -> Option<i64> {
         self.json()["error"]["code"].as_i64()

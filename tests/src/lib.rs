@@ -94,3 +94,15 @@ pub fn free_port() -> u16 {
         .map(|a| a.port())
         .expect("no free port on 127.0.0.1")
 }
+
+/// Waits until something accepts TCP connections at `addr` (`host:port`).
+pub fn wait_for_listener(addr: &str, timeout: std::time::Duration) {
+    let deadline = std::time::Instant::now() + timeout;
+    while std::net::TcpStream::connect(addr).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{addr} did not accept connections within {timeout:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

@@ -69,17 +69,7 @@ impl Load {
                         // before any gateway code read it, e.g. queued at a killed
                         // process's listener.
                         let (status, detail) = match answer {
-                            Ok(r) if r.status == 200 => (
-                                200,
-                                r.messages()
-                                    .iter()
-                                    .find_map(|m| {
-                                        m["result"]["content"][0]["text"]
-                                            .as_str()
-                                            .map(str::to_owned)
-                                    })
-                                    .unwrap_or_default(),
-                            ),
+                            Ok(r) if r.status == 200 => (200, r.tool_text().unwrap_or_default()),
                             Ok(r) => (
                                 r.status,
                                 r.json()["error"]["data"]["reason"]
@@ -374,7 +364,7 @@ fn an_owner_paused_past_its_lease_is_fenced_and_everyone_says_gone() {
         .enumerate()
     {
         // A fenced worker exits and its supervisor restarts it: wait for the port.
-        wait_for_listener(addr);
+        mcpgw_tests::wait_for_listener(addr, Duration::from_secs(15));
         let r = call_tool(
             addr,
             "/mcp",
@@ -557,14 +547,6 @@ fn a_drained_worker_finishes_in_flight_requests_then_its_sessions_are_gone() {
             json!({}),
         );
         assert_eq!(r.status, 200);
-    }
-}
-
-fn wait_for_listener(addr: &str) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while std::net::TcpStream::connect(addr).is_err() {
-        assert!(Instant::now() < deadline, "{addr} never listened again");
-        thread::sleep(Duration::from_millis(50));
     }
 }
 

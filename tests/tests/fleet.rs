@@ -10,20 +10,12 @@ use mcpgw_tests::{RedisServer, ScatterProxy, Upstream, run_python};
 use serde_json::json;
 
 fn tool_text(response: &http::Response) -> String {
-    response
-        .messages()
-        .iter()
-        .find_map(|m| {
-            m["result"]["content"][0]["text"]
-                .as_str()
-                .map(str::to_owned)
-        })
-        .unwrap_or_else(|| {
-            panic!(
-                "no tool result: {}",
-                String::from_utf8_lossy(&response.body)
-            )
-        })
+    response.tool_text().unwrap_or_else(|| {
+        panic!(
+            "no tool result: {}",
+            String::from_utf8_lossy(&response.body)
+        )
+    })
 }
 
 /// Returns the fleet, still running, for checks of its own.

@@ -79,7 +79,7 @@ fn sdk_built_upstream_keeps_state_per_session_through_the_gateway() {
         ],
     );
     server.wait_for_line("sdk_server listening", Duration::from_secs(30));
-    wait_for_port(port);
+    mcpgw_tests::wait_for_listener(&format!("127.0.0.1:{port}"), Duration::from_secs(30));
     let gateway = gateway_for(&format!("http://127.0.0.1:{port}/mcp"));
     let out = run_python("sdk_client.py", &[&gateway.url(), "legacy", "notes"]);
     assert_eq!(out["mine"], "one,two");
@@ -87,15 +87,4 @@ fn sdk_built_upstream_keeps_state_per_session_through_the_gateway() {
         out["theirs"], "",
         "a second session sees none of the first's notes"
     );
-}
-
-fn wait_for_port(port: u16) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "port {port} never opened"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }

@@ -14,15 +14,12 @@ fn start() -> (Upstream, Gateway) {
 }
 
 fn tool_text(response: &http::Response) -> String {
-    let messages = response.messages();
-    let result = messages
-        .iter()
-        .find(|m| m.get("result").is_some())
-        .unwrap_or_else(|| panic!("no result in {messages:?}"));
-    result["result"]["content"][0]["text"]
-        .as_str()
-        .unwrap_or_default()
-        .to_owned()
+    response.tool_text().unwrap_or_else(|| {
+        panic!(
+            "no tool result: {}",
+            String::from_utf8_lossy(&response.body)
+        )
+    })
 }
 
 #[test]
