@@ -23,8 +23,10 @@ pub fn full(bytes: Bytes) -> ReplyBody {
 }
 
 /// Re-chunks an SSE body: each data frame it yields is one complete event, yielded
-/// as soon as its last byte arrives.
-pub fn sse_events<B>(inner: B) -> ReplyBody
+/// as soon as its last byte arrives. An event that grows past `max_event` bytes
+/// without ending ends the stream: `overflow` (an event that tells the client why)
+/// goes out instead, and the rest of the upstream's stream is dropped.
+pub fn sse_events<B>(inner: B, max_event: usize, overflow: Bytes) -> ReplyBody
 where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<BoxError>,
@@ -34,8 +36,45 @@ where
         splitter: SseSplitter::new(),
         ready: std::collections::VecDeque::new(),
         done: false,
+        max_event,
+        overflow: Some(overflow),
     }
     .boxed_unsync()
+}
+
+/// Keeps `guard` alive exactly as long as `body`: until the answer is fully sent or
+/// the client is gone.
+pub fn hold<G: Send + Unpin + 'static>(body: ReplyBody, guard: G) -> ReplyBody {
+    Held {
+        inner: body,
+        _guard: guard,
+    }
+    .boxed_unsync()
+}
+
+struct Held<G> {
+    inner: ReplyBody,
+    _guard: G,
+}
+
+impl<G: Send + Unpin + 'static> Body for Held<G> {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 struct SseEvents<B> {
@@ -44,6 +83,10 @@ struct SseEvents<B> {
     /// Complete events not yet handed on (one upstream chunk may hold several).
     ready: std::collections::VecDeque<Bytes>,
     done: bool,
+    /// Largest event buffered while waiting for its end.
+    max_event: usize,
+    /// Sent instead of an event that outgrew `max_event`; taken once.
+    overflow: Option<Bytes>,
 }
 
 impl<B> Body for SseEvents<B>
@@ -81,6 +124,17 @@ where
                     if let Ok(data) = frame.into_data() {
                         let events = self.splitter.push(&data);
                         self.ready.extend(events);
+                        if self.splitter.pending_len() > self.max_event {
+                            tracing::warn!(
+                                max_event = self.max_event,
+                                "upstream SSE event exceeds the limit; ending the stream"
+                            );
+                            self.done = true;
+                            self.splitter.discard_pending();
+                            if let Some(overflow) = self.overflow.take() {
+                                self.ready.push_back(overflow);
+                            }
+                        }
                     }
                 }
             }
@@ -108,7 +162,11 @@ mod tests {
             Ok(Frame::data(Bytes::from_static(b"2\n"))),
             Ok(Frame::data(Bytes::from_static(b"\ndata: 3\n\n"))),
         ];
-        let mut body = sse_events(StreamBody::new(futures_util::stream::iter(chunks)));
+        let mut body = sse_events(
+            StreamBody::new(futures_util::stream::iter(chunks)),
+            usize::MAX,
+            Bytes::new(),
+        );
         let mut frames = Vec::new();
         while let Some(frame) = body.frame().await {
             frames.push(frame.unwrap().into_data().unwrap());
@@ -119,6 +177,32 @@ mod tests {
                 Bytes::from_static(b"data: 1\n\n"),
                 Bytes::from_static(b"data: 2\n\n"),
                 Bytes::from_static(b"data: 3\n\n"),
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn an_event_past_the_limit_ends_the_stream_with_the_overflow_event() {
+        let chunks: Vec<Result<Frame<Bytes>, std::convert::Infallible>> = vec![
+            Ok(Frame::data(Bytes::from_static(b"data: ok\n\n"))),
+            Ok(Frame::data(Bytes::from_static(b"data: 0123456789"))),
+            Ok(Frame::data(Bytes::from_static(b"0123456789 never ends"))),
+            Ok(Frame::data(Bytes::from_static(b"\n\ndata: after\n\n"))),
+        ];
+        let mut body = sse_events(
+            StreamBody::new(futures_util::stream::iter(chunks)),
+            16,
+            Bytes::from_static(b"data: too large\n\n"),
+        );
+        let mut frames = Vec::new();
+        while let Some(frame) = body.frame().await {
+            frames.push(frame.unwrap().into_data().unwrap());
+        }
+        assert_eq!(
+            frames,
+            vec![
+                Bytes::from_static(b"data: ok\n\n"),
+                Bytes::from_static(b"data: too large\n\n"),
             ]
         );
     }

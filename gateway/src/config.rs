@@ -37,6 +37,13 @@ pub struct Config {
     pub mesh: MeshConfig,
     /// `principal:token` lines; without it the gateway runs in public mode.
     pub auth_tokens_file: Option<PathBuf>,
+    /// The admin listener of worker 0 (`/healthz`, `/readyz`, `/state`); worker i
+    /// listens on port + i (port 0: each worker picks a free port and logs it).
+    pub admin_listen: SocketAddr,
+    /// Take the client's address from the last `X-Forwarded-For` entry (set by the
+    /// load balancer in front) instead of the connection's peer. Only behind a proxy
+    /// that sets it: a client could forge it otherwise.
+    pub trust_forwarded_for: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -57,6 +64,22 @@ pub struct Limits {
     pub upstream_request_timeout: Duration,
     /// Live sessions one worker holds at most; past it, initialize gets 503.
     pub max_sessions: usize,
+    /// Sessions one principal (in public mode: one client address) holds at most,
+    /// fleet-wide; past it initialize gets 429. 0: no quota.
+    pub max_sessions_per_principal: usize,
+    /// A session no exchange has used for this long ends (upstream and in the
+    /// directory); a held GET stream or a request in flight keeps it alive.
+    pub session_idle_timeout: Duration,
+    /// Largest upstream SSE event buffered while waiting for its end; past it the
+    /// stream ends with an error event and the session survives.
+    pub max_sse_event_bytes: usize,
+    /// Client connections one worker serves at once; past it new connections get a
+    /// 503 and are closed, existing ones go on.
+    pub max_connections: usize,
+    /// Time for a client to send a whole request body; past it, 408.
+    pub body_timeout: Duration,
+    /// Largest request head (request line and headers); past it, 431.
+    pub max_header_bytes: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -79,6 +102,18 @@ pub struct FleetConfig {
     /// When a session's owner cannot be confirmed, answer ping and the list methods
     /// without the session (from a short-lived upstream session) instead of 503.
     pub stateless_when_unknown: bool,
+    /// How often one worker of the fleet (whichever takes the turn) looks for dead
+    /// workers whose sessions no request touches, and deletes their keys. A dead
+    /// worker's keys are gone within about a lease plus two of these. Unset: the
+    /// lease time, so directory traffic stays time-based and small.
+    pub sweep_interval: Option<Duration>,
+}
+
+impl FleetConfig {
+    /// The sweep interval in effect.
+    pub fn sweep_interval(&self) -> Duration {
+        self.sweep_interval.unwrap_or(self.lease)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
@@ -121,6 +156,12 @@ impl Default for Config {
                 upstream_connect_timeout: Duration::from_secs(5),
                 upstream_request_timeout: Duration::from_secs(60),
                 max_sessions: 100_000,
+                max_sessions_per_principal: 1_000,
+                session_idle_timeout: Duration::from_secs(30 * 60),
+                max_sse_event_bytes: 16 * 1024 * 1024,
+                max_connections: 10_000,
+                body_timeout: Duration::from_secs(30),
+                max_header_bytes: 64 * 1024,
             },
             fleet: FleetConfig {
                 workers: 1,
@@ -131,6 +172,7 @@ impl Default for Config {
                 worker_id: None,
                 gone_status: 404,
                 stateless_when_unknown: false,
+                sweep_interval: None,
             },
             mesh: MeshConfig {
                 listen: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -145,6 +187,8 @@ impl Default for Config {
                 max_in_flight_per_peer: 1024,
             },
             auth_tokens_file: None,
+            admin_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            trust_forwarded_for: false,
         }
     }
 }
@@ -216,6 +260,24 @@ pub struct ServeArgs {
     /// Most live sessions per worker.
     #[arg(long, env = "MCPGW_MAX_SESSIONS")]
     pub max_sessions: Option<usize>,
+    /// Most sessions per principal (public mode: per client address), fleet-wide; 0: no quota.
+    #[arg(long, env = "MCPGW_MAX_SESSIONS_PER_PRINCIPAL")]
+    pub max_sessions_per_principal: Option<usize>,
+    /// A session idle this long (no request, no held stream) ends, in milliseconds.
+    #[arg(long, env = "MCPGW_SESSION_IDLE_TIMEOUT_MS")]
+    pub session_idle_timeout_ms: Option<u64>,
+    /// Client connections per worker; past it new connections get 503.
+    #[arg(long, env = "MCPGW_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// Time for a client to send a whole request body, in milliseconds; then 408.
+    #[arg(long, env = "MCPGW_BODY_TIMEOUT_MS")]
+    pub body_timeout_ms: Option<u64>,
+    /// Admin listener of worker 0 (worker i uses port + i; port 0 picks free ports).
+    #[arg(long, env = "MCPGW_ADMIN_LISTEN")]
+    pub admin_listen: Option<String>,
+    /// Take the client address from X-Forwarded-For (only behind a proxy that sets it).
+    #[arg(long, env = "MCPGW_TRUST_FORWARDED_FOR")]
+    pub trust_forwarded_for: bool,
 }
 
 /// The TOML file's shape: every field optional, defaults fill the rest.
@@ -223,6 +285,7 @@ pub struct ServeArgs {
 #[serde(deny_unknown_fields)]
 struct FileConfig {
     listen: Option<String>,
+    trust_forwarded_for: Option<bool>,
     #[serde(default, rename = "upstream")]
     upstreams: Vec<UpstreamConfig>,
     #[serde(default)]
@@ -233,6 +296,14 @@ struct FileConfig {
     mesh: FileMesh,
     #[serde(default)]
     auth: FileAuth,
+    #[serde(default)]
+    admin: FileAdmin,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileAdmin {
+    listen: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -248,6 +319,12 @@ struct FileLimits {
     upstream_connect_timeout_ms: Option<u64>,
     upstream_request_timeout_ms: Option<u64>,
     max_sessions: Option<usize>,
+    max_sessions_per_principal: Option<usize>,
+    session_idle_timeout_ms: Option<u64>,
+    max_sse_event_bytes: Option<usize>,
+    max_connections: Option<usize>,
+    body_timeout_ms: Option<u64>,
+    max_header_bytes: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -260,6 +337,7 @@ struct FileFleet {
     directory_timeout_ms: Option<u64>,
     gone_status: Option<u16>,
     stateless_when_unknown: Option<bool>,
+    sweep_interval_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -308,6 +386,22 @@ impl Config {
             l.upstream_request_timeout_ms,
         );
         set(&mut self.limits.max_sessions, l.max_sessions);
+        set(
+            &mut self.limits.max_sessions_per_principal,
+            l.max_sessions_per_principal,
+        );
+        set_ms(
+            &mut self.limits.session_idle_timeout,
+            l.session_idle_timeout_ms,
+        );
+        set(&mut self.limits.max_sse_event_bytes, l.max_sse_event_bytes);
+        set(&mut self.limits.max_connections, l.max_connections);
+        set_ms(&mut self.limits.body_timeout, l.body_timeout_ms);
+        set(&mut self.limits.max_header_bytes, l.max_header_bytes);
+        set(&mut self.trust_forwarded_for, file.trust_forwarded_for);
+        if let Some(listen) = file.admin.listen {
+            self.admin_listen = parse_addr("admin.listen", &listen)?;
+        }
         let f = file.fleet;
         set(&mut self.fleet.workers, f.workers);
         if f.redis_url.is_some() {
@@ -321,6 +415,9 @@ impl Config {
             &mut self.fleet.stateless_when_unknown,
             f.stateless_when_unknown,
         );
+        if let Some(ms) = f.sweep_interval_ms {
+            self.fleet.sweep_interval = Some(Duration::from_millis(ms));
+        }
         let m = file.mesh;
         if let Some(listen) = m.listen {
             self.mesh.listen = parse_addr("mesh.listen", &listen)?;
@@ -401,6 +498,22 @@ impl Config {
             a.upstream_timeout_ms,
         );
         set(&mut self.limits.max_sessions, a.max_sessions);
+        set(
+            &mut self.limits.max_sessions_per_principal,
+            a.max_sessions_per_principal,
+        );
+        set_ms(
+            &mut self.limits.session_idle_timeout,
+            a.session_idle_timeout_ms,
+        );
+        set(&mut self.limits.max_connections, a.max_connections);
+        set_ms(&mut self.limits.body_timeout, a.body_timeout_ms);
+        if a.trust_forwarded_for {
+            self.trust_forwarded_for = true;
+        }
+        if let Some(listen) = &a.admin_listen {
+            self.admin_listen = parse_addr("--admin-listen", listen)?;
+        }
         Ok(())
     }
 
@@ -440,6 +553,28 @@ impl Config {
         }
         if self.limits.max_sessions == 0 {
             return Err(invalid("limits.max_sessions", "must be greater than 0"));
+        }
+        for (field, zero) in [
+            (
+                "limits.session_idle_timeout_ms",
+                self.limits.session_idle_timeout.is_zero(),
+            ),
+            ("limits.body_timeout_ms", self.limits.body_timeout.is_zero()),
+            ("limits.max_connections", self.limits.max_connections == 0),
+            (
+                "limits.max_sse_event_bytes",
+                self.limits.max_sse_event_bytes == 0,
+            ),
+        ] {
+            if zero {
+                return Err(invalid(field, "must be greater than 0"));
+            }
+        }
+        if self.limits.max_header_bytes < 8192 {
+            return Err(invalid(
+                "limits.max_header_bytes",
+                "must be at least 8192 (HTTP/1.1 clients send several KiB of headers)",
+            ));
         }
         if self.limits.upstream_request_timeout.is_zero() {
             return Err(invalid(
@@ -487,6 +622,9 @@ impl Config {
         if self.fleet.lease < Duration::from_secs(1) {
             return Err(invalid("fleet.lease_ms", "must be at least 1000"));
         }
+        if self.fleet.sweep_interval() < Duration::from_millis(100) {
+            return Err(invalid("fleet.sweep_interval_ms", "must be at least 100"));
+        }
         if self.mesh.transport == MeshTransport::Redis && self.fleet.redis_url.is_none() {
             return Err(invalid(
                 "mesh.transport",
@@ -519,6 +657,14 @@ impl Config {
                     Some(_) => {}
                 }
             }
+        }
+        if self.mesh.transport == MeshTransport::Redis && self.auth_tokens_file.is_some() {
+            return Err(invalid(
+                "mesh.transport",
+                "the redis mesh transport is a benchmark baseline whose trust boundary is \
+                 Redis itself (any Redis client could forge a forwarded request's identity), \
+                 so it cannot be combined with edge authentication: use quic or tcp",
+            ));
         }
         if let Some(path) = &self.auth_tokens_file {
             crate::auth::Authenticator::from_file(path)

@@ -9,15 +9,20 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use http::StatusCode;
-use mcpgw_mesh::directory::Directory;
+use mcpgw_mesh::directory::{Claim, Directory, DirectoryError, SessionQuota};
 use mcpgw_mesh::transport::MeshClient;
 use parking_lot::RwLock;
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::config::Config;
 use crate::dispatch::table::RETRY_AFTER_SECONDS;
 use crate::lease::LeaseHolder;
 use crate::mcp::GatewayError;
+use crate::session::Session;
+
+/// Dead workers remembered at most; a fleet that loses more within the memory's
+/// lifetime falls back to asking the directory.
+const MAX_REMEMBERED_DEAD: usize = 4096;
 
 pub struct Fleet {
     /// Workers, their mesh addresses, and who owns which session.
@@ -31,6 +36,10 @@ pub struct Fleet {
     pub(crate) probe_mesh: MeshClient,
     /// Mesh addresses of peers by worker id, so steady-state forwarding needs no Redis.
     pub(crate) peers: RwLock<HashMap<String, String>>,
+    /// Workers this worker proved dead, and when: once reclaimed, a dead worker leaves
+    /// no trace in the directory, so later requests for its sessions are answered
+    /// "gone" from here. Bounded (see [`Fleet::remember_dead`]).
+    pub(crate) buried: parking_lot::Mutex<HashMap<String, tokio::time::Instant>>,
     /// Ids of forwarded requests, unique per caller.
     pub(crate) request_ids: AtomicU64,
     pub(crate) config: Arc<Config>,
@@ -50,9 +59,34 @@ impl Fleet {
             mesh,
             probe_mesh,
             peers: RwLock::new(HashMap::new()),
+            buried: parking_lot::Mutex::new(HashMap::new()),
             request_ids: AtomicU64::new(1),
             config,
         }
+    }
+
+    /// Remembers that `owner` was proven dead, for a while (ids are never reused, so
+    /// the memory only needs to outlast the clients that still hold its sessions).
+    pub(crate) fn remember_dead(&self, owner: &str) {
+        let now = tokio::time::Instant::now();
+        let keep = self.config.fleet.lease * 60;
+        let mut buried = self.buried.lock();
+        if buried.len() >= MAX_REMEMBERED_DEAD {
+            buried.retain(|_, at| now.duration_since(*at) < keep);
+            if buried.len() >= MAX_REMEMBERED_DEAD {
+                buried.clear();
+            }
+        }
+        buried.insert(owner.to_owned(), now);
+    }
+
+    /// Whether this worker proved `owner` dead recently.
+    pub(crate) fn known_dead(&self, owner: &str) -> bool {
+        let keep = self.config.fleet.lease * 60;
+        self.buried
+            .lock()
+            .get(owner)
+            .is_some_and(|at| at.elapsed() < keep)
     }
 
     /// The status of "session gone: re-initialize" (404, or 409 when configured).
@@ -60,12 +94,27 @@ impl Fleet {
         StatusCode::from_u16(self.config.fleet.gone_status).unwrap_or(StatusCode::NOT_FOUND)
     }
 
-    /// Records `session_id` as ours. A directory that does not answer means the
-    /// session could not be routed by the fleet, so it is not created.
-    pub async fn claim(&self, session_id: &str, owner: &str) -> Result<(), GatewayError> {
-        match self.directory.claim_session(session_id, owner).await {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(GatewayError::gateway(
+    /// Records `session` as ours, within its quota key's fleet-wide session quota. A
+    /// directory that does not answer means the session could not be routed by the
+    /// fleet, so it is not created.
+    pub async fn claim(&self, session: &Session, owner: &str) -> Result<(), GatewayError> {
+        let quota = self.config.limits.max_sessions_per_principal;
+        let quota = (quota > 0).then_some(SessionQuota {
+            key: &session.quota_key,
+            limit: quota,
+            ttl: self.config.limits.session_idle_timeout * 2,
+        });
+        match self
+            .directory
+            .claim_session(&session.id, owner, quota)
+            .await
+        {
+            Ok(Claim::Claimed) => Ok(()),
+            Ok(Claim::OverQuota) => Err(crate::execute::quota_exceeded(
+                self.config.limits.max_sessions_per_principal,
+                &session.quota_key,
+            )),
+            Ok(Claim::Taken) => Err(GatewayError::gateway(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "session_id_collision",
                 "a freshly minted session id is already claimed: retry initialize",
@@ -73,17 +122,56 @@ impl Fleet {
             Err(e) => Err(GatewayError::gateway(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "directory_unavailable",
-                format!("the fleet directory did not record the new session ({e}); no session was created: retry initialize"),
+                "the fleet directory did not record the new session in time; no session was \
+                 created: retry initialize",
             )
             .with_data(serde_json::json!({"reason": "directory_unavailable", "retryable": true}))
-            .with_retry_after(RETRY_AFTER_SECONDS)),
+            .with_retry_after(RETRY_AFTER_SECONDS)
+            .with_log_detail(e.to_string())),
         }
     }
 
+    /// One sweep, if this worker gets the fleet-wide turn: reclaims the sessions of
+    /// workers whose leases expired and that no request touched since, in batches, so
+    /// Redis holds nothing of a dead worker after a bounded time. Only in a directory
+    /// that has been stable for longer than a lease (after Redis came back empty, live
+    /// owners need that long to register again). Returns the sessions freed.
+    pub async fn sweep(&self, this_worker: &str) -> Result<usize, DirectoryError> {
+        let interval = self.config.fleet.sweep_interval();
+        if !self
+            .directory
+            .take_sweeper_turn(this_worker, interval)
+            .await?
+        {
+            return Ok(0);
+        }
+        let lease = self.config.fleet.lease;
+        let state = self.directory.lease_state(this_worker).await?;
+        if state.generation != self.lease.generation() || state.generation_age <= lease {
+            return Ok(0);
+        }
+        let mut freed = 0;
+        for id in self.directory.reclaim_candidates(lease * 2).await? {
+            if id == this_worker {
+                continue;
+            }
+            if let Some(sids) = self.directory.reclaim_worker(&id, None).await? {
+                info!(worker = %id, sessions = sids.len(), "swept a dead worker's keys");
+                freed += sids.len();
+            }
+        }
+        Ok(freed)
+    }
+
     /// Removes the ownership record of an ended session.
-    pub async fn release(&self, session_id: &str, owner: &str) {
-        if let Err(e) = self.directory.release_session(session_id, owner).await {
-            warn!(session = session_id, error = %e, "could not remove the session's directory record");
+    pub async fn release(&self, session: &Session, owner: &str) {
+        let session_id = session.id.as_str();
+        if let Err(e) = self
+            .directory
+            .release_session(session_id, owner, Some(&session.quota_key))
+            .await
+        {
+            warn!(session = %crate::session::short(session_id), error = %e, "could not remove the session's directory record");
         }
     }
 }

@@ -1,7 +1,10 @@
-//! The public HTTP front: accepts client connections on the shared port, turns each
-//! request into a checked call, and writes the reply (streams relayed as they come).
+//! The public HTTP front: accepts client connections on the shared port (within the
+//! worker's connection cap), turns each request into a checked call (within the head
+//! size, body size and body time limits), and writes the reply (streams relayed as
+//! they come). Every refusal is one log line and a JSON-RPC error body.
 
 use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,8 +16,9 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{Semaphore, watch};
 use tracing::{debug, info, warn};
 
 use crate::body::{self, ReplyBody};
@@ -32,15 +36,20 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let listener = TcpListener::from_std(listener)?;
     let graceful = GracefulShutdown::new();
+    let limits = &worker.config.limits;
     let http = {
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder
             .keep_alive(true)
             .timer(TokioTimer::new())
             // Slow-loris guard: a client must send its headers within this time.
-            .header_read_timeout(Duration::from_secs(30));
+            .header_read_timeout(Duration::from_secs(30))
+            // A larger head gets hyper's own 431.
+            .max_buf_size(limits.max_header_bytes);
         builder
     };
+    let connections = Arc::new(Semaphore::new(limits.max_connections));
+    let mut refusals = RefusalLog::default();
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -54,10 +63,15 @@ pub async fn serve(
                     }
                 };
                 let _ = stream.set_nodelay(true);
+                let Ok(permit) = Arc::clone(&connections).try_acquire_owned() else {
+                    refusals.note(worker.config.limits.max_connections);
+                    tokio::spawn(refuse_connection(stream, worker.config.limits.max_connections));
+                    continue;
+                };
                 let worker = Arc::clone(&worker);
                 let service = service_fn(move |req| {
                     let worker = Arc::clone(&worker);
-                    async move { Ok::<_, Infallible>(handle(worker, req).await) }
+                    async move { Ok::<_, Infallible>(handle(worker, req, peer).await) }
                 });
                 let connection = http.serve_connection(TokioIo::new(stream), service);
                 let connection = graceful.watch(connection);
@@ -65,6 +79,7 @@ pub async fn serve(
                     if let Err(e) = connection.await {
                         debug!(%peer, error = %e, "client connection ended with an error");
                     }
+                    drop(permit);
                 });
             }
             _ = stop.wait_for(Option::is_some) => break,
@@ -84,19 +99,82 @@ pub async fn serve(
     Ok(())
 }
 
-async fn handle(worker: Arc<Worker>, request: Request<Incoming>) -> Response<ReplyBody> {
+/// Past the connection cap: a 503 with a JSON-RPC body, then the connection closes.
+/// What the client sent is read first (briefly), so the answer is not lost to a reset.
+async fn refuse_connection(mut stream: tokio::net::TcpStream, max: usize) {
+    let error = GatewayError::gateway(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "connection_limit",
+        format!(
+            "this worker serves its maximum of {max} connections: retry shortly, reuse \
+             connections, or add workers"
+        ),
+    )
+    .with_data(serde_json::json!({"reason": "connection_limit", "retryable": true}))
+    .with_retry_after(1);
+    let body = error.body();
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         retry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let mut sink = [0u8; 16 * 1024];
+    let _ = tokio::time::timeout(
+        Duration::from_millis(200),
+        tokio::io::AsyncReadExt::read(&mut stream, &mut sink),
+    )
+    .await;
+    let _ = stream.write_all(head.as_bytes()).await;
+    let _ = stream.write_all(&body).await;
+    let _ = stream.shutdown().await;
+}
+
+/// Logs refused connections once per burst, not once per connection: a flood must not
+/// become a flood of log lines.
+#[derive(Default)]
+struct RefusalLog {
+    refused: u64,
+    last_logged: Option<tokio::time::Instant>,
+}
+
+impl RefusalLog {
+    fn note(&mut self, max: usize) {
+        self.refused += 1;
+        let now = tokio::time::Instant::now();
+        if self
+            .last_logged
+            .is_none_or(|at| now.duration_since(at) >= Duration::from_secs(10))
+        {
+            warn!(
+                max_connections = max,
+                refused = self.refused,
+                "connection cap reached: refusing new connections with 503"
+            );
+            self.last_logged = Some(now);
+            self.refused = 0;
+        }
+    }
+}
+
+async fn handle(
+    worker: Arc<Worker>,
+    request: Request<Incoming>,
+    peer: SocketAddr,
+) -> Response<ReplyBody> {
     let (parts, body) = request.into_parts();
     if parts.uri.path() == "/healthz" {
         return health(&worker);
     }
-    let reply = match accept_call(&worker, parts, body).await {
+    let reply = match accept_call(&worker, parts, body, peer).await {
         Ok(reply) => reply,
         Err((error, method, path)) => {
-            // The one log line for a refused request; the client gets the same words.
+            // The one log line for a refused request; the client gets the same words
+            // (and the log, what only operators may see).
+            let detail = error.log_detail.as_deref().unwrap_or("");
             if error.status.is_server_error() {
-                warn!(%method, path, status = error.status.as_u16(), code = error.code, "{}", error.message);
+                warn!(%method, path, status = error.status.as_u16(), code = error.code, detail, "{}", error.message);
             } else {
-                info!(%method, path, status = error.status.as_u16(), code = error.code, "{}", error.message);
+                info!(%method, path, status = error.status.as_u16(), code = error.code, detail, "{}", error.message);
             }
             Reply::from_error(&error)
         }
@@ -112,16 +190,22 @@ type Refusal = (GatewayError, http::Method, String);
 
 /// Authenticates the client, checks the request, reads its body, and dispatches the
 /// call; a refusal carries what the log line needs.
-async fn accept_call(worker: &Arc<Worker>, parts: Parts, body: Incoming) -> Result<Reply, Refusal> {
+async fn accept_call(
+    worker: &Arc<Worker>,
+    parts: Parts,
+    body: Incoming,
+    peer: SocketAddr,
+) -> Result<Reply, Refusal> {
     let path = parts.uri.path().to_owned();
     let refuse = |e: GatewayError| (e, parts.method.clone(), path.clone());
     let auth = worker.auth.authenticate(&parts.headers).map_err(refuse)?;
     let (upstream, era) = request::check_head(&worker.routes, &parts.method, &path, &parts.headers)
         .map_err(refuse)?;
-    let body = read_body(body, &parts, worker.config.limits.max_body_bytes)
+    let limits = &worker.config.limits;
+    let body = read_body(body, &parts, limits.max_body_bytes, limits.body_timeout)
         .await
         .map_err(refuse)?;
-    let call = request::parse_call(
+    let mut call = request::parse_call(
         upstream,
         era,
         parts.method.clone(),
@@ -131,10 +215,36 @@ async fn accept_call(worker: &Arc<Worker>, parts: Parts, body: Incoming) -> Resu
         auth,
     )
     .map_err(refuse)?;
+    call.client = Some(client_addr(
+        peer,
+        &parts.headers,
+        worker.config.trust_forwarded_for,
+    ));
     worker.dispatch(call).await.map_err(refuse)
 }
 
-async fn read_body(body: Incoming, parts: &Parts, max: usize) -> Result<Bytes, GatewayError> {
+/// The client's address: the connection's peer, or, behind a trusted proxy, the last
+/// `X-Forwarded-For` entry (the one the proxy itself appended).
+fn client_addr(peer: SocketAddr, headers: &http::HeaderMap, trust_forwarded_for: bool) -> IpAddr {
+    if !trust_forwarded_for {
+        return peer.ip();
+    }
+    headers
+        .get_all("x-forwarded-for")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|entry| entry.trim().parse::<IpAddr>().ok())
+        .next_back()
+        .unwrap_or(peer.ip())
+}
+
+async fn read_body(
+    body: Incoming,
+    parts: &Parts,
+    max: usize,
+    deadline: Duration,
+) -> Result<Bytes, GatewayError> {
     let too_large = || {
         GatewayError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -150,26 +260,39 @@ async fn read_body(body: Incoming, parts: &Parts, max: usize) -> Result<Bytes, G
     if declared.is_some_and(|len| len > max as u64) {
         return Err(too_large());
     }
-    match Limited::new(body, max).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
-        Err(e) => Err(GatewayError::invalid_request(format!(
+    let read = tokio::time::timeout(deadline, Limited::new(body, max).collect());
+    match read.await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Ok(Err(e)) => Err(GatewayError::invalid_request(format!(
             "could not read the request body: {e}"
         ))),
+        Err(_) => Err(GatewayError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            mcp::code::INVALID_REQUEST,
+            format!(
+                "the request body did not arrive within {}s: send the whole message at once",
+                deadline.as_secs_f64()
+            ),
+        )
+        .with_data(serde_json::json!({"reason": "body_timeout"}))),
     }
 }
 
+/// Liveness for load balancers, and nothing else: details are for operators, on the
+/// admin listener. The worker's id is in the header every answer carries.
 fn health(worker: &Worker) -> Response<ReplyBody> {
-    let body = serde_json::json!({
-        "worker_id": worker.id,
-        "pid": std::process::id(),
-        "sessions": worker.sessions.len(),
-        "draining": worker.draining(),
-    });
+    let (status, state) = if worker.draining() {
+        (StatusCode::SERVICE_UNAVAILABLE, "draining")
+    } else {
+        (StatusCode::OK, "ok")
+    };
+    let body = serde_json::json!({ "status": state });
     let mut response = Response::new(body::full(Bytes::from(body.to_string())));
-    response
-        .headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(HEADER_EDGE_WORKER, worker.id_header.clone());
     response
 }
 

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use mcpgw_mesh::directory::{Directory, DirectoryError, Lease, LeaseRenewal};
+use mcpgw_mesh::directory::{Directory, DirectoryError, Lease, LeaseRenewal, WorkerInfo};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 use tracing::{error, info, warn};
@@ -81,6 +81,8 @@ pub enum LeaseCheck {
 /// This worker's lease and the renewals that keep it.
 pub struct LeaseHolder {
     directory: Directory,
+    /// What this worker published with its lease; published again on a rebuild.
+    info: WorkerInfo,
     /// The registration, replaced when the directory is rebuilt.
     lease: Mutex<Lease>,
     clock: Mutex<LeaseClock>,
@@ -93,9 +95,16 @@ pub struct LeaseHolder {
 
 impl LeaseHolder {
     /// `sent_at`: when the registration that produced `lease` was sent.
-    pub fn new(directory: Directory, lease: Lease, lease_time: Duration, sent_at: Instant) -> Self {
+    pub fn new(
+        directory: Directory,
+        info: WorkerInfo,
+        lease: Lease,
+        lease_time: Duration,
+        sent_at: Instant,
+    ) -> Self {
         LeaseHolder {
             directory,
+            info,
             lease: Mutex::new(lease),
             clock: Mutex::new(LeaseClock::new(lease_time, sent_at)),
             renewing: tokio::sync::Mutex::new(()),
@@ -207,7 +216,7 @@ impl LeaseHolder {
         let sent_at = Instant::now();
         match self
             .directory
-            .register_worker(old.id(), &crate::process::worker_info(), old.addr())
+            .register_worker(old.id(), &self.info, old.addr())
             .await
         {
             Ok(lease) => {

@@ -15,6 +15,7 @@
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
+mod admin;
 mod auth;
 mod body;
 mod certs_cli;

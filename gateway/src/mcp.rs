@@ -290,11 +290,14 @@ pub struct GatewayError {
     pub status: StatusCode,
     pub code: i64,
     pub message: String,
-    pub data: Option<Value>,
+    pub data: Option<Box<Value>>,
     /// Seconds a client should wait before retrying (sent as `Retry-After`).
     pub retry_after: Option<u32>,
     /// The id of the request being answered, once known.
     pub id: Value,
+    /// What the log line may say beyond the client's message (internal addresses,
+    /// Redis errors); never sent to the client.
+    pub log_detail: Option<Box<str>>,
 }
 
 impl GatewayError {
@@ -306,6 +309,7 @@ impl GatewayError {
             data: None,
             retry_after: None,
             id: Value::Null,
+            log_detail: None,
         }
     }
 
@@ -333,12 +337,17 @@ impl GatewayError {
     }
 
     pub fn with_data(mut self, data: Value) -> Self {
-        self.data = Some(data);
+        self.data = Some(Box::new(data));
         self
     }
 
     pub fn with_id(mut self, id: Value) -> Self {
         self.id = id;
+        self
+    }
+
+    pub fn with_log_detail(mut self, detail: impl Into<String>) -> Self {
+        self.log_detail = Some(detail.into().into_boxed_str());
         self
     }
 
@@ -351,7 +360,7 @@ impl GatewayError {
     pub fn body(&self) -> Bytes {
         let mut error = json!({ "code": self.code, "message": self.message });
         if let Some(data) = &self.data {
-            error["data"] = data.clone();
+            error["data"] = (**data).clone();
         }
         let body = json!({ "jsonrpc": "2.0", "id": self.id, "error": error });
         Bytes::from(body.to_string())

@@ -6,8 +6,9 @@ use std::net::SocketAddr;
 
 use tracing::info;
 
-/// Environment variable carrying the resolved configuration to a worker process.
-pub const ENV_WORKER_CONFIG: &str = "MCPGW_WORKER_CONFIG";
+/// Set on a worker process started by a supervisor: its resolved configuration comes
+/// on stdin (never in the environment, where other tools would see the Redis password).
+pub const ENV_WORKER_OF_SUPERVISOR: &str = "MCPGW_WORKER_OF_SUPERVISOR";
 /// The worker's slot (0..N): picks its mesh port.
 pub const ENV_WORKER_INDEX: &str = "MCPGW_WORKER_INDEX";
 /// A fixed worker id for the process (otherwise it generates its own).
@@ -55,9 +56,11 @@ pub fn hostname() -> String {
         .to_owned()
 }
 
-/// What this process publishes about itself with its lease.
-pub fn worker_info() -> mcpgw_mesh::directory::WorkerInfo {
+/// What this process publishes about itself with its lease. `admin`: its admin
+/// listener's address.
+pub fn worker_info(admin: Option<String>) -> mcpgw_mesh::directory::WorkerInfo {
     mcpgw_mesh::directory::WorkerInfo {
+        admin,
         pid: std::process::id(),
         host: hostname(),
         started_unix_ms: std::time::SystemTime::now()
@@ -66,6 +69,12 @@ pub fn worker_info() -> mcpgw_mesh::directory::WorkerInfo {
             .unwrap_or(0),
         version: env!("CARGO_PKG_VERSION").to_owned(),
     }
+}
+
+/// Resolves once the worker's stop signal holds a grace period (see `serve`).
+pub async fn stop_requested(stop: &mut tokio::sync::watch::Receiver<Option<std::time::Duration>>) {
+    // A closed channel means the worker is going away anyway.
+    let _ = stop.wait_for(Option::is_some).await;
 }
 
 /// Resolves when the process is asked to stop (SIGTERM or SIGINT).

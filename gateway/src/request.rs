@@ -85,7 +85,12 @@ pub struct Call {
     pub body: Bytes,
     /// The parsed POST body.
     pub message: Option<Message>,
+    /// Who the edge authenticated; travels with a forwarded call.
     pub auth: AuthContext,
+    /// The client's address as the edge saw it (or as a trusted proxy reported it);
+    /// known only at the edge, where sessions are created. Public mode counts session
+    /// quotas by it.
+    pub client: Option<std::net::IpAddr>,
 }
 
 impl Call {
@@ -99,6 +104,16 @@ impl Call {
 
     pub fn is_initialize(&self) -> bool {
         self.message.as_ref().is_some_and(Message::is_initialize)
+    }
+
+    /// What a new session counts against in the per-principal session quota: the
+    /// principal, or in public mode (no principal) the client's address.
+    pub fn quota_key(&self) -> String {
+        match (&self.auth.principal, self.client) {
+            (principal, _) if !principal.is_empty() => format!("principal:{principal}"),
+            (_, Some(addr)) => format!("addr:{addr}"),
+            (_, None) => "public".to_owned(),
+        }
     }
 }
 
@@ -200,6 +215,7 @@ pub fn parse_call(
         body,
         message,
         auth,
+        client: None,
     })
 }
 

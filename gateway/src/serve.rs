@@ -47,7 +47,9 @@ pub fn run_worker_process() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let slot = (|| {
-        let config = std::env::var(process::ENV_WORKER_CONFIG).ok()?;
+        std::env::var_os(process::ENV_WORKER_OF_SUPERVISOR)?;
+        let mut config = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut config).ok()?;
         let config: Config = serde_json::from_str(&config).ok()?;
         let index = std::env::var(process::ENV_WORKER_INDEX)
             .ok()?
@@ -129,8 +131,16 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
     };
     let worker =
         Worker::new(worker_id, Arc::clone(&config)).map_err(|e| WorkerError::Fatal(e.message))?;
+    let index = slot.as_ref().map_or(0, |slot| slot.index);
+    let admin_addr = offset_addr(config.admin_listen, index)?;
+    let admin = crate::admin::bind(admin_addr).await.map_err(|e| {
+        WorkerError::Fatal(format!("cannot bind the admin listener {admin_addr}: {e}"))
+    })?;
+    let admin_addr = admin
+        .local_addr()
+        .map_err(|e| WorkerError::Failed(format!("cannot read the admin address: {e}")))?;
     let mesh = match &slot {
-        Some(slot) => Some(join_fleet(&worker, &config, slot.index).await?),
+        Some(slot) => Some(join_fleet(&worker, &config, slot.index, admin_addr).await?),
         None => None,
     };
     let listener = process::bind_shared(config.listen)
@@ -153,17 +163,26 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
     let heartbeat = mesh
         .as_ref()
         .map(|_| tokio::spawn(heartbeat(Arc::clone(&worker), stop_rx.clone())));
+    tokio::spawn(expire_idle_sessions(Arc::clone(&worker), stop_rx.clone()));
+    tokio::spawn(crate::admin::serve(
+        Arc::clone(&worker),
+        admin,
+        stop_rx.clone(),
+    ));
+    if mesh.is_some() {
+        tokio::spawn(sweep_dead_workers(Arc::clone(&worker), stop_rx.clone()));
+    }
     match &mesh {
         Some(mesh) => println!(
-            "{} id={} mesh={} pid={}",
+            "{} id={} mesh={} admin={admin_addr} pid={}",
             process::READY_PREFIX,
             worker.id,
             mesh.advertised,
             std::process::id()
         ),
-        None => announce(&config, addr),
+        None => announce(&config, addr, admin_addr),
     }
-    info!(worker = %worker.id, %addr, "worker serving");
+    info!(worker = %worker.id, %addr, admin = %admin_addr, "worker serving");
     front::serve(Arc::clone(&worker), listener, stop_rx)
         .await
         .map_err(|e| WorkerError::Failed(format!("front failed: {e}")))?;
@@ -205,6 +224,38 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
     Ok(())
 }
 
+/// Ends idle sessions until the worker stops, checking a few times per idle timeout.
+async fn expire_idle_sessions(worker: Arc<Worker>, mut stop: watch::Receiver<Option<Duration>>) {
+    let period = (worker.config.limits.session_idle_timeout / 4)
+        .clamp(Duration::from_millis(50), Duration::from_secs(30));
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(period) => {}
+            _ = stop.wait_for(Option::is_some) => return,
+        }
+        let expired = worker.expire_idle_sessions().await;
+        if expired > 0 {
+            info!(worker = %worker.id, expired, "idle sessions ended");
+        }
+    }
+}
+
+/// Takes a turn at sweeping dead workers' keys every sweep interval (one worker of the
+/// fleet sweeps at a time) until the worker stops.
+async fn sweep_dead_workers(worker: Arc<Worker>, mut stop: watch::Receiver<Option<Duration>>) {
+    let Some(fleet) = worker.fleet() else { return };
+    let fleet = Arc::clone(fleet);
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(fleet.config.fleet.sweep_interval()) => {}
+            _ = stop.wait_for(Option::is_some) => return,
+        }
+        if let Err(e) = fleet.sweep(&worker.id).await {
+            warn!(worker = %worker.id, error = %e, "sweeping dead workers failed; the next turn retries");
+        }
+    }
+}
+
 /// Renews the lease every third of its time until the worker stops.
 async fn heartbeat(worker: Arc<Worker>, mut stop: watch::Receiver<Option<Duration>>) {
     let period = worker.config.fleet.lease / 3;
@@ -230,6 +281,7 @@ async fn join_fleet(
     worker: &Arc<Worker>,
     config: &Arc<Config>,
     index: usize,
+    admin_addr: std::net::SocketAddr,
 ) -> Result<MeshMembership, WorkerError> {
     mcpgw_certs::install_crypto_provider();
     let mesh = &config.mesh;
@@ -318,8 +370,9 @@ async fn join_fleet(
     .await
     .map_err(|e| WorkerError::Failed(e.to_string()))?;
     let registered_at = tokio::time::Instant::now();
+    let info = process::worker_info(Some(admin_addr.to_string()));
     let lease = match directory
-        .register_worker(&worker.id, &process::worker_info(), &advertised)
+        .register_worker(&worker.id, &info, &advertised)
         .await
     {
         Ok(lease) => lease,
@@ -328,7 +381,13 @@ async fn join_fleet(
         }
         Err(e) => return Err(WorkerError::Failed(e.to_string())),
     };
-    let lease = LeaseHolder::new(directory.clone(), lease, config.fleet.lease, registered_at);
+    let lease = LeaseHolder::new(
+        directory.clone(),
+        info,
+        lease,
+        config.fleet.lease,
+        registered_at,
+    );
     let (client, probe_client) = match dial {
         Dial::Tls(client_tls) => (
             MeshClient::new(kind, client_tls.clone(), worker.id.clone(), limits.clone())
@@ -356,6 +415,17 @@ async fn join_fleet(
     worker.join(fleet);
     info!(worker = %worker.id, mesh = %advertised, transport = %kind, "joined the fleet");
     Ok(MeshMembership { server, advertised })
+}
+
+/// Worker `index`'s address: the configured port + index (port 0 stays 0: free port).
+fn offset_addr(
+    mut addr: std::net::SocketAddr,
+    index: usize,
+) -> Result<std::net::SocketAddr, WorkerError> {
+    if addr.port() != 0 {
+        addr.set_port(offset_port(addr.port(), index)?);
+    }
+    Ok(addr)
 }
 
 fn offset_port(port: u16, index: usize) -> Result<u16, WorkerError> {
@@ -391,8 +461,8 @@ fn advertise_addr(
 }
 
 /// One stdout line that scripts and tests wait for, then the endpoints.
-fn announce(config: &Config, addr: std::net::SocketAddr) {
-    println!("mcpgw listening on http://{addr}");
+fn announce(config: &Config, addr: std::net::SocketAddr, admin: std::net::SocketAddr) {
+    println!("mcpgw listening on http://{addr} (admin: http://{admin})");
     for upstream in &config.upstreams {
         println!("  /servers/{}/mcp -> {}", upstream.name, upstream.url);
     }

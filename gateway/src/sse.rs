@@ -35,6 +35,17 @@ impl SseSplitter {
         events
     }
 
+    /// Bytes held for an event not yet complete.
+    pub fn pending_len(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Drops the incomplete event (it outgrew its limit).
+    pub fn discard_pending(&mut self) {
+        self.scanned = 0;
+        self.pending.clear();
+    }
+
     /// Whatever is left when the stream ends: an event the upstream never terminated.
     /// Relayed as is, because dropping it would lose a message.
     pub fn finish(&mut self) -> Option<Bytes> {

@@ -16,7 +16,7 @@ use tracing::{error, info, warn};
 
 use crate::config::Config;
 use crate::process::{
-    ENV_WORKER_CONFIG, ENV_WORKER_ID_ASSIGNED, ENV_WORKER_INDEX, EXIT_FATAL, READY_PREFIX,
+    ENV_WORKER_ID_ASSIGNED, ENV_WORKER_INDEX, ENV_WORKER_OF_SUPERVISOR, EXIT_FATAL, READY_PREFIX,
     wait_for_signal,
 };
 
@@ -193,7 +193,7 @@ fn spawn_worker(
     let mut command = Command::new(exe);
     command
         .arg("worker")
-        .env(ENV_WORKER_CONFIG, serialized)
+        .env(ENV_WORKER_OF_SUPERVISOR, "1")
         .env(ENV_WORKER_INDEX, slot.to_string());
     // A fixed id (tests, debugging) is passed on; otherwise each worker names itself
     // after its own pid, so a replacement always gets a new id.
@@ -209,13 +209,23 @@ fn spawn_worker(
         }
     }
     let mut child: Child = command
-        .stdin(Stdio::null())
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .kill_on_drop(false)
         .spawn()?;
     let pid = child.id().unwrap_or(0);
     let stdout = child.stdout.take();
+    // The configuration goes over a pipe the worker reads to its end; the write is
+    // small enough for the pipe buffer, so it never waits on the worker.
+    if let Some(mut stdin) = child.stdin.take() {
+        tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            if let Err(e) = stdin.write_all(serialized.as_bytes()).await {
+                warn!(slot, error = %e, "could not hand the configuration to a worker");
+            }
+        });
+    }
     tokio::spawn(async move {
         let mut ready = false;
         if let Some(stdout) = stdout {

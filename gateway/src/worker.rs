@@ -17,7 +17,7 @@ use crate::fleet::Fleet;
 use crate::lease::LeaseCheck;
 use crate::mcp::GatewayError;
 use crate::request::Routes;
-use crate::session::SessionRegistry;
+use crate::session::{Session, SessionRegistry};
 
 pub struct Worker {
     /// This process's worker id: unique in the fleet, embedded in the session ids it
@@ -112,7 +112,7 @@ impl Worker {
             LeaseCheck::InDoubt => false,
             LeaseCheck::Rebuilt { taken } => {
                 for sid in taken {
-                    warn!(session = %sid, "session now owned elsewhere; dropping it here");
+                    warn!(session = %crate::session::short(&sid), "session now owned elsewhere; dropping it here");
                     self.sessions.remove(&sid);
                 }
                 true
@@ -124,20 +124,36 @@ impl Worker {
         }
     }
 
-    /// Records a freshly minted session as ours in the fleet directory.
-    pub async fn claim_session(&self, session_id: &str) -> Result<(), GatewayError> {
+    /// Records a freshly minted session as ours in the fleet directory, within its
+    /// principal's fleet-wide session quota.
+    pub async fn claim_session(&self, session: &Session) -> Result<(), GatewayError> {
         match self.fleet.get() {
-            Some(fleet) => fleet.claim(session_id, &self.id).await,
+            Some(fleet) => fleet.claim(session, &self.id).await,
             None => Ok(()),
         }
     }
 
+    /// Ends the sessions no exchange has used for the idle timeout, upstream and in
+    /// the directory. Returns how many ended.
+    pub async fn expire_idle_sessions(&self) -> usize {
+        let expired = self
+            .sessions
+            .take_idle(self.config.limits.session_idle_timeout);
+        for session in &expired {
+            if let Some(fleet) = self.fleet.get() {
+                fleet.release(session, &self.id).await;
+            }
+            self.end_upstream_session(session).await;
+        }
+        expired.len()
+    }
+
     /// Drops a session from this worker and from the directory.
     pub async fn forget_session(&self, session_id: &str) {
-        if self.sessions.remove(session_id).is_some()
+        if let Some(session) = self.sessions.remove(session_id)
             && let Some(fleet) = self.fleet.get()
         {
-            fleet.release(session_id, &self.id).await;
+            fleet.release(&session, &self.id).await;
         }
     }
 

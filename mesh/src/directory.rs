@@ -9,8 +9,15 @@
 //! | `{p}worker_addr:{id}` | mesh address `host:port` | same PX |
 //! | `{p}pool_owner:{sid}` | owner worker id | until released or reclaimed |
 //! | `{p}worker_sessions:{id}` | SET of sids the worker owns | until released or reclaimed |
-//! | `{p}worker_reclaimed:{id}` | tombstone: the dead worker was reclaimed | 24 h, or until the id registers again |
-//! | `{p}generation` | random token, created when absent | no TTL |
+//! | `{p}workers` | ZSET of worker ids that hold a lease, scored by their last renewal (ms) | until reclaimed or deregistered |
+//! | `{p}principal_sessions:{sha1}` | SET of sids one principal (or client address) holds, for the session quota | PX twice the idle timeout, from its last new session |
+//! | `{p}sweeper` | worker id of the one worker sweeping dead workers' keys now | PX one sweep interval |
+//! | `{p}generation` | random token `@` creation time (ms), created when absent | no TTL |
+//!
+//! A worker that never held a lease leaves no trace: a forged owner hint costs no
+//! write. A reclaimed worker leaves none either: its id leaves `workers`, which is also
+//! what keeps it from resuming its lease (fencing), and its keys are deleted in
+//! batches, by the worker that proved it dead or by the sweeper.
 //!
 //! Every multi-key change is one Lua script, so it is atomic against other workers.
 //! The scripts touch keys they compute from the prefix (pool_owner keys of a reclaimed
@@ -156,6 +163,10 @@ pub struct WorkerInfo {
     pub started_unix_ms: u64,
     /// mcpgw version, to spot mixed fleets during upgrades.
     pub version: String,
+    /// The worker's admin listener (`host:port`), for operators' tools; absent in
+    /// leases written by versions without one.
+    #[serde(default)]
+    pub admin: Option<String>,
 }
 
 /// The JSON stored in `{p}worker:{id}`.
@@ -216,6 +227,41 @@ impl Lease {
     }
 }
 
+/// What [`Directory::claim_session`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// The session is recorded as the caller's.
+    Claimed,
+    /// Another owner is recorded already (a session id collision).
+    Taken,
+    /// The quota key already holds its limit of sessions; nothing was recorded.
+    OverQuota,
+}
+
+/// A fleet-wide limit on the sessions one principal (or client address) holds.
+#[derive(Debug, Clone, Copy)]
+pub struct SessionQuota<'a> {
+    /// Whose sessions these are; hashed before it becomes part of a key.
+    pub key: &'a str,
+    /// Sessions the key may hold at once.
+    pub limit: usize,
+    /// How long the key's count lives after its last new session (sessions older than
+    /// that have expired by then).
+    pub ttl: Duration,
+}
+
+/// A worker's lease as the directory sees it, with what is needed to judge whether a
+/// missing lease proves death.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseState {
+    /// The lease key exists.
+    pub alive: bool,
+    /// The directory generation now (empty if none exists yet: Redis came back empty).
+    pub generation: String,
+    /// How long that generation has existed.
+    pub generation_age: Duration,
+}
+
 /// Result of a renewal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LeaseRenewal {
@@ -247,11 +293,8 @@ pub struct WorkerEntry {
     pub addr: Option<String>,
 }
 
-/// Tombstone lifetime: long enough that late reclaimers of a dead worker find it, short
-/// enough that the keys of long-gone ids do not pile up.
-const TOMBSTONE: Duration = Duration::from_secs(24 * 3600);
-
-/// Most sids re-claimed per script call, so one call never blocks Redis for long.
+/// Most sids re-claimed or reclaimed per script call, so one call never blocks Redis
+/// for long (a worker may die holding 100,000 sessions).
 const RECLAIM_BATCH: usize = 500;
 
 /// Longest worker or session id accepted as a key part.
@@ -306,85 +349,121 @@ struct Scripts {
     reclaim_after_loss: Script,
     generation: Script,
     resume: Script,
+    lease_state: Script,
 }
 
-/// Get-or-create of the generation token, shared by the scripts that need it.
+/// Redis's clock in milliseconds, and get-or-create of the generation token (which
+/// records when it was created), shared by the scripts that need them.
 const GEN_LUA: &str = r#"
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 local function generation(key, fresh)
   local g = redis.call('GET', key)
   if g then return g end
-  redis.call('SET', key, fresh)
-  return fresh
+  g = fresh .. '@' .. string.format('%d', now_ms())
+  redis.call('SET', key, g)
+  return g
+end
+local function generation_age(g)
+  local since = tonumber(string.match(g, '@(%d+)$') or '0')
+  return now_ms() - since
 end
 "#;
 
 impl Scripts {
     fn new() -> Self {
         Self {
-            // KEYS: worker, addr, tombstone, generation. ARGV: value, addr, px, fresh gen.
+            // KEYS: worker, addr, workers, generation. ARGV: value, addr, px, fresh gen, id.
             // Returns the generation, or false if the id is held.
             register: Script::new(&format!(
                 r#"{GEN_LUA}
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[3]) then return false end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
-redis.call('DEL', KEYS[3])
+redis.call('ZADD', KEYS[3], now_ms(), ARGV[5])
 return generation(KEYS[4], ARGV[4])
 "#
             )),
-            // KEYS: worker, addr, generation. ARGV: value, px, addr, lease generation.
-            // 1 renewed, 0 lost, 2 directory lost.
-            renew: Script::new(
-                r#"
+            // KEYS: worker, addr, generation, workers. ARGV: value, px, addr, lease
+            // generation, id. 1 renewed, 0 lost, 2 directory lost.
+            renew: Script::new(&format!(
+                r#"{GEN_LUA}
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+  redis.call('ZADD', KEYS[4], now_ms(), ARGV[5])
   return 1
 end
 if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('GET', KEYS[3]) ~= ARGV[4] then
   return 2
 end
 return 0
-"#,
-            ),
-            // KEYS: worker, addr, tombstone, generation. ARGV: value, addr, px, lease
-            // generation. 1 resumed, 0 lost (reclaimed or taken), 2 directory lost.
-            resume: Script::new(
-                r#"
+"#
+            )),
+            // KEYS: worker, addr, workers, generation. ARGV: value, addr, px, lease
+            // generation, id. 1 resumed, 0 lost (reclaimed or taken), 2 directory lost.
+            // A reclaimed worker is no longer in `workers`: it can never resume.
+            resume: Script::new(&format!(
+                r#"{GEN_LUA}
 if redis.call('GET', KEYS[4]) ~= ARGV[4] then return 2 end
-if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+if not redis.call('ZSCORE', KEYS[3], ARGV[5]) then return 0 end
 local cur = redis.call('GET', KEYS[1])
 if cur and cur ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+redis.call('ZADD', KEYS[3], now_ms(), ARGV[5])
 return 1
-"#,
-            ),
-            // KEYS: worker, addr. ARGV: value.
+"#
+            )),
+            // KEYS: worker, addr, workers. ARGV: value, id.
             deregister: Script::new(
                 r#"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1], KEYS[2])
+  redis.call('ZREM', KEYS[3], ARGV[2])
   return 1
 end
 return 0
 "#,
             ),
-            // KEYS: pool_owner, worker_sessions, worker. ARGV: owner, sid.
-            // 1 claimed, 0 owned already, -1 owner has no lease.
+            // KEYS: pool_owner, worker_sessions, worker.
+            // ARGV: owner, sid, quota limit ('0': none), quota key, quota ttl px,
+            // key prefix. 1 claimed, 0 owned already, -1 owner has no lease, -2 the
+            // quota key holds its limit. Quota sets are cleaned lazily: a member whose
+            // session record is gone (ended, reclaimed) no longer counts.
             claim: Script::new(
                 r#"
 if redis.call('EXISTS', KEYS[3]) == 0 then return -1 end
+local limit = tonumber(ARGV[3])
+local quota_set = ARGV[6] .. 'principal_sessions:' .. redis.sha1hex(ARGV[4])
+if limit > 0 and redis.call('SCARD', quota_set) >= limit then
+  for _, sid in ipairs(redis.call('SMEMBERS', quota_set)) do
+    if redis.call('EXISTS', ARGV[6] .. 'pool_owner:' .. sid) == 0 then
+      redis.call('SREM', quota_set, sid)
+    end
+  end
+  if redis.call('SCARD', quota_set) >= limit then return -2 end
+end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX') then
   redis.call('SADD', KEYS[2], ARGV[2])
+  if limit > 0 then
+    redis.call('SADD', quota_set, ARGV[2])
+    redis.call('PEXPIRE', quota_set, ARGV[5])
+  end
   return 1
 end
 return 0
 "#,
             ),
-            // KEYS: pool_owner, worker_sessions. ARGV: owner, sid.
+            // KEYS: pool_owner, worker_sessions. ARGV: owner, sid, quota key or '', key
+            // prefix.
             release: Script::new(
                 r#"
 redis.call('SREM', KEYS[2], ARGV[2])
+if ARGV[3] ~= '' then
+  redis.call('SREM', ARGV[4] .. 'principal_sessions:' .. redis.sha1hex(ARGV[3]), ARGV[2])
+end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
   return 1
@@ -392,9 +471,12 @@ end
 return 0
 "#,
             ),
-            // KEYS: worker, addr, worker_sessions, tombstone.
-            // ARGV: dead id, stale token or '', pool_owner key prefix, tombstone px.
-            // Returns the freed sids, or false (lease alive / already reclaimed).
+            // KEYS: worker, addr, worker_sessions, workers.
+            // ARGV: dead id, stale token or '', pool_owner key prefix, batch size.
+            // false: nothing may be done (lease alive, or nothing known of this id: a
+            // forged id costs no write). Else {won, remaining, freed sids...}: `won` is
+            // 1 for the one call that proved the death first; later calls (the sweeper,
+            // a reclaimer's next batches) free the rest, `remaining` at a time.
             reclaim: Script::new(
                 r#"
 local lease = redis.call('GET', KEYS[1])
@@ -404,20 +486,31 @@ if lease then
   if not ok or type(decoded) ~= 'table' or decoded.token ~= ARGV[2] then return false end
   redis.call('DEL', KEYS[1])
 end
-if not redis.call('SET', KEYS[4], '1', 'NX', 'PX', ARGV[4]) then return false end
+local won = redis.call('ZREM', KEYS[4], ARGV[1])
+if won == 0 and redis.call('EXISTS', KEYS[3]) == 0 then return false end
 redis.call('DEL', KEYS[2])
-local freed = {}
-for _, sid in ipairs(redis.call('SMEMBERS', KEYS[3])) do
+local out = {won, 0}
+for _, sid in ipairs(redis.call('SPOP', KEYS[3], tonumber(ARGV[4]))) do
   local k = ARGV[3] .. sid
   if redis.call('GET', k) == ARGV[1] then
     redis.call('DEL', k)
-    freed[#freed + 1] = sid
+    out[#out + 1] = sid
   end
 end
-redis.call('DEL', KEYS[3])
-return freed
+out[2] = redis.call('SCARD', KEYS[3])
+return out
 "#,
             ),
+            // KEYS: worker, generation. Returns {lease alive 0/1, generation or '',
+            // generation age ms}.
+            lease_state: Script::new(&format!(
+                r#"{GEN_LUA}
+local alive = redis.call('EXISTS', KEYS[1])
+local g = redis.call('GET', KEYS[2])
+if not g then return {{alive, '', 0}} end
+return {{alive, g, generation_age(g)}}
+"#
+            )),
             // KEYS: worker, worker_sessions. ARGV: owner, pool_owner key prefix, sids...
             // Returns the sids another worker owns now, or -1 if the owner has no lease.
             reclaim_after_loss: Script::new(
@@ -521,12 +614,13 @@ impl Directory {
                 s.register
                     .key(self.key_worker(id))
                     .key(self.key_addr(id))
-                    .key(self.key_tombstone(id))
+                    .key(self.key_workers())
                     .key(self.key_generation())
                     .arg(value_ref)
                     .arg(mesh_addr)
                     .arg(self.lease_px())
                     .arg(fresh_ref)
+                    .arg(id)
                     .invoke_async(&mut c)
                     .await
             })
@@ -554,10 +648,12 @@ impl Directory {
                     .key(self.key_worker(&lease.id))
                     .key(self.key_addr(&lease.id))
                     .key(self.key_generation())
+                    .key(self.key_workers())
                     .arg(&lease.value)
                     .arg(self.lease_px())
                     .arg(&lease.addr)
                     .arg(&lease.generation)
+                    .arg(&lease.id)
                     .invoke_async(&mut c)
                     .await
             })
@@ -572,7 +668,8 @@ impl Directory {
     }
 
     /// Takes the lease back after it expired in Redis while nobody declared this worker
-    /// dead: no reclaim tombstone, no other holder, same directory generation. A lease
+    /// dead: still in the registry of lease holders (a reclaim removes it), no other
+    /// holder, same directory generation. A lease
     /// expires in Redis when Redis stalls longer than the lease (paused, overloaded);
     /// the owner stopped acting at its own deadline meanwhile, so resuming is safe as
     /// long as no other worker acted on the expiry. `Lost` means one did: fence.
@@ -583,12 +680,13 @@ impl Directory {
                 s.resume
                     .key(self.key_worker(&lease.id))
                     .key(self.key_addr(&lease.id))
-                    .key(self.key_tombstone(&lease.id))
+                    .key(self.key_workers())
                     .key(self.key_generation())
                     .arg(&lease.value)
                     .arg(&lease.addr)
                     .arg(self.lease_px())
                     .arg(&lease.generation)
+                    .arg(&lease.id)
                     .invoke_async(&mut c)
                     .await
             })
@@ -633,7 +731,9 @@ impl Directory {
                 s.deregister
                     .key(self.key_worker(&lease.id))
                     .key(self.key_addr(&lease.id))
+                    .key(self.key_workers())
                     .arg(&lease.value)
+                    .arg(&lease.id)
                     .invoke_async(&mut c)
                     .await
             })
@@ -728,11 +828,20 @@ impl Directory {
     }
 
     /// Records `owner_id` as the owner of new session `sid` (`SET NX`) and adds it to the
-    /// owner's session set. `Ok(false)` if the session already has an owner;
-    /// [`DirectoryError::NotRegistered`] if `owner_id` holds no lease.
-    pub async fn claim_session(&self, sid: &str, owner_id: &str) -> Result<bool, DirectoryError> {
+    /// owner's session set, within `quota` if one is given. [`DirectoryError::NotRegistered`]
+    /// if `owner_id` holds no lease.
+    pub async fn claim_session(
+        &self,
+        sid: &str,
+        owner_id: &str,
+        quota: Option<SessionQuota<'_>>,
+    ) -> Result<Claim, DirectoryError> {
         check_name("session id", sid)?;
         check_name("worker id", owner_id)?;
+        let (limit, key, ttl) = match &quota {
+            Some(q) => (q.limit, q.key, duration_px(q.ttl)),
+            None => (0, "", 0),
+        };
         let n: i64 = self
             .run("claim_session", |mut c, s| async move {
                 s.claim
@@ -741,16 +850,21 @@ impl Directory {
                     .key(self.key_worker(owner_id))
                     .arg(owner_id)
                     .arg(sid)
+                    .arg(limit)
+                    .arg(key)
+                    .arg(ttl)
+                    .arg(&self.inner.cfg.prefix)
                     .invoke_async(&mut c)
                     .await
             })
             .await?;
         match n {
-            1 => Ok(true),
+            1 => Ok(Claim::Claimed),
             -1 => Err(DirectoryError::NotRegistered {
                 id: owner_id.to_owned(),
             }),
-            _ => Ok(false),
+            -2 => Ok(Claim::OverQuota),
+            _ => Ok(Claim::Taken),
         }
     }
 
@@ -771,8 +885,14 @@ impl Directory {
     }
 
     /// Ends `owner_id`'s ownership of `sid`: deletes the owner key only if it still names
-    /// `owner_id`. Returns whether it did.
-    pub async fn release_session(&self, sid: &str, owner_id: &str) -> Result<bool, DirectoryError> {
+    /// `owner_id`, and takes the session off its quota key's count. Returns whether it
+    /// did delete the owner key.
+    pub async fn release_session(
+        &self,
+        sid: &str,
+        owner_id: &str,
+        quota_key: Option<&str>,
+    ) -> Result<bool, DirectoryError> {
         check_name("session id", sid)?;
         check_name("worker id", owner_id)?;
         let n: i64 = self
@@ -782,6 +902,8 @@ impl Directory {
                     .key(self.key_sessions(owner_id))
                     .arg(owner_id)
                     .arg(sid)
+                    .arg(quota_key.unwrap_or(""))
+                    .arg(&self.inner.cfg.prefix)
                     .invoke_async(&mut c)
                     .await
             })
@@ -805,14 +927,16 @@ impl Directory {
     }
 
     /// Frees the sessions of a dead worker: deletes the owner keys that still name it and
-    /// its session set, and returns the freed sids.
+    /// its session set, and returns the freed sids. Runs in batches of
+    /// [`RECLAIM_BATCH`] sessions, one script call each, so Redis never blocks for long.
     ///
     /// Acts only on proof of death: the worker's lease key is absent (expired), or still
     /// holds `stale_token` (the caller proved by other means, e.g. its mesh address
     /// answers as another worker, that this registration is dead; the lease is then
     /// deleted too, so the old holder finds it lost at its next renewal). Exactly one of
     /// many racing reclaimers gets `Some`; the rest, and any call while the lease is
-    /// alive, get `None`.
+    /// alive, get `None` (a later caller still finishes what an interrupted one left).
+    /// An id that never held a lease costs no write.
     pub async fn reclaim_worker(
         &self,
         dead_id: &str,
@@ -820,28 +944,162 @@ impl Directory {
     ) -> Result<Option<Vec<String>>, DirectoryError> {
         check_name("worker id", dead_id)?;
         let pool_owner_prefix = self.key_pool_owner("");
-        let freed: Option<Vec<String>> = self
-            .run("reclaim_worker", |mut c, s| {
-                let pool_owner_prefix = pool_owner_prefix.clone();
-                async move {
-                    s.reclaim
-                        .key(self.key_worker(dead_id))
-                        .key(self.key_addr(dead_id))
-                        .key(self.key_sessions(dead_id))
-                        .key(self.key_tombstone(dead_id))
-                        .arg(dead_id)
-                        .arg(stale_token.unwrap_or(""))
-                        .arg(pool_owner_prefix)
-                        .arg(duration_px(TOMBSTONE))
-                        .invoke_async(&mut c)
-                        .await
+        let mut won = None;
+        let mut freed = Vec::new();
+        loop {
+            let batch: Option<Vec<redis::Value>> = self
+                .run("reclaim_worker", |mut c, s| {
+                    let pool_owner_prefix = pool_owner_prefix.clone();
+                    async move {
+                        s.reclaim
+                            .key(self.key_worker(dead_id))
+                            .key(self.key_addr(dead_id))
+                            .key(self.key_sessions(dead_id))
+                            .key(self.key_workers())
+                            .arg(dead_id)
+                            .arg(stale_token.unwrap_or(""))
+                            .arg(pool_owner_prefix)
+                            .arg(RECLAIM_BATCH)
+                            .invoke_async(&mut c)
+                            .await
+                    }
+                })
+                .await?;
+            let Some(batch) = batch else { break };
+            let mut values = batch.into_iter();
+            let mut int = |what| match values.next() {
+                Some(redis::Value::Int(n)) => Ok(n),
+                other => Err(DirectoryError::Rejected {
+                    url: self.inner.url.clone(),
+                    op: "reclaim_worker",
+                    detail: format!("unexpected {what} in the script's answer: {other:?}"),
+                }),
+            };
+            let first = int("won flag")?;
+            let remaining = int("remaining count")?;
+            won.get_or_insert(first == 1);
+            for value in values {
+                if let Ok(sid) = redis::from_redis_value::<String>(value) {
+                    freed.push(sid);
                 }
+            }
+            if remaining == 0 {
+                break;
+            }
+        }
+        Ok(match won {
+            Some(true) => {
+                freed.sort();
+                Some(freed)
+            }
+            _ => None,
+        })
+    }
+
+    /// Whether `id`'s lease is alive, and the directory generation with its age: a
+    /// missing lease proves death only in a directory that has been stable for longer
+    /// than one lease (after Redis came back empty, a live worker needs that long to
+    /// register again).
+    pub async fn lease_state(&self, id: &str) -> Result<LeaseState, DirectoryError> {
+        check_name("worker id", id)?;
+        let (alive, generation, age_ms): (i64, String, i64) = self
+            .run("lease_state", |mut c, s| async move {
+                s.lease_state
+                    .key(self.key_worker(id))
+                    .key(self.key_generation())
+                    .invoke_async(&mut c)
+                    .await
             })
             .await?;
-        Ok(freed.map(|mut sids| {
-            sids.sort();
-            sids
-        }))
+        Ok(LeaseState {
+            alive: alive == 1,
+            generation,
+            generation_age: Duration::from_millis(u64::try_from(age_ms).unwrap_or(0)),
+        })
+    }
+
+    /// Takes the fleet-wide sweeper turn for `period` if nobody holds it: one worker
+    /// sweeps at a time.
+    pub async fn take_sweeper_turn(
+        &self,
+        worker_id: &str,
+        period: Duration,
+    ) -> Result<bool, DirectoryError> {
+        let taken: Option<String> = self
+            .run("take_sweeper_turn", |mut c, _| async move {
+                redis::cmd("SET")
+                    .arg(self.key_sweeper())
+                    .arg(worker_id)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(duration_px(period))
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(taken.is_some())
+    }
+
+    /// Ids that may belong to dead workers: those with a session set (found with SCAN,
+    /// in batches) and those registered as lease holders whose last renewal is older
+    /// than `stale_after`. Whether each is dead is [`reclaim_worker`](Self::reclaim_worker)'s
+    /// to decide, atomically.
+    pub async fn reclaim_candidates(
+        &self,
+        stale_after: Duration,
+    ) -> Result<Vec<String>, DirectoryError> {
+        let sessions_prefix = self.key_sessions("");
+        let pattern = format!("{}*", glob_escape(&sessions_prefix));
+        let mut ids = std::collections::BTreeSet::new();
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, keys): (u64, Vec<String>) = self
+                .run("reclaim_candidates (SCAN)", |mut c, _| {
+                    let pattern = pattern.clone();
+                    async move {
+                        redis::cmd("SCAN")
+                            .arg(cursor)
+                            .arg("MATCH")
+                            .arg(pattern)
+                            .arg("COUNT")
+                            .arg(RECLAIM_BATCH)
+                            .query_async(&mut c)
+                            .await
+                    }
+                })
+                .await?;
+            ids.extend(
+                keys.iter()
+                    .filter_map(|k| k.strip_prefix(&sessions_prefix))
+                    .map(str::to_owned),
+            );
+            cursor = next;
+            if cursor == 0 {
+                break;
+            }
+        }
+        let (now_s, now_us): (u64, u64) = self
+            .run("reclaim_candidates (TIME)", |mut c, _| async move {
+                redis::cmd("TIME").query_async(&mut c).await
+            })
+            .await?;
+        let now_ms = now_s * 1000 + now_us / 1000;
+        let stale_before = now_ms.saturating_sub(duration_px(stale_after));
+        let stale: Vec<String> = self
+            .run("reclaim_candidates (ZRANGE)", |mut c, _| async move {
+                redis::cmd("ZRANGEBYSCORE")
+                    .arg(self.key_workers())
+                    .arg("-inf")
+                    .arg(format!("({stale_before}"))
+                    .arg("LIMIT")
+                    .arg(0)
+                    .arg(RECLAIM_BATCH)
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        ids.extend(stale);
+        Ok(ids.into_iter().collect())
     }
 
     /// The directory generation token, created if absent. A worker remembers it; if a
@@ -1024,8 +1282,12 @@ impl Directory {
         format!("{}worker_sessions:{id}", self.inner.cfg.prefix)
     }
 
-    fn key_tombstone(&self, id: &str) -> String {
-        format!("{}worker_reclaimed:{id}", self.inner.cfg.prefix)
+    fn key_workers(&self) -> String {
+        format!("{}workers", self.inner.cfg.prefix)
+    }
+
+    fn key_sweeper(&self) -> String {
+        format!("{}sweeper", self.inner.cfg.prefix)
     }
 
     fn key_pool_owner(&self, sid: &str) -> String {

@@ -4,7 +4,9 @@
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
-use mcpgw_mesh::directory::{Directory, DirectoryConfig, DirectoryError, LeaseRenewal, WorkerInfo};
+use mcpgw_mesh::directory::{
+    Claim, Directory, DirectoryConfig, DirectoryError, LeaseRenewal, SessionQuota, WorkerInfo,
+};
 
 #[path = "common/redis_server.rs"]
 #[allow(dead_code)]
@@ -31,6 +33,7 @@ fn info() -> WorkerInfo {
         host: "test-host".into(),
         started_unix_ms: 1,
         version: "0.1.0".into(),
+        admin: None,
     }
 }
 
@@ -138,15 +141,24 @@ async fn claiming_a_session_is_first_come_and_needs_a_lease() {
     dir.register_worker("a", &info(), "a:1").await.unwrap();
     dir.register_worker("b", &info(), "b:1").await.unwrap();
 
-    assert!(dir.claim_session("s1", "a").await.unwrap());
-    assert!(!dir.claim_session("s1", "b").await.unwrap());
-    assert!(!dir.claim_session("s1", "a").await.unwrap());
+    assert_eq!(
+        dir.claim_session("s1", "a", None).await.unwrap(),
+        Claim::Claimed
+    );
+    assert_eq!(
+        dir.claim_session("s1", "b", None).await.unwrap(),
+        Claim::Taken
+    );
+    assert_eq!(
+        dir.claim_session("s1", "a", None).await.unwrap(),
+        Claim::Taken
+    );
     assert_eq!(dir.session_owner("s1").await.unwrap().as_deref(), Some("a"));
     assert_eq!(dir.session_owner("s2").await.unwrap(), None);
     assert_eq!(dir.worker_sessions("a").await.unwrap(), ["s1"]);
     assert!(dir.worker_sessions("b").await.unwrap().is_empty());
 
-    let err = dir.claim_session("s3", "ghost").await.unwrap_err();
+    let err = dir.claim_session("s3", "ghost", None).await.unwrap_err();
     assert!(
         matches!(err, DirectoryError::NotRegistered { .. }),
         "{err:?}"
@@ -154,7 +166,7 @@ async fn claiming_a_session_is_first_come_and_needs_a_lease() {
     assert_eq!(dir.session_owner("s3").await.unwrap(), None);
 
     assert!(matches!(
-        dir.claim_session("bad id", "a").await,
+        dir.claim_session("bad id", "a", None).await,
         Err(DirectoryError::InvalidName { .. })
     ));
     assert_eq!(dir.session_owner("bad id").await.unwrap(), None);
@@ -165,15 +177,18 @@ async fn release_deletes_only_its_own_ownership() {
     let server = RedisServer::start();
     let dir = directory(&server, LONG).await;
     dir.register_worker("a", &info(), "a:1").await.unwrap();
-    assert!(dir.claim_session("s1", "a").await.unwrap());
+    assert_eq!(
+        dir.claim_session("s1", "a", None).await.unwrap(),
+        Claim::Claimed
+    );
 
-    assert!(!dir.release_session("s1", "b").await.unwrap());
+    assert!(!dir.release_session("s1", "b", None).await.unwrap());
     assert_eq!(dir.session_owner("s1").await.unwrap().as_deref(), Some("a"));
 
-    assert!(dir.release_session("s1", "a").await.unwrap());
+    assert!(dir.release_session("s1", "a", None).await.unwrap());
     assert_eq!(dir.session_owner("s1").await.unwrap(), None);
     assert!(dir.worker_sessions("a").await.unwrap().is_empty());
-    assert!(!dir.release_session("s1", "a").await.unwrap());
+    assert!(!dir.release_session("s1", "a", None).await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -187,9 +202,15 @@ async fn a_dead_worker_is_reclaimed_exactly_once() {
         .await
         .unwrap();
     for sid in ["s1", "s2", "s3"] {
-        assert!(dir.claim_session(sid, "dead").await.unwrap());
+        assert_eq!(
+            dir.claim_session(sid, "dead", None).await.unwrap(),
+            Claim::Claimed
+        );
     }
-    assert!(other.claim_session("s4", "alive").await.unwrap());
+    assert_eq!(
+        other.claim_session("s4", "alive", None).await.unwrap(),
+        Claim::Claimed
+    );
     // s3 changed hands behind the dead worker's back (its set still lists it): the
     // reclaim must leave it alone.
     let mut raw = server.conn().await;
@@ -243,7 +264,10 @@ async fn reclaim_is_refused_while_the_lease_is_alive_unless_its_token_is_proven_
     let server = RedisServer::start();
     let dir = directory(&server, LONG).await;
     let lease = dir.register_worker("w", &info(), "a:1").await.unwrap();
-    assert!(dir.claim_session("s1", "w").await.unwrap());
+    assert_eq!(
+        dir.claim_session("s1", "w", None).await.unwrap(),
+        Claim::Claimed
+    );
 
     assert_eq!(dir.reclaim_worker("w", None).await.unwrap(), None);
     assert_eq!(
@@ -268,7 +292,7 @@ async fn reclaim_is_refused_while_the_lease_is_alive_unless_its_token_is_proven_
     assert_eq!(dir.worker_addr("w").await.unwrap(), None);
     assert_eq!(dir.renew_lease(&lease).await.unwrap(), LeaseRenewal::Lost);
     assert!(matches!(
-        dir.claim_session("s2", "w").await,
+        dir.claim_session("s2", "w", None).await,
         Err(DirectoryError::NotRegistered { .. })
     ));
 }
@@ -288,7 +312,7 @@ async fn a_frozen_redis_gives_unavailable_within_the_deadline() {
         ),
         (
             "claim_session",
-            timed(op_timeout, dir.claim_session("s1", "w"))
+            timed(op_timeout, dir.claim_session("s1", "w", None))
                 .await
                 .map(drop),
         ),
@@ -363,7 +387,10 @@ async fn a_flushed_directory_is_noticed_and_rebuilt_by_the_owners() {
     let lease = dir.register_worker("w", &info(), "a:1").await.unwrap();
     assert_eq!(lease.generation(), g1);
     for sid in ["s1", "s2"] {
-        assert!(dir.claim_session(sid, "w").await.unwrap());
+        assert_eq!(
+            dir.claim_session(sid, "w", None).await.unwrap(),
+            Claim::Claimed
+        );
     }
 
     let mut raw = server.conn().await;
@@ -379,7 +406,10 @@ async fn a_flushed_directory_is_noticed_and_rebuilt_by_the_owners() {
     // Another worker created s2 meanwhile (only possible if ids collide; it shows the
     // owner learns which sessions it must drop).
     dir.register_worker("x", &info(), "b:1").await.unwrap();
-    assert!(dir.claim_session("s2", "x").await.unwrap());
+    assert_eq!(
+        dir.claim_session("s2", "x", None).await.unwrap(),
+        Claim::Claimed
+    );
 
     let again = dir.register_worker("w", &info(), "a:1").await.unwrap();
     assert_eq!(again.generation(), g2);
@@ -474,4 +504,197 @@ async fn a_wrong_password_is_rejected_without_echoing_it() {
     };
     let dir = Directory::connect(ok).await.unwrap();
     dir.generation().await.unwrap();
+}
+
+/// What a lease running out in Redis does, without waiting for it: claiming many
+/// sessions takes longer than a short lease on a busy machine.
+async fn expire_lease(server: &RedisServer, id: &str) {
+    let mut raw = server.conn().await;
+    let _: i64 = redis::cmd("DEL")
+        .arg(format!("t*st:worker:{id}"))
+        .arg(format!("t*st:worker_addr:{id}"))
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+}
+
+async fn key_count(server: &RedisServer) -> i64 {
+    let mut raw = server.conn().await;
+    redis::cmd("DBSIZE").query_async(&mut raw).await.unwrap()
+}
+
+#[tokio::test]
+async fn reclaiming_an_id_that_never_held_a_lease_writes_nothing() {
+    let server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    dir.register_worker("w", &info(), "a:1").await.unwrap();
+    let before = key_count(&server).await;
+    for n in 0..50 {
+        let forged = format!("made-up-{n}");
+        assert_eq!(dir.reclaim_worker(&forged, None).await.unwrap(), None);
+    }
+    assert_eq!(
+        key_count(&server).await,
+        before,
+        "a forged id left keys behind"
+    );
+}
+
+#[tokio::test]
+async fn a_large_dead_worker_is_reclaimed_in_batches_and_leaves_no_key() {
+    let server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    let other = directory(&server, LONG).await;
+    dir.register_worker("big", &info(), "a:1").await.unwrap();
+    other
+        .register_worker("alive", &info(), "b:1")
+        .await
+        .unwrap();
+    let baseline = key_count(&server).await;
+    // More than two batches of the script's 500.
+    let sids: Vec<String> = (0..1_234).map(|n| format!("s{n}")).collect();
+    for sid in &sids {
+        assert_eq!(
+            dir.claim_session(sid, "big", None).await.unwrap(),
+            Claim::Claimed
+        );
+    }
+    expire_lease(&server, "big").await;
+    let freed = other.reclaim_worker("big", None).await.unwrap().unwrap();
+    assert_eq!(freed.len(), sids.len());
+    assert_eq!(other.session_owner("s999").await.unwrap(), None);
+    // Only the live worker's lease and address, the registry and the generation stay.
+    let mut raw = server.conn().await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*big*")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(keys.is_empty(), "keys of the dead worker remain: {keys:?}");
+    assert!(key_count(&server).await <= baseline);
+    // Reclaimed: its registration can never be resumed (fencing).
+    assert_eq!(other.reclaim_worker("big", None).await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn a_reclaim_interrupted_after_the_first_batch_is_finished_by_the_next_caller() {
+    let server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    dir.register_worker("big", &info(), "a:1").await.unwrap();
+    for n in 0..700 {
+        dir.claim_session(&format!("s{n}"), "big", None)
+            .await
+            .unwrap();
+    }
+    expire_lease(&server, "big").await;
+    // The first reclaimer's own batches: simulate one that died after proving the
+    // death, by removing the worker from the registry by hand.
+    let mut raw = server.conn().await;
+    let _: i64 = redis::cmd("ZREM")
+        .arg("t*st:workers")
+        .arg("big")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    // A later caller (the sweeper) is not the winner, but it frees what is left.
+    assert_eq!(dir.reclaim_worker("big", None).await.unwrap(), None);
+    assert!(dir.worker_sessions("big").await.unwrap().is_empty());
+    assert_eq!(dir.session_owner("s5").await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn the_session_quota_counts_fleet_wide_and_frees_with_release() {
+    let server = RedisServer::start();
+    let a = directory(&server, LONG).await;
+    let b = directory(&server, LONG).await;
+    a.register_worker("a", &info(), "a:1").await.unwrap();
+    b.register_worker("b", &info(), "b:1").await.unwrap();
+    let quota = |key| {
+        Some(SessionQuota {
+            key,
+            limit: 2,
+            ttl: Duration::from_secs(60),
+        })
+    };
+    assert_eq!(
+        a.claim_session("s1", "a", quota("alice")).await.unwrap(),
+        Claim::Claimed
+    );
+    assert_eq!(
+        b.claim_session("s2", "b", quota("alice")).await.unwrap(),
+        Claim::Claimed
+    );
+    assert_eq!(
+        a.claim_session("s3", "a", quota("alice")).await.unwrap(),
+        Claim::OverQuota
+    );
+    assert_eq!(
+        a.session_owner("s3").await.unwrap(),
+        None,
+        "nothing recorded"
+    );
+    // Another principal is unaffected.
+    assert_eq!(
+        a.claim_session("s4", "a", quota("bob")).await.unwrap(),
+        Claim::Claimed
+    );
+    // Releasing one frees a slot.
+    assert!(b.release_session("s2", "b", Some("alice")).await.unwrap());
+    assert_eq!(
+        a.claim_session("s3", "a", quota("alice")).await.unwrap(),
+        Claim::Claimed
+    );
+    // A session whose record vanished (reclaimed with its dead owner) stops counting.
+    let mut raw = server.conn().await;
+    let _: i64 = redis::cmd("DEL")
+        .arg("t*st:pool_owner:s1")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(
+        a.claim_session("s5", "a", quota("alice")).await.unwrap(),
+        Claim::Claimed
+    );
+    // The principal's name is never part of a key.
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*alice*")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(keys.is_empty(), "{keys:?}");
+}
+
+#[tokio::test]
+async fn lease_state_tells_a_young_directory_from_a_stable_one() {
+    let server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    let lease = dir.register_worker("w", &info(), "a:1").await.unwrap();
+    let state = dir.lease_state("w").await.unwrap();
+    assert!(state.alive);
+    assert_eq!(state.generation, lease.generation());
+    assert!(state.generation_age < Duration::from_secs(30), "{state:?}");
+    let gone = dir.lease_state("nobody").await.unwrap();
+    assert!(!gone.alive);
+    // Redis loses everything: no generation until someone registers again.
+    let mut raw = server.conn().await;
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut raw).await.unwrap();
+    let empty = dir.lease_state("w").await.unwrap();
+    assert!(!empty.alive);
+    assert_eq!(empty.generation, "");
+}
+
+#[tokio::test]
+async fn one_sweeper_at_a_time_and_candidates_include_silent_set_holders() {
+    let server = RedisServer::start();
+    let dir = directory(&server, SHORT).await;
+    let period = Duration::from_secs(30);
+    assert!(dir.take_sweeper_turn("w1", period).await.unwrap());
+    assert!(!dir.take_sweeper_turn("w2", period).await.unwrap());
+    dir.register_worker("dead", &info(), "a:1").await.unwrap();
+    dir.claim_session("s1", "dead", None).await.unwrap();
+    let candidates = dir
+        .reclaim_candidates(Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(candidates, ["dead"]);
 }

@@ -37,7 +37,7 @@ impl Worker {
         let held = |worker: &Worker| {
             call.session_id
                 .as_deref()
-                .and_then(|id| worker.sessions.get(id))
+                .and_then(|id| worker.sessions.enter(id))
         };
         let mut local = held(self);
         if local.is_some() && !self.lease_valid() && !self.renew_lease(true).await {
@@ -58,7 +58,11 @@ impl Worker {
                 .forward_to_owner(&self.id, &call)
                 .await
                 .map_err(|unanswered| {
-                    self.refuse(&unanswered.situation, &unanswered.why, call.id())
+                    let error = self.refuse(&unanswered.situation, &unanswered.why, call.id());
+                    match unanswered.detail.is_empty() {
+                        true => error,
+                        false => error.with_log_detail(unanswered.detail),
+                    }
                 }),
             (Decision::Forward, None) => Err(GatewayError::session_not_found().with_id(call.id())),
             (Decision::Refuse(_), _) => Err(self.refuse(&situation, LEASE_IN_DOUBT_WHY, call.id())),

@@ -12,8 +12,11 @@
 //! directory answers, mesh errors) and act on the verdicts, so every row is tested
 //! below without a socket.
 
+use std::time::Duration;
+
 use http::StatusCode;
 use mcpgw_mesh::MeshError;
+use mcpgw_mesh::directory::LeaseState;
 use mcpgw_wire::ErrorKind;
 use serde_json::json;
 
@@ -218,6 +221,32 @@ pub fn situation(known: &Known) -> Situation {
 /// *unknown*, never *absent*).
 pub type Lookup<T> = Result<T, String>;
 
+/// What an owner's lease in the directory proves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseProof {
+    /// Its lease is alive: it may be slow, not dead.
+    Alive,
+    /// Its lease expired in a directory that has been stable for longer than one
+    /// lease (same generation this worker registered under): proof of death.
+    Expired,
+    /// Its lease is missing, but the directory was lost recently (Redis came back
+    /// empty) and a live owner may still be registering again: nothing is proven.
+    Unproven,
+}
+
+/// Judges a lease lookup. `ours`: the generation this worker registered under;
+/// `lease`: the lease time, which is how long an owner may take to register again
+/// after the directory was lost.
+pub fn judge_lease(state: &LeaseState, ours: &str, lease: Duration) -> LeaseProof {
+    if state.alive {
+        LeaseProof::Alive
+    } else if state.generation == ours && state.generation_age > lease {
+        LeaseProof::Expired
+    } else {
+        LeaseProof::Unproven
+    }
+}
+
 /// What a failed forward shows on its face, read off the mesh error alone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FailureSign {
@@ -282,11 +311,11 @@ impl Verdict {
 pub async fn after_failure(
     sign: FailureSign,
     via_pubsub: bool,
-    lease_alive: impl AsyncFnOnce() -> Lookup<bool>,
+    lease: impl AsyncFnOnce() -> Lookup<LeaseProof>,
     session_record: impl AsyncFnOnce() -> Lookup<Option<String>>,
 ) -> Verdict {
     match sign {
-        FailureSign::PeerGone if via_pubsub && !matches!(lease_alive().await, Ok(false)) => {
+        FailureSign::PeerGone if via_pubsub && lease().await != Ok(LeaseProof::Expired) => {
             Verdict::answer(Situation::Unknown)
         }
         FailureSign::PeerGone => Verdict::Answer {
@@ -329,14 +358,14 @@ pub enum ProbeSign {
 pub async fn liveness(
     probe: ProbeSign,
     refusal_proves: bool,
-    lease_alive: impl AsyncFnOnce() -> Lookup<bool>,
+    lease: impl AsyncFnOnce() -> Lookup<LeaseProof>,
 ) -> Liveness {
     match probe {
         ProbeSign::Answered => Liveness::Alive,
         ProbeSign::Refused(why) if refusal_proves => Liveness::Dead(why),
-        ProbeSign::Refused(_) | ProbeSign::Silent => match lease_alive().await {
-            Ok(false) => Liveness::Dead("its lease expired".into()),
-            Ok(true) | Err(_) => Liveness::Unknown,
+        ProbeSign::Refused(_) | ProbeSign::Silent => match lease().await {
+            Ok(LeaseProof::Expired) => Liveness::Dead("its lease expired".into()),
+            Ok(LeaseProof::Alive | LeaseProof::Unproven) | Err(_) => Liveness::Unknown,
         },
     }
 }
@@ -366,15 +395,18 @@ pub async fn after_loss(
 }
 
 /// The directory has no mesh address for the owner: its lease expired (proof of
-/// death), unless the directory itself was lost and is being rebuilt (then nothing is
-/// known), or the directory cannot be read.
-pub fn without_address(our_generation: &str, current: Lookup<String>) -> Verdict {
-    match current {
-        Ok(current) if current == our_generation => Verdict::Answer {
+/// death), unless the directory itself was lost recently and is being rebuilt (then
+/// nothing is known), or the directory cannot be read. A lease that is alive again
+/// (the address key lapsed a moment before a renewal) is not proof either.
+pub fn without_address(lease: Lookup<LeaseProof>) -> Verdict {
+    match lease {
+        Ok(LeaseProof::Expired) => Verdict::Answer {
             situation: Situation::OwnerGone,
             bury: true,
         },
-        Ok(_) | Err(_) => Verdict::answer(Situation::Unknown),
+        Ok(LeaseProof::Alive | LeaseProof::Unproven) | Err(_) => {
+            Verdict::answer(Situation::Unknown)
+        }
     }
 }
 
@@ -594,45 +626,47 @@ mod tests {
     #[tokio::test]
     async fn what_a_failed_forward_proves() {
         use FailureSign::*;
-        // (sign, via pub/sub, owner's lease alive, session record) → verdict
+        use LeaseProof::{Alive, Expired, Unproven};
+        // (sign, via pub/sub, owner's lease, session record) → verdict
         type Row = (
             FailureSign,
             bool,
-            Lookup<bool>,
+            Lookup<LeaseProof>,
             Lookup<Option<String>>,
             Verdict,
         );
         let rows: Vec<Row> = vec![
-            (PeerGone, false, Ok(true), Ok(None), gone(true)),
-            // Over pub/sub a refusal proves death only with the lease gone.
-            (PeerGone, true, Ok(false), Ok(None), gone(true)),
-            (PeerGone, true, Ok(true), Ok(None), unknown()),
+            (PeerGone, false, Ok(Alive), Ok(None), gone(true)),
+            // Over pub/sub a refusal proves death only with the lease provably gone.
+            (PeerGone, true, Ok(Expired), Ok(None), gone(true)),
+            (PeerGone, true, Ok(Alive), Ok(None), unknown()),
+            (PeerGone, true, Ok(Unproven), Ok(None), unknown()),
             (PeerGone, true, Err("timeout".into()), Ok(None), unknown()),
-            (NotOwner, false, Ok(true), Ok(None), Verdict::AskDirectory),
+            (NotOwner, false, Ok(Alive), Ok(None), Verdict::AskDirectory),
             (
                 OwnerDraining,
                 false,
-                Ok(true),
+                Ok(Alive),
                 Ok(None),
                 Verdict::answer(Situation::NoSuchSession),
             ),
             (
                 OwnerDraining,
                 false,
-                Ok(true),
+                Ok(Alive),
                 Ok(Some("w1".into())),
                 unknown(),
             ),
             (
                 OwnerDraining,
                 false,
-                Ok(true),
+                Ok(Alive),
                 Err("timeout".into()),
                 unknown(),
             ),
-            (OwnerBusy, false, Ok(true), Ok(None), unknown()),
-            (MayHaveRun, false, Ok(true), Ok(None), Verdict::Probe),
-            (NotSent, false, Ok(false), Ok(None), unknown()),
+            (OwnerBusy, false, Ok(Alive), Ok(None), unknown()),
+            (MayHaveRun, false, Ok(Alive), Ok(None), Verdict::Probe),
+            (NotSent, false, Ok(Expired), Ok(None), unknown()),
         ];
         for (sign, pubsub, lease, record, expected) in rows {
             let verdict = after_failure(
@@ -655,38 +689,41 @@ mod tests {
 
     #[tokio::test]
     async fn liveness_from_a_probe_and_the_lease() {
-        let rows: Vec<(ProbeSign, bool, Lookup<bool>, Liveness)> = vec![
-            (ProbeSign::Answered, true, Ok(false), Liveness::Alive),
+        use LeaseProof::{Alive, Expired, Unproven};
+        let rows: Vec<(ProbeSign, bool, Lookup<LeaseProof>, Liveness)> = vec![
+            (ProbeSign::Answered, true, Ok(Expired), Liveness::Alive),
             (
                 ProbeSign::Refused("refused".into()),
                 true,
-                Ok(true),
+                Ok(Alive),
                 Liveness::Dead("refused".into()),
             ),
             // Over pub/sub a refusal is not proof; the lease decides.
             (
                 ProbeSign::Refused("no subscriber".into()),
                 false,
-                Ok(true),
+                Ok(Alive),
                 Liveness::Unknown,
             ),
             (
                 ProbeSign::Refused("no subscriber".into()),
                 false,
-                Ok(false),
+                Ok(Expired),
                 Liveness::Dead("its lease expired".into()),
             ),
-            (ProbeSign::Silent, true, Ok(true), Liveness::Unknown),
+            (ProbeSign::Silent, true, Ok(Alive), Liveness::Unknown),
             (
                 ProbeSign::Silent,
                 true,
                 Err("timeout".into()),
                 Liveness::Unknown,
             ),
+            // A directory just rebuilt proves nothing by a missing lease.
+            (ProbeSign::Silent, true, Ok(Unproven), Liveness::Unknown),
             (
                 ProbeSign::Silent,
                 true,
-                Ok(false),
+                Ok(Expired),
                 Liveness::Dead("its lease expired".into()),
             ),
         ];
@@ -722,10 +759,33 @@ mod tests {
 
     #[test]
     fn an_owner_without_an_address() {
-        assert_eq!(without_address("g1", Ok("g1".into())), gone(true));
+        assert_eq!(without_address(Ok(LeaseProof::Expired)), gone(true));
         // Redis came back empty: the owner may be re-registering.
-        assert_eq!(without_address("g1", Ok("g2".into())), unknown());
-        assert_eq!(without_address("g1", Err("timeout".into())), unknown());
+        assert_eq!(without_address(Ok(LeaseProof::Unproven)), unknown());
+        assert_eq!(without_address(Ok(LeaseProof::Alive)), unknown());
+        assert_eq!(without_address(Err("timeout".into())), unknown());
+    }
+
+    #[test]
+    fn a_missing_lease_proves_death_only_in_a_stable_directory() {
+        let lease = Duration::from_secs(10);
+        let state = |alive, generation: &str, age_s| LeaseState {
+            alive,
+            generation: generation.into(),
+            generation_age: Duration::from_secs(age_s),
+        };
+        let rows = [
+            (state(true, "g1", 100), LeaseProof::Alive),
+            (state(false, "g1", 100), LeaseProof::Expired),
+            // Same generation, but younger than one lease: owners may be re-registering.
+            (state(false, "g1", 5), LeaseProof::Unproven),
+            // Redis came back empty after this worker registered.
+            (state(false, "g2", 100), LeaseProof::Unproven),
+            (state(false, "", 0), LeaseProof::Unproven),
+        ];
+        for (state, proof) in rows {
+            assert_eq!(judge_lease(&state, "g1", lease), proof, "{state:?}");
+        }
     }
 
     #[test]

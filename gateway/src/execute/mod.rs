@@ -15,7 +15,7 @@ use crate::body;
 use crate::mcp::{self, Era, GatewayError};
 use crate::reply::{HEADER_OWNER_WORKER, Reply};
 use crate::request::Call;
-use crate::session::{self, Session};
+use crate::session::{self, Session, SessionUse};
 use crate::worker::Worker;
 use upstream::{UpstreamError, UpstreamReply, UpstreamRequest};
 
@@ -29,7 +29,7 @@ impl Worker {
     pub async fn execute_local(
         self: &Arc<Self>,
         call: Call,
-        session: Option<Arc<Session>>,
+        session: Option<SessionUse>,
     ) -> Result<Reply, GatewayError> {
         let mut reply = match (call.era, session) {
             (Era::Modern, _) => self.pass_through(call).await,
@@ -49,15 +49,16 @@ impl Worker {
         let reply = self
             .send_upstream(call.upstream, call.method, call.headers, call.body, None)
             .await
-            .map_err(|e| upstream_error(e, id))?;
-        Ok(relay(reply, None))
+            .map_err(|e| upstream_error(e, id.clone()))?;
+        Ok(self.relay(reply, None, &id))
     }
 
     /// Legacy `initialize`: opens this client's own upstream session, then mints the
     /// client-facing id and registers ownership.
     async fn open_session(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
         let id = call.id();
-        self.admit_new_session()
+        let quota_key = call.quota_key();
+        self.admit_new_session(&quota_key)
             .map_err(|e| e.with_id(id.clone()))?;
         let upstream_index = call.upstream;
         let reply = self
@@ -66,7 +67,7 @@ impl Worker {
             .map_err(|e| upstream_error(e, id.clone()))?;
         if !reply.status.is_success() {
             // The upstream refused initialize: its answer is the truth for the client.
-            return Ok(relay(reply, None));
+            return Ok(self.relay(reply, None, &id));
         }
         let upstream_session_id = reply.headers.get(mcp::HEADER_SESSION_ID).cloned();
         let session_id = session::mint_session_id(&self.id).map_err(|e| {
@@ -77,19 +78,20 @@ impl Worker {
             )
             .with_id(id.clone())
         })?;
-        let session = Session {
-            id: session_id.clone(),
-            upstream: upstream_index,
+        let session = Session::new(
+            session_id.clone(),
+            upstream_index,
             upstream_session_id,
-            principal: call.auth.principal.clone(),
-        };
-        if let Err(error) = self.claim_session(&session_id).await {
+            call.auth.principal.clone(),
+            quota_key,
+        );
+        if let Err(error) = self.claim_session(&session).await {
             // Never hand out a session the fleet cannot route to: end it upstream.
             self.end_upstream_session(&session).await;
             return Err(error.with_id(id));
         }
         self.sessions.insert(session);
-        debug!(session = %session_id, upstream = self.upstreams[upstream_index].name(), "session opened");
+        debug!(session = %session::short(&session_id), upstream = self.upstreams[upstream_index].name(), "session opened");
         let header = HeaderValue::from_str(&session_id).map_err(|_| {
             GatewayError::gateway(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -97,10 +99,10 @@ impl Worker {
                 "minted session id is not a valid header value",
             )
         })?;
-        Ok(relay(reply, Some(header)))
+        Ok(self.relay(reply, Some(header), &id))
     }
 
-    fn admit_new_session(&self) -> Result<(), GatewayError> {
+    fn admit_new_session(&self, quota_key: &str) -> Result<(), GatewayError> {
         if self.draining() {
             return Err(GatewayError::gateway(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -118,14 +120,16 @@ impl Worker {
             )
             .with_retry_after(1));
         }
+        // Standalone, this worker's count is the whole count; in a fleet the directory
+        // keeps the fleet-wide one when the session is claimed.
+        let quota = self.config.limits.max_sessions_per_principal;
+        if self.fleet().is_none() && quota > 0 && self.sessions.count_for(quota_key) >= quota {
+            return Err(quota_exceeded(quota, quota_key));
+        }
         Ok(())
     }
 
-    async fn run_in_session(
-        &self,
-        call: Call,
-        session: Arc<Session>,
-    ) -> Result<Reply, GatewayError> {
+    async fn run_in_session(&self, call: Call, session: SessionUse) -> Result<Reply, GatewayError> {
         let id = call.id();
         if session.principal != call.auth.principal {
             // Another principal learns nothing about the session, not even that it exists.
@@ -147,11 +151,15 @@ impl Worker {
             .map_err(|e| upstream_error(e, id.clone()))?;
         if reply.status == StatusCode::NOT_FOUND && session.upstream_session_id.is_some() {
             // The upstream forgot its session (restart, expiry): ours is gone with it.
-            warn!(session = %session.id, "upstream no longer knows the session; ending it");
+            warn!(session = %session::short(&session.id), "upstream no longer knows the session; ending it");
             self.forget_session(&session.id).await;
             return Err(GatewayError::session_not_found().with_id(id));
         }
-        Ok(relay(reply, None))
+        let mut reply = self.relay(reply, None, &id);
+        // The session stays in use until its answer is fully sent: a held GET stream
+        // keeps it from expiring.
+        reply.body = body::hold(reply.body, session);
+        Ok(reply)
     }
 
     /// Ends a session here and upstream (client DELETE, drain).
@@ -160,7 +168,7 @@ impl Worker {
         self.end_upstream_session(session).await;
     }
 
-    async fn end_upstream_session(&self, session: &Session) {
+    pub(crate) async fn end_upstream_session(&self, session: &Session) {
         let Some(upstream_id) = session.upstream_session_id.clone() else {
             return;
         };
@@ -177,9 +185,11 @@ impl Worker {
             .await
         {
             Ok(reply) => {
-                debug!(session = %session.id, status = %reply.status, "upstream session ended")
+                debug!(session = %session::short(&session.id), status = %reply.status, "upstream session ended")
             }
-            Err(e) => debug!(session = %session.id, error = %e, "upstream session end failed"),
+            Err(e) => {
+                debug!(session = %session::short(&session.id), error = %e, "upstream session end failed")
+            }
         }
     }
 
@@ -209,35 +219,89 @@ impl Worker {
     }
 }
 
-/// Builds the client's reply from the upstream's: status and content type pass through,
-/// the upstream's session id is replaced by ours, SSE is re-chunked per event.
-fn relay(reply: UpstreamReply, session_header: Option<HeaderValue>) -> Reply {
-    let mut headers = HeaderMap::new();
-    let is_sse = reply
-        .headers
-        .get(CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"));
-    if let Some(content_type) = reply.headers.get(CONTENT_TYPE) {
-        headers.insert(CONTENT_TYPE, content_type.clone());
-    }
-    if let Some(session) = session_header {
-        headers.insert(mcp::HEADER_SESSION_ID, session);
-    }
-    let body = if is_sse {
-        headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-        // Tells nginx-style proxies in front of the gateway not to buffer the stream.
-        headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
-        body::sse_events(reply.body)
-    } else {
-        reply.body
-    };
-    Reply {
-        status: reply.status,
-        headers,
-        body,
+impl Worker {
+    /// Builds the client's reply from the upstream's: status and content type pass
+    /// through, the upstream's session id is replaced by ours, SSE is re-chunked per
+    /// event (an event past the configured size ends the stream with an error event
+    /// for request `id`; the session survives).
+    pub(crate) fn relay(
+        &self,
+        reply: UpstreamReply,
+        session_header: Option<HeaderValue>,
+        id: &serde_json::Value,
+    ) -> Reply {
+        let mut headers = HeaderMap::new();
+        let is_sse = reply
+            .headers
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        if let Some(content_type) = reply.headers.get(CONTENT_TYPE) {
+            headers.insert(CONTENT_TYPE, content_type.clone());
+        }
+        if let Some(session) = session_header {
+            headers.insert(mcp::HEADER_SESSION_ID, session);
+        }
+        let body = if is_sse {
+            headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+            // Tells nginx-style proxies in front of the gateway not to buffer the stream.
+            headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+            let max = self.config.limits.max_sse_event_bytes;
+            body::sse_events(reply.body, max, sse_overflow_event(max, id))
+        } else {
+            reply.body
+        };
+        Reply {
+            status: reply.status,
+            headers,
+            body,
+        }
     }
 }
+
+/// The event sent in place of an upstream event larger than `max` bytes.
+fn sse_overflow_event(max: usize, id: &serde_json::Value) -> bytes::Bytes {
+    let error = GatewayError::gateway(
+        StatusCode::BAD_GATEWAY,
+        "upstream_event_too_large",
+        format!(
+            "the upstream sent an event larger than the gateway's {max}-byte limit; \
+             the stream was ended (the session is intact): ask for less, or raise \
+             max_sse_event_bytes"
+        ),
+    )
+    .with_id(id.clone());
+    let mut event = b"event: message\ndata: ".to_vec();
+    event.extend_from_slice(&error.body());
+    event.extend_from_slice(b"\n\n");
+    bytes::Bytes::from(event)
+}
+
+/// 429 for a principal (or client address) at its session quota.
+pub(crate) fn quota_exceeded(quota: usize, quota_key: &str) -> GatewayError {
+    let scope = if quota_key.starts_with("addr:") {
+        "client_address"
+    } else {
+        "principal"
+    };
+    GatewayError::gateway(
+        StatusCode::TOO_MANY_REQUESTS,
+        "session_quota",
+        format!(
+            "this {} already holds its maximum of {quota} sessions: end sessions you no \
+             longer use (DELETE), or wait for idle ones to expire",
+            scope.replace('_', " ")
+        ),
+    )
+    .with_data(serde_json::json!({
+        "reason": "session_quota", "scope": scope, "limit": quota, "retryable": true,
+    }))
+    .with_retry_after(QUOTA_RETRY_AFTER_SECONDS)
+}
+
+/// Seconds a client at its session quota should wait: sessions free up as clients end
+/// them or as idle ones expire, not within a second.
+const QUOTA_RETRY_AFTER_SECONDS: u32 = 30;
 
 pub(crate) fn upstream_error(error: UpstreamError, id: serde_json::Value) -> GatewayError {
     let (status, reason) = error.status_and_reason();

@@ -18,7 +18,7 @@ use tracing::{debug, info, warn};
 
 use crate::body::{BoxError, ReplyBody};
 use crate::dispatch::table::{
-    self, AfterNotOwner, FailureSign, Liveness, Lookup, ProbeSign, Situation, Verdict,
+    self, AfterNotOwner, LeaseProof, Liveness, Lookup, ProbeSign, Situation, Verdict,
 };
 use crate::fleet::Fleet;
 use crate::mcp;
@@ -30,11 +30,13 @@ use crate::session;
 /// between probes while the owner's fate is unknown.
 const SUSPECT_AFTER: Duration = Duration::from_secs(1);
 
-/// Why a forward produced no reply: the situation the client is answered from, and
-/// the specific cause for the message.
+/// Why a forward produced no reply: the situation the client is answered from, the
+/// cause in words fit for the client (no internal addresses), and the full detail for
+/// the log line.
 pub struct Unanswered {
     pub situation: Situation,
     pub why: String,
+    pub detail: String,
 }
 
 /// What one attempt to forward to one owner ended in.
@@ -45,11 +47,50 @@ enum Attempt {
     NotOwner,
 }
 
-fn refused(situation: Situation, why: impl Into<String>) -> Attempt {
+fn refused(situation: Situation, why: impl Into<String>, detail: impl Into<String>) -> Attempt {
     Attempt::Refused(Unanswered {
         situation,
         why: why.into(),
+        detail: detail.into(),
     })
+}
+
+fn unanswered(situation: Situation, why: &str) -> Unanswered {
+    Unanswered {
+        situation,
+        why: why.to_owned(),
+        detail: String::new(),
+    }
+}
+
+/// What a mesh error means, in words fit for a client: never an address.
+fn describe(error: &MeshError) -> &'static str {
+    use mcpgw_wire::ErrorKind as K;
+    match error {
+        MeshError::Refused { .. } => "its mesh address refused the connection",
+        MeshError::WrongWorker { .. } => "another worker answers at its mesh address",
+        MeshError::ConnectTimeout { .. } => "it did not accept a mesh connection in time",
+        MeshError::Connect { .. } => "the mesh connection to it failed",
+        MeshError::Tls { .. } => "the mesh TLS handshake with it failed",
+        MeshError::VersionMismatch { .. } => "it speaks another mesh protocol version",
+        MeshError::RequestTooLarge(_) => "the request does not fit in one mesh frame",
+        MeshError::Saturated { .. } => "every mesh stream to it stayed busy",
+        MeshError::Remote(frame) => match frame.kind {
+            K::NotOwner => "it does not hold the session",
+            K::Draining => "it is draining or cannot confirm its lease",
+            K::Busy => "it has no room for more requests right now",
+            K::DeadlineExceeded => "it did not answer within the deadline",
+            K::Cancelled => "the request was cancelled",
+            K::Internal => "it failed while answering",
+            K::VersionMismatch | K::Malformed | K::TooLarge => "it refused the mesh frame",
+        },
+        MeshError::LostMidResponse(_) => {
+            "the connection to it broke before the answer was complete"
+        }
+        MeshError::DeadlineExceeded => "it did not answer within the deadline",
+        MeshError::Protocol(_) => "it broke the mesh protocol",
+        _ => "the mesh could not carry the request",
+    }
 }
 
 impl Fleet {
@@ -61,21 +102,17 @@ impl Fleet {
         call: &Call,
     ) -> Result<Reply, Unanswered> {
         let Some(session_id) = call.session_id.as_deref() else {
-            return Err(Unanswered {
-                situation: Situation::NoSuchSession,
-                why: "no session id".into(),
-            });
+            return Err(unanswered(Situation::NoSuchSession, "no session id"));
         };
         let owner = table::owner_from(session::owner_hint(session_id), this_worker, async || {
             self.session_record(session_id).await
         })
         .await
-        .map_err(|situation| Unanswered {
-            situation,
-            why: match situation {
-                Situation::Unknown => "the directory could not be read".into(),
-                _ => "no owner recorded".into(),
-            },
+        .map_err(|situation| match situation {
+            Situation::Unknown => {
+                unanswered(situation, "the fleet directory did not answer in time")
+            }
+            _ => unanswered(situation, "no owner recorded"),
         })?;
         match self.forward_to(&owner, call, session_id).await {
             Attempt::Answered(reply) => Ok(reply),
@@ -88,36 +125,58 @@ impl Fleet {
                         match self.forward_to(&recorded, call, session_id).await {
                             Attempt::Answered(reply) => Ok(reply),
                             Attempt::Refused(unanswered) => Err(unanswered),
-                            Attempt::NotOwner => Err(Unanswered {
-                                situation: Situation::OwnerGone,
-                                why: "the recorded owner no longer holds it".into(),
-                            }),
+                            Attempt::NotOwner => Err(unanswered(
+                                Situation::OwnerGone,
+                                "the recorded owner no longer holds it",
+                            )),
                         }
                     }
-                    AfterNotOwner::Answer(situation) => Err(Unanswered {
-                        situation,
-                        why: "its owner no longer holds it".into(),
-                    }),
+                    AfterNotOwner::Answer(situation) => {
+                        Err(unanswered(situation, "its owner no longer holds it"))
+                    }
                 }
             }
         }
     }
 
     async fn forward_to(&self, owner: &str, call: &Call, session: &str) -> Attempt {
+        if self.known_dead(owner) {
+            return refused(
+                Situation::OwnerGone,
+                format!("worker {owner} was found dead"),
+                String::new(),
+            );
+        }
         let addr = match self.peer_addr(owner).await {
             Ok(Some(addr)) => addr,
             Ok(None) => {
-                let ours = self.lease.generation();
-                let current = self.directory.generation().await.map_err(|e| e.to_string());
-                let why = match &current {
-                    Ok(current) if *current == ours => format!("worker {owner}'s lease expired"),
-                    Ok(_) => "the directory was lost and is being rebuilt".to_owned(),
-                    Err(e) => e.clone(),
+                let lease = self.lease_proof(owner).await;
+                let (why, detail) = match &lease {
+                    Ok(LeaseProof::Expired) => {
+                        (format!("worker {owner}'s lease expired"), String::new())
+                    }
+                    Ok(LeaseProof::Alive) => {
+                        ("its mesh address is being renewed".into(), String::new())
+                    }
+                    Ok(LeaseProof::Unproven) => (
+                        "the directory was lost and is being rebuilt".into(),
+                        String::new(),
+                    ),
+                    Err(e) => (
+                        "the fleet directory did not answer in time".into(),
+                        e.clone(),
+                    ),
                 };
-                let verdict = table::without_address(&ours, current);
-                return self.act(verdict, owner, "", why).await;
+                let verdict = table::without_address(lease);
+                return self.act(verdict, owner, "", why, detail).await;
             }
-            Err(e) => return refused(Situation::Unknown, e.to_string()),
+            Err(e) => {
+                return refused(
+                    Situation::Unknown,
+                    "the fleet directory did not answer in time",
+                    e.to_string(),
+                );
+            }
         };
         let request_id = self.request_ids.fetch_add(1, Ordering::Relaxed);
         let frame = to_frame(call, request_id, self.config.mesh.forward_timeout);
@@ -146,7 +205,7 @@ impl Fleet {
                                     &Liveness::Dead(why.clone()),
                                     async || self.session_record(session).await,
                                 ).await;
-                                return self.act(verdict, owner, &addr, why).await;
+                                return self.act(verdict, owner, &addr, why, String::new()).await;
                             }
                             Liveness::Alive => probing = false,
                             Liveness::Unknown => {}
@@ -170,7 +229,7 @@ impl Fleet {
         let verdict = table::after_failure(
             table::sign_of(&error),
             via_pubsub,
-            async || self.lease_alive(owner).await,
+            async || self.lease_proof(owner).await,
             async || self.session_record(session).await,
         )
         .await;
@@ -180,27 +239,35 @@ impl Fleet {
                 // one (503).
                 let liveness = self.probe(owner, addr).await;
                 let why = match &liveness {
-                    Liveness::Dead(why) => format!("{error}; {why}"),
-                    _ => error.to_string(),
+                    Liveness::Dead(why) => format!("{}; {why}", describe(&error)),
+                    _ => describe(&error).to_owned(),
                 };
                 let verdict =
                     table::after_loss(&liveness, async || self.session_record(session).await).await;
-                return self.act(verdict, owner, addr, why).await;
+                return self.act(verdict, owner, addr, why, error.to_string()).await;
             }
             verdict => verdict,
         };
-        let why = match (error.remote(), table::sign_of(&error)) {
-            (Some(frame), FailureSign::OwnerDraining | FailureSign::OwnerBusy) => {
-                frame.message.clone()
-            }
-            _ => error.to_string(),
-        };
-        self.act(verdict, owner, addr, why).await
+        self.act(
+            verdict,
+            owner,
+            addr,
+            describe(&error).to_owned(),
+            error.to_string(),
+        )
+        .await
     }
 
     /// Carries out a verdict: buries a proven-dead owner, and turns the situation into
     /// the attempt's result.
-    async fn act(&self, verdict: Verdict, owner: &str, addr: &str, why: String) -> Attempt {
+    async fn act(
+        &self,
+        verdict: Verdict,
+        owner: &str,
+        addr: &str,
+        why: String,
+        detail: String,
+    ) -> Attempt {
         match verdict {
             Verdict::Answer { situation, bury } => {
                 if bury {
@@ -210,12 +277,12 @@ impl Fleet {
                     Situation::NoSuchSession if why.is_empty() => "it ended".into(),
                     _ => why,
                 };
-                refused(situation, why)
+                refused(situation, why, detail)
             }
             Verdict::AskDirectory => Attempt::NotOwner,
             // Probing is resolved by the callers above; reaching here is a bug, and the
             // honest answer for it is "unknown".
-            Verdict::Probe => refused(Situation::Unknown, why),
+            Verdict::Probe => refused(Situation::Unknown, why, detail),
         }
     }
 
@@ -226,19 +293,25 @@ impl Fleet {
         let frame = probe_frame(self.config.mesh.connect_timeout);
         let sign = match self.probe_mesh.forward(addr, owner, frame).await {
             Ok(_) | Err(MeshError::Remote(_)) => ProbeSign::Answered,
-            Err(e) if e.proves_peer_gone() => ProbeSign::Refused(e.to_string()),
+            Err(e) if e.proves_peer_gone() => ProbeSign::Refused(describe(&e).to_owned()),
             Err(_) => ProbeSign::Silent,
         };
         let refusal_proves = self.mesh.kind() != TransportKind::Redis;
-        table::liveness(sign, refusal_proves, async || self.lease_alive(owner).await).await
+        table::liveness(sign, refusal_proves, async || self.lease_proof(owner).await).await
     }
 
-    async fn lease_alive(&self, owner: &str) -> Lookup<bool> {
-        self.directory
-            .worker(owner)
+    /// What `owner`'s lease in the directory proves (see [`table::judge_lease`]).
+    async fn lease_proof(&self, owner: &str) -> Lookup<LeaseProof> {
+        let state = self
+            .directory
+            .lease_state(owner)
             .await
-            .map(|entry| entry.is_some())
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        Ok(table::judge_lease(
+            &state,
+            &self.lease.generation(),
+            self.config.fleet.lease,
+        ))
     }
 
     async fn session_record(&self, session: &str) -> Lookup<Option<String>> {
@@ -273,10 +346,12 @@ impl Fleet {
             Ok(Some(_)) => return,
             Ok(None) => None,
             Err(e) => {
+                self.remember_dead(owner);
                 warn!(owner, error = %e, "cannot reclaim a dead worker now; its sessions stay unknown until its lease expires");
                 return;
             }
         };
+        self.remember_dead(owner);
         match self.directory.reclaim_worker(owner, token.as_deref()).await {
             Ok(Some(sids)) => info!(
                 owner,

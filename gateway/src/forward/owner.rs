@@ -92,12 +92,16 @@ async fn serve_forwarded(worker: &Arc<Worker>, frame: RequestFrame) -> Result<Re
     };
     let session = match call.session_id.as_deref() {
         None => None,
-        Some(id) => match worker.sessions.get(id) {
+        Some(id) => match worker.sessions.enter(id) {
             Some(session) => Some(session),
             None => {
                 return Err(ErrorFrame {
                     kind: ErrorKind::NotOwner,
-                    message: format!("worker {} does not hold session {id}", worker.id),
+                    message: format!(
+                        "worker {} does not hold session {}",
+                        worker.id,
+                        crate::session::short(id)
+                    ),
                 });
             }
         },

@@ -332,7 +332,9 @@ pub async fn close_session(
     }
 }
 
-/// What `GET /healthz` says about the worker behind a URL.
+/// Who a worker is: its id from the public `/healthz` answer (header
+/// `mcpgw-edge-worker`), and its pid and session count from its admin listener's
+/// `/state` (the public port tells no more than alive or not).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Health {
     pub worker_id: String,
@@ -344,9 +346,28 @@ pub struct Health {
 /// Asks the gateway behind `target` who it is. None when the URL is not a gateway
 /// (the direct upstream answers 404) or does not answer.
 pub async fn probe_health(target: &Target, timeout: Duration) -> Option<Health> {
+    let answer = get(target, "/healthz", timeout).await?;
+    let worker_id = answer
+        .headers
+        .get(HEADER_EDGE_WORKER)
+        .and_then(|v| v.to_str().ok())?;
+    Some(Health {
+        worker_id: worker_id.to_owned(),
+        pid: None,
+        sessions: None,
+    })
+}
+
+/// The worker's own account of itself, from its admin listener at `admin`.
+pub async fn probe_state(admin: &Target, timeout: Duration) -> Option<Health> {
+    let answer = get(admin, "/state", timeout).await?;
+    parse_health(&answer.body)
+}
+
+async fn get(target: &Target, path: &str, timeout: Duration) -> Option<Answer> {
     let request = Request::builder()
         .method(Method::GET)
-        .uri("/healthz")
+        .uri(path)
         .header(HOST, target.host.clone())
         .body(Full::new(Bytes::new()))
         .ok()?;
@@ -354,10 +375,7 @@ pub async fn probe_health(target: &Target, timeout: Duration) -> Option<Health> 
     let answer = exchange_on(&mut slot, target, request, timeout)
         .await
         .ok()?;
-    if !answer.status.is_success() {
-        return None;
-    }
-    parse_health(&answer.body)
+    answer.status.is_success().then_some(answer)
 }
 
 pub fn parse_health(body: &[u8]) -> Option<Health> {

@@ -213,7 +213,13 @@ async fn owner_memory(
     let result = async {
         let base = url_in(&line).ok_or_else(|| format!("no address in {line:?}"))?;
         let target = Target::parse(&format!("{base}/mcp"))?;
-        grow(&target, proc.pid, upstream_pid, plan).await
+        // "mcpgw listening on http://ADDR (admin: http://ADMIN)"
+        let admin = line
+            .split_once("(admin: ")
+            .and_then(|(_, rest)| url_in(rest))
+            .map(|admin| Target::parse(&admin))
+            .transpose()?;
+        grow(&target, proc.pid, upstream_pid, plan, admin.as_ref()).await
     }
     .await;
     proc.stop().await;
@@ -242,16 +248,24 @@ async fn directory_memory(
             let url = fleet.urls.first().ok_or("the fleet has no URL")?;
             let target = Target::parse(url)?;
             // The worker process, not its supervisor, holds the sessions.
-            let pid = client::probe_health(&target, Duration::from_secs(5))
-                .await
-                .and_then(|h| h.pid)
-                .ok_or("the fleet worker did not report its pid on /healthz")?;
+            let supervisors = fleet.pids();
+            let pid = procfs::with_descendants(&supervisors)
+                .into_iter()
+                .find(|pid| !supervisors.contains(pid))
+                .ok_or("the fleet supervisor has no worker process")?;
             let mut redis_client = RedisClient::connect(&redis.url).await?;
             open_sessions(&target, plan.warmup, plan.parallel).await;
             settle().await;
             let used_before = redis_client.info_number("memory", "used_memory").await?;
             let keys_before = key_count(&mut redis_client).await?;
-            let worker = grow(&target, pid, None, &SessionsPlan { warmup: 0, ..*plan }).await?;
+            let worker = grow(
+                &target,
+                pid,
+                None,
+                &SessionsPlan { warmup: 0, ..*plan },
+                None,
+            )
+            .await?;
             let used_after = redis_client.info_number("memory", "used_memory").await?;
             let keys_after = key_count(&mut redis_client).await?;
             Ok::<_, String>(DirectoryMemory {
@@ -286,6 +300,7 @@ async fn grow(
     pid: u32,
     upstream_pid: Option<u32>,
     plan: &SessionsPlan,
+    admin: Option<&Target>,
 ) -> Result<OwnerMemory, String> {
     if plan.warmup > 0 {
         open_sessions(target, plan.warmup, plan.parallel).await;
@@ -299,7 +314,10 @@ async fn grow(
     settle().await;
     let after = procfs::rss_bytes(pid).ok_or_else(|| format!("cannot read VmRSS of {pid}"))?;
     let upstream_after = upstream_pid.and_then(procfs::rss_bytes);
-    let sessions_held = held_sessions(target).await;
+    let sessions_held = match admin {
+        Some(admin) => held_sessions(admin).await,
+        None => None,
+    };
     Ok(OwnerMemory {
         pid,
         opened,
@@ -328,8 +346,8 @@ async fn settle() {
     tokio::time::sleep(Duration::from_millis(500)).await;
 }
 
-async fn held_sessions(target: &Target) -> Option<u64> {
-    client::probe_health(target, Duration::from_secs(5))
+async fn held_sessions(admin: &Target) -> Option<u64> {
+    client::probe_state(admin, Duration::from_secs(5))
         .await?
         .sessions
 }

@@ -1,0 +1,152 @@
+//! The admin listener: one per worker, separate from the public port and on loopback
+//! by default, for operators and their tools. `/healthz` (alive), `/readyz` (fit to
+//! take traffic, with the reasons when not), `/state` (this worker as JSON).
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::CONTENT_TYPE;
+use http::{HeaderValue, Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tracing::{debug, warn};
+
+use crate::body::{self, ReplyBody};
+use crate::worker::Worker;
+
+/// Binds the admin listener (before the worker announces itself, so its address can be
+/// announced too).
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await
+}
+
+/// Serves the admin endpoints until `stop` holds a grace period.
+pub async fn serve(
+    worker: Arc<Worker>,
+    listener: TcpListener,
+    mut stop: watch::Receiver<Option<Duration>>,
+) {
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(10));
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, peer) = match accepted {
+                    Ok(conn) => conn,
+                    Err(e) => {
+                        warn!(error = %e, "admin accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let worker = Arc::clone(&worker);
+                let service = service_fn(move |request| {
+                    let worker = Arc::clone(&worker);
+                    async move { Ok::<_, Infallible>(answer(&worker, &request)) }
+                });
+                let connection = http.serve_connection(TokioIo::new(stream), service);
+                tokio::spawn(async move {
+                    if let Err(e) = connection.await {
+                        debug!(%peer, error = %e, "admin connection ended with an error");
+                    }
+                });
+            }
+            () = crate::process::stop_requested(&mut stop) => return,
+        }
+    }
+}
+
+fn answer(worker: &Worker, request: &Request<Incoming>) -> Response<ReplyBody> {
+    if request.method() != Method::GET {
+        return json(
+            StatusCode::METHOD_NOT_ALLOWED,
+            serde_json::json!({"error": "the admin endpoints answer GET only"}),
+        );
+    }
+    match request.uri().path() {
+        "/healthz" => json(StatusCode::OK, serde_json::json!({"status": "alive"})),
+        "/readyz" => {
+            let readiness = Readiness::of(worker);
+            let status = if readiness.ready() {
+                StatusCode::OK
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            };
+            json(status, readiness.to_json())
+        }
+        "/state" => json(StatusCode::OK, state(worker)),
+        path => json(
+            StatusCode::NOT_FOUND,
+            serde_json::json!({
+                "error": format!("no admin endpoint at {path:?}: use /healthz, /readyz or /state"),
+            }),
+        ),
+    }
+}
+
+/// Whether the worker is fit to take traffic, check by check.
+struct Readiness {
+    /// Not draining or fenced.
+    serving: bool,
+    /// Its lease is valid by its own clock: Redis answered recently enough. Always
+    /// true for a standalone worker.
+    lease_valid: bool,
+}
+
+impl Readiness {
+    fn of(worker: &Worker) -> Readiness {
+        Readiness {
+            serving: !worker.draining(),
+            lease_valid: worker.lease_valid(),
+        }
+    }
+
+    fn ready(&self) -> bool {
+        self.serving && self.lease_valid
+    }
+
+    fn to_json(&self) -> serde_json::Value {
+        let mut reasons = Vec::new();
+        if !self.serving {
+            reasons.push("draining: the worker takes no new sessions and is stopping");
+        }
+        if !self.lease_valid {
+            reasons
+                .push("lease not confirmed: the fleet directory (Redis) has not answered in time");
+        }
+        serde_json::json!({
+            "ready": self.ready(),
+            "checks": { "serving": self.serving, "lease_valid": self.lease_valid },
+            "reasons": reasons,
+        })
+    }
+}
+
+fn state(worker: &Worker) -> serde_json::Value {
+    serde_json::json!({
+        "worker_id": worker.id,
+        "pid": std::process::id(),
+        "host": crate::process::hostname(),
+        "version": env!("CARGO_PKG_VERSION"),
+        "sessions": worker.sessions.len(),
+        "draining": worker.draining(),
+        "fleet": worker.fleet().is_some(),
+        "lease_valid": worker.lease_valid(),
+    })
+}
+
+fn json(status: StatusCode, value: serde_json::Value) -> Response<ReplyBody> {
+    let mut response = Response::new(body::full(Bytes::from(value.to_string())));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
