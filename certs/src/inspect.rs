@@ -283,7 +283,7 @@ fn unix(now: SystemTime) -> i64 {
 }
 
 /// Unix seconds as RFC 3339 (UTC).
-pub(crate) fn rfc3339(unix_secs: i64) -> String {
+pub fn rfc3339(unix_secs: i64) -> String {
     time::OffsetDateTime::from_unix_timestamp(unix_secs)
         .ok()
         .and_then(|t| {
