@@ -363,7 +363,10 @@ pub fn explain_tls_error(err: &rustls::Error) -> String {
     use rustls::Error as E;
     match err {
         E::InvalidCertificate(cert_err) => match cert_err {
-            CertificateError::UnknownIssuer => "mesh peer presented a certificate not issued by \
+            // BadSignature: a CA of the same name as one of ours signed it (every CA of an
+            // older `mcpgw certs init` had the same name).
+            CertificateError::UnknownIssuer | CertificateError::BadSignature => "mesh peer \
+                presented a certificate not issued by \
                 the mesh CA (during CA rotation both CAs must be in every member's bundle)"
                 .into(),
             CertificateError::Expired | CertificateError::ExpiredContext { .. } => format!(

@@ -458,14 +458,17 @@ impl CertDir {
     }
 }
 
-/// Subject name of a new CA: names the trust domain and the moment, so that the old
-/// and the new CA of a rotation read differently in `inspect`.
+/// Subject name of a new CA: the trust domain and the moment to the nanosecond. Two
+/// CAs must never share a name: a peer looks up a leaf's issuer by name, and with the
+/// old CA's name on the new one it would check an old leaf against the wrong key
+/// ("bad signature" instead of "unknown issuer"). It also lets the old and the new CA
+/// of a rotation read differently in `inspect`.
 pub(crate) fn ca_common_name(trust_domain: &TrustDomain) -> String {
-    let now = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_secs()).unwrap_or(0))
-        .unwrap_or(0);
-    format!("mcpgw mesh CA {trust_domain} {}", rfc3339(now))
+    let now = time::OffsetDateTime::now_utc();
+    let moment = now
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|_| now.unix_timestamp_nanos().to_string());
+    format!("mcpgw mesh CA {trust_domain} {moment}")
 }
 
 pub(crate) fn now_rfc3339() -> String {
