@@ -331,6 +331,10 @@ fn tls_error(err: rustls::Error, files: &MeshTlsFiles) -> CertError {
     }
 }
 
+fn unix_time_text(at: UnixTime) -> String {
+    crate::inspect::rfc3339(i64::try_from(at.as_secs()).unwrap_or(i64::MAX))
+}
+
 /// Why our own leaf fails the check a peer would make, and what to do about it.
 fn explain_own_leaf_error(err: &rustls::Error) -> String {
     use rustls::Error as E;
@@ -341,13 +345,21 @@ fn explain_own_leaf_error(err: &rustls::Error) -> String {
                  re-issue the leaf from a CA in the bundle, or add its CA to the bundle"
                     .into()
             }
-            CertificateError::Expired | CertificateError::ExpiredContext { .. } => format!(
-                "it has expired ({cert_err}): install a leaf from `mcpgw certs issue` \
-                 or `mcpgw certs rotate reissue`"
+            // The context's verification time is left out: the reason a file is refused
+            // must read the same at every check.
+            CertificateError::ExpiredContext { not_after, .. } => format!(
+                "it has expired (not valid after {}): install a leaf from `mcpgw certs \
+                 issue` or `mcpgw certs rotate reissue`",
+                unix_time_text(*not_after)
             ),
-            CertificateError::NotValidYet | CertificateError::NotValidYetContext { .. } => {
-                format!("it is not valid yet ({cert_err}): check this host's clock")
-            }
+            CertificateError::Expired => "it has expired: install a leaf from `mcpgw certs \
+                issue` or `mcpgw certs rotate reissue`"
+                .into(),
+            CertificateError::NotValidYetContext { not_before, .. } => format!(
+                "it is not valid yet (not before {}): check this host's clock",
+                unix_time_text(*not_before)
+            ),
+            CertificateError::NotValidYet => "it is not valid yet: check this host's clock".into(),
             other => format!(
                 "{} (issue mesh leaves with `mcpgw certs issue`)",
                 explain_tls_error(&E::InvalidCertificate(other.clone()))

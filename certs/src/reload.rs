@@ -8,8 +8,8 @@
 //! network file systems, a watch that was lost). On a change, the new material is
 //! checked in full the way a peer would check it ([`MeshTls::load_with`]) and only then
 //! published; a bad file is refused with one log line naming the file and the reason,
-//! and the material in use stays. Refused content is not reported again until it
-//! changes (or the reason does: a leaf that was not valid yet is taken once it is).
+//! and the material in use stays. Refused content is logged once, and checked again on
+//! every tick: a leaf that was not valid yet is taken once it is.
 //!
 //! Readers take the current [`MeshTls`] per handshake ([`MeshTlsSource::current`]: a
 //! read lock and an `Arc` clone); a transport that has to push a config somewhere
@@ -103,6 +103,8 @@ impl MeshTlsSource {
         options: ReloadOptions,
     ) -> Result<Self, CertError> {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| CertError::NoRuntime)?;
+        // Watch before the first read, so that no change after the read goes unseen.
+        let watcher = FileWatcher::new(files);
         let contents = FileContents::read(files)?;
         let initial = MeshTls::build(files, settings, &contents)?;
         let (sender, current) = watch::channel(Arc::new(initial));
@@ -118,7 +120,7 @@ impl MeshTlsSource {
                 refused: None,
             }),
         });
-        runtime.spawn(watch_files(reloader.clone()));
+        runtime.spawn(watch_files(reloader.clone(), watcher));
         Ok(Self {
             current,
             reloader: Some(reloader),
@@ -203,7 +205,8 @@ struct Reloader {
 struct CheckState {
     /// Digest of the files the published material was built from.
     published: [u8; 32],
-    /// Digest and reason of refused content, so the same refusal is logged once.
+    /// Digest and reason of the refused content the files hold, so that a refusal is
+    /// logged once per content.
     refused: Option<([u8; 32], String)>,
 }
 
@@ -249,6 +252,7 @@ impl Reloader {
         match built {
             Ok(Ok(tls)) => {
                 info!(
+                    cert = %self.files.cert.display(),
                     member = %tls.identity(),
                     leaf = %tls.leaf_fingerprint(),
                     leaf_expires_in_days = tls.leaf().expires_in().as_secs() / 86_400,
@@ -277,32 +281,29 @@ impl Reloader {
         }
     }
 
-    /// Records a refusal; logs it unless this content was refused for this reason
-    /// already.
+    /// Records a refusal; logs it (once) unless this content was refused before. The
+    /// reason may change while the content does not (time passes); it is kept up to
+    /// date for [`ReloadStats`] but not logged again.
     fn refuse(&self, state: &mut CheckState, digest: [u8; 32], reason: String) -> ReloadOutcome {
-        let repeated = state
-            .refused
-            .as_ref()
-            .is_some_and(|(d, r)| *d == digest && *r == reason);
+        let repeated = state.refused.as_ref().is_some_and(|(d, _)| *d == digest);
         if !repeated {
             warn!(
                 reason = %reason,
                 "mesh TLS material refused; the material in use stays until the files are fixed"
             );
             self.refused.fetch_add(1, Ordering::Relaxed);
-            state.refused = Some((digest, reason.clone()));
         }
+        state.refused = Some((digest, reason.clone()));
         ReloadOutcome::Refused(reason)
     }
 }
 
 /// The watcher task: a check on every file event and every poll tick, until every
 /// source is gone.
-async fn watch_files(reloader: Arc<Reloader>) {
+async fn watch_files(reloader: Arc<Reloader>, mut watcher: Option<FileWatcher>) {
     let mut poll = tokio::time::interval(reloader.options.poll_interval);
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     poll.tick().await;
-    let mut watcher = FileWatcher::new(&reloader.files);
     loop {
         tokio::select! {
             _ = reloader.sender.closed() => break,
