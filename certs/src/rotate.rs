@@ -413,8 +413,8 @@ pub fn next_step(stage: Stage, dir: &CertDir) -> String {
         ),
         Stage::Reissued => format!(
             "install each host's new NAME.crt and NAME.key and wait until every worker has \
-             reloaded them, then wait --mesh-max-connection-age more so that every connection \
-             made with an old leaf has been replaced; then run `mcpgw certs rotate finish --dir {d}`"
+             reloaded them (`mcpgw certs inspect` on each host shows its leaf signed by the \
+             new CA); then run `mcpgw certs rotate finish --dir {d}`"
         ),
     }
 }
