@@ -256,3 +256,28 @@ pub(crate) fn not_after(cert: &x509_parser::certificate::X509Certificate<'_>) ->
     let secs = cert.validity().not_after.timestamp();
     SystemTime::UNIX_EPOCH + Duration::from_secs(u64::try_from(secs).unwrap_or(0))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trust_domains_are_lowercase_dns_like_names() {
+        for good in ["mcpgw", "prod.example.com", "a-b_c.9"] {
+            assert_eq!(TrustDomain::new(good).unwrap().as_str(), good);
+        }
+        for bad in ["", "Prod", "a/b", "a b", "spiffe://x", "é"] {
+            assert!(TrustDomain::new(bad).is_err(), "{bad:?}");
+        }
+        assert!(TrustDomain::new(&"d".repeat(255)).is_ok());
+        assert!(TrustDomain::new(&"d".repeat(256)).is_err());
+        assert_eq!(
+            TrustDomain::new("prod")
+                .unwrap()
+                .member_uri("host-a:w1")
+                .unwrap(),
+            "spiffe://prod/mesh/host-a:w1"
+        );
+        assert_eq!(mesh_uri("x").unwrap(), format!("{MESH_URI_PREFIX}x"));
+    }
+}

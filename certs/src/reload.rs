@@ -115,6 +115,7 @@ impl MeshTlsSource {
             sender,
             reloaded: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            pending_refusal: std::sync::Mutex::new(None),
             state: Mutex::new(CheckState {
                 published: contents.digest(),
                 refused: None,
@@ -168,16 +169,20 @@ impl MeshTlsSource {
         }
     }
 
-    /// Reload counters.
-    pub async fn stats(&self) -> ReloadStats {
+    /// Reload counters. Never waits for a check in progress, so a metrics collector
+    /// can call it.
+    pub fn stats(&self) -> ReloadStats {
         let Some(reloader) = &self.reloader else {
             return ReloadStats::default();
         };
-        let state = reloader.state.lock().await;
         ReloadStats {
             reloaded: reloader.reloaded.load(Ordering::Relaxed),
             refused: reloader.refused.load(Ordering::Relaxed),
-            pending_refusal: state.refused.as_ref().map(|(_, reason)| reason.clone()),
+            pending_refusal: reloader
+                .pending_refusal
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .clone(),
         }
     }
 }
@@ -197,6 +202,9 @@ struct Reloader {
     reloaded: AtomicU64,
     /// Distinct refusals since start.
     refused: AtomicU64,
+    /// Reason of the refusal in effect, for [`ReloadStats`]; a copy of what `state`
+    /// holds, readable without waiting for a check.
+    pending_refusal: std::sync::Mutex<Option<String>>,
     /// What the files held at the last check; the lock also makes checks one at a time.
     state: Mutex<CheckState>,
 }
@@ -205,9 +213,9 @@ struct Reloader {
 struct CheckState {
     /// Digest of the files the published material was built from.
     published: [u8; 32],
-    /// Digest and reason of the refused content the files hold, so that a refusal is
-    /// logged once per content.
-    refused: Option<([u8; 32], String)>,
+    /// Digest of the refused content the files hold, so that a refusal is logged once
+    /// per content.
+    refused: Option<[u8; 32]>,
 }
 
 /// How many times a check waits for files that keep changing before it takes what
@@ -223,7 +231,7 @@ impl Reloader {
         };
         let mut digest = contents.digest();
         if digest == state.published {
-            state.refused = None;
+            self.set_refused(&mut state, None);
             return ReloadOutcome::Unchanged;
         }
         // Changed: wait until the files stop changing (a leaf and its key arrive by two
@@ -242,7 +250,7 @@ impl Reloader {
             digest = again_digest;
         }
         if digest == state.published {
-            state.refused = None;
+            self.set_refused(&mut state, None);
             return ReloadOutcome::Unchanged;
         }
         let files = self.files.clone();
@@ -261,7 +269,7 @@ impl Reloader {
                 );
                 self.sender.send_replace(Arc::new(tls));
                 state.published = digest;
-                state.refused = None;
+                self.set_refused(&mut state, None);
                 self.reloaded.fetch_add(1, Ordering::Relaxed);
                 ReloadOutcome::Reloaded
             }
@@ -285,7 +293,7 @@ impl Reloader {
     /// reason may change while the content does not (time passes); it is kept up to
     /// date for [`ReloadStats`] but not logged again.
     fn refuse(&self, state: &mut CheckState, digest: [u8; 32], reason: String) -> ReloadOutcome {
-        let repeated = state.refused.as_ref().is_some_and(|(d, _)| *d == digest);
+        let repeated = state.refused == Some(digest);
         if !repeated {
             warn!(
                 reason = %reason,
@@ -293,8 +301,17 @@ impl Reloader {
             );
             self.refused.fetch_add(1, Ordering::Relaxed);
         }
-        state.refused = Some((digest, reason.clone()));
+        self.set_refused(state, Some((digest, reason.clone())));
         ReloadOutcome::Refused(reason)
+    }
+
+    fn set_refused(&self, state: &mut CheckState, refused: Option<([u8; 32], String)>) {
+        let (digest, reason) = refused.unzip();
+        state.refused = digest;
+        *self
+            .pending_refusal
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = reason;
     }
 }
 

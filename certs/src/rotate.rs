@@ -446,3 +446,67 @@ fn leaf_is_from(dir: &CertDir, name: &str, ca: &CertificateDer<'_>) -> Result<bo
     let certs = crate::config::read_certs(&path)?;
     Ok(certs.first().is_some_and(|leaf| leaf_signed_by(leaf, ca)))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(stage: Stage, finished_before: bool) -> DirState {
+        DirState {
+            format: 1,
+            trust_domain: "mcpgw".into(),
+            stage,
+            rotation: Some(RotationRecord {
+                old_ca: "old".into(),
+                new_ca: "new".into(),
+                begun_at: "t0".into(),
+                reissued_at: None,
+                finished_at: finished_before.then(|| "t2".to_owned()),
+            })
+            .filter(|_| stage != Stage::Idle || finished_before),
+        }
+    }
+
+    /// The whole decision table: every command in every recorded state.
+    #[test]
+    fn each_command_runs_repeats_or_names_the_stage_that_comes_next() {
+        use RotateStep::*;
+        let dir = CertDir::new("/certs");
+        let ok = |plan: Plan| Ok::<Plan, &'static str>(plan);
+        let next = |step: &'static str| Err::<Plan, &'static str>(step);
+        let table = [
+            (Stage::Idle, false, Begin, ok(Plan::Advance)),
+            (Stage::Idle, false, Reissue, next("begin")),
+            (Stage::Idle, false, Finish, next("begin")),
+            (Stage::Idle, true, Begin, ok(Plan::Advance)),
+            (Stage::Idle, true, Reissue, next("begin")),
+            (Stage::Idle, true, Finish, ok(Plan::AlreadyFinished)),
+            (Stage::Begun, false, Begin, ok(Plan::Repeat)),
+            (Stage::Begun, false, Reissue, ok(Plan::Advance)),
+            (Stage::Begun, false, Finish, next("reissue")),
+            (Stage::Reissued, false, Begin, next("finish")),
+            (Stage::Reissued, false, Reissue, ok(Plan::Repeat)),
+            (Stage::Reissued, false, Finish, ok(Plan::Advance)),
+        ];
+        for (stage, finished_before, step, expected) in table {
+            let got = plan(step, &state(stage, finished_before), &dir);
+            match (got, expected) {
+                (Ok(got), Ok(expected)) => assert_eq!(got, expected, "{stage:?} {step:?}"),
+                (
+                    Err(DirError::OutOfOrder {
+                        attempted, next, ..
+                    }),
+                    Err(expected_next),
+                ) => {
+                    assert_eq!(attempted, step.name());
+                    assert_eq!(
+                        next,
+                        format!("mcpgw certs rotate {expected_next} --dir /certs"),
+                        "{stage:?} {step:?}"
+                    );
+                }
+                (got, expected) => panic!("{stage:?} {step:?}: got {got:?}, expected {expected:?}"),
+            }
+        }
+    }
+}

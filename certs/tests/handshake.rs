@@ -560,7 +560,7 @@ fn installing_the_provider_twice_is_fine() {
 /// over them, and a server that reads the source per handshake.
 struct Host {
     name: &'static str,
-    _dir: TempDir,
+    dir: TempDir,
     files: MeshTlsFiles,
     source: MeshTlsSource,
     server: LoopbackServer,
@@ -587,7 +587,7 @@ impl Host {
             LoopbackServer::start(move || for_server.server_config(), TrustDomain::default()).await;
         Host {
             name,
-            _dir: dir,
+            dir,
             files,
             source,
             server,
@@ -608,7 +608,7 @@ impl Host {
         )
         .unwrap();
         // Key and certificate land by two renames, as `mcpgw certs` writes them.
-        write_pem_files(self._dir.path(), self.name, &pem).unwrap();
+        write_pem_files(self.dir.path(), self.name, &pem).unwrap();
         self.reload_until_current().await;
     }
 
@@ -739,7 +739,7 @@ async fn during_a_staged_rotation_hosts_that_reload_at_different_moments_always_
         .unwrap_err();
     assert!(err.contains("not issued by the mesh CA"), "{err}");
 
-    let stats = a.source.stats().await;
+    let stats = a.source.stats();
     assert!(stats.reloaded >= 3, "{stats:?}");
     assert_eq!(stats.pending_refusal, None);
 }

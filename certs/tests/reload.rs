@@ -77,7 +77,7 @@ async fn an_atomically_replaced_leaf_is_picked_up_by_the_file_watcher() {
     assert_ne!(after.leaf_fingerprint(), before.leaf_fingerprint());
     assert!(after.leaf_not_after() > before.leaf_not_after());
     assert_eq!(source.reload_now().await, ReloadOutcome::Unchanged);
-    let stats = source.stats().await;
+    let stats = source.stats();
     assert_eq!((stats.reloaded, stats.refused), (1, 0));
 }
 
@@ -282,7 +282,7 @@ async fn bad_files_are_refused_with_one_log_line_each_and_the_old_material_keeps
             source.reload_now().await,
             ReloadOutcome::Refused(refusal.clone())
         );
-        let stats = source.stats().await;
+        let stats = source.stats();
         assert_eq!(stats.refused, i as u64 + 1, "{case}");
         assert_eq!(
             stats.pending_refusal.as_deref(),
@@ -316,7 +316,7 @@ async fn bad_files_are_refused_with_one_log_line_each_and_the_old_material_keeps
     write_pem_files(behind.path(), "w", &fixed).unwrap();
     assert_eq!(source.reload_now().await, ReloadOutcome::Reloaded);
     assert_eq!(source.current().leaf_fingerprint(), fingerprint(&fixed));
-    let stats = source.stats().await;
+    let stats = source.stats();
     assert_eq!(
         (stats.reloaded, stats.refused, stats.pending_refusal),
         (1, count as u64, None)
