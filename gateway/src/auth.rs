@@ -1,5 +1,5 @@
 //! Edge authentication: the receiving worker decides who the client is, once, and
-//! the resulting auth context travels with a forwarded request (DESIGN invariant 4).
+//! the resulting auth context travels with a forwarded request (docs/architecture.md, invariant 4).
 //!
 //! Two modes exist so far: public (no credentials; a session belongs to whoever holds
 //! its id) and static API keys (bearer tokens listed in a file). JWT/JWKS and OAuth

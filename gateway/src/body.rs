@@ -7,7 +7,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Empty, Full};
+use http_body_util::{BodyExt, Full};
 
 use crate::sse::SseSplitter;
 
@@ -15,10 +15,6 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A streaming response body: the upstream's bytes pass through without buffering.
 pub type ReplyBody = UnsyncBoxBody<Bytes, BoxError>;
-
-pub fn empty() -> ReplyBody {
-    Empty::new().map_err(|never| match never {}).boxed_unsync()
-}
 
 pub fn full(bytes: Bytes) -> ReplyBody {
     Full::new(bytes)

@@ -2,7 +2,6 @@
 //! request into a checked call, and writes the reply (streams relayed as they come).
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,42 +18,17 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use crate::body::{self, ReplyBody};
-use crate::exec::Reply;
 use crate::mcp::{self, GatewayError};
+use crate::reply::{HEADER_EDGE_WORKER, Reply};
 use crate::request;
 use crate::worker::Worker;
 
-/// Binds `addr` so that every worker process can bind it too: the kernel spreads
-/// connections over them (SO_REUSEPORT).
-pub fn bind_shared(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
-    let socket = shared_socket(addr)?;
-    socket.listen(1024)?;
-    Ok(socket.into())
-}
-
-/// A bound, not listening, SO_REUSEPORT socket: holds a port for the workers without
-/// taking connections (only listening sockets receive them).
-pub fn reserve_shared(addr: SocketAddr) -> std::io::Result<socket2::Socket> {
-    shared_socket(addr)
-}
-
-fn shared_socket(addr: SocketAddr) -> std::io::Result<socket2::Socket> {
-    use socket2::{Domain, Protocol, Socket, Type};
-    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
-    socket.set_reuse_address(true)?;
-    socket.set_reuse_port(true)?;
-    socket.set_nonblocking(true)?;
-    socket.bind(&addr.into())?;
-    Ok(socket)
-}
-
-/// Serves clients until `shutdown` turns true, then lets open exchanges finish for
-/// up to `grace`.
+/// Serves clients until `stop` holds a grace period, then closes the port and lets
+/// open exchanges finish for up to that long.
 pub async fn serve(
     worker: Arc<Worker>,
     listener: std::net::TcpListener,
-    mut shutdown: watch::Receiver<bool>,
-    grace: Duration,
+    mut stop: watch::Receiver<Option<Duration>>,
 ) -> std::io::Result<()> {
     let listener = TcpListener::from_std(listener)?;
     let graceful = GracefulShutdown::new();
@@ -93,14 +67,11 @@ pub async fn serve(
                     }
                 });
             }
-            _ = shutdown.changed() => {
-                if *shutdown.borrow() {
-                    break;
-                }
-            }
+            _ = stop.wait_for(Option::is_some) => break,
         }
     }
     drop(listener);
+    let grace = stop.borrow().unwrap_or_default();
     if tokio::time::timeout(grace, graceful.shutdown())
         .await
         .is_err()
@@ -118,7 +89,7 @@ async fn handle(worker: Arc<Worker>, request: Request<Incoming>) -> Response<Rep
     if parts.uri.path() == "/healthz" {
         return health(&worker);
     }
-    let reply = match route(&worker, parts, body).await {
+    let reply = match accept_call(&worker, parts, body).await {
         Ok(reply) => reply,
         Err((error, method, path)) => {
             // The one log line for a refused request; the client gets the same words.
@@ -133,13 +104,15 @@ async fn handle(worker: Arc<Worker>, request: Request<Incoming>) -> Response<Rep
     let mut response = into_response(reply);
     response
         .headers_mut()
-        .insert(crate::exec::HEADER_EDGE_WORKER, worker.id_header.clone());
+        .insert(HEADER_EDGE_WORKER, worker.id_header.clone());
     response
 }
 
 type Refusal = (GatewayError, http::Method, String);
 
-async fn route(worker: &Arc<Worker>, parts: Parts, body: Incoming) -> Result<Reply, Refusal> {
+/// Authenticates the client, checks the request, reads its body, and dispatches the
+/// call; a refusal carries what the log line needs.
+async fn accept_call(worker: &Arc<Worker>, parts: Parts, body: Incoming) -> Result<Reply, Refusal> {
     let path = parts.uri.path().to_owned();
     let refuse = |e: GatewayError| (e, parts.method.clone(), path.clone());
     let auth = worker.auth.authenticate(&parts.headers).map_err(refuse)?;

@@ -4,25 +4,35 @@
 //! This binary holds the CLI, the supervisor, the HTTP front, MCP semantics,
 //! sessions, upstream clients and the affinity decisions; the mesh and the directory
 //! live in `mcpgw-mesh`, frames in `mcpgw-wire`, certificates in `mcpgw-certs`.
+//!
+//! A request's path through the modules (docs/architecture.md tells it in full):
+//! [`front`] accepts it and [`request`] checks it into a [`request::Call`];
+//! [`dispatch`] decides with its [`dispatch::table`] where it runs; [`execute`] runs
+//! it here, or [`forward::caller`] sends it to the owner, whose
+//! [`forward::owner`] runs it through [`execute`] in turn. [`worker`] holds the
+//! state they share, [`lease`] says whether the worker may act, [`fleet`] is its
+//! membership, [`serve`] and [`supervisor`] run the processes ([`process`]).
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
-mod affinity;
 mod auth;
 mod body;
 mod certs_cli;
 mod config;
-mod exec;
+mod dispatch;
+mod execute;
 mod fleet;
 mod forward;
 mod front;
+mod lease;
 mod mcp;
+mod process;
+mod reply;
 mod request;
 mod serve;
 mod session;
 mod sse;
 mod supervisor;
-mod upstream;
 mod worker;
 
 use std::process::ExitCode;

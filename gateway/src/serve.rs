@@ -1,5 +1,6 @@
 //! `mcpgw serve` and `mcpgw worker`: runs one worker (standalone, or as a member of a
-//! supervised fleet), waits for a signal, drains.
+//! supervised fleet) from start to exit: joins the fleet, serves, and stops in order
+//! on a signal (drain) or when fenced (exit for a fresh id).
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -13,13 +14,18 @@ use mcpgw_mesh::directory::{Directory, DirectoryConfig, DirectoryError};
 use mcpgw_mesh::transport::{MeshClient, MeshLimits, MeshServer, MeshServerHandle, TransportKind};
 
 use crate::config::{Config, MeshTransport};
-use crate::fleet::{self, Fleet};
-use crate::forward::OwnerService;
+use crate::fleet::Fleet;
+use crate::forward::owner::OwnerService;
+use crate::front;
+use crate::lease::LeaseHolder;
+use crate::process::{self, generate_worker_id, wait_for_signal};
 use crate::worker::Worker;
-use crate::{front, supervisor};
 
 /// How long open client exchanges may run on after a shutdown signal.
 const DRAIN_GRACE: Duration = Duration::from_secs(10);
+
+/// How long a fenced worker lets answers already being written go out before it exits.
+const FENCED_GRACE: Duration = Duration::from_millis(500);
 
 pub fn run(config: Config) -> ExitCode {
     if config.fleet.redis_url.is_some() {
@@ -41,13 +47,13 @@ pub fn run_worker_process() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let slot = (|| {
-        let config = std::env::var(supervisor::ENV_WORKER_CONFIG).ok()?;
+        let config = std::env::var(process::ENV_WORKER_CONFIG).ok()?;
         let config: Config = serde_json::from_str(&config).ok()?;
-        let index = std::env::var(supervisor::ENV_WORKER_INDEX)
+        let index = std::env::var(process::ENV_WORKER_INDEX)
             .ok()?
             .parse()
             .ok()?;
-        let id = std::env::var(supervisor::ENV_WORKER_ID_ASSIGNED)
+        let id = std::env::var(process::ENV_WORKER_ID_ASSIGNED)
             .ok()
             .unwrap_or_else(generate_worker_id);
         Some((config, Slot { index, id }))
@@ -70,12 +76,14 @@ struct Slot {
     id: String,
 }
 
-/// Why a worker stopped before serving.
+/// Why a worker stopped, other than a clean drain.
 enum WorkerError {
     /// Restarting would not help (bad certificates, id already leased).
     Fatal(String),
     /// Something that may pass (Redis not reachable yet).
     Failed(String),
+    /// The fleet declared this worker dead: a replacement must take a new id.
+    Fenced,
 }
 
 fn block_on(work: impl std::future::Future<Output = Result<(), WorkerError>>) -> ExitCode {
@@ -89,18 +97,23 @@ fn block_on(work: impl std::future::Future<Output = Result<(), WorkerError>>) ->
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(work) {
+    let result = runtime.block_on(work);
+    // Tasks still running (a connection being written, a probe) must not hold the
+    // exit up.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(WorkerError::Fatal(message)) => {
             error!("{message}");
             eprintln!("mcpgw: {message}");
-            ExitCode::from(supervisor::EXIT_FATAL)
+            ExitCode::from(process::EXIT_FATAL)
         }
         Err(WorkerError::Failed(message)) => {
             error!("{message}");
             eprintln!("mcpgw: {message}");
             ExitCode::FAILURE
         }
+        Err(WorkerError::Fenced) => ExitCode::from(process::EXIT_FENCED),
     }
 }
 
@@ -120,20 +133,30 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
         Some(slot) => Some(join_fleet(&worker, &config, slot.index).await?),
         None => None,
     };
-    let listener = front::bind_shared(config.listen)
+    let listener = process::bind_shared(config.listen)
         .map_err(|e| WorkerError::Fatal(format!("cannot listen on {}: {e}", config.listen)))?;
     let addr = listener
         .local_addr()
         .map_err(|e| WorkerError::Failed(format!("cannot read the bound address: {e}")))?;
-    let (shutdown_tx, shutdown_rx) = watch::channel(false);
-    tokio::spawn(async move {
-        wait_for_signal().await;
-        let _ = shutdown_tx.send(true);
+    // The one place that decides how this process ends: a signal drains it, a fence
+    // stops it at once for a replacement under a new id.
+    // `Some(grace)`: stop taking requests and let open ones finish within `grace`.
+    let (stop_tx, stop_rx) = watch::channel(None::<Duration>);
+    let mut fenced = worker.fenced();
+    let stop = tokio::spawn(async move {
+        let grace = tokio::select! {
+            () = wait_for_signal() => DRAIN_GRACE,
+            _ = fenced.wait_for(|fenced| *fenced) => FENCED_GRACE,
+        };
+        let _ = stop_tx.send(Some(grace));
     });
+    let heartbeat = mesh
+        .as_ref()
+        .map(|_| tokio::spawn(heartbeat(Arc::clone(&worker), stop_rx.clone())));
     match &mesh {
         Some(mesh) => println!(
             "{} id={} mesh={} pid={}",
-            supervisor::READY_PREFIX,
+            process::READY_PREFIX,
             worker.id,
             mesh.advertised,
             std::process::id()
@@ -141,9 +164,23 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
         None => announce(&config, addr),
     }
     info!(worker = %worker.id, %addr, "worker serving");
-    front::serve(Arc::clone(&worker), listener, shutdown_rx, DRAIN_GRACE)
+    front::serve(Arc::clone(&worker), listener, stop_rx)
         .await
         .map_err(|e| WorkerError::Failed(format!("front failed: {e}")))?;
+    stop.abort();
+    // The heartbeat ends before anything is deregistered, so it can never write the
+    // lease back after it was removed.
+    if let Some(heartbeat) = heartbeat {
+        let _ = heartbeat.await;
+    }
+    if *worker.fenced().borrow() {
+        // Sessions are already dropped and their records belong to whoever reclaimed
+        // them; the lease is not ours to delete.
+        if let Some(mesh) = mesh {
+            mesh.server.shutdown(Duration::ZERO).await;
+        }
+        return Err(WorkerError::Fenced);
+    }
     // Drain: the public port is closed and its exchanges are done; forwarded requests
     // in flight finish next; only then do the sessions end (upstream and in the
     // directory), so later requests for them get a fast "gone".
@@ -159,13 +196,25 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
         }
     }
     if let Some(fleet) = worker.fleet() {
-        fleet.deregister().await;
+        fleet.lease.deregister().await;
     }
     if let Some(mesh) = mesh {
         mesh.server.shutdown(Duration::from_secs(1)).await;
     }
     info!(worker = %worker.id, "worker stopped");
     Ok(())
+}
+
+/// Renews the lease every third of its time until the worker stops.
+async fn heartbeat(worker: Arc<Worker>, mut stop: watch::Receiver<Option<Duration>>) {
+    let period = worker.config.fleet.lease / 3;
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(period) => {}
+            _ = stop.wait_for(Option::is_some) => return,
+        }
+        worker.renew_lease(false).await;
+    }
 }
 
 /// What a fleet worker keeps of its mesh membership.
@@ -175,8 +224,8 @@ struct MeshMembership {
     advertised: String,
 }
 
-/// Binds the mesh endpoint, registers the worker (refusing to start if its id is
-/// leased), and starts the heartbeat.
+/// Binds the mesh endpoint and registers the worker (refusing to start if its id is
+/// leased).
 async fn join_fleet(
     worker: &Arc<Worker>,
     config: &Arc<Config>,
@@ -268,8 +317,9 @@ async fn join_fleet(
     })
     .await
     .map_err(|e| WorkerError::Failed(e.to_string()))?;
+    let registered_at = tokio::time::Instant::now();
     let lease = match directory
-        .register_worker(&worker.id, &fleet::worker_info(), &advertised)
+        .register_worker(&worker.id, &process::worker_info(), &advertised)
         .await
     {
         Ok(lease) => lease,
@@ -278,6 +328,7 @@ async fn join_fleet(
         }
         Err(e) => return Err(WorkerError::Failed(e.to_string())),
     };
+    let lease = LeaseHolder::new(directory.clone(), lease, config.fleet.lease, registered_at);
     let (client, probe_client) = match dial {
         Dial::Tls(client_tls) => (
             MeshClient::new(kind, client_tls.clone(), worker.id.clone(), limits.clone())
@@ -302,8 +353,7 @@ async fn join_fleet(
         probe_client,
         Arc::clone(config),
     ));
-    worker.join(Arc::clone(&fleet));
-    tokio::spawn(fleet.heartbeat(Arc::clone(worker)));
+    worker.join(fleet);
     info!(worker = %worker.id, mesh = %advertised, transport = %kind, "joined the fleet");
     Ok(MeshMembership { server, advertised })
 }
@@ -349,51 +399,4 @@ fn announce(config: &Config, addr: std::net::SocketAddr) {
     if let Some(only) = config.default_upstream() {
         println!("  /mcp -> {}", only.url);
     }
-}
-
-pub async fn wait_for_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        // Without signal handlers the process can only be killed; serve until then.
-        std::future::pending::<()>().await;
-        return;
-    };
-    tokio::select! {
-        _ = term.recv() => info!("SIGTERM: draining"),
-        _ = int.recv() => info!("SIGINT: draining"),
-    }
-}
-
-/// `host-pid-random`: readable in logs, unique across hosts and restarts.
-pub fn generate_worker_id() -> String {
-    let host = hostname()
-        .chars()
-        .filter(|c| c.is_ascii_alphanumeric() || *c == '-')
-        .take(24)
-        .collect::<String>();
-    let host = if host.is_empty() {
-        "host".to_owned()
-    } else {
-        host
-    };
-    let mut random = [0u8; 3];
-    let _ = getrandom::fill(&mut random);
-    format!(
-        "{host}-{}-{:02x}{:02x}{:02x}",
-        std::process::id(),
-        random[0],
-        random[1],
-        random[2]
-    )
-}
-
-/// This host's (container's) name, for worker ids and the lease's host field.
-pub fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .unwrap_or_default()
-        .trim()
-        .to_owned()
 }

@@ -15,21 +15,10 @@ use tokio::sync::{mpsc, watch};
 use tracing::{error, info, warn};
 
 use crate::config::Config;
-use crate::serve::wait_for_signal;
-
-/// Environment variable carrying the resolved configuration to a worker process.
-pub const ENV_WORKER_CONFIG: &str = "MCPGW_WORKER_CONFIG";
-/// The worker's slot (0..N): picks its mesh port.
-pub const ENV_WORKER_INDEX: &str = "MCPGW_WORKER_INDEX";
-/// A fixed worker id for the process (otherwise it generates its own).
-pub const ENV_WORKER_ID_ASSIGNED: &str = "MCPGW_WORKER_ID_ASSIGNED";
-
-/// What a worker prints on stdout once it serves.
-pub const READY_PREFIX: &str = "mcpgw worker ready";
-
-/// Exit code of a worker that must not be restarted as is (bad configuration, its id
-/// is already leased): the supervisor stops instead of looping.
-pub const EXIT_FATAL: u8 = 3;
+use crate::process::{
+    ENV_WORKER_CONFIG, ENV_WORKER_ID_ASSIGNED, ENV_WORKER_INDEX, EXIT_FATAL, READY_PREFIX,
+    wait_for_signal,
+};
 
 /// First and longest delay before a dead worker's replacement starts.
 const RESTART_BACKOFF_MIN: Duration = Duration::from_millis(100);
@@ -73,7 +62,7 @@ enum Event {
 async fn supervise(mut config: Config) -> ExitCode {
     // Hold the public port (bound, not listening) so `--listen host:0` gives every
     // worker the same port, and so it is never taken by someone else between restarts.
-    let reservation = match crate::front::reserve_shared(config.listen) {
+    let reservation = match crate::process::reserve_shared(config.listen) {
         Ok(socket) => socket,
         Err(e) => {
             eprintln!("mcpgw: cannot bind {}: {e}", config.listen);

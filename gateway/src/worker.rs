@@ -1,41 +1,54 @@
-//! One worker process: its identity, its upstream clients, the sessions it owns, and
-//! the decision of where each call runs.
+//! One worker process's state: its identity, its upstream clients, the sessions it
+//! owns, its fleet membership, and what it does when its lease says it may no longer
+//! act. Where a call runs is decided in [`crate::dispatch`]; how it runs, in
+//! [`crate::execute`] (local) and [`crate::forward`] (over the mesh).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use http::StatusCode;
+use tokio::sync::watch;
+use tracing::{error, warn};
 
-use crate::affinity::{Decision, Situation, decide};
+use crate::auth::Authenticator;
 use crate::config::Config;
-use crate::exec::Reply;
+use crate::execute::upstream::{HttpUpstream, Upstream};
 use crate::fleet::Fleet;
-use crate::mcp::{Era, GatewayError};
-use crate::request::{Call, Routes};
+use crate::lease::LeaseCheck;
+use crate::mcp::GatewayError;
+use crate::request::Routes;
 use crate::session::SessionRegistry;
-use crate::upstream::{HttpUpstream, Upstream};
 
 pub struct Worker {
-    /// This process's worker id: unique in the fleet, embedded in the session ids it mints.
+    /// This process's worker id: unique in the fleet, embedded in the session ids it
+    /// mints (the owner hint), and the name of its lease.
     pub id: String,
-    /// `id` as a header value, made once.
+    /// `id` as a header value, made once: every answer carries it.
     pub id_header: http::HeaderValue,
+    /// The validated configuration, shared with every part of the worker.
     pub config: Arc<Config>,
+    /// Which upstream each request path addresses.
     pub routes: Routes,
     /// One client per configured upstream, indexed like `config.upstreams`.
     pub upstreams: Vec<Upstream>,
     /// Sessions whose upstream connection lives in this process.
     pub sessions: SessionRegistry,
     /// Decides who each client is, at the edge.
-    pub auth: crate::auth::Authenticator,
-    /// Set once a drain begins: no new sessions are admitted.
+    pub auth: Authenticator,
+    /// Set once a drain begins (or the worker is fenced): no new sessions.
     draining: AtomicBool,
     /// The fleet this worker belongs to; unset for a standalone worker.
     fleet: OnceLock<Arc<Fleet>>,
+    /// Turns true when this worker was fenced (declared dead by the fleet): the
+    /// process must stop serving and exit so it is replaced under a new id. The
+    /// worker's main loop ([`crate::serve`]) is the one place that acts on it.
+    fenced: watch::Sender<bool>,
 }
 
 impl Worker {
     pub fn new(id: String, config: Arc<Config>) -> Result<Arc<Worker>, GatewayError> {
+        let config_error =
+            |e: String| GatewayError::gateway(StatusCode::INTERNAL_SERVER_ERROR, "config", e);
         let upstreams = config
             .upstreams
             .iter()
@@ -44,21 +57,12 @@ impl Worker {
                     .map(Upstream::Http)
             })
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| {
-                GatewayError::gateway(StatusCode::INTERNAL_SERVER_ERROR, "config", e.to_string())
-            })?;
-        let id_header = http::HeaderValue::from_str(&id).map_err(|_| {
-            GatewayError::gateway(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "config",
-                format!("worker id {id:?} is not a valid header value"),
-            )
-        })?;
+            .map_err(|e| config_error(e.to_string()))?;
+        let id_header = http::HeaderValue::from_str(&id)
+            .map_err(|_| config_error(format!("worker id {id:?} is not a valid header value")))?;
         let auth = match &config.auth_tokens_file {
-            Some(path) => crate::auth::Authenticator::from_file(path).map_err(|e| {
-                GatewayError::gateway(StatusCode::INTERNAL_SERVER_ERROR, "config", e)
-            })?,
-            None => crate::auth::Authenticator::default(),
+            Some(path) => Authenticator::from_file(path).map_err(config_error)?,
+            None => Authenticator::default(),
         };
         Ok(Arc::new(Worker {
             id,
@@ -70,89 +74,54 @@ impl Worker {
             sessions: SessionRegistry::default(),
             draining: AtomicBool::new(false),
             fleet: OnceLock::new(),
+            fenced: watch::Sender::new(false),
         }))
     }
 
     /// Joins a fleet: from now on sessions are recorded in its directory and
     /// requests for other workers' sessions are forwarded.
     pub fn join(&self, fleet: Arc<Fleet>) {
-        let _ = self.fleet.set(fleet);
+        if self.fleet.set(fleet).is_err() {
+            error!(worker = %self.id, "joined a fleet twice; keeping the first membership");
+        }
     }
 
     pub fn fleet(&self) -> Option<&Arc<Fleet>> {
         self.fleet.get()
     }
 
-    /// Decides where a call runs (DESIGN.md's decision table) and runs it.
-    pub async fn dispatch(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
-        // Kept only when a stateless answer could stand in for an "unknown" one.
-        let fallback = self.stateless_candidate(&call).then(|| call.clone());
-        let result = self.route(call).await;
-        match (result, fallback) {
-            (Err(error), Some(call)) if crate::affinity::is_unknown(&error) => {
-                self.answer_statelessly(call, error).await
-            }
-            (result, _) => result,
-        }
-    }
-
-    /// Opt-in (`--stateless-when-unknown`): session methods whose answer does not
-    /// depend on the session.
-    fn stateless_candidate(&self, call: &Call) -> bool {
-        self.config.fleet.stateless_when_unknown
-            && call.session_id.is_some()
-            && call
-                .message
-                .as_ref()
-                .and_then(|m| m.method())
-                .is_some_and(|m| crate::affinity::STATELESS_METHODS.contains(&m))
-    }
-
-    async fn route(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
-        let lookup = |worker: &Worker| {
-            call.session_id
-                .as_deref()
-                .and_then(|id| worker.sessions.get(id))
-        };
-        let mut local = lookup(self);
-        if local.is_some()
-            && !self.lease_valid()
-            && let Some(fleet) = self.fleet.get()
-            && !fleet.revalidate(self).await
-        {
-            // Fenced meanwhile? Then the session is gone, and is answered as such.
-            local = lookup(self);
-        }
-        let situation = match (&call.session_id, &local) {
-            _ if call.era == Era::Modern => Situation::Modern,
-            (None, _) if call.is_initialize() => Situation::NewSession,
-            (None, _) => Situation::MissingSession,
-            (Some(_), Some(_)) if self.lease_valid() => Situation::LocalOwned,
-            (Some(_), Some(_)) => Situation::LocalLeaseInDoubt,
-            // Not here: the fleet finds the owner (or proves there is none).
-            (Some(_), None) if self.fleet.get().is_some() => Situation::RemoteOwner,
-            (Some(_), None) => Situation::NoSuchSession,
-        };
-        match (decide(&situation), self.fleet.get()) {
-            (Decision::ExecuteHere, _) => self.execute_local(call, local).await,
-            (Decision::Forward, Some(fleet)) => fleet.route_remote(self, call).await,
-            (Decision::Forward, None) => Err(GatewayError::session_not_found().with_id(call.id())),
-            (Decision::Refuse(refusal), fleet) => {
-                let gone = fleet.map_or(StatusCode::NOT_FOUND, |f| f.gone_status());
-                Err(refusal
-                    .to_error(
-                        gone,
-                        "the worker holding it could not renew its lease in time",
-                    )
-                    .with_id(call.id()))
-            }
-        }
-    }
-
     /// Whether this worker may act for its sessions now: always when standalone; in a
     /// fleet, only while its lease is valid by its own clock.
     pub fn lease_valid(&self) -> bool {
-        self.fleet.get().is_none_or(|fleet| fleet.lease_valid())
+        self.fleet.get().is_none_or(|fleet| fleet.lease.valid())
+    }
+
+    /// Renews the lease and acts on what the renewal found. `only_if_invalid`: called
+    /// by a request that found the lease past its deadline (see
+    /// [`crate::lease::LeaseHolder::renew`]). Returns whether the worker may act now.
+    pub async fn renew_lease(&self, only_if_invalid: bool) -> bool {
+        let Some(fleet) = self.fleet.get() else {
+            return true;
+        };
+        match fleet
+            .lease
+            .renew(only_if_invalid, || self.sessions.ids())
+            .await
+        {
+            LeaseCheck::Valid => true,
+            LeaseCheck::InDoubt => false,
+            LeaseCheck::Rebuilt { taken } => {
+                for sid in taken {
+                    warn!(session = %sid, "session now owned elsewhere; dropping it here");
+                    self.sessions.remove(&sid);
+                }
+                true
+            }
+            LeaseCheck::Lost => {
+                self.fence();
+                false
+            }
+        }
     }
 
     /// Records a freshly minted session as ours in the fleet directory.
@@ -173,11 +142,22 @@ impl Worker {
     }
 
     /// This worker was declared dead: drop every session without touching the
-    /// directory (the records belong to whoever reclaimed them).
+    /// directory (the records belong to whoever reclaimed them), never act under the
+    /// old lease again, and tell the main loop to exit for a fresh id.
     pub fn fence(&self) {
         self.start_draining();
+        if let Some(fleet) = self.fleet.get() {
+            fleet.lease.revoke();
+        }
         let dropped = self.sessions.take_all().len();
-        tracing::warn!(worker = %self.id, dropped, "fenced: sessions dropped");
+        if !self.fenced.send_replace(true) {
+            error!(worker = %self.id, dropped, "fenced: declared dead by the fleet; sessions dropped, exiting for a fresh id");
+        }
+    }
+
+    /// Resolves once this worker is fenced.
+    pub fn fenced(&self) -> watch::Receiver<bool> {
+        self.fenced.subscribe()
     }
 
     pub fn draining(&self) -> bool {

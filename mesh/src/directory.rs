@@ -31,6 +31,9 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script};
 use serde::{Deserialize, Serialize};
 
+pub use crate::redis_conn::redact_url;
+use crate::redis_conn::{self, ConnectFailure, scrub};
+
 /// Settings of the directory client.
 #[derive(Clone, PartialEq, Eq)]
 pub struct DirectoryConfig {
@@ -459,17 +462,9 @@ impl Directory {
                 "op_timeout and connect_timeout must be positive".into(),
             ));
         }
-        // The parse error text may quote the URL, so it is not passed on.
-        let client = redis::Client::open(cfg.redis_url.as_str()).map_err(|_| {
-            DirectoryError::InvalidConfig(format!(
-                "Redis URL {url} does not parse: expected redis://[user:password@]host:port[/db]"
-            ))
-        })?;
-        let password = client
-            .get_connection_info()
-            .redis_settings()
-            .password()
-            .map(str::to_owned);
+        let client =
+            redis_conn::open_client(&cfg.redis_url, None).map_err(DirectoryError::InvalidConfig)?;
+        let password = redis_conn::password(&client);
         let manager_cfg = ConnectionManagerConfig::new()
             // Each (re)connection attempt and each response is bounded inside redis-rs
             // too, so a reconnect never hangs on a frozen server; our own timeout below
@@ -481,7 +476,7 @@ impl Directory {
             .await
             .map_err(|reason| DirectoryError::Connect {
                 url: url.clone(),
-                reason: scrub(&reason, password.as_deref()),
+                reason,
             })?;
         Ok(Self {
             inner: Arc::new(Inner {
@@ -1045,53 +1040,22 @@ impl Directory {
 /// The first connection: direct attempts until `connect_timeout`, so a Redis that is
 /// still starting is waited for, and a failure reports its real cause (refused, wrong
 /// password) rather than the manager's generic retry exhaustion. Only then is the
-/// self-reconnecting manager built.
+/// self-reconnecting manager built. The error is already scrubbed of the password.
 async fn connect_first(
     client: &redis::Client,
     manager_cfg: &ConnectionManagerConfig,
     cfg: &DirectoryConfig,
 ) -> Result<ConnectionManager, String> {
     let deadline = tokio::time::Instant::now() + cfg.connect_timeout;
-    let probe_cfg = redis::AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(cfg.op_timeout))
-        .set_response_timeout(Some(cfg.op_timeout));
-    let mut last_error = format!("no answer within {:?}", cfg.connect_timeout);
-    loop {
-        let probe = async {
-            let mut c = client
-                .get_multiplexed_async_connection_with_config(&probe_cfg)
-                .await?;
-            redis::cmd("PING").query_async::<String>(&mut c).await
-        };
-        match tokio::time::timeout_at(deadline, probe).await {
-            Ok(Ok(_)) => break,
-            Ok(Err(e)) => {
-                last_error = e.to_string();
-                // Waiting does not fix credentials or a refused command.
-                let permanent = e.kind() == redis::ErrorKind::AuthenticationFailed
-                    || matches!(e.kind(), redis::ErrorKind::Server(_))
-                        && matches!(e.retry_method(), redis::RetryMethod::NoRetry);
-                if permanent {
-                    return Err(last_error);
-                }
-            }
-            Err(_) => return Err(last_error),
-        }
-        if tokio::time::Instant::now() + CONNECT_RETRY >= deadline {
-            return Err(last_error);
-        }
-        tokio::time::sleep(CONNECT_RETRY).await;
-    }
-    let manager = ConnectionManager::new_with_config(client.clone(), manager_cfg.clone());
-    match tokio::time::timeout_at(deadline, manager).await {
-        Ok(Ok(conn)) => Ok(conn),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!("no answer within {:?}", cfg.connect_timeout)),
-    }
+    let no_answer = format!("no answer within {:?}", cfg.connect_timeout);
+    redis_conn::wait_until_answering(client, cfg.op_timeout, deadline, &no_answer).await?;
+    redis_conn::connect_manager(client, manager_cfg.clone(), deadline)
+        .await
+        .map_err(|failure| match failure {
+            ConnectFailure::Failed(reason) => reason,
+            ConnectFailure::TimedOut => no_answer,
+        })
 }
-
-/// Pause between first-connection attempts.
-const CONNECT_RETRY: Duration = Duration::from_millis(100);
 
 fn duration_px(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
@@ -1132,49 +1096,12 @@ fn glob_escape(s: &str) -> String {
     out
 }
 
-/// Removes a password from a text, in case an error echoes it.
-fn scrub(text: &str, password: Option<&str>) -> String {
-    match password {
-        Some(p) if !p.is_empty() => text.replace(p, "***"),
-        _ => text.to_owned(),
-    }
-}
-
-/// The URL without credentials: userinfo becomes `***`, and the query (which may carry
-/// a password for unix-socket URLs) is dropped.
-pub fn redact_url(url: &str) -> String {
-    let url = url.split(['?', '#']).next().unwrap_or("");
-    let Some((scheme, rest)) = url.split_once("://") else {
-        // Not a URL we understand; do not risk echoing a secret.
-        return "<redis url>".into();
-    };
-    let (authority, path) = match rest.find('/') {
-        Some(i) => rest.split_at(i),
-        None => (rest, ""),
-    };
-    match authority.rsplit_once('@') {
-        Some((_, host)) => format!("{scheme}://***@{host}{path}"),
-        None => format!("{scheme}://{authority}{path}"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn urls_lose_their_credentials() {
-        assert_eq!(
-            redact_url("redis://user:s3cret@redis.internal:6380/2"),
-            "redis://***@redis.internal:6380/2"
-        );
-        assert_eq!(redact_url("redis://:p@ss@h:1"), "redis://***@h:1");
-        assert_eq!(redact_url("redis://h:1"), "redis://h:1");
-        assert_eq!(
-            redact_url("redis+unix:///run/redis.sock?pass=s3cret"),
-            "redis+unix:///run/redis.sock"
-        );
-        assert_eq!(redact_url("s3cret"), "<redis url>");
+    fn the_config_never_shows_the_password() {
         let cfg = DirectoryConfig {
             redis_url: "redis://u:s3cret@h:1".into(),
             ..Default::default()

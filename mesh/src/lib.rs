@@ -4,6 +4,7 @@
 #![deny(rust_2018_idioms)]
 
 pub mod directory;
+mod redis_conn;
 pub mod transport;
 
 pub use transport::{

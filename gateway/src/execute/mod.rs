@@ -1,57 +1,27 @@
-//! The local execution path: runs a checked call against this worker's upstream
-//! sessions. A forwarded request from another worker runs through here too, so the
-//! owner executes it exactly as if its client had connected directly.
+//! Local execution: runs a checked call against this worker's upstream sessions. A
+//! forwarded request from another worker runs through here too, so the owner executes
+//! it exactly as if its client had connected directly.
+
+pub mod stateless;
+pub mod upstream;
 
 use std::sync::Arc;
 
 use http::header::{ACCEPT, CACHE_CONTROL, CONTENT_TYPE};
 use http::{HeaderMap, HeaderValue, Method, StatusCode};
-use http_body_util::BodyExt;
 use tracing::{debug, warn};
 
-use crate::body::{self, ReplyBody};
+use crate::body;
 use crate::mcp::{self, Era, GatewayError};
+use crate::reply::{HEADER_OWNER_WORKER, Reply};
 use crate::request::Call;
 use crate::session::{self, Session};
-use crate::upstream::{UpstreamError, UpstreamReply, UpstreamRequest};
 use crate::worker::Worker;
+use upstream::{UpstreamError, UpstreamReply, UpstreamRequest};
 
-/// An answer on its way to the client: status, headers and a streaming body.
-pub struct Reply {
-    pub status: StatusCode,
-    pub headers: HeaderMap,
-    pub body: ReplyBody,
-}
-
-impl Reply {
-    pub fn from_error(error: &GatewayError) -> Reply {
-        let mut headers = HeaderMap::new();
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        if let Some(seconds) = error.retry_after {
-            headers.insert(http::header::RETRY_AFTER, HeaderValue::from(seconds));
-        }
-        if error.status == StatusCode::UNAUTHORIZED {
-            headers.insert(
-                http::header::WWW_AUTHENTICATE,
-                HeaderValue::from_static("Bearer realm=\"mcpgw\""),
-            );
-        }
-        Reply {
-            status: error.status,
-            headers,
-            body: body::full(error.body()),
-        }
-    }
-}
-
-/// The worker that executed the request (the session's owner). With
-/// [`HEADER_EDGE_WORKER`] it shows clients and benchmarks whether a request was
-/// forwarded. Worker ids are not secret: they are in every session id.
-pub const HEADER_OWNER_WORKER: &str = "mcpgw-owner-worker";
-/// The worker that received the request from the client.
-pub const HEADER_EDGE_WORKER: &str = "mcpgw-edge-worker";
-
-const ACCEPT_BOTH: HeaderValue = HeaderValue::from_static("application/json, text/event-stream");
+/// What the gateway asks an upstream to answer in: JSON or a stream of events.
+pub(crate) const ACCEPT_BOTH: HeaderValue =
+    HeaderValue::from_static("application/json, text/event-stream");
 
 impl Worker {
     /// Runs `call` here. `session` is the local session the call names, already looked
@@ -163,13 +133,7 @@ impl Worker {
         }
         if call.method == Method::DELETE {
             self.end_session(&session).await;
-            let mut headers = HeaderMap::new();
-            headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-            return Ok(Reply {
-                status: StatusCode::OK,
-                headers,
-                body: body::empty(),
-            });
+            return Ok(Reply::json(StatusCode::OK, bytes::Bytes::new()));
         }
         let reply = self
             .send_upstream(
@@ -219,130 +183,8 @@ impl Worker {
         }
     }
 
-    /// Answers a session-independent method without the session, because its owner
-    /// cannot be confirmed (`unknown` is the refusal it replaces). `ping` is answered
-    /// here; a list method runs on a short-lived upstream session of its own, opened
-    /// and ended around it. The reply says so in `mcpgw-stateless: 1`.
-    pub async fn answer_statelessly(
-        &self,
-        call: Call,
-        unknown: GatewayError,
-    ) -> Result<Reply, GatewayError> {
-        let id = call.id();
-        let method = call.message.as_ref().and_then(|m| m.method()).unwrap_or("");
-        let mut reply = if method == "ping" {
-            let body = serde_json::json!({ "jsonrpc": "2.0", "id": id, "result": {} });
-            let mut headers = HeaderMap::new();
-            headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-            Reply {
-                status: StatusCode::OK,
-                headers,
-                body: body::full(bytes::Bytes::from(body.to_string())),
-            }
-        } else {
-            match self.on_temporary_session(&call).await {
-                Ok(reply) => reply,
-                Err(e) => {
-                    debug!(error = %e, "stateless answer failed; answering unknown");
-                    return Err(unknown);
-                }
-            }
-        };
-        reply
-            .headers
-            .insert("mcpgw-stateless", HeaderValue::from_static("1"));
-        Ok(reply)
-    }
-
-    async fn on_temporary_session(&self, call: &Call) -> Result<Reply, UpstreamError> {
-        let version = call
-            .headers
-            .get(mcp::HEADER_PROTOCOL_VERSION)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("2025-11-25")
-            .to_owned();
-        let mut headers = HeaderMap::new();
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        headers.insert(ACCEPT, ACCEPT_BOTH);
-        let initialize = serde_json::json!({
-            "jsonrpc": "2.0", "id": 0, "method": "initialize",
-            "params": {
-                "protocolVersion": version,
-                "capabilities": {},
-                "clientInfo": { "name": "mcpgw", "version": env!("CARGO_PKG_VERSION") },
-            },
-        });
-        let opened = self
-            .send_upstream(
-                call.upstream,
-                Method::POST,
-                headers.clone(),
-                bytes::Bytes::from(initialize.to_string()),
-                None,
-            )
-            .await?;
-        let upstream_session = opened.headers.get(mcp::HEADER_SESSION_ID).cloned();
-        let _ = opened.body.collect().await;
-        if let Ok(version) = HeaderValue::from_str(&version) {
-            headers.insert(mcp::HEADER_PROTOCOL_VERSION, version);
-        }
-        let initialized = br#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#;
-        let acked = self
-            .send_upstream(
-                call.upstream,
-                Method::POST,
-                headers.clone(),
-                bytes::Bytes::from_static(initialized),
-                upstream_session.clone(),
-            )
-            .await?;
-        let _ = acked.body.collect().await;
-        let answered = self
-            .send_upstream(
-                call.upstream,
-                Method::POST,
-                call.headers.clone(),
-                call.body.clone(),
-                upstream_session.clone(),
-            )
-            .await?;
-        // Lists are small: read the answer whole, so the session can end before it
-        // is returned.
-        let status = answered.status;
-        let content_type = answered.headers.get(CONTENT_TYPE).cloned();
-        let collected = answered
-            .body
-            .collect()
-            .await
-            .map_err(|e| UpstreamError::Failed {
-                name: self.upstreams[call.upstream].name().to_owned(),
-                detail: e.to_string(),
-            })?
-            .to_bytes();
-        if upstream_session.is_some() {
-            let _ = self
-                .send_upstream(
-                    call.upstream,
-                    Method::DELETE,
-                    headers,
-                    bytes::Bytes::new(),
-                    upstream_session,
-                )
-                .await;
-        }
-        let mut reply_headers = HeaderMap::new();
-        if let Some(content_type) = content_type {
-            reply_headers.insert(CONTENT_TYPE, content_type);
-        }
-        Ok(Reply {
-            status,
-            headers: reply_headers,
-            body: body::full(collected),
-        })
-    }
-
     /// Sends one exchange to an upstream with the session's upstream id.
-    async fn send_upstream(
+    pub(crate) async fn send_upstream(
         &self,
         upstream: usize,
         method: Method,
@@ -397,7 +239,7 @@ fn relay(reply: UpstreamReply, session_header: Option<HeaderValue>) -> Reply {
     }
 }
 
-fn upstream_error(error: UpstreamError, id: serde_json::Value) -> GatewayError {
+pub(crate) fn upstream_error(error: UpstreamError, id: serde_json::Value) -> GatewayError {
     let (status, reason) = error.status_and_reason();
     GatewayError::gateway(
         status,

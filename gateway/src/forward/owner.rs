@@ -1,83 +1,21 @@
-//! Both ends of a forwarded request: the caller turns a checked call into a mesh
-//! request frame and the owner's streamed answer back into a reply; the owner turns
-//! the frame back into a call and runs it on its normal local path (never through
-//! the public port).
+//! The owner's side of forwarding: a request frame from a peer worker becomes a call
+//! again and runs on this worker's normal local path (never through the public
+//! port), and the reply streams back as mesh response parts.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use futures_util::stream::BoxStream;
-use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
-use http_body::Frame;
-use http_body_util::{BodyExt, StreamBody};
-use mcpgw_mesh::transport::{ForwardedResponse, MeshService, PeerInfo, ResponsePart};
+use http::{HeaderMap, HeaderName, HeaderValue, Method};
+use http_body_util::BodyExt;
+use mcpgw_mesh::transport::{MeshService, PeerInfo, ResponsePart};
 use mcpgw_wire::{ErrorFrame, ErrorKind, RequestFrame, ResponseHead};
-use tracing::{debug, warn};
+use tracing::debug;
 
-use crate::body::{BoxError, ReplyBody};
-use crate::exec::Reply;
-use crate::mcp;
-use crate::request::{self, Call};
+use crate::reply::Reply;
+use crate::request;
 use crate::worker::Worker;
-
-/// Builds the mesh request for `call`. The session id travels as a header too, so
-/// the owner parses the request exactly as the edge did.
-pub fn to_frame(call: &Call, request_id: u64, deadline: Duration) -> RequestFrame {
-    let mut headers: Vec<(String, String)> = call
-        .headers
-        .iter()
-        .filter_map(|(k, v)| Some((k.as_str().to_owned(), v.to_str().ok()?.to_owned())))
-        .collect();
-    if let Some(session) = &call.session_id {
-        headers.push((mcp::HEADER_SESSION_ID.to_owned(), session.clone()));
-    }
-    RequestFrame {
-        request_id,
-        session_id: call.session_id.clone(),
-        method: call.method.as_str().to_owned(),
-        path: call.path.clone(),
-        headers,
-        body: call.body.clone(),
-        auth: call.auth.clone(),
-        deadline_ms: u32::try_from(deadline.as_millis()).unwrap_or(u32::MAX),
-    }
-}
-
-/// The owner's answer as a reply for the client: head as sent, body chunks relayed
-/// one by one as they arrive. Dropping the reply (client gone) drops the forwarded
-/// response, which cancels the request at the owner.
-pub fn from_forwarded(response: ForwardedResponse) -> Reply {
-    let head = response.head();
-    let mut headers = HeaderMap::new();
-    for (name, value) in &head.headers {
-        if let (Ok(name), Ok(value)) = (
-            HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_str(value),
-        ) {
-            headers.append(name, value);
-        }
-    }
-    let status = StatusCode::from_u16(head.status).unwrap_or(StatusCode::BAD_GATEWAY);
-    let chunks = futures_util::stream::unfold(response, |mut response| async move {
-        match response.next_chunk().await {
-            Some(Ok(chunk)) => Some((Ok(Frame::data(chunk)), response)),
-            Some(Err(e)) => {
-                // The client gets a truncated stream: the truth, since the owner's
-                // answer broke mid-way. Nothing is retried elsewhere.
-                warn!(error = %e, "forwarded response broke mid-stream");
-                Some((Err(BoxError::from(e)), response))
-            }
-            None => None,
-        }
-    });
-    let body: ReplyBody = StreamBody::new(chunks).boxed_unsync();
-    Reply {
-        status,
-        headers,
-        body,
-    }
-}
 
 /// The owner's end of the mesh: serves forwarded requests with this worker.
 pub struct OwnerService(pub Arc<Worker>);

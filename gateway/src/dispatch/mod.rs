@@ -1,0 +1,93 @@
+//! Where a checked call runs, read top to bottom: gather what this worker knows,
+//! look the situation up in the decision table ([`table`]), then execute here
+//! ([`crate::execute`]), forward to the owner ([`crate::forward::caller`]), or answer
+//! with the truthful refusal. A refusal that only says "unknown" may be replaced by a
+//! stateless answer when the operator opted in.
+
+pub mod table;
+
+use std::sync::Arc;
+
+use http::StatusCode;
+
+use crate::execute::stateless::STATELESS_METHODS;
+use crate::mcp::{Era, GatewayError};
+use crate::reply::Reply;
+use crate::request::Call;
+use crate::worker::Worker;
+use table::{Decision, Known, Situation, decide};
+
+/// What the client is told when a situation refuses and nothing more specific is known.
+const LEASE_IN_DOUBT_WHY: &str = "the worker holding it could not renew its lease in time";
+
+impl Worker {
+    /// Decides where `call` runs and runs it.
+    pub async fn dispatch(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
+        // Kept only when a stateless answer could stand in for an "unknown" one.
+        let fallback = self.stateless_candidate(&call).then(|| call.clone());
+        match (self.decide_and_run(call).await, fallback) {
+            (Err(error), Some(call)) if table::is_unknown(&error) => {
+                self.answer_statelessly(call, error).await
+            }
+            (result, _) => result,
+        }
+    }
+
+    async fn decide_and_run(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
+        let held = |worker: &Worker| {
+            call.session_id
+                .as_deref()
+                .and_then(|id| worker.sessions.get(id))
+        };
+        let mut local = held(self);
+        if local.is_some() && !self.lease_valid() && !self.renew_lease(true).await {
+            // Fenced meanwhile? Then the session is gone, and is answered as such.
+            local = held(self);
+        }
+        let situation = table::situation(&Known {
+            modern: call.era == Era::Modern,
+            has_session_id: call.session_id.is_some(),
+            is_initialize: call.is_initialize(),
+            held_here: local.is_some(),
+            lease_valid: self.lease_valid(),
+            in_fleet: self.fleet().is_some(),
+        });
+        match (decide(&situation), self.fleet()) {
+            (Decision::ExecuteHere, _) => self.execute_local(call, local).await,
+            (Decision::Forward, Some(fleet)) => fleet
+                .forward_to_owner(&self.id, &call)
+                .await
+                .map_err(|unanswered| {
+                    self.refuse(&unanswered.situation, &unanswered.why, call.id())
+                }),
+            (Decision::Forward, None) => Err(GatewayError::session_not_found().with_id(call.id())),
+            (Decision::Refuse(_), _) => Err(self.refuse(&situation, LEASE_IN_DOUBT_WHY, call.id())),
+        }
+    }
+
+    /// The client-facing error for a situation that refuses; `why` is its cause.
+    fn refuse(&self, situation: &Situation, why: &str, id: serde_json::Value) -> GatewayError {
+        let gone = self
+            .fleet()
+            .map_or(StatusCode::NOT_FOUND, |fleet| fleet.gone_status());
+        match decide(situation) {
+            Decision::Refuse(refusal) => refusal.to_error(gone, why).with_id(id),
+            other => {
+                tracing::error!(?situation, ?other, "decision table returned no refusal");
+                GatewayError::session_not_found().with_id(id)
+            }
+        }
+    }
+
+    /// Opt-in (`--stateless-when-unknown`): session methods whose answer does not
+    /// depend on the session.
+    fn stateless_candidate(&self, call: &Call) -> bool {
+        self.config.fleet.stateless_when_unknown
+            && call.session_id.is_some()
+            && call
+                .message
+                .as_ref()
+                .and_then(|m| m.method())
+                .is_some_and(|m| STATELESS_METHODS.contains(&m))
+    }
+}

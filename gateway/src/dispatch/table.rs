@@ -1,0 +1,801 @@
+//! The affinity decision table (docs/architecture.md, "Decision table"), as pure
+//! logic: given what the receiving worker knows about a request's session, where does
+//! the request go, or what true answer does the client get? And when a forward fails:
+//! what does the failure prove?
+//!
+//! The rule behind every row: an owner acts for a session only while its lease is
+//! valid by its own clock; others declare it dead only on proof (lease expired in
+//! Redis, its mesh address refuses or answers as another worker). A lookup that failed
+//! is *unknown*, never *absent*, so no session is ever silently replaced.
+//!
+//! Nothing here does I/O: the callers gather the facts (registry, lease clock,
+//! directory answers, mesh errors) and act on the verdicts, so every row is tested
+//! below without a socket.
+
+use http::StatusCode;
+use mcpgw_mesh::MeshError;
+use mcpgw_wire::ErrorKind;
+use serde_json::json;
+
+use crate::mcp::{self, GatewayError};
+
+/// What the receiving worker knows when it must decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Situation {
+    /// No `Mcp-Session-Id`, and the message is a legacy `initialize`.
+    NewSession,
+    /// No session header on a legacy request other than initialize.
+    MissingSession,
+    /// A 2026-07-28 request: no session; any worker may answer.
+    Modern,
+    /// The session is in this worker's registry, and this worker's lease is valid by
+    /// its own clock.
+    LocalOwned,
+    /// The session is here, but this worker's lease is no longer valid by its own
+    /// clock (Redis unreachable for too long): it must not act until it renews.
+    LocalLeaseInDoubt,
+    /// The directory (or the id's owner hint) names another worker whose address is
+    /// known.
+    RemoteOwner,
+    /// The owner is provably gone: lease expired in Redis, its address refused or
+    /// answered as another worker, it was reclaimed, or it said "not mine" and the
+    /// directory agrees.
+    OwnerGone,
+    /// The directory confirms the session does not exist (never did, or ended).
+    NoSuchSession,
+    /// Ownership cannot be established: directory unreachable, or the owner's lease is
+    /// alive but the owner did not answer within the deadline.
+    Unknown,
+    /// The request was forwarded and the owner died (or the link broke) before the
+    /// answer completed: it may or may not have run.
+    ForwardedThenLost,
+}
+
+/// Where the request goes, or what the client is told.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Run it on this worker (create the session here for `NewSession`).
+    ExecuteHere,
+    /// Send it to the owner over the mesh and stream the answer back.
+    Forward,
+    /// Answer with this error.
+    Refuse(Refusal),
+}
+
+/// The truthful errors of the table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// 400: a legacy request needs a session.
+    MissingSession,
+    /// 404 (or the configured status): the session is gone, re-initialize.
+    SessionGone,
+    /// 404: no such session.
+    NoSuchSession,
+    /// 503 + Retry-After, retryable: ownership unknown right now.
+    OwnershipUnknown,
+    /// 503 + Retry-After: this worker owns the session but cannot prove it right now.
+    LeaseInDoubt,
+    /// 502: the owner died mid-request; the outcome is unknown; not re-executed.
+    OutcomeUnknown,
+}
+
+pub fn decide(situation: &Situation) -> Decision {
+    match situation {
+        Situation::NewSession | Situation::Modern | Situation::LocalOwned => Decision::ExecuteHere,
+        Situation::RemoteOwner => Decision::Forward,
+        Situation::MissingSession => Decision::Refuse(Refusal::MissingSession),
+        Situation::LocalLeaseInDoubt => Decision::Refuse(Refusal::LeaseInDoubt),
+        Situation::OwnerGone => Decision::Refuse(Refusal::SessionGone),
+        Situation::NoSuchSession => Decision::Refuse(Refusal::NoSuchSession),
+        Situation::Unknown => Decision::Refuse(Refusal::OwnershipUnknown),
+        Situation::ForwardedThenLost => Decision::Refuse(Refusal::OutcomeUnknown),
+    }
+}
+
+/// `data.reason` of the two "unknown" answers.
+pub const REASON_OWNERSHIP_UNKNOWN: &str = "ownership_unknown";
+pub const REASON_LEASE_IN_DOUBT: &str = "lease_in_doubt";
+
+/// Whether `error` says that ownership could not be established right now (as
+/// opposed to a proven answer): the only case where a stateless answer may stand in.
+pub fn is_unknown(error: &GatewayError) -> bool {
+    let reason = error
+        .data
+        .as_ref()
+        .and_then(|d| d.get("reason"))
+        .and_then(|r| r.as_str());
+    matches!(
+        reason,
+        Some(REASON_OWNERSHIP_UNKNOWN | REASON_LEASE_IN_DOUBT)
+    )
+}
+
+/// Seconds a client should wait before retrying an "unknown" answer.
+pub const RETRY_AFTER_SECONDS: u32 = 1;
+
+impl Refusal {
+    /// The client-facing error. `gone_status` is 404 by default (MCP: re-initialize),
+    /// or 409 for clients that follow a "session reassigned" contract. `why` is the
+    /// specific cause, included in the message and in `data.detail`.
+    pub fn to_error(self, gone_status: StatusCode, why: &str) -> GatewayError {
+        match self {
+            Refusal::MissingSession => GatewayError::invalid_request(
+                "missing Mcp-Session-Id header: send initialize first, then the returned id",
+            ),
+            Refusal::SessionGone => GatewayError::new(
+                gone_status,
+                mcp::code::SESSION_NOT_FOUND,
+                format!(
+                    "session gone: the worker that held it is gone ({why}); \
+                     send initialize without Mcp-Session-Id to start a new session"
+                ),
+            )
+            .with_data(json!({ "reason": "session_gone", "detail": why, "retryable": false })),
+            Refusal::NoSuchSession => GatewayError::session_not_found()
+                .with_data(json!({ "reason": "session_not_found", "retryable": false })),
+            Refusal::OwnershipUnknown => GatewayError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                mcp::code::GATEWAY_ERROR,
+                format!(
+                    "session owner cannot be confirmed right now ({why}); the session may \
+                     still be alive: retry the same request with the same Mcp-Session-Id"
+                ),
+            )
+            .with_data(
+                json!({ "reason": REASON_OWNERSHIP_UNKNOWN, "detail": why, "retryable": true }),
+            )
+            .with_retry_after(RETRY_AFTER_SECONDS),
+            Refusal::LeaseInDoubt => GatewayError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                mcp::code::GATEWAY_ERROR,
+                format!(
+                    "the worker holding this session cannot confirm its lease ({why}); \
+                     retry the same request with the same Mcp-Session-Id"
+                ),
+            )
+            .with_data(json!({ "reason": REASON_LEASE_IN_DOUBT, "detail": why, "retryable": true }))
+            .with_retry_after(RETRY_AFTER_SECONDS),
+            Refusal::OutcomeUnknown => GatewayError::new(
+                StatusCode::BAD_GATEWAY,
+                mcp::code::GATEWAY_ERROR,
+                format!(
+                    "outcome unknown: the worker executing this request was lost before it \
+                     answered ({why}); it was not re-executed elsewhere. Check the state \
+                     before retrying a non-idempotent call"
+                ),
+            )
+            .with_data(json!({ "reason": "outcome_unknown", "detail": why, "retryable": false })),
+        }
+    }
+}
+
+/// What the receiving worker knows about a call when it must decide, gathered by
+/// [`crate::dispatch`] from the request, the session registry and the lease clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Known {
+    /// The request speaks 2026-07-28 (no sessions).
+    pub modern: bool,
+    /// It carries `Mcp-Session-Id`.
+    pub has_session_id: bool,
+    /// It is a legacy `initialize`.
+    pub is_initialize: bool,
+    /// The session it names is in this worker's registry.
+    pub held_here: bool,
+    /// This worker's lease is valid by its own clock (always true when standalone).
+    pub lease_valid: bool,
+    /// This worker belongs to a fleet (another worker may hold the session).
+    pub in_fleet: bool,
+}
+
+/// The situation a call is in, from what the receiving worker knows.
+pub fn situation(known: &Known) -> Situation {
+    match known {
+        Known { modern: true, .. } => Situation::Modern,
+        Known {
+            has_session_id: false,
+            is_initialize: true,
+            ..
+        } => Situation::NewSession,
+        Known {
+            has_session_id: false,
+            ..
+        } => Situation::MissingSession,
+        Known {
+            held_here: true,
+            lease_valid: true,
+            ..
+        } => Situation::LocalOwned,
+        Known {
+            held_here: true, ..
+        } => Situation::LocalLeaseInDoubt,
+        // Not here: the fleet finds the owner (or proves there is none).
+        Known { in_fleet: true, .. } => Situation::RemoteOwner,
+        Known { .. } => Situation::NoSuchSession,
+    }
+}
+
+/// A directory answer, or why the directory could not give one (then the answer is
+/// *unknown*, never *absent*).
+pub type Lookup<T> = Result<T, String>;
+
+/// What a failed forward shows on its face, read off the mesh error alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureSign {
+    /// Refused, or another worker answered at the owner's address; not sent.
+    PeerGone,
+    /// The owner answered that it does not hold the session.
+    NotOwner,
+    /// The owner is draining: it ends its sessions once its requests finish.
+    OwnerDraining,
+    /// The owner answered, but had no room for the request.
+    OwnerBusy,
+    /// Sent, then the connection or the owner was lost: it may have run.
+    MayHaveRun,
+    /// Not sent, and nothing proven (connect timeout, TLS, saturated, ...).
+    NotSent,
+}
+
+/// Reads what a mesh error shows on its face.
+pub fn sign_of(error: &MeshError) -> FailureSign {
+    if error.proves_peer_gone() {
+        return FailureSign::PeerGone;
+    }
+    match error.remote().map(|frame| frame.kind) {
+        Some(ErrorKind::NotOwner) => return FailureSign::NotOwner,
+        Some(ErrorKind::Draining) => return FailureSign::OwnerDraining,
+        Some(ErrorKind::Busy) => return FailureSign::OwnerBusy,
+        _ => {}
+    }
+    if error.may_have_executed() {
+        FailureSign::MayHaveRun
+    } else {
+        FailureSign::NotSent
+    }
+}
+
+/// What the caller does next after a failed forward.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Answer from this situation (always a refusal). `bury`: the owner is proven
+    /// dead, so forget it and reclaim its sessions.
+    Answer { situation: Situation, bury: bool },
+    /// Ask the directory who owns the session now (the hint was wrong).
+    AskDirectory,
+    /// Probe the owner on a fresh connection, then decide with [`after_loss`].
+    Probe,
+}
+
+impl Verdict {
+    fn answer(situation: Situation) -> Verdict {
+        Verdict::Answer {
+            situation,
+            bury: false,
+        }
+    }
+}
+
+/// First verdict on a failed forward. `via_pubsub`: over the Redis baseline, "no
+/// subscriber" is also what a subscriber in the middle of reconnecting looks like, so
+/// a refusal proves death there only together with an expired lease (`lease`).
+/// `session_record`: the directory's owner of the session (asked only for a draining
+/// owner: gone once the drain ended it).
+pub async fn after_failure(
+    sign: FailureSign,
+    via_pubsub: bool,
+    lease_alive: impl AsyncFnOnce() -> Lookup<bool>,
+    session_record: impl AsyncFnOnce() -> Lookup<Option<String>>,
+) -> Verdict {
+    match sign {
+        FailureSign::PeerGone if via_pubsub && !matches!(lease_alive().await, Ok(false)) => {
+            Verdict::answer(Situation::Unknown)
+        }
+        FailureSign::PeerGone => Verdict::Answer {
+            situation: Situation::OwnerGone,
+            bury: true,
+        },
+        FailureSign::NotOwner => Verdict::AskDirectory,
+        FailureSign::OwnerDraining => match session_record().await {
+            Ok(None) => Verdict::answer(Situation::NoSuchSession),
+            _ => Verdict::answer(Situation::Unknown),
+        },
+        FailureSign::OwnerBusy | FailureSign::NotSent => Verdict::answer(Situation::Unknown),
+        FailureSign::MayHaveRun => Verdict::Probe,
+    }
+}
+
+/// What a liveness probe of an owner found out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Liveness {
+    Alive,
+    /// Proof: refused, another worker at its address, or its lease expired.
+    Dead(String),
+    /// Its lease is alive but it does not answer, or the directory cannot tell.
+    Unknown,
+}
+
+/// What a probe's fresh connection to an owner showed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProbeSign {
+    /// The owner answered (even with an error frame): it lives.
+    Answered,
+    /// Refused, or another worker answered: proof of death where refusals prove
+    /// (not over the Redis baseline).
+    Refused(String),
+    /// No answer and no proof (timeout, connect error).
+    Silent,
+}
+
+/// Liveness from a probe and, when the probe proved nothing, the owner's lease.
+pub async fn liveness(
+    probe: ProbeSign,
+    refusal_proves: bool,
+    lease_alive: impl AsyncFnOnce() -> Lookup<bool>,
+) -> Liveness {
+    match probe {
+        ProbeSign::Answered => Liveness::Alive,
+        ProbeSign::Refused(why) if refusal_proves => Liveness::Dead(why),
+        ProbeSign::Refused(_) | ProbeSign::Silent => match lease_alive().await {
+            Ok(false) => Liveness::Dead("its lease expired".into()),
+            Ok(true) | Err(_) => Liveness::Unknown,
+        },
+    }
+}
+
+/// The request was sent and then lost; `liveness` is what a probe found. If the owner
+/// is dead and had ended the session before (a drain releases the record first), the
+/// request cannot have run: the session is simply gone. Otherwise a dead owner means
+/// the outcome is unknown (502, never re-run), and a live or silent one means
+/// ownership is unknown (503, retry).
+pub async fn after_loss(
+    liveness: &Liveness,
+    session_record: impl AsyncFnOnce() -> Lookup<Option<String>>,
+) -> Verdict {
+    match liveness {
+        Liveness::Dead(_) => match session_record().await {
+            Ok(None) => Verdict::Answer {
+                situation: Situation::NoSuchSession,
+                bury: true,
+            },
+            _ => Verdict::Answer {
+                situation: Situation::ForwardedThenLost,
+                bury: true,
+            },
+        },
+        Liveness::Alive | Liveness::Unknown => Verdict::answer(Situation::Unknown),
+    }
+}
+
+/// The directory has no mesh address for the owner: its lease expired (proof of
+/// death), unless the directory itself was lost and is being rebuilt (then nothing is
+/// known), or the directory cannot be read.
+pub fn without_address(our_generation: &str, current: Lookup<String>) -> Verdict {
+    match current {
+        Ok(current) if current == our_generation => Verdict::Answer {
+            situation: Situation::OwnerGone,
+            bury: true,
+        },
+        Ok(_) | Err(_) => Verdict::answer(Situation::Unknown),
+    }
+}
+
+/// Where to go after the hinted owner said "not mine", from the directory's record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AfterNotOwner {
+    /// The directory names another worker: forward there (once).
+    ForwardTo(String),
+    Answer(Situation),
+}
+
+/// `hinted`: the worker that said "not mine"; `this_worker`: the receiving worker
+/// (which does not hold the session either).
+pub fn after_not_owner(
+    hinted: &str,
+    this_worker: &str,
+    recorded: Lookup<Option<String>>,
+) -> AfterNotOwner {
+    match recorded {
+        Ok(Some(owner)) if owner != hinted && owner != this_worker => {
+            AfterNotOwner::ForwardTo(owner)
+        }
+        Ok(Some(_)) => AfterNotOwner::Answer(Situation::OwnerGone),
+        Ok(None) => AfterNotOwner::Answer(Situation::NoSuchSession),
+        Err(_) => AfterNotOwner::Answer(Situation::Unknown),
+    }
+}
+
+/// Where a session's owner comes from: the hint in its id, else the directory.
+pub async fn owner_from(
+    hint: Option<&str>,
+    this_worker: &str,
+    recorded: impl AsyncFnOnce() -> Lookup<Option<String>>,
+) -> Result<String, Situation> {
+    let owner = match hint {
+        Some(owner) => owner.to_owned(),
+        None => match recorded().await {
+            Ok(Some(owner)) => owner,
+            Ok(None) => return Err(Situation::NoSuchSession),
+            Err(_) => return Err(Situation::Unknown),
+        },
+    };
+    if owner == this_worker {
+        // Minted here, not held here: it ended.
+        return Err(Situation::NoSuchSession);
+    }
+    Ok(owner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One row per line of the decision table in docs/architecture.md.
+    #[test]
+    fn every_row_of_the_table() {
+        let rows: &[(Situation, Decision, Option<u16>)] = &[
+            (Situation::LocalOwned, Decision::ExecuteHere, None),
+            (Situation::RemoteOwner, Decision::Forward, None),
+            (
+                Situation::OwnerGone,
+                Decision::Refuse(Refusal::SessionGone),
+                Some(404),
+            ),
+            (
+                Situation::NoSuchSession,
+                Decision::Refuse(Refusal::NoSuchSession),
+                Some(404),
+            ),
+            (
+                Situation::Unknown,
+                Decision::Refuse(Refusal::OwnershipUnknown),
+                Some(503),
+            ),
+            (
+                Situation::LocalLeaseInDoubt,
+                Decision::Refuse(Refusal::LeaseInDoubt),
+                Some(503),
+            ),
+            (
+                Situation::ForwardedThenLost,
+                Decision::Refuse(Refusal::OutcomeUnknown),
+                Some(502),
+            ),
+            (Situation::NewSession, Decision::ExecuteHere, None),
+            (
+                Situation::MissingSession,
+                Decision::Refuse(Refusal::MissingSession),
+                Some(400),
+            ),
+            (Situation::Modern, Decision::ExecuteHere, None),
+        ];
+        for (situation, expected, status) in rows {
+            let decision = decide(situation);
+            assert_eq!(&decision, expected, "{situation:?}");
+            if let (Decision::Refuse(refusal), Some(status)) = (&decision, status) {
+                let error = refusal.to_error(StatusCode::NOT_FOUND, "test");
+                assert_eq!(error.status.as_u16(), *status, "{situation:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn unknown_answers_are_retryable_and_gone_ones_are_not() {
+        let unknown = Refusal::OwnershipUnknown.to_error(StatusCode::NOT_FOUND, "redis timeout");
+        assert_eq!(unknown.retry_after, Some(RETRY_AFTER_SECONDS));
+        assert_eq!(unknown.data.as_ref().unwrap()["retryable"], true);
+        let gone = Refusal::SessionGone.to_error(StatusCode::NOT_FOUND, "refused");
+        assert_eq!(gone.data.as_ref().unwrap()["retryable"], false);
+        assert!(gone.message.contains("initialize"));
+        assert!(is_unknown(&unknown));
+        assert!(is_unknown(
+            &Refusal::LeaseInDoubt.to_error(StatusCode::NOT_FOUND, "x")
+        ));
+        assert!(
+            !is_unknown(&gone),
+            "a proven answer is never replaced statelessly"
+        );
+    }
+
+    #[test]
+    fn gone_status_is_configurable_to_409() {
+        let gone = Refusal::SessionGone.to_error(StatusCode::CONFLICT, "reclaimed");
+        assert_eq!(gone.status, StatusCode::CONFLICT);
+    }
+    fn known() -> Known {
+        Known {
+            modern: false,
+            has_session_id: true,
+            is_initialize: false,
+            held_here: false,
+            lease_valid: true,
+            in_fleet: true,
+        }
+    }
+
+    /// One row per combination that matters: what the worker knows → the situation.
+    #[test]
+    fn situation_from_what_the_worker_knows() {
+        let rows: &[(Known, Situation)] = &[
+            (
+                Known {
+                    modern: true,
+                    held_here: true,
+                    ..known()
+                },
+                Situation::Modern,
+            ),
+            (
+                Known {
+                    has_session_id: false,
+                    is_initialize: true,
+                    ..known()
+                },
+                Situation::NewSession,
+            ),
+            (
+                Known {
+                    has_session_id: false,
+                    ..known()
+                },
+                Situation::MissingSession,
+            ),
+            (
+                Known {
+                    held_here: true,
+                    ..known()
+                },
+                Situation::LocalOwned,
+            ),
+            (
+                Known {
+                    held_here: true,
+                    lease_valid: false,
+                    ..known()
+                },
+                Situation::LocalLeaseInDoubt,
+            ),
+            (known(), Situation::RemoteOwner),
+            (
+                Known {
+                    in_fleet: false,
+                    ..known()
+                },
+                Situation::NoSuchSession,
+            ),
+            // An initialize that carries a session id is judged by its session.
+            (
+                Known {
+                    is_initialize: true,
+                    held_here: true,
+                    ..known()
+                },
+                Situation::LocalOwned,
+            ),
+        ];
+        for (known, expected) in rows {
+            assert_eq!(&situation(known), expected, "{known:?}");
+        }
+    }
+
+    fn gone(bury: bool) -> Verdict {
+        Verdict::Answer {
+            situation: Situation::OwnerGone,
+            bury,
+        }
+    }
+
+    fn unknown() -> Verdict {
+        Verdict::answer(Situation::Unknown)
+    }
+
+    async fn unasked<T>() -> Lookup<T> {
+        panic!("this row must decide without asking the directory")
+    }
+
+    #[tokio::test]
+    async fn what_a_failed_forward_proves() {
+        use FailureSign::*;
+        // (sign, via pub/sub, owner's lease alive, session record) → verdict
+        type Row = (
+            FailureSign,
+            bool,
+            Lookup<bool>,
+            Lookup<Option<String>>,
+            Verdict,
+        );
+        let rows: Vec<Row> = vec![
+            (PeerGone, false, Ok(true), Ok(None), gone(true)),
+            // Over pub/sub a refusal proves death only with the lease gone.
+            (PeerGone, true, Ok(false), Ok(None), gone(true)),
+            (PeerGone, true, Ok(true), Ok(None), unknown()),
+            (PeerGone, true, Err("timeout".into()), Ok(None), unknown()),
+            (NotOwner, false, Ok(true), Ok(None), Verdict::AskDirectory),
+            (
+                OwnerDraining,
+                false,
+                Ok(true),
+                Ok(None),
+                Verdict::answer(Situation::NoSuchSession),
+            ),
+            (
+                OwnerDraining,
+                false,
+                Ok(true),
+                Ok(Some("w1".into())),
+                unknown(),
+            ),
+            (
+                OwnerDraining,
+                false,
+                Ok(true),
+                Err("timeout".into()),
+                unknown(),
+            ),
+            (OwnerBusy, false, Ok(true), Ok(None), unknown()),
+            (MayHaveRun, false, Ok(true), Ok(None), Verdict::Probe),
+            (NotSent, false, Ok(false), Ok(None), unknown()),
+        ];
+        for (sign, pubsub, lease, record, expected) in rows {
+            let verdict = after_failure(
+                sign,
+                pubsub,
+                async || lease.clone(),
+                async || record.clone(),
+            )
+            .await;
+            assert_eq!(
+                verdict, expected,
+                "{sign:?} pubsub={pubsub} {lease:?} {record:?}"
+            );
+        }
+        // Signs that decide alone never touch the directory.
+        for sign in [PeerGone, NotOwner, OwnerBusy, MayHaveRun, NotSent] {
+            after_failure(sign, false, unasked, unasked).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn liveness_from_a_probe_and_the_lease() {
+        let rows: Vec<(ProbeSign, bool, Lookup<bool>, Liveness)> = vec![
+            (ProbeSign::Answered, true, Ok(false), Liveness::Alive),
+            (
+                ProbeSign::Refused("refused".into()),
+                true,
+                Ok(true),
+                Liveness::Dead("refused".into()),
+            ),
+            // Over pub/sub a refusal is not proof; the lease decides.
+            (
+                ProbeSign::Refused("no subscriber".into()),
+                false,
+                Ok(true),
+                Liveness::Unknown,
+            ),
+            (
+                ProbeSign::Refused("no subscriber".into()),
+                false,
+                Ok(false),
+                Liveness::Dead("its lease expired".into()),
+            ),
+            (ProbeSign::Silent, true, Ok(true), Liveness::Unknown),
+            (
+                ProbeSign::Silent,
+                true,
+                Err("timeout".into()),
+                Liveness::Unknown,
+            ),
+            (
+                ProbeSign::Silent,
+                true,
+                Ok(false),
+                Liveness::Dead("its lease expired".into()),
+            ),
+        ];
+        for (probe, refusal_proves, lease, expected) in rows {
+            let found = liveness(probe.clone(), refusal_proves, async || lease.clone()).await;
+            assert_eq!(found, expected, "{probe:?} {refusal_proves} {lease:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_lost_after_sending() {
+        let dead = Liveness::Dead("refused".into());
+        let lost = |situation| Verdict::Answer {
+            situation,
+            bury: true,
+        };
+        assert_eq!(
+            after_loss(&dead, async || Ok(Some("w1".into()))).await,
+            lost(Situation::ForwardedThenLost)
+        );
+        assert_eq!(
+            after_loss(&dead, async || Err("timeout".into())).await,
+            lost(Situation::ForwardedThenLost)
+        );
+        // Ended before the owner died (a drain releases records first): it never ran.
+        assert_eq!(
+            after_loss(&dead, async || Ok(None)).await,
+            lost(Situation::NoSuchSession)
+        );
+        assert_eq!(after_loss(&Liveness::Alive, unasked).await, unknown());
+        assert_eq!(after_loss(&Liveness::Unknown, unasked).await, unknown());
+    }
+
+    #[test]
+    fn an_owner_without_an_address() {
+        assert_eq!(without_address("g1", Ok("g1".into())), gone(true));
+        // Redis came back empty: the owner may be re-registering.
+        assert_eq!(without_address("g1", Ok("g2".into())), unknown());
+        assert_eq!(without_address("g1", Err("timeout".into())), unknown());
+    }
+
+    #[test]
+    fn after_the_hinted_owner_says_not_mine() {
+        assert_eq!(
+            after_not_owner("w1", "w0", Ok(Some("w2".into()))),
+            AfterNotOwner::ForwardTo("w2".into())
+        );
+        for recorded in ["w1", "w0"] {
+            assert_eq!(
+                after_not_owner("w1", "w0", Ok(Some(recorded.into()))),
+                AfterNotOwner::Answer(Situation::OwnerGone)
+            );
+        }
+        assert_eq!(
+            after_not_owner("w1", "w0", Ok(None)),
+            AfterNotOwner::Answer(Situation::NoSuchSession)
+        );
+        assert_eq!(
+            after_not_owner("w1", "w0", Err("timeout".into())),
+            AfterNotOwner::Answer(Situation::Unknown)
+        );
+    }
+
+    #[tokio::test]
+    async fn the_owner_comes_from_the_hint_else_the_directory() {
+        assert_eq!(owner_from(Some("w1"), "w0", unasked).await, Ok("w1".into()));
+        assert_eq!(
+            owner_from(Some("w0"), "w0", unasked).await,
+            Err(Situation::NoSuchSession)
+        );
+        assert_eq!(
+            owner_from(None, "w0", async || Ok(Some("w2".into()))).await,
+            Ok("w2".into())
+        );
+        assert_eq!(
+            owner_from(None, "w0", async || Ok(None)).await,
+            Err(Situation::NoSuchSession)
+        );
+        assert_eq!(
+            owner_from(None, "w0", async || Err("timeout".into())).await,
+            Err(Situation::Unknown)
+        );
+    }
+
+    #[test]
+    fn mesh_errors_read_as_signs() {
+        use mcpgw_wire::ErrorFrame;
+        let remote = |kind| MeshError::Remote(ErrorFrame::new(kind, "x"));
+        let rows = [
+            (
+                MeshError::Refused { addr: "a".into() },
+                FailureSign::PeerGone,
+            ),
+            (remote(ErrorKind::NotOwner), FailureSign::NotOwner),
+            (remote(ErrorKind::Draining), FailureSign::OwnerDraining),
+            (remote(ErrorKind::Busy), FailureSign::OwnerBusy),
+            (remote(ErrorKind::Internal), FailureSign::MayHaveRun),
+            (
+                MeshError::LostMidResponse("reset".into()),
+                FailureSign::MayHaveRun,
+            ),
+            (MeshError::DeadlineExceeded, FailureSign::MayHaveRun),
+            (
+                MeshError::ConnectTimeout { addr: "a".into() },
+                FailureSign::NotSent,
+            ),
+        ];
+        for (error, sign) in rows {
+            assert_eq!(sign_of(&error), sign, "{error}");
+        }
+    }
+}

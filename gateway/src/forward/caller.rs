@@ -1,0 +1,368 @@
+//! The caller's side of forwarding: a request for a session held by another worker
+//! goes to that worker over the mesh, and its streamed answer comes back as a reply.
+//! When the forward fails, the caller finds out what the failure proves (the pure
+//! verdicts live in [`crate::dispatch::table`]; this file gathers their facts) and
+//! acts on proof of death by reclaiming the dead owner's sessions.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use futures_util::stream::unfold;
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use http_body::Frame;
+use http_body_util::{BodyExt, StreamBody};
+use mcpgw_mesh::directory::DirectoryError;
+use mcpgw_mesh::transport::{ForwardedResponse, MeshError, TransportKind};
+use mcpgw_wire::RequestFrame;
+use tracing::{debug, info, warn};
+
+use crate::body::{BoxError, ReplyBody};
+use crate::dispatch::table::{
+    self, AfterNotOwner, FailureSign, Liveness, Lookup, ProbeSign, Situation, Verdict,
+};
+use crate::fleet::Fleet;
+use crate::mcp;
+use crate::reply::Reply;
+use crate::request::Call;
+use crate::session;
+
+/// How long a forwarded request waits for its head before the owner is probed, and
+/// between probes while the owner's fate is unknown.
+const SUSPECT_AFTER: Duration = Duration::from_secs(1);
+
+/// Why a forward produced no reply: the situation the client is answered from, and
+/// the specific cause for the message.
+pub struct Unanswered {
+    pub situation: Situation,
+    pub why: String,
+}
+
+/// What one attempt to forward to one owner ended in.
+enum Attempt {
+    Answered(Reply),
+    Refused(Unanswered),
+    /// The owner answered that it does not hold the session.
+    NotOwner,
+}
+
+fn refused(situation: Situation, why: impl Into<String>) -> Attempt {
+    Attempt::Refused(Unanswered {
+        situation,
+        why: why.into(),
+    })
+}
+
+impl Fleet {
+    /// Sends `call` (for a session this worker, `this_worker`, does not hold) to the
+    /// session's owner and returns its answer, or the situation that answers instead.
+    pub async fn forward_to_owner(
+        &self,
+        this_worker: &str,
+        call: &Call,
+    ) -> Result<Reply, Unanswered> {
+        let Some(session_id) = call.session_id.as_deref() else {
+            return Err(Unanswered {
+                situation: Situation::NoSuchSession,
+                why: "no session id".into(),
+            });
+        };
+        let owner = table::owner_from(session::owner_hint(session_id), this_worker, async || {
+            self.session_record(session_id).await
+        })
+        .await
+        .map_err(|situation| Unanswered {
+            situation,
+            why: match situation {
+                Situation::Unknown => "the directory could not be read".into(),
+                _ => "no owner recorded".into(),
+            },
+        })?;
+        match self.forward_to(&owner, call, session_id).await {
+            Attempt::Answered(reply) => Ok(reply),
+            Attempt::Refused(unanswered) => Err(unanswered),
+            Attempt::NotOwner => {
+                // The hint named a worker that says "not mine": ask the directory.
+                let recorded = self.session_record(session_id).await;
+                match table::after_not_owner(&owner, this_worker, recorded) {
+                    AfterNotOwner::ForwardTo(recorded) => {
+                        match self.forward_to(&recorded, call, session_id).await {
+                            Attempt::Answered(reply) => Ok(reply),
+                            Attempt::Refused(unanswered) => Err(unanswered),
+                            Attempt::NotOwner => Err(Unanswered {
+                                situation: Situation::OwnerGone,
+                                why: "the recorded owner no longer holds it".into(),
+                            }),
+                        }
+                    }
+                    AfterNotOwner::Answer(situation) => Err(Unanswered {
+                        situation,
+                        why: "its owner no longer holds it".into(),
+                    }),
+                }
+            }
+        }
+    }
+
+    async fn forward_to(&self, owner: &str, call: &Call, session: &str) -> Attempt {
+        let addr = match self.peer_addr(owner).await {
+            Ok(Some(addr)) => addr,
+            Ok(None) => {
+                let ours = self.lease.generation();
+                let current = self.directory.generation().await.map_err(|e| e.to_string());
+                let why = match &current {
+                    Ok(current) if *current == ours => format!("worker {owner}'s lease expired"),
+                    Ok(_) => "the directory was lost and is being rebuilt".to_owned(),
+                    Err(e) => e.clone(),
+                };
+                let verdict = table::without_address(&ours, current);
+                return self.act(verdict, owner, "", why).await;
+            }
+            Err(e) => return refused(Situation::Unknown, e.to_string()),
+        };
+        let request_id = self.request_ids.fetch_add(1, Ordering::Relaxed);
+        let frame = to_frame(call, request_id, self.config.mesh.forward_timeout);
+        let forward = self.mesh.forward(&addr, owner, frame);
+        tokio::pin!(forward);
+        // A head normally comes within milliseconds. When it does not, find out in
+        // parallel whether the owner still exists, and keep checking while the answer
+        // is "unknown" (lease alive, owner silent): a dead owner is answered as soon as
+        // that is proven (at the latest when its lease expires), never only after the
+        // forward timeout. An owner that answers the probe is merely slow.
+        let mut probing = true;
+        let outcome = loop {
+            if !probing {
+                break (&mut forward).await;
+            }
+            tokio::select! {
+                outcome = &mut forward => break outcome,
+                () = tokio::time::sleep(SUSPECT_AFTER) => {
+                    let probe = self.probe(owner, &addr);
+                    tokio::pin!(probe);
+                    tokio::select! {
+                        outcome = &mut forward => break outcome,
+                        liveness = &mut probe => match liveness {
+                            Liveness::Dead(why) => {
+                                let verdict = table::after_loss(
+                                    &Liveness::Dead(why.clone()),
+                                    async || self.session_record(session).await,
+                                ).await;
+                                return self.act(verdict, owner, &addr, why).await;
+                            }
+                            Liveness::Alive => probing = false,
+                            Liveness::Unknown => {}
+                        },
+                    }
+                }
+            }
+        };
+        match outcome {
+            Ok(response) => Attempt::Answered(from_forwarded(response)),
+            Err(error) => {
+                debug!(owner, %addr, %error, "forward failed");
+                self.classify(owner, &addr, session, error).await
+            }
+        }
+    }
+
+    /// What a failed forward proves, and acting on it.
+    async fn classify(&self, owner: &str, addr: &str, session: &str, error: MeshError) -> Attempt {
+        let via_pubsub = self.mesh.kind() == TransportKind::Redis;
+        let verdict = table::after_failure(
+            table::sign_of(&error),
+            via_pubsub,
+            async || self.lease_alive(owner).await,
+            async || self.session_record(session).await,
+        )
+        .await;
+        let verdict = match verdict {
+            Verdict::Probe => {
+                // Sent, then lost: a dead owner (502, never re-run) or an unreachable
+                // one (503).
+                let liveness = self.probe(owner, addr).await;
+                let why = match &liveness {
+                    Liveness::Dead(why) => format!("{error}; {why}"),
+                    _ => error.to_string(),
+                };
+                let verdict =
+                    table::after_loss(&liveness, async || self.session_record(session).await).await;
+                return self.act(verdict, owner, addr, why).await;
+            }
+            verdict => verdict,
+        };
+        let why = match (error.remote(), table::sign_of(&error)) {
+            (Some(frame), FailureSign::OwnerDraining | FailureSign::OwnerBusy) => {
+                frame.message.clone()
+            }
+            _ => error.to_string(),
+        };
+        self.act(verdict, owner, addr, why).await
+    }
+
+    /// Carries out a verdict: buries a proven-dead owner, and turns the situation into
+    /// the attempt's result.
+    async fn act(&self, verdict: Verdict, owner: &str, addr: &str, why: String) -> Attempt {
+        match verdict {
+            Verdict::Answer { situation, bury } => {
+                if bury {
+                    self.bury(owner, addr).await;
+                }
+                let why = match situation {
+                    Situation::NoSuchSession if why.is_empty() => "it ended".into(),
+                    _ => why,
+                };
+                refused(situation, why)
+            }
+            Verdict::AskDirectory => Attempt::NotOwner,
+            // Probing is resolved by the callers above; reaching here is a bug, and the
+            // honest answer for it is "unknown".
+            Verdict::Probe => refused(Situation::Unknown, why),
+        }
+    }
+
+    /// Whether `owner` still lives at `addr`: a fresh connection (refused or another
+    /// worker's Welcome is proof of death), then its lease.
+    async fn probe(&self, owner: &str, addr: &str) -> Liveness {
+        self.probe_mesh.forget_peer(addr);
+        let frame = probe_frame(self.config.mesh.connect_timeout);
+        let sign = match self.probe_mesh.forward(addr, owner, frame).await {
+            Ok(_) | Err(MeshError::Remote(_)) => ProbeSign::Answered,
+            Err(e) if e.proves_peer_gone() => ProbeSign::Refused(e.to_string()),
+            Err(_) => ProbeSign::Silent,
+        };
+        let refusal_proves = self.mesh.kind() != TransportKind::Redis;
+        table::liveness(sign, refusal_proves, async || self.lease_alive(owner).await).await
+    }
+
+    async fn lease_alive(&self, owner: &str) -> Lookup<bool> {
+        self.directory
+            .worker(owner)
+            .await
+            .map(|entry| entry.is_some())
+            .map_err(|e| e.to_string())
+    }
+
+    async fn session_record(&self, session: &str) -> Lookup<Option<String>> {
+        self.directory
+            .session_owner(session)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    async fn peer_addr(&self, owner: &str) -> Result<Option<String>, DirectoryError> {
+        if let Some(addr) = self.peers.read().get(owner) {
+            return Ok(Some(addr.clone()));
+        }
+        let addr = self.directory.worker_addr(owner).await?;
+        if let Some(addr) = &addr {
+            self.peers.write().insert(owner.to_owned(), addr.clone());
+        }
+        Ok(addr)
+    }
+
+    /// Acts on proof that `owner` is dead: forget it, and reclaim its sessions in the
+    /// directory (exactly once fleet-wide; the directory arbitrates races).
+    async fn bury(&self, owner: &str, addr: &str) {
+        self.peers.write().remove(owner);
+        if !addr.is_empty() {
+            self.mesh.forget_peer(addr);
+            self.probe_mesh.forget_peer(addr);
+        }
+        let token = match self.directory.worker(owner).await {
+            Ok(Some(entry)) if entry.addr.as_deref() == Some(addr) => Some(entry.lease_token),
+            // A newer registration at another address is not what we proved dead.
+            Ok(Some(_)) => return,
+            Ok(None) => None,
+            Err(e) => {
+                warn!(owner, error = %e, "cannot reclaim a dead worker now; its sessions stay unknown until its lease expires");
+                return;
+            }
+        };
+        match self.directory.reclaim_worker(owner, token.as_deref()).await {
+            Ok(Some(sids)) => info!(
+                owner,
+                sessions = sids.len(),
+                "reclaimed a dead worker's sessions"
+            ),
+            Ok(None) => debug!(owner, "dead worker already reclaimed"),
+            Err(e) => warn!(owner, error = %e, "reclaiming a dead worker failed"),
+        }
+    }
+}
+
+/// A request that any worker answers at once without side effects (405 from the
+/// request checks), used to test that an owner is alive on a fresh connection.
+fn probe_frame(deadline: Duration) -> RequestFrame {
+    RequestFrame {
+        request_id: 0,
+        session_id: None,
+        method: "OPTIONS".into(),
+        path: "/mcp".into(),
+        headers: Vec::new(),
+        body: bytes::Bytes::new(),
+        auth: mcpgw_wire::AuthContext {
+            scheme: mcpgw_wire::AuthScheme::Public,
+            principal: String::new(),
+            scopes: Vec::new(),
+            claims_json: None,
+        },
+        deadline_ms: u32::try_from(deadline.as_millis()).unwrap_or(u32::MAX),
+    }
+}
+
+/// Builds the mesh request for `call`. The session id travels as a header too, so
+/// the owner parses the request exactly as the edge did.
+pub fn to_frame(call: &Call, request_id: u64, deadline: Duration) -> RequestFrame {
+    let mut headers: Vec<(String, String)> = call
+        .headers
+        .iter()
+        .filter_map(|(k, v)| Some((k.as_str().to_owned(), v.to_str().ok()?.to_owned())))
+        .collect();
+    if let Some(session) = &call.session_id {
+        headers.push((mcp::HEADER_SESSION_ID.to_owned(), session.clone()));
+    }
+    RequestFrame {
+        request_id,
+        session_id: call.session_id.clone(),
+        method: call.method.as_str().to_owned(),
+        path: call.path.clone(),
+        headers,
+        body: call.body.clone(),
+        auth: call.auth.clone(),
+        deadline_ms: u32::try_from(deadline.as_millis()).unwrap_or(u32::MAX),
+    }
+}
+
+/// The owner's answer as a reply for the client: head as sent, body chunks relayed
+/// one by one as they arrive. Dropping the reply (client gone) drops the forwarded
+/// response, which cancels the request at the owner.
+pub fn from_forwarded(response: ForwardedResponse) -> Reply {
+    let head = response.head();
+    let mut headers = HeaderMap::new();
+    for (name, value) in &head.headers {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(value),
+        ) {
+            headers.append(name, value);
+        }
+    }
+    let status = StatusCode::from_u16(head.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let chunks = unfold(response, |mut response| async move {
+        match response.next_chunk().await {
+            Some(Ok(chunk)) => Some((Ok(Frame::data(chunk)), response)),
+            Some(Err(e)) => {
+                // The client gets a truncated stream: the truth, since the owner's
+                // answer broke mid-way. Nothing is retried elsewhere.
+                warn!(error = %e, "forwarded response broke mid-stream");
+                Some((Err(BoxError::from(e)), response))
+            }
+            None => None,
+        }
+    });
+    let body: ReplyBody = StreamBody::new(chunks).boxed_unsync();
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}

@@ -1,0 +1,110 @@
+//! What a worker is as an operating-system process: its id, the host it runs on, the
+//! signals it obeys, the protocol between supervisor and worker (environment, stdout
+//! line, exit codes), and the public port every worker of a host shares.
+
+use std::net::SocketAddr;
+
+use tracing::info;
+
+/// Environment variable carrying the resolved configuration to a worker process.
+pub const ENV_WORKER_CONFIG: &str = "MCPGW_WORKER_CONFIG";
+/// The worker's slot (0..N): picks its mesh port.
+pub const ENV_WORKER_INDEX: &str = "MCPGW_WORKER_INDEX";
+/// A fixed worker id for the process (otherwise it generates its own).
+pub const ENV_WORKER_ID_ASSIGNED: &str = "MCPGW_WORKER_ID_ASSIGNED";
+
+/// What a worker prints on stdout once it serves; the supervisor waits for it.
+pub const READY_PREFIX: &str = "mcpgw worker ready";
+
+/// Exit code of a worker that must not be restarted as is (bad configuration, its id
+/// is already leased): the supervisor stops instead of looping.
+pub const EXIT_FATAL: u8 = 3;
+
+/// Exit code of a worker that lost its lease (fenced): the supervisor starts a
+/// replacement under a new id.
+pub const EXIT_FENCED: u8 = 75;
+
+/// `host-pid-random`: readable in logs, unique across hosts and restarts.
+pub fn generate_worker_id() -> String {
+    let host = hostname()
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '-')
+        .take(24)
+        .collect::<String>();
+    let host = if host.is_empty() {
+        "host".to_owned()
+    } else {
+        host
+    };
+    let mut random = [0u8; 3];
+    let _ = getrandom::fill(&mut random);
+    format!(
+        "{host}-{}-{:02x}{:02x}{:02x}",
+        std::process::id(),
+        random[0],
+        random[1],
+        random[2]
+    )
+}
+
+/// This host's (container's) name, for worker ids and the lease's host field.
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
+}
+
+/// What this process publishes about itself with its lease.
+pub fn worker_info() -> mcpgw_mesh::directory::WorkerInfo {
+    mcpgw_mesh::directory::WorkerInfo {
+        pid: std::process::id(),
+        host: hostname(),
+        started_unix_ms: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+    }
+}
+
+/// Resolves when the process is asked to stop (SIGTERM or SIGINT).
+pub async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        // Without signal handlers the process can only be killed; serve until then.
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => info!("SIGTERM: draining"),
+        _ = int.recv() => info!("SIGINT: draining"),
+    }
+}
+
+/// Binds `addr` so that every worker process can bind it too: the kernel spreads
+/// connections over them (SO_REUSEPORT).
+pub fn bind_shared(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let socket = shared_socket(addr)?;
+    socket.listen(1024)?;
+    Ok(socket.into())
+}
+
+/// A bound, not listening, SO_REUSEPORT socket: holds a port for the workers without
+/// taking connections (only listening sockets receive them).
+pub fn reserve_shared(addr: SocketAddr) -> std::io::Result<socket2::Socket> {
+    shared_socket(addr)
+}
+
+fn shared_socket(addr: SocketAddr) -> std::io::Result<socket2::Socket> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    Ok(socket)
+}

@@ -1,0 +1,424 @@
+//! The owner's side of the Redis transport: the subscriber of this worker's request
+//! channel, and the exchanges it runs (admission, deadline, keep-alives, `Cancel`).
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::future::pending;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use mcpgw_wire::{
+    ErrorFrame, ErrorKind, Frame, MeshCodec, PROTOCOL_VERSION, RequestFrame, WireError,
+};
+use parking_lot::Mutex;
+use redis::aio::ConnectionManager;
+use redis::{Msg, RedisError};
+use tokio::time::{Instant, sleep_until, timeout};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use super::RedisTransportConfig;
+use super::conn::{
+    STOP_GRACE, Subscription, connect_publisher, keepalive_interval, open_client, publish, scrub,
+};
+use super::message::{decode_to_owner, encode_to_caller, valid_worker_id, version_mismatch};
+use crate::redis_conn::redact_url;
+use crate::transport::server::ServerShared;
+use crate::transport::{MeshError, PeerInfo, ResponsePart, TransportKind};
+
+/// The owner's side: the request channel's subscriber and the exchanges it runs.
+struct Owner {
+    /// Service, limits, draining and stop state shared with the handle.
+    shared: Arc<ServerShared>,
+    /// Opens the pub/sub connection again after it broke.
+    client: redis::Client,
+    /// Publishes replies; clones share one multiplexed connection.
+    publisher: ConnectionManager,
+    /// Names the callers' reply channels.
+    config: RedisTransportConfig,
+    /// This worker's request channel.
+    channel: String,
+    /// Decodes incoming frames with this server's frame limit.
+    codec: MeshCodec,
+    /// Running exchanges by caller and exchange id, so a `Cancel` finds its request.
+    running: Mutex<HashMap<(String, u64), CancellationToken>>,
+}
+
+/// Connects, subscribes to the worker's request channel and starts serving it. Returns
+/// the channel. Fails if Redis is unreachable or the channel has another subscriber.
+pub(crate) async fn serve(
+    config: &RedisTransportConfig,
+    shared: Arc<ServerShared>,
+) -> Result<String, MeshError> {
+    let url = redact_url(&config.redis_url);
+    let limits = &shared.limits;
+    let client = open_client(config, limits)?;
+    let mut publisher = connect_publisher(&client, limits, &url).await?;
+    let channel = config.request_channel(&shared.worker_id);
+    let subscription = Subscription::open(&client, &channel, limits.connect_timeout)
+        .await
+        .map_err(|reason| {
+            MeshError::Redis(format!("cannot subscribe to {channel} at {url}: {reason}"))
+        })?;
+    // One listener per worker channel (DESIGN invariant 2). Counted after subscribing,
+    // so two processes that start at once cannot both miss each other; the messages
+    // that arrived meanwhile are dropped unread when the check fails.
+    let counted: Result<(String, i64), RedisError> = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(&channel)
+        .query_async(&mut publisher)
+        .await;
+    match counted {
+        Ok((_, 1)) => {}
+        Ok((_, n)) => {
+            subscription.close(&channel).await;
+            return Err(MeshError::Redis(format!(
+                "{channel} has {} other subscriber(s): another process serves worker id {:?}; \
+                 give every process its own WORKER_ID",
+                n - 1,
+                shared.worker_id
+            )));
+        }
+        Err(e) => {
+            subscription.close(&channel).await;
+            return Err(MeshError::Redis(format!(
+                "cannot count the subscribers of {channel} at {url}: {}",
+                scrub(&e.to_string(), &client)
+            )));
+        }
+    }
+    let owner = Arc::new(Owner {
+        shared: shared.clone(),
+        client,
+        publisher,
+        config: config.clone(),
+        channel: channel.clone(),
+        codec: MeshCodec::new(limits.max_frame),
+        running: Mutex::new(HashMap::new()),
+    });
+    shared.tracker.spawn(owner.request_loop(subscription));
+    Ok(channel)
+}
+
+impl Owner {
+    /// Reads the request channel until the server stops, subscribing again whenever
+    /// the pub/sub connection breaks.
+    async fn request_loop(self: Arc<Self>, mut subscription: Subscription) {
+        loop {
+            loop {
+                let message = tokio::select! {
+                    biased;
+                    () = self.shared.stop.cancelled() => {
+                        subscription.close(&self.channel).await;
+                        return;
+                    }
+                    message = subscription.messages.next() => message,
+                };
+                match message {
+                    Some(message) => self.on_message(&message),
+                    None => break,
+                }
+            }
+            // Requests published until the subscription is back reach no subscriber, so
+            // their callers get Refused. Running exchanges go on: they publish through
+            // the publisher, which reconnects by itself.
+            warn!(channel = %self.channel, "the Redis connection of this worker's mesh channel broke; subscribing again");
+            let within = self.shared.limits.connect_timeout;
+            match Subscription::reopen(&self.client, &self.channel, within, &self.shared.stop).await
+            {
+                Some(again) => subscription = again,
+                None => return,
+            }
+        }
+    }
+
+    fn on_message(self: &Arc<Self>, message: &Msg) {
+        let m = match decode_to_owner(message.get_payload_bytes()) {
+            Ok(m) => m,
+            Err(reason) => {
+                // Without a whole header there is no caller to answer.
+                warn!(channel = %self.channel, %reason, "dropped a malformed message on the mesh channel");
+                return;
+            }
+        };
+        if !valid_worker_id(m.caller) {
+            warn!(channel = %self.channel, caller = ?m.caller, "dropped a mesh message whose caller id names no reply channel");
+            return;
+        }
+        if m.version != PROTOCOL_VERSION {
+            warn!(peer_worker = %m.caller, theirs = m.version, ours = PROTOCOL_VERSION,
+                "mesh peer speaks another protocol version; refusing its request");
+            self.answer(m.caller, m.exchange, version_mismatch(m.version));
+            return;
+        }
+        match self.codec.decode_frame(m.frame) {
+            Ok(Frame::Request(request)) => self.start(m.caller, m.exchange, *request),
+            Ok(Frame::Cancel) => {
+                let running = self.running.lock();
+                match running.get(&(m.caller.to_owned(), m.exchange)) {
+                    Some(cancel) => cancel.cancel(),
+                    // A Cancel that crossed the response's last message.
+                    None => {
+                        debug!(peer_worker = %m.caller, exchange = m.exchange, "Cancel for an exchange that is not running")
+                    }
+                }
+            }
+            Ok(other) => {
+                warn!(peer_worker = %m.caller, frame = other.name(), "mesh peer sent an unexpected frame; answered with an error");
+                let frame = Frame::Error(ErrorFrame::new(
+                    ErrorKind::Malformed,
+                    format!("expected Request or Cancel, got {}", other.name()),
+                ));
+                self.answer(m.caller, m.exchange, frame);
+            }
+            Err(e) => {
+                warn!(peer_worker = %m.caller, error = %e, "mesh peer sent a bad frame; answered with an error");
+                let kind = match e {
+                    WireError::FrameTooLarge { .. } => ErrorKind::TooLarge,
+                    _ => ErrorKind::Malformed,
+                };
+                self.answer(
+                    m.caller,
+                    m.exchange,
+                    Frame::Error(ErrorFrame::new(kind, e.to_string())),
+                );
+            }
+        }
+    }
+
+    /// Publishes one answer in the background (the subscriber never waits on Redis).
+    fn answer(self: &Arc<Self>, caller: &str, exchange: u64, frame: Frame) {
+        let mut reply = self.replier(caller, exchange);
+        self.shared.tracker.spawn(async move {
+            reply.finish(&frame).await;
+        });
+    }
+
+    fn replier(&self, caller: &str, exchange: u64) -> Replier {
+        Replier {
+            publisher: self.publisher.clone(),
+            channel: self.config.reply_channel(caller),
+            exchange,
+            codec: MeshCodec::new(self.shared.limits.max_frame),
+            last_sent: Instant::now(),
+        }
+    }
+
+    /// Registers the exchange (for `Cancel`) and runs it in its own task.
+    fn start(self: &Arc<Self>, caller: &str, exchange: u64, request: RequestFrame) {
+        let key = (caller.to_owned(), exchange);
+        let cancel = CancellationToken::new();
+        match self.running.lock().entry(key.clone()) {
+            Entry::Occupied(_) => {
+                // Redis delivers a message once; a repeat is a caller bug, and running it
+                // twice would break "executes exactly once".
+                warn!(peer_worker = %caller, exchange, "mesh request repeats a running exchange id; ignored");
+                return;
+            }
+            Entry::Vacant(slot) => {
+                slot.insert(cancel.clone());
+            }
+        }
+        let owner = self.clone();
+        self.shared.tracker.spawn(async move {
+            owner.exchange(&key.0, key.1, request, &cancel).await;
+            owner.running.lock().remove(&key);
+        });
+    }
+
+    /// Serves one request: admission, the deadline to the head, streaming the service's
+    /// response, keep-alives, and stopping on `Cancel`, a gone caller, or shutdown.
+    async fn exchange(
+        &self,
+        caller: &str,
+        exchange: u64,
+        request: RequestFrame,
+        cancel: &CancellationToken,
+    ) {
+        let shared = &self.shared;
+        let mut reply = self.replier(caller, exchange);
+        let request_id = request.request_id;
+        let deadline = Instant::now() + Duration::from_millis(u64::from(request.deadline_ms));
+        let refuse = |kind, message: String| Frame::Error(ErrorFrame::new(kind, message));
+        if shared.draining.load(Ordering::SeqCst) {
+            let message = format!("worker {} is shutting down", shared.worker_id);
+            return reply.finish(&refuse(ErrorKind::Draining, message)).await;
+        }
+        if request.deadline_ms == 0 {
+            let message = "request arrived with no time left".into();
+            return reply
+                .finish(&refuse(ErrorKind::DeadlineExceeded, message))
+                .await;
+        }
+        let Some(_slot) = shared.admit(caller) else {
+            let message = format!(
+                "worker {} already runs {} requests for worker {caller}",
+                shared.worker_id, shared.limits.max_in_flight_per_peer
+            );
+            return reply.finish(&refuse(ErrorKind::Busy, message)).await;
+        };
+        let peer = PeerInfo {
+            // No socket and no certificate: Redis stands between the workers.
+            addr: SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
+            identity: String::new(),
+            worker_id: caller.to_owned(),
+            transport: TransportKind::Redis,
+        };
+        let mut response = shared.service.serve(request, peer);
+        let keepalive = keepalive_interval(&shared.limits);
+        let mut head_sent = false;
+        let last = loop {
+            let head_deadline = async {
+                if head_sent {
+                    pending::<()>().await
+                } else {
+                    sleep_until(deadline).await
+                }
+            };
+            let quiet = async {
+                match keepalive {
+                    Some(every) => sleep_until(reply.last_sent + every).await,
+                    None => pending::<()>().await,
+                }
+            };
+            let sent = tokio::select! {
+                biased;
+                () = shared.stop.cancelled() => {
+                    drop(response);
+                    let frame = refuse(ErrorKind::Internal, "the owner stopped while the response was running".into());
+                    let _ = timeout(STOP_GRACE, reply.finish(&frame)).await;
+                    return;
+                }
+                () = cancel.cancelled() => {
+                    // The caller dropped its exchange: nobody reads an answer.
+                    debug!(request_id, peer = %caller, "mesh request cancelled by caller");
+                    break None;
+                }
+                () = head_deadline => {
+                    debug!(request_id, peer = %caller, "mesh request deadline passed; stopped");
+                    break Some(refuse(ErrorKind::DeadlineExceeded, "the request's deadline passed at the owner".into()));
+                }
+                () = quiet => reply.send(None).await,
+                part = response.next() => match part {
+                    Some(ResponsePart::Head(head)) if !head_sent => {
+                        head_sent = true;
+                        reply.send(Some(&Frame::Head(head))).await
+                    }
+                    Some(ResponsePart::Chunk(bytes)) if head_sent => reply.send_chunk(bytes).await,
+                    Some(ResponsePart::End) if head_sent => break Some(Frame::End),
+                    Some(ResponsePart::Error(e)) => break Some(Frame::Error(e)),
+                    Some(other) => {
+                        warn!(request_id, part = other.name(), head_sent,
+                            "mesh service produced a response out of order (Head, Chunk*, End)");
+                        break Some(refuse(ErrorKind::Internal, "owner produced a malformed response".into()));
+                    }
+                    None => {
+                        warn!(request_id, "mesh service ended a response without End");
+                        break Some(refuse(ErrorKind::Internal, "owner ended the response without End".into()));
+                    }
+                },
+            };
+            match sent {
+                Sent::Delivered => {}
+                Sent::CallerGone => {
+                    debug!(request_id, peer = %caller, "mesh caller's reply channel has no subscriber: caller gone; request stopped");
+                    break None;
+                }
+                Sent::Unencodable(e) => {
+                    warn!(request_id, error = %e, "mesh response head cannot be encoded");
+                    break Some(refuse(
+                        ErrorKind::Internal,
+                        format!("owner cannot encode the response: {e}"),
+                    ));
+                }
+                Sent::Failed(reason) => {
+                    // The message may be lost, so the stream is broken either way; try to
+                    // say so (the publisher may have reconnected by now).
+                    warn!(request_id, peer = %caller, %reason, "publishing a mesh reply failed; request stopped");
+                    break Some(refuse(
+                        ErrorKind::Internal,
+                        format!("owner could not publish the response: {reason}"),
+                    ));
+                }
+            }
+        };
+        // The service stops before the last message goes out.
+        drop(response);
+        if let Some(frame) = last {
+            reply.finish(&frame).await;
+        }
+    }
+}
+
+/// What became of one published reply.
+enum Sent {
+    /// At least one subscriber received it.
+    Delivered,
+    /// No subscriber on the caller's reply channel: the caller is gone.
+    CallerGone,
+    /// The frame cannot be encoded; nothing was published.
+    Unencodable(WireError),
+    /// Redis did not take it (connection lost, timeout).
+    Failed(String),
+}
+
+/// Publishes one exchange's replies, in order, to the caller's reply channel.
+struct Replier {
+    publisher: ConnectionManager,
+    channel: String,
+    exchange: u64,
+    codec: MeshCodec,
+    /// When a message last went out, for keep-alives.
+    last_sent: Instant,
+}
+
+impl Replier {
+    /// Publishes `frame` (`None`: a keep-alive).
+    async fn send(&mut self, frame: Option<&Frame>) -> Sent {
+        let payload = match encode_to_caller(&mut self.codec, self.exchange, frame) {
+            Ok(payload) => payload,
+            Err(e) => return Sent::Unencodable(e),
+        };
+        match publish(&mut self.publisher, &self.channel, &payload).await {
+            Ok(0) => Sent::CallerGone,
+            Ok(_) => {
+                self.last_sent = Instant::now();
+                Sent::Delivered
+            }
+            Err(e) => Sent::Failed(e.to_string()),
+        }
+    }
+
+    /// Publishes a body chunk, split so that each frame fits the maximum frame size.
+    async fn send_chunk(&mut self, mut bytes: Bytes) -> Sent {
+        let piece = self
+            .codec
+            .max_frame()
+            .saturating_sub(Frame::CHUNK_OVERHEAD)
+            .max(1);
+        loop {
+            let rest = if bytes.len() > piece {
+                bytes.split_off(piece)
+            } else {
+                Bytes::new()
+            };
+            match self.send(Some(&Frame::Chunk(bytes))).await {
+                Sent::Delivered if !rest.is_empty() => bytes = rest,
+                sent => return sent,
+            }
+        }
+    }
+
+    /// Publishes the exchange's last message; its fate changes nothing any more.
+    async fn finish(&mut self, frame: &Frame) {
+        match self.send(Some(frame)).await {
+            Sent::Delivered | Sent::CallerGone => {}
+            Sent::Unencodable(e) => warn!(error = %e, "mesh answer cannot be encoded"),
+            Sent::Failed(reason) => debug!(%reason, "publishing a mesh answer failed"),
+        }
+    }
+}
