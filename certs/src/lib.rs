@@ -6,9 +6,10 @@
 //!
 //! - the DNS SAN [`MESH_SERVER_NAME`], the same for every leaf, so a peer can dial any
 //!   IP address and still verify the server chain with ordinary webpki name checks;
-//! - a URI SAN [`MESH_URI_PREFIX`]`{member}`: the member's identity. webpki ignores URI
-//!   SANs, so this crate checks it itself inside the rustls verifiers: a handshake with
-//!   a certificate that chains to the mesh CA but carries no mesh identity fails.
+//! - a URI SAN `spiffe://{trust domain}/mesh/{member}` ([`MESH_URI_PREFIX`]`{member}`
+//!   in the default trust domain): the member's identity. webpki ignores URI SANs, so
+//!   this crate checks it itself inside the rustls verifiers: a handshake with a
+//!   certificate that chains to the mesh CA but carries no mesh identity fails.
 //!
 //! The identity's trust domain is configurable ([`TrustDomain`], default `mcpgw`); a
 //! peer of another trust domain is refused like one without an identity.
