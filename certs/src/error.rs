@@ -52,27 +52,66 @@ pub enum CertError {
     /// Bytes that should be a DER X.509 certificate could not be parsed.
     #[error("could not parse certificate: {0}")]
     Parse(String),
-    /// A certificate chains to the mesh CA but does not carry exactly one mesh identity.
+    /// A trust domain that cannot be written into an identity URI.
     #[error(
-        "certificate has no mesh identity (URI SAN spiffe://mcpgw/mesh/...): {detail}; \
+        "invalid trust domain {name:?}: use 1 to 255 characters from a-z 0-9 . - _ \
+         (for example \"mcpgw\" or \"prod.example.com\")"
+    )]
+    InvalidTrustDomain {
+        /// The rejected name.
+        name: String,
+    },
+    /// A certificate does not carry exactly one mesh identity of the trust domain.
+    #[error(
+        "certificate has no mesh identity (URI SAN spiffe://{trust_domain}/mesh/...): {detail}; \
          issue mesh leaves with `mcpgw certs issue`"
     )]
     NotMeshMember {
+        /// The trust domain the identity was looked for in.
+        trust_domain: String,
         /// What was found instead.
         detail: String,
     },
-    /// Our own leaf does not verify against our own CA bundle, so no peer would accept it.
+    /// A certificate's identity belongs to another trust domain than the configured one.
     #[error(
-        "the certificate in {cert} is not accepted by the CA bundle in {ca}: {reason}; \
-         re-issue the leaf from the mesh CA or add its CA to the bundle"
+        "certificate identity {uri} is not of this mesh's trust domain {expected:?}: issue the \
+         leaf from a certificate directory of trust domain {expected:?}, or configure the \
+         trust domain the mesh really uses"
     )]
+    ForeignTrustDomain {
+        /// The identity URI found.
+        uri: String,
+        /// The configured trust domain.
+        expected: String,
+    },
+    /// Our own leaf cannot be used with our own CA bundle, so no peer would accept it.
+    #[error("the certificate in {cert} cannot be used with the CA bundle in {ca}: {reason}")]
     LeafNotTrusted {
         /// Leaf certificate file.
         cert: PathBuf,
         /// CA bundle file.
         ca: PathBuf,
-        /// Why verification failed.
+        /// Why verification failed, and what to do.
         reason: String,
+    },
+    /// The private key does not belong to the certificate.
+    #[error(
+        "the private key in {key} does not belong to the certificate in {cert}: install the key \
+         that was issued with this certificate (they are replaced together)"
+    )]
+    KeyMismatch {
+        /// Certificate file.
+        cert: PathBuf,
+        /// Key file.
+        key: PathBuf,
+    },
+    /// A certificate from a file was refused; `source` says why.
+    #[error("{path}: {source}")]
+    InFile {
+        /// The file holding the refused certificate.
+        path: PathBuf,
+        /// Why it was refused.
+        source: Box<CertError>,
     },
     /// A CA certificate could not be used as a trust anchor.
     #[error("the CA bundle in {path} holds an unusable CA certificate: {reason}")]
@@ -82,6 +121,9 @@ pub enum CertError {
         /// Why it was rejected.
         reason: String,
     },
+    /// A reloading source was started outside a tokio runtime.
+    #[error("the mesh certificate reloader needs a tokio runtime: start it from inside one")]
+    NoRuntime,
     /// rustls refused the assembled configuration (e.g. key does not match certificate).
     #[error("TLS configuration rejected: {0} (check that the key file belongs to the certificate)")]
     Tls(#[from] rustls::Error),

@@ -11,7 +11,7 @@ use rcgen::{
 };
 use time::OffsetDateTime;
 
-use crate::{CertError, MESH_SERVER_NAME, mesh_uri};
+use crate::{CertError, MESH_SERVER_NAME, TrustDomain};
 
 /// Back-dating of `not_before`, so a peer whose clock is a little behind ours still
 /// accepts a certificate issued a moment ago.
@@ -86,13 +86,25 @@ pub fn generate_ca(common_name: &str, validity: Duration) -> Result<Pem, CertErr
     })
 }
 
-/// Issues a leaf for mesh member `member_name`, signed by `ca`.
-///
-/// The leaf carries DNS SAN [`MESH_SERVER_NAME`], URI SAN `spiffe://mcpgw/mesh/{name}`,
-/// and both serverAuth and clientAuth EKUs, because every member both dials and accepts
-/// mesh connections. Its validity is capped at the CA's.
+/// Issues a leaf for mesh member `member_name` of the default trust domain, signed by
+/// `ca` (see [`issue_leaf_in`]).
 pub fn issue_leaf(ca: &Pem, member_name: &str, validity: Duration) -> Result<Pem, CertError> {
-    let uri = mesh_uri(member_name)?;
+    issue_leaf_in(ca, &TrustDomain::default(), member_name, validity)
+}
+
+/// Issues a leaf for mesh member `member_name` of `trust_domain`, signed by `ca`.
+///
+/// The leaf carries DNS SAN [`MESH_SERVER_NAME`], URI SAN
+/// `spiffe://{trust_domain}/mesh/{name}`, and both serverAuth and clientAuth EKUs,
+/// because every member both dials and accepts mesh connections. Its validity is capped
+/// at the CA's.
+pub fn issue_leaf_in(
+    ca: &Pem,
+    trust_domain: &TrustDomain,
+    member_name: &str,
+    validity: Duration,
+) -> Result<Pem, CertError> {
+    let uri = trust_domain.member_uri(member_name)?;
     let ca_not_after = ca_not_after(&ca.cert)?;
     let (not_before, not_after) = window(validity, Some(ca_not_after))?;
 
@@ -138,19 +150,21 @@ fn ca_not_after(cert_pem: &str) -> Result<OffsetDateTime, CertError> {
 
 /// Writes `{dir}/{name}.crt` and `{dir}/{name}.key` and returns their paths.
 ///
-/// Each file is written to a temporary name and renamed into place, so a process that
-/// reloads certificates when files change never reads half a file. The key file is
-/// created readable by its owner only.
+/// Both files are first written in full to temporary names in `dir` and synced, then
+/// renamed into place one right after the other, so a process that reloads
+/// certificates when files change never reads half a file, and sees a new key with an
+/// old certificate (or the reverse) only for the instant between the two renames. The
+/// key file is created readable by its owner only.
 pub fn write_pem_files(dir: &Path, name: &str, pem: &Pem) -> Result<(PathBuf, PathBuf), CertError> {
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| CertError::Io { path, source }
-    };
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    std::fs::create_dir_all(dir).map_err(io_error(dir))?;
     let cert_path = dir.join(format!("{name}.crt"));
     let key_path = dir.join(format!("{name}.key"));
-    write_atomically(&key_path, pem.key.as_bytes(), true).map_err(io(&key_path))?;
-    write_atomically(&cert_path, pem.cert.as_bytes(), false).map_err(io(&cert_path))?;
+    let key_tmp = write_temp(&key_path, pem.key.as_bytes(), true).map_err(io_error(&key_path))?;
+    let cert_tmp =
+        write_temp(&cert_path, pem.cert.as_bytes(), false).map_err(io_error(&cert_path))?;
+    std::fs::rename(&key_tmp, &key_path).map_err(io_error(&key_path))?;
+    std::fs::rename(&cert_tmp, &cert_path).map_err(io_error(&cert_path))?;
+    sync_dir(dir).map_err(io_error(dir))?;
     Ok((cert_path, key_path))
 }
 
@@ -168,7 +182,26 @@ pub fn load_pem_files(cert: &Path, key: &Path) -> Result<Pem, CertError> {
     })
 }
 
-fn write_atomically(path: &Path, bytes: &[u8], secret: bool) -> std::io::Result<()> {
+/// Replaces `path` with `bytes` atomically: write a temporary file in the same
+/// directory, sync it, rename it over `path`, sync the directory. A reader sees the old
+/// content or the new, never a mix; after a crash, one of the two is on disk. `secret`
+/// files are created mode 0600.
+pub fn write_file_atomically(path: &Path, bytes: &[u8], secret: bool) -> Result<(), CertError> {
+    let tmp = write_temp(path, bytes, secret).map_err(io_error(path))?;
+    std::fs::rename(&tmp, path).map_err(io_error(path))?;
+    if let Some(dir) = path.parent() {
+        sync_dir(dir).map_err(io_error(dir))?;
+    }
+    Ok(())
+}
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> CertError {
+    let path = path.to_path_buf();
+    move |source| CertError::Io { path, source }
+}
+
+/// Writes `bytes` to `{path}.tmp`, synced to disk, and returns that path.
+fn write_temp(path: &Path, bytes: &[u8], secret: bool) -> std::io::Result<PathBuf> {
     let mut tmp_name = path.as_os_str().to_owned();
     tmp_name.push(".tmp");
     let tmp = PathBuf::from(tmp_name);
@@ -179,17 +212,29 @@ fn write_atomically(path: &Path, bytes: &[u8], secret: bool) -> std::io::Result<
         _ => {}
     }
     let mut opts = std::fs::OpenOptions::new();
-    opts.write(true).create(true).truncate(true);
+    opts.write(true).create_new(true);
     #[cfg(unix)]
-    if secret {
+    {
         use std::os::unix::fs::OpenOptionsExt;
-        opts.mode(0o600);
+        opts.mode(if secret { 0o600 } else { 0o644 });
     }
     #[cfg(not(unix))]
     let _ = secret;
     let mut file = opts.open(&tmp)?;
     file.write_all(bytes)?;
     file.sync_all()?;
-    drop(file);
-    std::fs::rename(&tmp, path)
+    Ok(tmp)
+}
+
+/// Makes a rename in `dir` durable (the directory entry itself is synced).
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        std::fs::File::open(dir)?.sync_all()
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = dir;
+        Ok(())
+    }
 }

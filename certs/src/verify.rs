@@ -2,8 +2,8 @@
 //!
 //! webpki verifies the chain, validity, EKU and (for servers) the DNS name, but it does
 //! not look at URI SANs. These wrappers delegate everything to webpki and then require
-//! a mesh URI SAN on the end-entity certificate, so a certificate that merely chains to
-//! the mesh CA is not enough to join the mesh.
+//! a mesh identity of the configured trust domain on the end-entity certificate, so a
+//! certificate that merely chains to the mesh CA is not enough to join the mesh.
 
 use std::sync::Arc;
 
@@ -16,7 +16,7 @@ use rustls::{
     DigitallySignedStruct, DistinguishedName, OtherError, RootCertStore, SignatureScheme,
 };
 
-use crate::{MESH_SERVER_NAME, crypto_provider, peer_identity};
+use crate::{MESH_SERVER_NAME, TrustDomain, crypto_provider};
 
 /// Turns a failed identity check into a rustls error whose text says what to do.
 fn identity_error(err: crate::CertError) -> rustls::Error {
@@ -24,24 +24,41 @@ fn identity_error(err: crate::CertError) -> rustls::Error {
 }
 
 /// Server-side verifier of client certificates: webpki chain check against the mesh CA
-/// bundle, then a mesh URI SAN. Client authentication is mandatory.
+/// bundle, then a mesh identity of the trust domain. Client authentication is mandatory.
 #[derive(Debug)]
 pub struct MeshClientCertVerifier {
     /// webpki's verifier over the mesh CA bundle; does everything but the identity check.
     inner: Arc<dyn ClientCertVerifier>,
+    /// The only trust domain whose identities are accepted.
+    trust_domain: TrustDomain,
 }
 
 impl MeshClientCertVerifier {
-    /// Wraps a webpki client verifier (built with client auth mandatory).
+    /// Wraps a webpki client verifier (built with client auth mandatory); identities of
+    /// the default trust domain.
     pub fn new(inner: Arc<dyn ClientCertVerifier>) -> Self {
-        Self { inner }
+        Self {
+            inner,
+            trust_domain: TrustDomain::default(),
+        }
     }
 
-    /// The mesh verifier over a CA bundle, with the workspace crypto provider.
+    /// The mesh verifier over a CA bundle for the default trust domain.
     pub fn with_roots(roots: Arc<RootCertStore>) -> Result<Self, VerifierBuilderError> {
+        Self::for_trust_domain(roots, TrustDomain::default())
+    }
+
+    /// The mesh verifier over a CA bundle, accepting identities of `trust_domain` only.
+    pub fn for_trust_domain(
+        roots: Arc<RootCertStore>,
+        trust_domain: TrustDomain,
+    ) -> Result<Self, VerifierBuilderError> {
         let inner =
             WebPkiClientVerifier::builder_with_provider(roots, crypto_provider()).build()?;
-        Ok(Self::new(inner))
+        Ok(Self {
+            inner,
+            trust_domain,
+        })
     }
 }
 
@@ -68,7 +85,9 @@ impl ClientCertVerifier for MeshClientCertVerifier {
         let verified = self
             .inner
             .verify_client_cert(end_entity, intermediates, now)?;
-        peer_identity(end_entity).map_err(identity_error)?;
+        self.trust_domain
+            .member_of(end_entity)
+            .map_err(identity_error)?;
         Ok(verified)
     }
 
@@ -100,29 +119,46 @@ impl ClientCertVerifier for MeshClientCertVerifier {
 }
 
 /// Client-side verifier of server certificates: webpki chain check against the mesh CA
-/// bundle with the DNS name [`MESH_SERVER_NAME`], then a mesh URI SAN.
+/// bundle with the DNS name [`MESH_SERVER_NAME`], then a mesh identity of the trust
+/// domain.
 ///
 /// The name the caller dials is ignored on purpose: peers are dialled by IP address,
 /// every mesh leaf carries the same DNS SAN, and a member is told apart by its URI SAN
-/// (read it after the handshake with [`peer_identity`] to check it is the worker you
-/// meant to reach).
+/// (read it after the handshake with [`crate::MeshTls::peer`] to check it is the worker
+/// you meant to reach).
 #[derive(Debug)]
 pub struct MeshServerCertVerifier {
     /// webpki's verifier over the mesh CA bundle; does everything but the identity check.
     inner: Arc<dyn ServerCertVerifier>,
+    /// The only trust domain whose identities are accepted.
+    trust_domain: TrustDomain,
 }
 
 impl MeshServerCertVerifier {
-    /// Wraps a webpki server verifier.
+    /// Wraps a webpki server verifier; identities of the default trust domain.
     pub fn new(inner: Arc<dyn ServerCertVerifier>) -> Self {
-        Self { inner }
+        Self {
+            inner,
+            trust_domain: TrustDomain::default(),
+        }
     }
 
-    /// The mesh verifier over a CA bundle, with the workspace crypto provider.
+    /// The mesh verifier over a CA bundle for the default trust domain.
     pub fn with_roots(roots: Arc<RootCertStore>) -> Result<Self, VerifierBuilderError> {
+        Self::for_trust_domain(roots, TrustDomain::default())
+    }
+
+    /// The mesh verifier over a CA bundle, accepting identities of `trust_domain` only.
+    pub fn for_trust_domain(
+        roots: Arc<RootCertStore>,
+        trust_domain: TrustDomain,
+    ) -> Result<Self, VerifierBuilderError> {
         let inner =
             WebPkiServerVerifier::builder_with_provider(roots, crypto_provider()).build()?;
-        Ok(Self::new(inner))
+        Ok(Self {
+            inner,
+            trust_domain,
+        })
     }
 }
 
@@ -144,7 +180,9 @@ impl ServerCertVerifier for MeshServerCertVerifier {
             ocsp_response,
             now,
         )?;
-        peer_identity(end_entity).map_err(identity_error)?;
+        self.trust_domain
+            .member_of(end_entity)
+            .map_err(identity_error)?;
         Ok(verified)
     }
 
