@@ -262,7 +262,7 @@ mod tests {
     use super::*;
     use crate::config::UpstreamConfig;
     use http::HeaderValue;
-    use mcpgw_wire::AuthScheme;
+    use mcpgw_wire::AuthMode;
 
     fn routes(names: &[&str]) -> Routes {
         let config = Config {
@@ -280,10 +280,11 @@ mod tests {
 
     fn public() -> AuthContext {
         AuthContext {
-            scheme: AuthScheme::Public,
-            principal: String::new(),
+            mode: AuthMode::Public,
+            subject: String::new(),
             scopes: Vec::new(),
-            claims_json: None,
+            expires_at_ms: None,
+            route: "demo".into(),
         }
     }
 

@@ -81,7 +81,7 @@ impl Worker {
             id: session_id.clone(),
             upstream: upstream_index,
             upstream_session_id,
-            principal: call.auth.principal.clone(),
+            principal: call.auth.subject.clone(),
         };
         if let Err(error) = self.claim_session(&session_id).await {
             // Never hand out a session the fleet cannot route to: end it upstream.
@@ -127,8 +127,9 @@ impl Worker {
         session: Arc<Session>,
     ) -> Result<Reply, GatewayError> {
         let id = call.id();
-        if session.principal != call.auth.principal {
-            // Another principal learns nothing about the session, not even that it exists.
+        if session.principal != call.auth.subject || session.upstream != call.upstream {
+            // Another principal (or a request on another route, authenticated by that
+            // route's rules) learns nothing about the session, not even that it exists.
             return Err(GatewayError::session_not_found().with_id(id));
         }
         if call.method == Method::DELETE {
