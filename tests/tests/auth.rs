@@ -780,13 +780,13 @@ fn jwks_rotation_refreshes_once_and_unknown_kids_do_not_hammer() {
 }
 
 /// Two supervisors of two workers, one Redis; three routes on the same upstream, one
-/// per mode.
+/// per mode. Fields drop in order: the gateways stop before Redis does.
 struct AuthFleet {
-    redis: RedisServer,
-    upstream: Upstream,
-    certs: MeshCerts,
     a: Gateway,
     b: Gateway,
+    upstream: Upstream,
+    certs: MeshCerts,
+    redis: RedisServer,
     key: SigningKey,
     dir: PathBuf,
 }
