@@ -207,11 +207,18 @@ impl JwtVerifier {
             ));
         }
         let kid = header.kid.as_deref();
-        let mut jwks_keys = match &self.jwks {
-            Some(jwks) => Some(jwks.keys().await.map_err(TokenProblem::KeysUnavailable)?),
-            None => None,
-        };
+        // A JWKS that cannot be loaded refuses only tokens no configured key serves.
+        let (mut jwks_keys, mut unavailable) = (None, None);
+        if let Some(jwks) = &self.jwks {
+            match jwks.keys().await {
+                Ok(keys) => jwks_keys = Some(keys),
+                Err(why) => unavailable = Some(why),
+            }
+        }
         let mut selection = self.select(jwks_keys.as_deref(), kid, alg);
+        if let (Selection::NoKey, Some(why)) = (&selection, unavailable) {
+            return Err(TokenProblem::KeysUnavailable(why));
+        }
         if matches!(selection, Selection::NoKey)
             && let Some(jwks) = &self.jwks
             && let Some(fresh) = jwks.refresh_for_unknown(kid).await

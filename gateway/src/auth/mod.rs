@@ -253,7 +253,18 @@ impl Authenticator {
                     )),
                 }
             }
-            _ => Ok(context(String::new(), Vec::new(), None)),
+            (Mode::Public, _, _) => Ok(context(String::new(), Vec::new(), None)),
+            // `new` gives every api-key route its keys and every jwt route its
+            // verifier; a route without them is refused, never served as public.
+            (mode, _, _) => Err(GatewayError::gateway(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "no_route_policy",
+                format!(
+                    "route {} is in {} mode without its keys",
+                    policy.name,
+                    mode.wire().name()
+                ),
+            )),
         }
     }
 
