@@ -10,6 +10,8 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
 
+use crate::auth::config::{AuthArgs, AuthConfig};
+
 /// A configuration value that cannot be used, named by its field.
 #[derive(Debug, thiserror::Error)]
 #[error("invalid configuration: {field}: {problem}")]
@@ -35,8 +37,8 @@ pub struct Config {
     pub limits: Limits,
     pub fleet: FleetConfig,
     pub mesh: MeshConfig,
-    /// `principal:token` lines; without it the gateway runs in public mode.
-    pub auth_tokens_file: Option<PathBuf>,
+    /// Edge authentication: modes per route, JWT keys, rate limit (`[auth]`).
+    pub auth: AuthConfig,
     /// The admin listener of worker 0 (`/healthz`, `/readyz`, `/state`); worker i
     /// listens on port + i (port 0: each worker picks a free port and logs it).
     pub admin_listen: SocketAddr,
@@ -186,7 +188,7 @@ impl Default for Config {
                 max_frame_bytes: 8 * 1024 * 1024,
                 max_in_flight_per_peer: 1024,
             },
-            auth_tokens_file: None,
+            auth: AuthConfig::default(),
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             trust_forwarded_for: false,
         }
@@ -223,9 +225,8 @@ pub struct ServeArgs {
     /// Time for a session's owner to start answering a forwarded request, in ms.
     #[arg(long, env = "MCPGW_FORWARD_TIMEOUT_MS")]
     pub forward_timeout_ms: Option<u64>,
-    /// API keys: a file of `principal:token` lines. Without it, public mode.
-    #[arg(long, env = "MCPGW_AUTH_TOKENS_FILE")]
-    pub auth_tokens_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub auth: AuthArgs,
     /// While a session's owner cannot be confirmed, answer ping and */list without the
     /// session instead of 503.
     #[arg(long, env = "MCPGW_STATELESS_WHEN_UNKNOWN")]
@@ -295,7 +296,7 @@ struct FileConfig {
     #[serde(default)]
     mesh: FileMesh,
     #[serde(default)]
-    auth: FileAuth,
+    auth: AuthConfig,
     #[serde(default)]
     admin: FileAdmin,
 }
@@ -304,12 +305,6 @@ struct FileConfig {
 #[serde(deny_unknown_fields)]
 struct FileAdmin {
     listen: Option<String>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileAuth {
-    tokens_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -436,9 +431,7 @@ impl Config {
             }
         }
         set_ms(&mut self.mesh.forward_timeout, m.forward_timeout_ms);
-        if file.auth.tokens_file.is_some() {
-            self.auth_tokens_file = file.auth.tokens_file;
-        }
+        self.auth = file.auth;
         set_ms(&mut self.mesh.connect_timeout, m.connect_timeout_ms);
         set(&mut self.mesh.max_frame_bytes, m.max_frame_bytes);
         set(
@@ -473,9 +466,7 @@ impl Config {
             self.fleet.stateless_when_unknown = true;
         }
         set_ms(&mut self.mesh.forward_timeout, a.forward_timeout_ms);
-        if a.auth_tokens_file.is_some() {
-            self.auth_tokens_file = a.auth_tokens_file.clone();
-        }
+        self.auth.apply_args(&a.auth);
         if let Some(listen) = &a.mesh_listen {
             self.mesh.listen = parse_addr("--mesh-listen", listen)?;
         }
@@ -658,7 +649,11 @@ impl Config {
                 }
             }
         }
-        if self.mesh.transport == MeshTransport::Redis && self.auth_tokens_file.is_some() {
+        let edge_auth = self
+            .upstreams
+            .iter()
+            .any(|u| self.auth.mode_of(&u.name) != crate::auth::config::Mode::Public);
+        if self.mesh.transport == MeshTransport::Redis && edge_auth {
             return Err(invalid(
                 "mesh.transport",
                 "the redis mesh transport is a benchmark baseline whose trust boundary is \
@@ -666,10 +661,8 @@ impl Config {
                  so it cannot be combined with edge authentication: use quic or tcp",
             ));
         }
-        if let Some(path) = &self.auth_tokens_file {
-            crate::auth::Authenticator::from_file(path)
-                .map_err(|problem| invalid("auth.tokens_file", problem))?;
-        }
+        // Builds the real authenticator: reads token files, keys and JWKS files.
+        crate::auth::Authenticator::new(self)?;
         if self.mesh.max_frame_bytes < self.limits.max_body_bytes + 64 * 1024 {
             return Err(invalid(
                 "mesh.max_frame_bytes",

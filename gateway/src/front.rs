@@ -21,6 +21,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 use tracing::{debug, info, warn};
 
+use crate::auth;
 use crate::body::{self, ReplyBody};
 use crate::mcp::{self, GatewayError};
 use crate::reply::{HEADER_EDGE_WORKER, Reply};
@@ -165,6 +166,23 @@ async fn handle(
     if parts.uri.path() == "/healthz" {
         return health(&worker);
     }
+    // Kept for the challenge of a 401/403, which points at the route's metadata under
+    // the URL this client used (only the edge knows it).
+    let path = parts.uri.path().to_owned();
+    let base = worker.auth.base_url(&parts.headers);
+    if let Some(resource) = path.strip_prefix(auth::metadata::WELL_KNOWN) {
+        let reply = worker.auth.metadata(
+            &parts.method,
+            worker.routes.resolve(resource),
+            resource,
+            base.as_deref(),
+        );
+        let mut response = into_response(reply);
+        response
+            .headers_mut()
+            .insert(HEADER_EDGE_WORKER, worker.id_header.clone());
+        return response;
+    }
     let reply = match accept_call(&worker, parts, body, peer).await {
         Ok(reply) => reply,
         Err((error, method, path)) => {
@@ -180,6 +198,14 @@ async fn handle(
         }
     };
     let mut response = into_response(reply);
+    let status = response.status();
+    worker.auth.complete_challenge(
+        worker.routes.resolve(&path),
+        &path,
+        base.as_deref(),
+        status,
+        response.headers_mut(),
+    );
     response
         .headers_mut()
         .insert(HEADER_EDGE_WORKER, worker.id_header.clone());
@@ -188,8 +214,10 @@ async fn handle(
 
 type Refusal = (GatewayError, http::Method, String);
 
-/// Authenticates the client, checks the request, reads its body, and dispatches the
-/// call; a refusal carries what the log line needs.
+/// Authenticates the client for the route, checks the request, reads its body,
+/// checks its scopes, counts it against the rate limit (here, once per client request,
+/// never again at an owner), and dispatches the call; a refusal carries what the log
+/// line needs.
 async fn accept_call(
     worker: &Arc<Worker>,
     parts: Parts,
@@ -198,7 +226,16 @@ async fn accept_call(
 ) -> Result<Reply, Refusal> {
     let path = parts.uri.path().to_owned();
     let refuse = |e: GatewayError| (e, parts.method.clone(), path.clone());
-    let auth = worker.auth.authenticate(&parts.headers).map_err(refuse)?;
+    let route = worker
+        .routes
+        .resolve(&path)
+        .ok_or_else(|| worker.routes.not_found(&path))
+        .map_err(refuse)?;
+    let auth = worker
+        .auth
+        .authenticate(route, &parts.headers)
+        .await
+        .map_err(refuse)?;
     let (upstream, era) = request::check_head(&worker.routes, &parts.method, &path, &parts.headers)
         .map_err(refuse)?;
     let limits = &worker.config.limits;
@@ -220,6 +257,8 @@ async fn accept_call(
         &parts.headers,
         worker.config.trust_forwarded_for,
     ));
+    worker.auth.authorize(&call).map_err(refuse)?;
+    worker.auth.admit(&call).await.map_err(refuse)?;
     worker.dispatch(call).await.map_err(refuse)
 }
 

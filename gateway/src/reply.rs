@@ -32,11 +32,13 @@ impl Reply {
         if let Some(seconds) = error.retry_after {
             headers.insert(http::header::RETRY_AFTER, HeaderValue::from(seconds));
         }
-        if error.status == StatusCode::UNAUTHORIZED {
-            headers.insert(
-                http::header::WWW_AUTHENTICATE,
-                HeaderValue::from_static("Bearer realm=\"mcpgw\""),
-            );
+        // RFC 6750: a 401 always carries a challenge; a 403 from edge auth carries its
+        // insufficient_scope challenge. The edge adds `resource_metadata` later
+        // (`Authenticator::complete_challenge`), where it knows the client's URL.
+        if let Some(challenge) =
+            crate::auth::challenge_of(error).and_then(|c| HeaderValue::from_str(&c).ok())
+        {
+            headers.insert(http::header::WWW_AUTHENTICATE, challenge);
         }
         Reply {
             status: error.status,

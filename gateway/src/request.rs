@@ -107,10 +107,13 @@ impl Call {
     }
 
     /// What a new session counts against in the per-principal session quota: the
-    /// principal, or in public mode (no principal) the client's address.
+    /// authenticated subject (within its auth mode), or in public mode (no subject)
+    /// the client's address.
     pub fn quota_key(&self) -> String {
-        match (&self.auth.principal, self.client) {
-            (principal, _) if !principal.is_empty() => format!("principal:{principal}"),
+        match (&self.auth.subject, self.client) {
+            (subject, _) if !subject.is_empty() => {
+                format!("principal:{:?}:{subject}", self.auth.mode)
+            }
             (_, Some(addr)) => format!("addr:{addr}"),
             (_, None) => "public".to_owned(),
         }
@@ -278,7 +281,7 @@ mod tests {
     use super::*;
     use crate::config::UpstreamConfig;
     use http::HeaderValue;
-    use mcpgw_wire::AuthScheme;
+    use mcpgw_wire::AuthMode;
 
     fn routes(names: &[&str]) -> Routes {
         let config = Config {
@@ -296,10 +299,11 @@ mod tests {
 
     fn public() -> AuthContext {
         AuthContext {
-            scheme: AuthScheme::Public,
-            principal: String::new(),
+            mode: AuthMode::Public,
+            subject: String::new(),
             scopes: Vec::new(),
-            claims_json: None,
+            expires_at_ms: None,
+            route: "demo".into(),
         }
     }
 

@@ -60,10 +60,7 @@ impl Worker {
             .map_err(|e| config_error(e.to_string()))?;
         let id_header = http::HeaderValue::from_str(&id)
             .map_err(|_| config_error(format!("worker id {id:?} is not a valid header value")))?;
-        let auth = match &config.auth_tokens_file {
-            Some(path) => Authenticator::from_file(path).map_err(config_error)?,
-            None => Authenticator::default(),
-        };
+        let auth = Authenticator::new(&config).map_err(|e| config_error(e.to_string()))?;
         Ok(Arc::new(Worker {
             id,
             id_header,

@@ -2,6 +2,8 @@
 
 usage: sdk_client.py URL MODE SCENARIO
   MODE: legacy | 2026-07-28
+  MCPGW_BEARER_TOKEN (environment, optional): sent as Authorization: Bearer on every
+    request, as an OAuth client with an access token would
   SCENARIO:
     basic    list tools, call echo
     counter  counter_increment twice in one session, then once in a second session
@@ -12,10 +14,22 @@ usage: sdk_client.py URL MODE SCENARIO
 
 import asyncio
 import json
+import os
 import sys
 import time
 
 import mcp
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+
+
+def connect(url, mode):
+    """An SDK client for URL, with the bearer token from the environment if one is set."""
+    token = os.environ.get("MCPGW_BEARER_TOKEN")
+    if not token:
+        return mcp.Client(url, mode=mode)
+    http = create_mcp_http_client(headers={"Authorization": f"Bearer {token}"})
+    return mcp.Client(streamable_http_client(url, http_client=http), mode=mode)
 
 
 def text_of(result):
@@ -23,7 +37,7 @@ def text_of(result):
 
 
 async def basic(url, mode):
-    async with mcp.Client(url, mode=mode) as client:
+    async with connect(url, mode) as client:
         tools = await client.list_tools()
         echoed = await client.call_tool("echo", {"text": "hello through mcpgw"})
         return {"tools": sorted(t.name for t in tools.tools), "echo": text_of(echoed),
@@ -32,10 +46,10 @@ async def basic(url, mode):
 
 async def counter(url, mode):
     values = []
-    async with mcp.Client(url, mode=mode) as first:
+    async with connect(url, mode) as first:
         for _ in range(2):
             values.append(text_of(await first.call_tool("counter_increment", {})))
-        async with mcp.Client(url, mode=mode) as second:
+        async with connect(url, mode) as second:
             other = text_of(await second.call_tool("counter_increment", {}))
         values.append(text_of(await first.call_tool("counter_increment", {})))
     return {"first_session": values, "second_session": other}
@@ -48,7 +62,7 @@ async def stream(url, mode):
     async def on_progress(progress, total, message):
         progress_at.append(round((time.monotonic() - start) * 1000, 1))
 
-    async with mcp.Client(url, mode=mode) as client:
+    async with connect(url, mode) as client:
         start = time.monotonic()
         result = await client.call_tool(
             "slow_stream", {"count": 10, "interval_ms": 100}, progress_callback=on_progress)
@@ -57,11 +71,11 @@ async def stream(url, mode):
 
 
 async def notes(url, mode):
-    async with mcp.Client(url, mode=mode) as client:
+    async with connect(url, mode) as client:
         await client.call_tool("add_note", {"note": "one"})
         await client.call_tool("add_note", {"note": "two"})
         mine = text_of(await client.call_tool("list_notes", {}))
-        async with mcp.Client(url, mode=mode) as other:
+        async with connect(url, mode) as other:
             theirs = text_of(await other.call_tool("list_notes", {}))
     return {"mine": mine, "theirs": theirs}
 
@@ -75,7 +89,7 @@ async def fleet(url, mode):
     async def on_progress(progress, total, message):
         progress_at.append(round((time.monotonic() - start) * 1000, 1))
 
-    async with mcp.Client(url, mode=mode) as client:
+    async with connect(url, mode) as client:
         values = [text_of(await client.call_tool("counter_increment", {})) for _ in range(20)]
         tools = await client.list_tools()
         start = time.monotonic()

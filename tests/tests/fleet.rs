@@ -399,10 +399,11 @@ fn try_forward(
             ],
             body: body.to_string().into_bytes().into(),
             auth: mcpgw_wire::AuthContext {
-                scheme: mcpgw_wire::AuthScheme::Public,
-                principal: String::new(),
+                mode: mcpgw_wire::AuthMode::Public,
+                subject: String::new(),
                 scopes: Vec::new(),
-                claims_json: None,
+                expires_at_ms: None,
+                route: "demo".into(),
             },
             deadline_ms: 5000,
         };

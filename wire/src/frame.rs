@@ -11,7 +11,10 @@ use wincode::{SchemaRead, SchemaWrite};
 
 /// The mesh protocol version carried in [`Frame::Hello`] and [`Frame::Welcome`].
 /// Peers refuse a connection whose version differs from their own.
-pub const PROTOCOL_VERSION: u32 = 1;
+///
+/// History: 2 reshaped [`AuthContext`] (mode, subject, scopes, expiry, route) for edge
+/// authentication with JWTs.
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// One mesh message.
 #[derive(Debug, Clone, PartialEq, Eq, SchemaWrite, SchemaRead)]
@@ -103,30 +106,56 @@ pub struct ResponseHead {
     pub headers: Vec<(String, String)>,
 }
 
-/// The authentication outcome the receiving worker forwards with a request.
+/// The authentication outcome the receiving worker forwards with a request. It holds
+/// what the owner needs to act for the client and never the credential itself: the
+/// owner cannot (and need not) verify a token, it trusts the edge because the edge
+/// proved by mTLS that it is a mesh worker (docs/architecture.md, invariant 4).
 #[derive(Debug, Clone, PartialEq, Eq, SchemaWrite, SchemaRead)]
 pub struct AuthContext {
-    /// How the client authenticated.
-    pub scheme: AuthScheme,
-    /// Who the client is; the owner checks it against the session's principal.
-    pub principal: String,
-    /// Granted scopes.
+    /// How the client authenticated; the owner refuses a mode its route does not use.
+    pub mode: AuthMode,
+    /// Who the client is (the JWT `sub`, the API key's principal, empty in public
+    /// mode); the owner checks it against the session's creator.
+    pub subject: String,
+    /// Scopes the credential grants (JWT `scope`/`scp`), for policies downstream.
     pub scopes: Vec<String>,
-    /// Verified token claims as JSON, when the gateway's policy needs them downstream.
-    pub claims_json: Option<String>,
+    /// Unix time in milliseconds from which the credential is no longer honoured (its
+    /// expiry plus the configured leeway); `None` when it never expires. The owner
+    /// checks it again when it executes, so a token that expires mid-session stops
+    /// working on every worker at the same moment.
+    pub expires_at_ms: Option<u64>,
+    /// The route (upstream name) the edge authenticated the request for; the owner
+    /// refuses a context whose route is not the request path's.
+    pub route: String,
+}
+
+impl AuthContext {
+    /// Whether the credential is still honoured at `now_ms` (Unix milliseconds).
+    pub fn honoured_at(&self, now_ms: u64) -> bool {
+        self.expires_at_ms.is_none_or(|deadline| now_ms < deadline)
+    }
 }
 
 /// How a client authenticated at the receiving worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, SchemaWrite, SchemaRead)]
-pub enum AuthScheme {
-    /// Public mode: no credentials; the principal is anonymous or client-chosen.
+pub enum AuthMode {
+    /// Public mode: no credentials; the subject is empty.
     Public,
-    /// A JWT verified by the gateway.
-    Jwt,
-    /// An OAuth bearer token verified by the gateway.
-    OAuth,
     /// A static API key (bearer token) from the gateway's token file.
     ApiKey,
+    /// A JWT access token verified by the gateway (OAuth 2.1 bearer).
+    Jwt,
+}
+
+impl AuthMode {
+    /// The name used in configuration, logs and error messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            AuthMode::Public => "public",
+            AuthMode::ApiKey => "api-key",
+            AuthMode::Jwt => "jwt",
+        }
+    }
 }
 
 /// A failure reported by a peer, for one request or for the connection.
@@ -175,4 +204,24 @@ pub enum ErrorKind {
     Cancelled,
     /// The owner failed for a reason of its own; see the message.
     Internal,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_credential_is_honoured_until_its_deadline_and_not_at_it() {
+        let mut auth = AuthContext {
+            mode: AuthMode::Jwt,
+            subject: "alice".into(),
+            scopes: Vec::new(),
+            expires_at_ms: Some(1_000),
+            route: "demo".into(),
+        };
+        assert!(auth.honoured_at(999));
+        assert!(!auth.honoured_at(1_000));
+        auth.expires_at_ms = None;
+        assert!(auth.honoured_at(u64::MAX));
+    }
 }

@@ -21,6 +21,6 @@ mod frame;
 
 pub use codec::{DEFAULT_MAX_FRAME, MAX_FRAME_LIMIT, MeshCodec, WireError};
 pub use frame::{
-    AuthContext, AuthScheme, ErrorFrame, ErrorKind, Frame, PROTOCOL_VERSION, RequestFrame,
+    AuthContext, AuthMode, ErrorFrame, ErrorKind, Frame, PROTOCOL_VERSION, RequestFrame,
     ResponseHead,
 };

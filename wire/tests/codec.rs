@@ -3,8 +3,8 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 use mcpgw_wire::{
-    AuthContext, AuthScheme, ErrorFrame, ErrorKind, Frame, MeshCodec, PROTOCOL_VERSION,
-    RequestFrame, ResponseHead, WireError,
+    AuthContext, AuthMode, ErrorFrame, ErrorKind, Frame, MeshCodec, PROTOCOL_VERSION, RequestFrame,
+    ResponseHead, WireError,
 };
 use proptest::prelude::*;
 use tokio_util::codec::{Decoder, Encoder};
@@ -20,21 +20,24 @@ fn headers() -> impl Strategy<Value = Vec<(String, String)>> {
 fn auth() -> impl Strategy<Value = AuthContext> {
     (
         prop_oneof![
-            Just(AuthScheme::Public),
-            Just(AuthScheme::Jwt),
-            Just(AuthScheme::OAuth),
-            Just(AuthScheme::ApiKey)
+            Just(AuthMode::Public),
+            Just(AuthMode::ApiKey),
+            Just(AuthMode::Jwt)
         ],
         any::<String>(),
         proptest::collection::vec(any::<String>(), 0..4),
-        proptest::option::of(any::<String>()),
+        proptest::option::of(any::<u64>()),
+        any::<String>(),
     )
-        .prop_map(|(scheme, principal, scopes, claims_json)| AuthContext {
-            scheme,
-            principal,
-            scopes,
-            claims_json,
-        })
+        .prop_map(
+            |(mode, subject, scopes, expires_at_ms, route)| AuthContext {
+                mode,
+                subject,
+                scopes,
+                expires_at_ms,
+                route,
+            },
+        )
 }
 
 fn error_kind() -> impl Strategy<Value = ErrorKind> {
@@ -276,7 +279,7 @@ fn wire_format_is_bincode_1() {
     };
     let mut want = vec![0, 0, 0, 27]; // 4 + 4 + (8 + 1) + (8 + 2)
     want.extend_from_slice(&0u32.to_le_bytes());
-    want.extend_from_slice(&1u32.to_le_bytes());
+    want.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
     want.extend_from_slice(&1u64.to_le_bytes());
     want.extend_from_slice(b"a");
     want.extend_from_slice(&2u64.to_le_bytes());

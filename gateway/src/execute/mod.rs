@@ -82,7 +82,7 @@ impl Worker {
             session_id.clone(),
             upstream_index,
             upstream_session_id,
-            call.auth.principal.clone(),
+            call.auth.subject.clone(),
             quota_key,
         );
         if let Err(error) = self.claim_session(&session).await {
@@ -131,8 +131,9 @@ impl Worker {
 
     async fn run_in_session(&self, call: Call, session: SessionUse) -> Result<Reply, GatewayError> {
         let id = call.id();
-        if session.principal != call.auth.principal {
-            // Another principal learns nothing about the session, not even that it exists.
+        if session.principal != call.auth.subject || session.upstream != call.upstream {
+            // Another principal (or a request on another route, authenticated by that
+            // route's rules) learns nothing about the session, not even that it exists.
             return Err(GatewayError::session_not_found().with_id(id));
         }
         if call.method == Method::DELETE {

@@ -375,10 +375,11 @@ fn probe_frame(deadline: Duration) -> RequestFrame {
         headers: Vec::new(),
         body: bytes::Bytes::new(),
         auth: mcpgw_wire::AuthContext {
-            scheme: mcpgw_wire::AuthScheme::Public,
-            principal: String::new(),
+            mode: mcpgw_wire::AuthMode::Public,
+            subject: String::new(),
             scopes: Vec::new(),
-            claims_json: None,
+            expires_at_ms: None,
+            route: String::new(),
         },
         deadline_ms: u32::try_from(deadline.as_millis()).unwrap_or(u32::MAX),
     }

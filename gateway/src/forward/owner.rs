@@ -90,6 +90,11 @@ async fn serve_forwarded(worker: &Arc<Worker>, frame: RequestFrame) -> Result<Re
         // The edge ran the same checks; a refusal here is still an answer to relay.
         Err(error) => return Ok(Reply::from_error(&error)),
     };
+    // The edge authenticated the client; the owner checks that the context fits this
+    // route and that the credential has not expired since (invariant 4).
+    if let Err(error) = worker.auth.check_forwarded(&call) {
+        return Ok(Reply::from_error(&error));
+    }
     let session = match call.session_id.as_deref() {
         None => None,
         Some(id) => match worker.sessions.enter(id) {

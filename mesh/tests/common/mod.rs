@@ -20,7 +20,7 @@ use mcpgw_mesh::transport::{
     ForwardedResponse, MeshClient, MeshError, MeshLimits, MeshServer, MeshServerHandle,
     MeshService, PeerInfo, RedisTransportConfig, ResponsePart, TransportKind,
 };
-use mcpgw_wire::{AuthContext, AuthScheme, ErrorFrame, ErrorKind, RequestFrame, ResponseHead};
+use mcpgw_wire::{AuthContext, AuthMode, ErrorFrame, ErrorKind, RequestFrame, ResponseHead};
 use tokio::sync::Semaphore;
 
 pub const YEAR: Duration = Duration::from_secs(365 * 24 * 3600);
@@ -385,10 +385,11 @@ pub fn request(path: &str, body: impl Into<Bytes>) -> RequestFrame {
         headers: vec![("mcp-protocol-version".into(), "2025-06-18".into())],
         body: body.into(),
         auth: AuthContext {
-            scheme: AuthScheme::Jwt,
-            principal: "alice".into(),
+            mode: AuthMode::Jwt,
+            subject: "alice".into(),
             scopes: vec!["mcp".into()],
-            claims_json: None,
+            expires_at_ms: None,
+            route: "demo".into(),
         },
         deadline_ms: 30_000,
     }

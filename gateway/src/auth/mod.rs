@@ -1,0 +1,725 @@
+//! Edge authentication: the receiving worker decides who the client is, once, and
+//! the resulting auth context travels with a forwarded request (docs/architecture.md,
+//! invariant 4). The owner never sees the credential; it checks only what the context
+//! says: the route and mode match its own configuration, the credential has not
+//! expired meanwhile ([`Authenticator::check_forwarded`]), and the subject is the
+//! session's creator (in [`crate::execute`]).
+//!
+//! Each route (`/servers/{name}/mcp`) has a mode: `public`, `api-key`
+//! ([`api_key`]), or `jwt` ([`jwt`], keys from the configuration or a JWKS,
+//! [`jwks`]). Routes in `jwt` mode publish OAuth protected resource metadata and
+//! point to it from their challenges ([`metadata`]), and may require scopes, per route
+//! and per tool. An optional per-principal rate limit ([`rate_limit`]) is counted
+//! here, once per client request. Tokens appear in no log line, error body or label.
+
+pub mod api_key;
+pub mod config;
+pub mod jwks;
+pub mod jwt;
+pub mod metadata;
+pub mod rate_limit;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::header::{AUTHORIZATION, CACHE_CONTROL, WWW_AUTHENTICATE};
+use http::{HeaderMap, HeaderValue, Method, StatusCode};
+use mcpgw_wire::{AuthContext, AuthMode};
+use serde_json::json;
+
+use crate::config::{Config, ConfigError};
+use crate::mcp::{self, GatewayError};
+use crate::reply::Reply;
+use crate::request::Call;
+use api_key::ApiKeys;
+use config::{Mode, invalid};
+use jwks::{Jwks, JwksSource, KeySet, load_static_key};
+use jwt::{JwtVerifier, TokenProblem};
+use rate_limit::RateLimiter;
+
+/// How the edge authenticates clients, route by route.
+pub struct Authenticator {
+    /// Indexed like `config.upstreams` (a route's index is its upstream's).
+    routes: Vec<RoutePolicy>,
+    /// The configured public base URL, without a trailing slash.
+    public_base: Option<String>,
+    /// The per-principal rate limit, when configured.
+    limiter: Option<RateLimiter>,
+}
+
+/// A JWKS as configured: its path or URL, and the CA its URL is checked with.
+type JwksId = (String, Option<PathBuf>);
+
+/// What one route asks of its clients.
+struct RoutePolicy {
+    name: String,
+    mode: Mode,
+    api_keys: Option<Arc<ApiKeys>>,
+    jwt: Option<JwtVerifier>,
+    /// Scopes every request needs.
+    scopes: Vec<String>,
+    /// More scopes a `tools/call` of a tool needs.
+    tool_scopes: BTreeMap<String, Vec<String>>,
+    /// For the resource metadata.
+    authorization_servers: Vec<String>,
+}
+
+impl Mode {
+    fn wire(self) -> AuthMode {
+        match self {
+            Mode::Public => AuthMode::Public,
+            Mode::ApiKey => AuthMode::ApiKey,
+            Mode::Jwt => AuthMode::Jwt,
+        }
+    }
+}
+
+impl Authenticator {
+    /// Builds every route's policy: reads the token file, the configured keys and JWKS
+    /// files, so a bad one stops the start with its field named. JWKS URLs are fetched
+    /// on first use.
+    pub fn new(config: &Config) -> Result<Authenticator, ConfigError> {
+        let auth = &config.auth;
+        let names: Vec<&str> = config.upstreams.iter().map(|u| u.name.as_str()).collect();
+        auth.validate_shape(&names, config.fleet.redis_url.as_deref())?;
+        let api_keys = match &auth.tokens_file {
+            Some(path) => Some(Arc::new(
+                ApiKeys::from_file(path).map_err(|problem| invalid("auth.tokens_file", problem))?,
+            )),
+            None => None,
+        };
+        let static_keys = Arc::new(KeySet {
+            keys: auth
+                .jwt
+                .keys
+                .iter()
+                .enumerate()
+                .map(|(i, key)| {
+                    load_static_key(key).map_err(|p| invalid(&format!("auth.jwt.keys[{i}]"), p))
+                })
+                .collect::<Result<_, _>>()?,
+        });
+        let default_route = config.default_upstream().map(|u| u.name.as_str());
+        // One cache per JWKS (and CA): routes naming the same one share its keys and
+        // its refresh budget.
+        let mut caches: Vec<(JwksId, Arc<Jwks>)> = Vec::new();
+        let mut routes = Vec::with_capacity(config.upstreams.len());
+        for upstream in &config.upstreams {
+            let name = upstream.name.as_str();
+            let mode = auth.mode_of(name);
+            let settings = auth.routes.get(name).cloned().unwrap_or_default();
+            let mut policy = RoutePolicy {
+                name: name.to_owned(),
+                mode,
+                api_keys: None,
+                jwt: None,
+                scopes: settings.scopes,
+                tool_scopes: settings.tool_scopes,
+                authorization_servers: Vec::new(),
+            };
+            for scope in policy
+                .scopes
+                .iter()
+                .chain(policy.tool_scopes.values().flatten())
+            {
+                if !metadata::valid_scope(scope) {
+                    return Err(invalid(
+                        &format!("auth.routes.{name}.scopes"),
+                        format!(
+                            "{scope:?} is not a scope token (printable ASCII, no space, no quote)"
+                        ),
+                    ));
+                }
+            }
+            match mode {
+                Mode::Public => {}
+                Mode::ApiKey => {
+                    policy.api_keys = Some(api_keys.clone().ok_or_else(|| {
+                        invalid(
+                            &format!("auth.routes.{name}.mode"),
+                            "api-key mode needs the keys: set [auth] tokens_file or pass --auth-tokens-file",
+                        )
+                    })?);
+                }
+                Mode::Jwt => {
+                    let resolved = auth.jwt_of(name, default_route == Some(name))?;
+                    let jwks = match &resolved.jwks {
+                        None => None,
+                        Some(text) => {
+                            let id = (text.clone(), resolved.jwks_ca.clone());
+                            match caches.iter().find(|(known, _)| *known == id) {
+                                Some((_, cache)) => Some(Arc::clone(cache)),
+                                None => {
+                                    let cache = jwks_cache(text, &resolved)?;
+                                    caches.push((id, Arc::clone(&cache)));
+                                    Some(cache)
+                                }
+                            }
+                        }
+                    };
+                    if jwks.is_none() && static_keys.keys.is_empty() {
+                        return Err(invalid(
+                            "auth.jwt.jwks",
+                            format!(
+                                "route {name} is in jwt mode but has no keys: set jwks (a file \
+                                 or an https:// URL; --jwt-jwks) or [[auth.jwt.keys]]"
+                            ),
+                        ));
+                    }
+                    policy.authorization_servers = resolved.authorization_servers;
+                    policy.jwt = Some(JwtVerifier {
+                        issuer: resolved.issuer,
+                        audience: resolved.audience,
+                        leeway_secs: resolved.leeway_secs,
+                        static_keys: Arc::clone(&static_keys),
+                        jwks,
+                    });
+                }
+            }
+            routes.push(policy);
+        }
+        let limiter = match &auth.rate_limit {
+            None => None,
+            Some(limit) => {
+                let url = limit
+                    .redis_url
+                    .as_deref()
+                    .or(config.fleet.redis_url.as_deref())
+                    .unwrap_or_default();
+                Some(
+                    RateLimiter::new(limit, url, &config.fleet.key_prefix)
+                        .map_err(|p| invalid("auth.rate_limit.redis_url", p))?,
+                )
+            }
+        };
+        Ok(Authenticator {
+            routes,
+            public_base: auth.public_base().map(str::to_owned),
+            limiter,
+        })
+    }
+
+    /// Who the client of a request on `route` is, or why it may not ask (401; 503
+    /// when the keys to decide cannot be loaded).
+    pub async fn authenticate(
+        &self,
+        route: usize,
+        headers: &HeaderMap,
+    ) -> Result<AuthContext, GatewayError> {
+        let policy = self.policy(route)?;
+        let context =
+            |subject: String, scopes: Vec<String>, expires_at_ms: Option<u64>| AuthContext {
+                mode: policy.mode.wire(),
+                subject,
+                scopes,
+                expires_at_ms,
+                route: policy.name.clone(),
+            };
+        match (policy.mode, &policy.api_keys, &policy.jwt) {
+            (Mode::ApiKey, Some(keys), _) => {
+                let token = bearer(headers, policy)?;
+                match keys.principal_of(token) {
+                    Some(principal) => Ok(context(principal.to_owned(), Vec::new(), None)),
+                    None => Err(unauthorized(
+                        policy,
+                        "invalid_token",
+                        Some("unknown_key"),
+                        "invalid bearer token: check the token you were issued".into(),
+                    )),
+                }
+            }
+            (Mode::Jwt, _, Some(verifier)) => {
+                let token = bearer(headers, policy)?;
+                match verifier.verify(token, now_ms()).await {
+                    Ok(granted) => Ok(context(
+                        granted.subject,
+                        granted.scopes,
+                        Some(granted.expires_at_ms),
+                    )),
+                    Err(TokenProblem::KeysUnavailable(why)) => Err(GatewayError::gateway(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "keys_unavailable",
+                        TokenProblem::KeysUnavailable(why).message(verifier),
+                    )
+                    .with_retry_after(1)),
+                    Err(problem) => Err(unauthorized(
+                        policy,
+                        "invalid_token",
+                        Some(problem.code()),
+                        problem.message(verifier),
+                    )),
+                }
+            }
+            (Mode::Public, _, _) => Ok(context(String::new(), Vec::new(), None)),
+            // `new` gives every api-key route its keys and every jwt route its
+            // verifier; a route without them is refused, never served as public.
+            (mode, _, _) => Err(GatewayError::gateway(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "no_route_policy",
+                format!(
+                    "route {} is in {} mode without its keys",
+                    policy.name,
+                    mode.wire().name()
+                ),
+            )),
+        }
+    }
+
+    /// Whether the authenticated `call` has the scopes its route and tool need (403
+    /// with `insufficient_scope` otherwise). Decided at the edge only.
+    pub fn authorize(&self, call: &Call) -> Result<(), GatewayError> {
+        let policy = self.policy(call.upstream)?;
+        if policy.mode != Mode::Jwt {
+            return Ok(());
+        }
+        let mut needed: Vec<&String> = policy.scopes.iter().collect();
+        if let Some(extra) = tool_name(call).and_then(|tool| policy.tool_scopes.get(tool)) {
+            needed.extend(extra.iter().filter(|s| !policy.scopes.contains(s)));
+        }
+        let missing: Vec<&String> = needed
+            .iter()
+            .copied()
+            .filter(|scope| !call.auth.scopes.contains(scope))
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let needed: Vec<String> = needed.into_iter().cloned().collect();
+        Err(GatewayError::new(
+            StatusCode::FORBIDDEN,
+            mcp::code::GATEWAY_ERROR,
+            format!(
+                "insufficient scope: this request needs {}, and the token lacks {}; request a \
+                 token with these scopes",
+                needed.join(" "),
+                missing
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ),
+        )
+        .with_data(json!({
+            "reason": "insufficient_scope",
+            "required_scopes": needed,
+            "missing_scopes": missing,
+        }))
+        .with_id(call.id()))
+    }
+
+    /// Counts one client request against its principal's rate limit. Called by the
+    /// receiving worker only, once per client request.
+    pub async fn admit(&self, call: &Call) -> Result<(), GatewayError> {
+        match &self.limiter {
+            Some(limiter) => limiter
+                .admit(&call.auth)
+                .await
+                .map_err(|e| e.with_id(call.id())),
+            None => Ok(()),
+        }
+    }
+
+    /// The owner's check of a forwarded call's auth context: the edge authenticated it
+    /// for this route in this route's mode, and the credential is still honoured now
+    /// (so a token that expires mid-session stops working here at the same moment as
+    /// at every edge).
+    pub fn check_forwarded(&self, call: &Call) -> Result<(), GatewayError> {
+        let policy = self.policy(call.upstream)?;
+        let auth = &call.auth;
+        if auth.route != policy.name || auth.mode != policy.mode.wire() {
+            return Err(unauthorized(
+                policy,
+                "auth_context_mismatch",
+                None,
+                format!(
+                    "the receiving worker authenticated this request for route {:?} in mode {}, \
+                     but route {:?} is in mode {} here: the fleet's configurations differ; retry \
+                     once they agree",
+                    auth.route,
+                    auth.mode.name(),
+                    policy.name,
+                    policy.mode.wire().name()
+                ),
+            )
+            .with_id(call.id()));
+        }
+        if !auth.honoured_at(now_ms()) {
+            let problem = TokenProblem::Expired { seconds_ago: 0 };
+            return Err(unauthorized(
+                policy,
+                "invalid_token",
+                Some(problem.code()),
+                "invalid bearer token: it expired; get a new token".into(),
+            )
+            .with_id(call.id()));
+        }
+        Ok(())
+    }
+
+    /// The base URL clients reach this gateway at, for metadata URLs.
+    pub fn base_url(&self, request: &HeaderMap) -> Option<String> {
+        metadata::base_url(self.public_base.as_deref(), request)
+    }
+
+    /// Points the challenge of a 401/403 on a `jwt` route at the route's resource
+    /// metadata (RFC 9728 §5.1). Runs at the edge for every answer, so challenges made
+    /// by the owner get the URL the client used too.
+    pub fn complete_challenge(
+        &self,
+        route: Option<usize>,
+        resource_path: &str,
+        base: Option<&str>,
+        status: StatusCode,
+        headers: &mut HeaderMap,
+    ) {
+        if !matches!(status, StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN) {
+            return;
+        }
+        let (Some(policy), Some(base)) = (route.and_then(|r| self.routes.get(r)), base) else {
+            return;
+        };
+        if policy.mode != Mode::Jwt {
+            return;
+        }
+        let completed = headers
+            .get(WWW_AUTHENTICATE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                metadata::with_resource_metadata(v, &metadata::metadata_url(base, resource_path))
+            })
+            .and_then(|v| HeaderValue::from_str(&v).ok());
+        if let Some(value) = completed {
+            headers.insert(WWW_AUTHENTICATE, value);
+        }
+    }
+
+    /// The protected resource metadata of the route at `resource_path` (the part of
+    /// the request path after the well-known prefix).
+    pub fn metadata(
+        &self,
+        method: &Method,
+        route: Option<usize>,
+        resource_path: &str,
+        base: Option<&str>,
+    ) -> Reply {
+        let refuse = |status: StatusCode, message: String| {
+            Reply::from_error(&GatewayError::new(
+                status,
+                mcp::code::METHOD_NOT_FOUND,
+                message,
+            ))
+        };
+        if *method != Method::GET {
+            return refuse(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "protected resource metadata is read with GET".into(),
+            );
+        }
+        let Some(policy) = route.and_then(|r| self.routes.get(r)) else {
+            return refuse(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "no protected resource at {:?}: metadata is served at \
+                     {}/servers/{{name}}/mcp for routes in jwt mode",
+                    resource_path.chars().take(128).collect::<String>(),
+                    metadata::WELL_KNOWN
+                ),
+            );
+        };
+        if policy.mode != Mode::Jwt {
+            return refuse(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "route {} is in {} mode, not OAuth: it has no protected resource metadata",
+                    policy.name,
+                    policy.mode.wire().name()
+                ),
+            );
+        }
+        let Some(base) = base else {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                "cannot tell this gateway's public URL: send a Host header, or configure \
+                 [auth] public_url"
+                    .into(),
+            );
+        };
+        let mut scopes: Vec<String> = policy
+            .scopes
+            .iter()
+            .chain(policy.tool_scopes.values().flatten())
+            .cloned()
+            .collect();
+        scopes.sort_unstable();
+        scopes.dedup();
+        let document = metadata::document(
+            base,
+            resource_path,
+            &policy.name,
+            &policy.authorization_servers,
+            &scopes,
+        );
+        let mut reply = Reply::json(StatusCode::OK, Bytes::from(document.to_string()));
+        reply.headers.insert(
+            CACHE_CONTROL,
+            HeaderValue::from_static("public, max-age=300"),
+        );
+        reply
+    }
+
+    fn policy(&self, route: usize) -> Result<&RoutePolicy, GatewayError> {
+        self.routes.get(route).ok_or_else(|| {
+            GatewayError::gateway(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "no_route_policy",
+                format!("route {route} has no auth policy"),
+            )
+        })
+    }
+}
+
+fn jwks_cache(text: &str, resolved: &config::ResolvedJwt) -> Result<Arc<Jwks>, ConfigError> {
+    let field = "auth.jwt.jwks";
+    let source =
+        JwksSource::parse(text, resolved.jwks_ca.as_deref()).map_err(|p| invalid(field, p))?;
+    if let JwksSource::File(path) = &source {
+        // A file is read now, so a bad one stops the start; a URL is fetched on first use.
+        let bytes = std::fs::read(path)
+            .map_err(|e| invalid(field, format!("cannot read {}: {e}", path.display())))?;
+        let (set, skipped) = KeySet::parse_jwks(&bytes, true)
+            .map_err(|p| invalid(field, format!("{}: {p}", path.display())))?;
+        if set.keys.is_empty() {
+            return Err(invalid(
+                field,
+                format!(
+                    "{} holds no usable signing key ({skipped} skipped)",
+                    path.display()
+                ),
+            ));
+        }
+    }
+    Ok(Jwks::new(
+        source,
+        resolved.jwks_refresh_interval,
+        resolved.jwks_max_age,
+    ))
+}
+
+/// The bearer token of a request, or the 401 that asks for one.
+fn bearer<'a>(headers: &'a HeaderMap, policy: &RoutePolicy) -> Result<&'a str, GatewayError> {
+    let mut values = headers.get_all(AUTHORIZATION).iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        let message = if headers.contains_key(AUTHORIZATION) {
+            "send exactly one Authorization header"
+        } else {
+            "missing bearer token: send Authorization: Bearer <token>"
+        };
+        return Err(unauthorized(policy, "missing_token", None, message.into()));
+    };
+    let token = value.to_str().ok().and_then(|v| {
+        let (scheme, token) = v.split_once(' ')?;
+        scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+    });
+    match token {
+        Some(token) if !token.is_empty() => Ok(token),
+        _ => Err(unauthorized(
+            policy,
+            "missing_token",
+            None,
+            "the Authorization header holds no bearer token: send Authorization: Bearer <token>"
+                .into(),
+        )),
+    }
+}
+
+/// A 401. Its data names the reason (and the scopes the route needs), from which
+/// [`challenge_of`] makes the `WWW-Authenticate` header, at the edge or at an owner.
+fn unauthorized(
+    policy: &RoutePolicy,
+    reason: &str,
+    problem: Option<&str>,
+    message: String,
+) -> GatewayError {
+    let mut data = json!({ "reason": reason });
+    if let Some(problem) = problem {
+        data["problem"] = json!(problem);
+    }
+    if !policy.scopes.is_empty() {
+        data["required_scopes"] = json!(policy.scopes);
+    }
+    GatewayError::new(StatusCode::UNAUTHORIZED, mcp::code::GATEWAY_ERROR, message).with_data(data)
+}
+
+/// The `WWW-Authenticate` challenge (RFC 6750) an error answer carries: every 401 has
+/// one (with `error="invalid_token"` when a credential was refused, without an error
+/// code when none was sent), and a 403 for missing scopes has `insufficient_scope`.
+/// It says nothing the error body does not, and never anything of the token.
+pub fn challenge_of(error: &GatewayError) -> Option<String> {
+    let data = error.data.as_ref();
+    let field = |name: &str| data.and_then(|d| d.get(name));
+    let reason = field("reason").and_then(|r| r.as_str());
+    let scopes: Vec<String> = field("required_scopes")
+        .and_then(|s| s.as_array())
+        .map(|list| {
+            list.iter()
+                .filter_map(|s| s.as_str())
+                .filter(|s| metadata::valid_scope(s))
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default();
+    match (error.status, reason) {
+        (StatusCode::UNAUTHORIZED, Some("invalid_token")) => {
+            let problem = field("problem").and_then(|p| p.as_str()).unwrap_or("");
+            Some(metadata::challenge(
+                Some(("invalid_token", jwt::describe(problem))),
+                &scopes,
+            ))
+        }
+        (StatusCode::UNAUTHORIZED, _) => Some(metadata::challenge(None, &scopes)),
+        (StatusCode::FORBIDDEN, Some("insufficient_scope")) => Some(metadata::challenge(
+            Some((
+                "insufficient_scope",
+                "The token lacks a scope this request needs",
+            )),
+            &scopes,
+        )),
+        _ => None,
+    }
+}
+
+/// The tool a `tools/call` names.
+fn tool_name(call: &Call) -> Option<&str> {
+    let message = call.message.as_ref()?;
+    if message.method() != Some("tools/call") {
+        return None;
+    }
+    message.json.get("params")?.get("name")?.as_str()
+}
+
+/// Unix time in milliseconds (the clock tokens' `exp` is measured on).
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::UpstreamConfig;
+
+    fn config(auth: &str, names: &[&str]) -> Config {
+        Config {
+            upstreams: names
+                .iter()
+                .map(|n| UpstreamConfig {
+                    name: n.to_string(),
+                    url: "http://127.0.0.1:1/mcp".into(),
+                })
+                .collect(),
+            auth: toml::from_str(auth).unwrap(),
+            ..Config::default()
+        }
+    }
+
+    fn run<T>(future: impl std::future::Future<Output = T>) -> T {
+        futures_util::FutureExt::now_or_never(future).expect("no I/O on this path")
+    }
+
+    #[test]
+    fn public_mode_has_an_anonymous_subject_and_names_the_route() {
+        let auth = Authenticator::new(&config("", &["demo"])).unwrap();
+        let context = run(auth.authenticate(0, &HeaderMap::new())).unwrap();
+        assert_eq!(
+            (
+                context.mode,
+                context.subject.as_str(),
+                context.route.as_str()
+            ),
+            (AuthMode::Public, "", "demo")
+        );
+        assert!(auth.base_url(&HeaderMap::new()).is_none());
+    }
+
+    #[test]
+    fn a_missing_token_gets_a_challenge_without_an_error_code() {
+        let dir = std::env::temp_dir().join(format!("mcpgw-auth-mod-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let secret = dir.join("hs.secret");
+        std::fs::write(&secret, [7u8; 32]).unwrap();
+        let auth = Authenticator::new(&config(
+            &format!(
+                r#"
+mode = "jwt"
+public_url = "https://mcp.example.com"
+[jwt]
+issuer = "https://idp"
+[[jwt.keys]]
+alg = "HS256"
+secret_file = "{}"
+[routes.demo]
+scopes = ["mcp"]
+"#,
+                secret.display()
+            ),
+            &["demo"],
+        ))
+        .unwrap();
+        let error = run(auth.authenticate(0, &HeaderMap::new())).unwrap_err();
+        assert_eq!(error.status, StatusCode::UNAUTHORIZED);
+        let challenge = challenge_of(&error).unwrap();
+        assert_eq!(challenge, "Bearer realm=\"mcpgw\", scope=\"mcp\"");
+        let mut headers = HeaderMap::new();
+        headers.insert(WWW_AUTHENTICATE, HeaderValue::from_str(&challenge).unwrap());
+        let base = auth.base_url(&HeaderMap::new());
+        auth.complete_challenge(
+            Some(0),
+            "/servers/demo/mcp",
+            base.as_deref(),
+            error.status,
+            &mut headers,
+        );
+        assert_eq!(
+            headers[WWW_AUTHENTICATE],
+            "Bearer realm=\"mcpgw\", scope=\"mcp\", resource_metadata=\"https://mcp.example.com/.well-known/oauth-protected-resource/servers/demo/mcp\""
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn configuration_problems_name_their_field() {
+        let cases = [
+            ("mode = \"api-key\"", "auth.routes.demo.mode"),
+            (
+                "mode = \"jwt\"\n[jwt]\nissuer = \"i\"\naudience = \"a\"",
+                "auth.jwt.jwks",
+            ),
+            (
+                "mode = \"jwt\"\n[jwt]\nissuer = \"i\"\naudience = \"a\"\njwks = \"http://idp.example.com/k\"",
+                "auth.jwt.jwks",
+            ),
+            (
+                "mode = \"jwt\"\n[jwt]\nissuer = \"i\"\naudience = \"a\"\njwks = \"/nonexistent/jwks.json\"",
+                "auth.jwt.jwks",
+            ),
+            (
+                "[jwt]\nissuer = \"i\"\naudience = \"a\"\njwks = \"https://idp/k\"\n[routes.demo]\nmode = \"jwt\"\nscopes = [\"a b\"]",
+                "auth.routes.demo.scopes",
+            ),
+            (
+                "[[jwt.keys]]\nalg = \"none\"\nsecret_file = \"x\"",
+                "auth.jwt.keys[0]",
+            ),
+        ];
+        for (text, field) in cases {
+            let err = Authenticator::new(&config(text, &["demo"]))
+                .err()
+                .expect(field);
+            assert_eq!(err.field, field, "{text}: {err}");
+        }
+    }
+}

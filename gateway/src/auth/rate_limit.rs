@@ -1,0 +1,218 @@
+//! The per-principal rate limit: a token bucket per principal in Redis, taken and
+//! counted by one Lua script, so each client request costs one round trip, and only
+//! when a limit is configured. The receiving worker asks once per client request; the
+//! owner of a forwarded request never asks again (docs/architecture.md, invariant 2:
+//! one client request moves a per-user counter by exactly one).
+//!
+//! When Redis does not answer in time the limiter fails in the configured direction:
+//! open (the request passes, a warning is logged) or closed (503 + `Retry-After`).
+//! After a failure it leaves Redis alone for a second, so an outage costs no request a
+//! timeout.
+
+use std::time::Duration;
+
+use http::StatusCode;
+use mcpgw_wire::{AuthContext, AuthMode};
+use parking_lot::Mutex;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use tokio::time::Instant;
+use tracing::warn;
+
+use super::config::{FailMode, RateLimitConfig};
+use crate::mcp::GatewayError;
+
+/// How long Redis is left alone after it failed to answer.
+const BACKOFF: Duration = Duration::from_secs(1);
+
+/// Takes one token from the bucket `KEYS[1]` (a hash: `tokens`, `ts` in ms, and
+/// `requests`, the exact count of requests checked). Time is Redis's own, so the
+/// workers' clocks do not matter. Returns `{allowed, retry_after_ms}`.
+const TAKE_LUA: &str = r#"
+local capacity = tonumber(ARGV[1])
+local per_ms = tonumber(ARGV[2])
+local ttl_ms = tonumber(ARGV[3])
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens = tonumber(state[1]) or capacity
+local ts = tonumber(state[2]) or now
+if now > ts then
+  tokens = math.min(capacity, tokens + (now - ts) * per_ms)
+end
+local allowed = 0
+local wait_ms = 0
+if tokens >= 1 then
+  tokens = tokens - 1
+  allowed = 1
+else
+  wait_ms = math.ceil((1 - tokens) / per_ms)
+end
+redis.call('HSET', KEYS[1], 'tokens', tokens, 'ts', now)
+redis.call('HINCRBY', KEYS[1], 'requests', 1)
+redis.call('PEXPIRE', KEYS[1], ttl_ms)
+return {allowed, wait_ms}
+"#;
+
+pub struct RateLimiter {
+    client: redis::Client,
+    /// Connected on first use; `None` again after a failed connect.
+    connection: tokio::sync::Mutex<Option<ConnectionManager>>,
+    script: redis::Script,
+    key_prefix: String,
+    capacity: f64,
+    per_ms: f64,
+    /// Lifetime of an idle bucket: the time it takes to refill, plus a margin.
+    ttl_ms: u64,
+    fail: FailMode,
+    timeout: Duration,
+    /// Until when Redis is skipped after a failure.
+    skip_until: Mutex<Option<Instant>>,
+}
+
+impl RateLimiter {
+    /// `redis_url` is the configured one or the fleet's. The client only parses the
+    /// URL here; it connects on the first request.
+    pub fn new(
+        config: &RateLimitConfig,
+        redis_url: &str,
+        key_prefix: &str,
+    ) -> Result<RateLimiter, String> {
+        // The parse error may quote the URL (and its password): not passed on.
+        let client = redis::Client::open(redis_url).map_err(|_| {
+            "the Redis URL does not parse: expected redis://[user:password@]host:port[/db]"
+                .to_owned()
+        })?;
+        let capacity = f64::from(config.burst);
+        let per_ms = config.per_second / 1000.0;
+        let ttl_ms = ((capacity / per_ms).ceil() as u64).saturating_add(1000);
+        Ok(RateLimiter {
+            client,
+            connection: tokio::sync::Mutex::new(None),
+            script: redis::Script::new(TAKE_LUA),
+            key_prefix: key_prefix.to_owned(),
+            capacity,
+            per_ms,
+            ttl_ms,
+            fail: config.on_redis_error,
+            timeout: config.timeout(),
+            skip_until: Mutex::new(None),
+        })
+    }
+
+    /// The Redis key of `auth`'s bucket.
+    pub fn bucket_key(&self, auth: &AuthContext) -> String {
+        format!(
+            "{}ratelimit:{}:{}",
+            self.key_prefix,
+            auth.mode.name(),
+            auth.subject
+        )
+    }
+
+    /// Counts one request of `auth`'s principal: Ok when it may run, 429 when its
+    /// bucket is empty, and the configured answer when Redis does not give one.
+    /// Public requests have no principal and are not limited.
+    pub async fn admit(&self, auth: &AuthContext) -> Result<(), GatewayError> {
+        if auth.mode == AuthMode::Public {
+            return Ok(());
+        }
+        if self
+            .skip_until
+            .lock()
+            .is_some_and(|until| Instant::now() < until)
+        {
+            return self.unavailable("Redis failed a moment ago");
+        }
+        let key = self.bucket_key(auth);
+        match tokio::time::timeout(self.timeout, self.take(&key)).await {
+            Ok(Ok((1, _))) => Ok(()),
+            Ok(Ok((_, retry_after_ms))) => {
+                let seconds =
+                    u32::try_from(retry_after_ms.div_ceil(1000).max(1)).unwrap_or(u32::MAX);
+                Err(GatewayError::gateway(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limited",
+                    format!(
+                        "rate limit exceeded for this principal ({} requests/s, bursts of {}): \
+                         retry after {seconds} s",
+                        self.per_ms * 1000.0,
+                        self.capacity
+                    ),
+                )
+                .with_data(serde_json::json!({
+                    "reason": "rate_limited",
+                    "retry_after_ms": retry_after_ms,
+                }))
+                .with_retry_after(seconds))
+            }
+            Ok(Err(e)) => {
+                self.back_off();
+                // The kind only: the error's text may quote the URL.
+                self.unavailable(&format!("Redis error: {:?}", e.kind()))
+            }
+            Err(_) => {
+                self.back_off();
+                self.unavailable(&format!("no answer from Redis within {:?}", self.timeout))
+            }
+        }
+    }
+
+    async fn take(&self, key: &str) -> Result<(i64, u64), redis::RedisError> {
+        let mut connection = {
+            let mut slot = self.connection.lock().await;
+            match slot.as_ref() {
+                Some(connection) => connection.clone(),
+                None => {
+                    let config = ConnectionManagerConfig::new()
+                        .set_connection_timeout(Some(self.timeout))
+                        .set_response_timeout(Some(self.timeout))
+                        .set_max_delay(BACKOFF);
+                    let connection = self
+                        .client
+                        .get_connection_manager_with_config(config)
+                        .await?;
+                    *slot = Some(connection.clone());
+                    connection
+                }
+            }
+        };
+        let (allowed, retry_after_ms): (i64, i64) = self
+            .script
+            .key(key)
+            .arg(self.capacity)
+            .arg(self.per_ms)
+            .arg(self.ttl_ms)
+            .invoke_async(&mut connection)
+            .await?;
+        Ok((allowed, u64::try_from(retry_after_ms).unwrap_or(0)))
+    }
+
+    fn back_off(&self) {
+        *self.skip_until.lock() = Some(Instant::now() + BACKOFF);
+    }
+
+    fn unavailable(&self, why: &str) -> Result<(), GatewayError> {
+        match self.fail {
+            FailMode::Open => {
+                warn!(
+                    why,
+                    "rate limiter unavailable; letting the request through (on_redis_error = open)"
+                );
+                Ok(())
+            }
+            FailMode::Closed => {
+                warn!(
+                    why,
+                    "rate limiter unavailable; refusing the request (on_redis_error = closed)"
+                );
+                Err(GatewayError::gateway(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "rate_limit_unavailable",
+                    "the rate limiter cannot be reached, and this gateway refuses requests it \
+                     cannot count: retry shortly",
+                )
+                .with_retry_after(1))
+            }
+        }
+    }
+}

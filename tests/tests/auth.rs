@@ -1,0 +1,1190 @@
+//! Edge authentication with real processes: workers, Redis, the demo upstream (whose
+//! `/stats` shows whether a refused request reached it), a JWKS served over HTTPS with
+//! a test CA, tokens signed with keys made here, the official Python SDK as a client,
+//! and the mesh spoken directly to prove what the owner checks.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use jsonwebtoken::jwk::{Jwk, JwkSet};
+use jsonwebtoken::{Algorithm, EncodingKey, Header};
+use mcpgw_tests::fleet::MeshCerts;
+use mcpgw_tests::http::{self, Response};
+use mcpgw_tests::{Gateway, RedisServer, Upstream};
+use serde_json::{Value, json};
+
+const ISSUER: &str = "https://issuer.test";
+const AUDIENCE: &str = "mcpgw-test";
+const DEMO: &str = "/servers/demo/mcp";
+
+// ---- keys and tokens ---------------------------------------------------------------
+
+/// A signing key made for this test run, with its `kid` and algorithm.
+struct SigningKey {
+    kid: String,
+    alg: Algorithm,
+    encoding: EncodingKey,
+    /// The public key as PEM (for the HS256-with-the-public-key attack).
+    public_pem: String,
+    /// The raw Ed25519 public key (jsonwebtoken derives JWKs of RSA and EC keys only
+    /// from PKCS#8 v1 Ed25519 keys, which aws-lc-rs does not sign with).
+    ed_public: Option<Vec<u8>>,
+}
+
+impl SigningKey {
+    fn generate(kid: &str, alg: Algorithm) -> SigningKey {
+        let mut ed_public = None;
+        let (encoding, public_pem) = match alg {
+            Algorithm::RS256 | Algorithm::ES256 => {
+                let rcgen_alg = if alg == Algorithm::RS256 {
+                    &rcgen::PKCS_RSA_SHA256
+                } else {
+                    &rcgen::PKCS_ECDSA_P256_SHA256
+                };
+                let pair = rcgen::KeyPair::generate_for(rcgen_alg).expect("generate a key");
+                let pem = pair.serialize_pem();
+                let encoding = if alg == Algorithm::RS256 {
+                    EncodingKey::from_rsa_pem(pem.as_bytes())
+                } else {
+                    EncodingKey::from_ec_pem(pem.as_bytes())
+                };
+                (encoding.expect("PEM private key"), pair.public_key_pem())
+            }
+            Algorithm::EdDSA => {
+                // PKCS#8 v2 (with the public key), which aws-lc-rs signs with.
+                let rng = aws_lc_rs::rand::SystemRandom::new();
+                let pkcs8 = aws_lc_rs::signature::Ed25519KeyPair::generate_pkcs8(&rng)
+                    .expect("generate an Ed25519 key");
+                let pair = aws_lc_rs::signature::Ed25519KeyPair::from_pkcs8(pkcs8.as_ref())
+                    .expect("parse the Ed25519 key");
+                ed_public = Some(
+                    aws_lc_rs::signature::KeyPair::public_key(&pair)
+                        .as_ref()
+                        .to_vec(),
+                );
+                (EncodingKey::from_ed_der(pkcs8.as_ref()), String::new())
+            }
+            other => panic!("no key generation for {other:?}"),
+        };
+        SigningKey {
+            kid: kid.into(),
+            alg,
+            encoding,
+            public_pem,
+            ed_public,
+        }
+    }
+
+    fn jwk(&self) -> Jwk {
+        if let Some(x) = &self.ed_public {
+            let jwk = json!({"kty": "OKP", "crv": "Ed25519", "alg": "EdDSA",
+                             "kid": self.kid, "x": base64url(x)});
+            return serde_json::from_value(jwk).expect("Ed25519 JWK");
+        }
+        let mut jwk = Jwk::from_encoding_key(&self.encoding, self.alg).expect("JWK of a key");
+        jwk.common.key_id = Some(self.kid.clone());
+        jwk
+    }
+
+    fn sign(&self, claims: &Value) -> String {
+        sign_with(&self.encoding, self.alg, Some(&self.kid), claims)
+    }
+}
+
+fn sign_with(key: &EncodingKey, alg: Algorithm, kid: Option<&str>, claims: &Value) -> String {
+    let mut header = Header::new(alg);
+    header.kid = kid.map(str::to_owned);
+    jsonwebtoken::encode(&header, claims, key).expect("sign a token")
+}
+
+fn jwks_json(keys: &[&SigningKey]) -> String {
+    serde_json::to_string(&JwkSet {
+        keys: keys.iter().map(|k| k.jwk()).collect(),
+    })
+    .expect("JWKS JSON")
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_secs()
+}
+
+/// Claims for `sub` with `scope`, valid for `ttl` seconds from now.
+fn claims(sub: &str, scope: &str, ttl: i64) -> Value {
+    json!({
+        "iss": ISSUER, "aud": AUDIENCE, "sub": sub, "scope": scope,
+        "iat": now_secs(), "exp": now_secs() as i64 + ttl,
+    })
+}
+
+fn b64(value: &Value) -> String {
+    base64url(value.to_string().as_bytes())
+}
+
+/// base64url without padding, by hand: the test crate has no base64 dependency.
+fn base64url(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | (u32::from(*b) << (16 - 8 * i)));
+        for i in 0..=chunk.len() {
+            out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
+        }
+    }
+    out
+}
+
+// ---- a JWKS over HTTPS ---------------------------------------------------------------
+
+/// A JWKS served over HTTPS by a certificate of a test CA, counting its hits.
+struct JwksServer {
+    url: String,
+    ca: PathBuf,
+    body: Arc<Mutex<String>>,
+    hits: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    addr: String,
+}
+
+impl JwksServer {
+    fn start(dir: &Path, body: String) -> JwksServer {
+        let ca_key = rcgen::KeyPair::generate().expect("CA key");
+        let mut ca_params = rcgen::CertificateParams::default();
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "mcpgw test JWKS CA");
+        let ca_cert = ca_params.self_signed(&ca_key).expect("CA certificate");
+        let ca = dir.join("jwks-ca.crt");
+        std::fs::write(&ca, ca_cert.pem()).expect("write the CA");
+        let issuer = rcgen::Issuer::from_ca_cert_pem(&ca_cert.pem(), ca_key).expect("issuer");
+        let leaf_key = rcgen::KeyPair::generate().expect("leaf key");
+        let mut leaf_params = rcgen::CertificateParams::default();
+        leaf_params.subject_alt_names = vec![rcgen::SanType::IpAddress(std::net::IpAddr::from([
+            127, 0, 0, 1,
+        ]))];
+        let leaf = leaf_params.signed_by(&leaf_key, &issuer).expect("leaf");
+        let tls = Arc::new(
+            rustls::ServerConfig::builder_with_provider(mcpgw_certs::crypto_provider())
+                .with_safe_default_protocol_versions()
+                .expect("TLS versions")
+                .with_no_client_auth()
+                .with_single_cert(
+                    vec![leaf.der().clone()],
+                    rustls::pki_types::PrivateKeyDer::Pkcs8(leaf_key.serialize_der().into()),
+                )
+                .expect("server config"),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind JWKS server");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let body = Arc::new(Mutex::new(body));
+        let hits = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        {
+            let (body, hits, stop) = (Arc::clone(&body), Arc::clone(&hits), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                for stream in listener.incoming() {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let Ok(stream) = stream else { continue };
+                    let (tls, body, hits) =
+                        (Arc::clone(&tls), Arc::clone(&body), Arc::clone(&hits));
+                    std::thread::spawn(move || serve_jwks(stream, tls, &body, &hits));
+                }
+            });
+        }
+        JwksServer {
+            url: format!("https://{addr}/jwks.json"),
+            ca,
+            body,
+            hits,
+            stop,
+            addr,
+        }
+    }
+
+    fn serve(&self, body: String) {
+        *self.body.lock().expect("JWKS body") = body;
+    }
+
+    fn hits(&self) -> u64 {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for JwksServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let _ = std::net::TcpStream::connect(&self.addr);
+    }
+}
+
+fn serve_jwks(
+    stream: std::net::TcpStream,
+    tls: Arc<rustls::ServerConfig>,
+    body: &Mutex<String>,
+    hits: &AtomicU64,
+) {
+    let Ok(connection) = rustls::ServerConnection::new(tls) else {
+        return;
+    };
+    let mut tls = rustls::StreamOwned::new(connection, stream);
+    let mut reader = BufReader::new(&mut tls);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        match reader.read_line(&mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) if line == "\r\n" => break,
+            Ok(_) => {}
+        }
+    }
+    hits.fetch_add(1, Ordering::SeqCst);
+    let body = body.lock().expect("JWKS body").clone();
+    let answer = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tls.write_all(answer.as_bytes());
+    let _ = tls.flush();
+    tls.conn.send_close_notify();
+    let _ = tls.flush();
+}
+
+// ---- processes and requests ----------------------------------------------------------
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "mcpgw-auth-{name}-{}-{}",
+        std::process::id(),
+        mcpgw_tests::free_port()
+    ));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// `mcpgw serve` whose stderr (every worker's log) goes to a file, so a test can
+/// check that no token was logged.
+struct LoggedGateway {
+    process: std::process::Child,
+    addr: String,
+    log: PathBuf,
+}
+
+impl LoggedGateway {
+    fn start(args: &[&str], log: PathBuf) -> LoggedGateway {
+        let mut process = Command::new(mcpgw_tests::bin("mcpgw"))
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .env("RUST_LOG", "info,mcpgw=debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("start mcpgw");
+        let stdout = process.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let addr = loop {
+            let line = rx
+                .recv_timeout(Duration::from_secs(30))
+                .unwrap_or_else(|_| {
+                    panic!(
+                        "mcpgw did not start: {}",
+                        std::fs::read_to_string(&log).unwrap_or_default()
+                    )
+                });
+            if let Some(url) = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("http://"))
+            {
+                break url.trim_end_matches('/').to_owned();
+            }
+        };
+        LoggedGateway { process, addr, log }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for LoggedGateway {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
+
+fn post(
+    addr: &str,
+    path: &str,
+    token: Option<&str>,
+    session: Option<&str>,
+    body: &Value,
+) -> Response {
+    let bearer = token.map(|t| format!("Bearer {t}"));
+    let mut headers = http::mcp_headers(session);
+    if session.is_none() {
+        headers.retain(|(k, _)| *k != "MCP-Protocol-Version");
+    }
+    if let Some(bearer) = &bearer {
+        headers.push(("Authorization", bearer));
+    }
+    http::request(addr, "POST", path, &headers, body.to_string().as_bytes())
+}
+
+fn initialize_body() -> Value {
+    json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "mcpgw-auth-tests", "version": "0"}}})
+}
+
+/// Opens a legacy session with `token`; panics with the answer if refused.
+fn open_session(addr: &str, path: &str, token: Option<&str>) -> String {
+    let response = post(addr, path, token, None, &initialize_body());
+    assert_eq!(response.status, 200, "initialize: {}", body_text(&response));
+    let session = response
+        .header("mcp-session-id")
+        .expect("session id")
+        .to_owned();
+    let note = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+    let ack = post(addr, path, token, Some(&session), &note);
+    assert_eq!(ack.status, 202, "initialized: {}", body_text(&ack));
+    session
+}
+
+fn call(addr: &str, path: &str, token: Option<&str>, session: &str, tool: &str) -> Response {
+    let body = json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                      "params": {"name": tool, "arguments": {"text": "hi"}}});
+    post(addr, path, token, Some(session), &body)
+}
+
+fn body_text(response: &Response) -> String {
+    String::from_utf8_lossy(&response.body).into_owned()
+}
+
+/// Asserts a refusal: status, `data.reason` (and `data.problem`), and that the body
+/// does not echo the token.
+fn assert_refused(
+    response: &Response,
+    status: u16,
+    reason: &str,
+    problem: Option<&str>,
+    token: &str,
+    case: &str,
+) {
+    let text = body_text(response);
+    assert_eq!(response.status, status, "{case}: {text}");
+    let body = response.json();
+    assert_eq!(body["jsonrpc"], "2.0", "{case}: a JSON-RPC error body");
+    assert_eq!(body["error"]["data"]["reason"], reason, "{case}: {text}");
+    if let Some(problem) = problem {
+        assert_eq!(body["error"]["data"]["problem"], problem, "{case}: {text}");
+    }
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.len() > 20),
+        "{case}: the message says what to do: {text}"
+    );
+    if !token.is_empty() {
+        assert!(!text.contains(token), "{case}: the body echoes the token");
+        let signature = token.rsplit('.').next().unwrap_or_default();
+        assert!(
+            signature.len() < 8 || !text.contains(signature),
+            "{case}: the body echoes the signature"
+        );
+    }
+}
+
+fn tool_calls(upstream: &Upstream) -> u64 {
+    upstream.stats()["tool_calls"].as_u64().expect("tool_calls")
+}
+
+fn requests(upstream: &Upstream) -> u64 {
+    upstream.stats()["requests"].as_u64().expect("requests")
+}
+
+// ---- tests -----------------------------------------------------------------------------
+
+/// Every kind of bad token gets its own 401/403 and body; none reaches the upstream;
+/// good tokens of every algorithm work; challenges point at the resource metadata,
+/// which is served; no token is logged.
+#[test]
+fn tokens_are_verified_and_refused_ones_never_reach_the_upstream() {
+    let dir = temp_dir("tokens");
+    let upstream = Upstream::start();
+    let rsa = SigningKey::generate("rsa-1", Algorithm::RS256);
+    let ec = SigningKey::generate("ec-1", Algorithm::ES256);
+    let ed = SigningKey::generate("ed-1", Algorithm::EdDSA);
+    let jwks = JwksServer::start(&dir, jwks_json(&[&rsa, &ec, &ed]));
+    let secret = dir.join("hs.secret");
+    std::fs::write(&secret, b"a shared HMAC secret of 32+ bytes!!").expect("secret");
+    let config = dir.join("mcpgw.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[[upstream]]
+name = "demo"
+url = "{upstream}"
+
+[auth]
+mode = "jwt"
+
+[auth.jwt]
+issuer = "{ISSUER}"
+audience = "{AUDIENCE}"
+jwks = "{jwks}"
+jwks_ca = "{ca}"
+leeway_secs = 30
+
+[[auth.jwt.keys]]
+kid = "hs-1"
+alg = "HS256"
+secret_file = "{secret}"
+
+[auth.routes.demo]
+scopes = ["mcp"]
+tool_scopes = {{ counter_increment = ["mcp:write"] }}
+"#,
+            upstream = upstream.url,
+            jwks = jwks.url,
+            ca = jwks.ca.display(),
+            secret = secret.display(),
+        ),
+    )
+    .expect("config");
+    let gateway = LoggedGateway::start(
+        &["--config", &config.display().to_string()],
+        dir.join("gateway.log"),
+    );
+    let addr = gateway.addr.as_str();
+
+    // Valid tokens of each algorithm open sessions and call tools.
+    let hs = EncodingKey::from_secret(b"a shared HMAC secret of 32+ bytes!!").expect("HMAC key");
+    let mut good_tokens = Vec::new();
+    for key in [&rsa, &ec, &ed] {
+        good_tokens.push((
+            format!("{:?}", key.alg),
+            key.sign(&claims("alice", "mcp", 300)),
+        ));
+    }
+    good_tokens.push((
+        "HS256".into(),
+        sign_with(
+            &hs,
+            Algorithm::HS256,
+            Some("hs-1"),
+            &claims("alice", "mcp", 300),
+        ),
+    ));
+    for (alg, token) in &good_tokens {
+        let session = open_session(addr, DEMO, Some(token));
+        let echoed = call(addr, DEMO, Some(token), &session, "echo");
+        assert_eq!(echoed.status, 200, "{alg}: {}", body_text(&echoed));
+        assert_eq!(echoed.tool_text().as_deref(), Some("hi"), "{alg}");
+    }
+    let session = open_session(addr, DEMO, Some(&good_tokens[0].1));
+
+    // The refusals: none of them may reach the upstream.
+    let (requests_before, calls_before) = (requests(&upstream), tool_calls(&upstream));
+    let other_rsa = SigningKey::generate("rsa-1", Algorithm::RS256);
+    let mut wrong_issuer = claims("alice", "mcp", 300);
+    wrong_issuer["iss"] = json!("https://evil.test");
+    let mut wrong_audience = claims("alice", "mcp", 300);
+    wrong_audience["aud"] = json!("some-other-api");
+    let mut not_yet = claims("alice", "mcp", 600);
+    not_yet["nbf"] = json!(now_secs() + 300);
+    let none_token = format!(
+        "{}.{}.",
+        b64(&json!({"alg": "none", "typ": "JWT"})),
+        b64(&claims("alice", "mcp", 300))
+    );
+    let confused = sign_with(
+        &EncodingKey::from_secret(rsa.public_pem.as_bytes()).expect("HMAC key"),
+        Algorithm::HS256,
+        Some("rsa-1"),
+        &claims("alice", "mcp", 300),
+    );
+    let cases: Vec<(&str, String, u16, &str, Option<&str>)> = vec![
+        (
+            "expired",
+            rsa.sign(&claims("alice", "mcp", -120)),
+            401,
+            "invalid_token",
+            Some("expired"),
+        ),
+        (
+            "not yet valid",
+            rsa.sign(&not_yet),
+            401,
+            "invalid_token",
+            Some("not_yet_valid"),
+        ),
+        (
+            "wrong issuer",
+            rsa.sign(&wrong_issuer),
+            401,
+            "invalid_token",
+            Some("wrong_issuer"),
+        ),
+        (
+            "wrong audience",
+            ec.sign(&wrong_audience),
+            401,
+            "invalid_token",
+            Some("wrong_audience"),
+        ),
+        (
+            "wrong signature",
+            other_rsa.sign(&claims("alice", "mcp", 300)),
+            401,
+            "invalid_token",
+            Some("bad_signature"),
+        ),
+        (
+            "alg none",
+            none_token,
+            401,
+            "invalid_token",
+            Some("algorithm_refused"),
+        ),
+        (
+            "HS256 with the RSA public key",
+            confused,
+            401,
+            "invalid_token",
+            Some("algorithm_mismatch"),
+        ),
+        (
+            "missing scope",
+            ed.sign(&claims("alice", "other", 300)),
+            403,
+            "insufficient_scope",
+            None,
+        ),
+        (
+            "garbage",
+            "not-a-jwt".into(),
+            401,
+            "invalid_token",
+            Some("malformed"),
+        ),
+    ];
+    for (case, token, status, reason, problem) in &cases {
+        for (what, response) in [
+            (
+                "initialize",
+                post(addr, DEMO, Some(token), None, &initialize_body()),
+            ),
+            (
+                "tools/call",
+                call(addr, DEMO, Some(token), &session, "echo"),
+            ),
+        ] {
+            let case = format!("{case} ({what})");
+            assert_refused(&response, *status, reason, *problem, token, &case);
+            let challenge = response
+                .header("www-authenticate")
+                .unwrap_or_else(|| panic!("{case}: a challenge"));
+            let error = if *status == 403 {
+                "insufficient_scope"
+            } else {
+                "invalid_token"
+            };
+            assert!(challenge.starts_with("Bearer "), "{case}: {challenge}");
+            assert!(
+                challenge.contains(&format!("error=\"{error}\"")),
+                "{case}: {challenge}"
+            );
+            assert!(challenge.contains("scope=\"mcp\""), "{case}: {challenge}");
+            assert!(
+                challenge.contains(&format!(
+                    "resource_metadata=\"http://{addr}/.well-known/oauth-protected-resource{DEMO}\""
+                )),
+                "{case}: {challenge}"
+            );
+        }
+    }
+    // A tool that needs more scope than the route: refused in a session of a token
+    // that has the route's scope.
+    let scoped = call(
+        addr,
+        DEMO,
+        Some(&good_tokens[0].1),
+        &session,
+        "counter_increment",
+    );
+    assert_refused(
+        &scoped,
+        403,
+        "insufficient_scope",
+        None,
+        &good_tokens[0].1,
+        "tool scope",
+    );
+    assert_eq!(
+        scoped.json()["error"]["data"]["missing_scopes"],
+        json!(["mcp:write"])
+    );
+    assert!(
+        scoped
+            .header("www-authenticate")
+            .unwrap_or_default()
+            .contains("scope=\"mcp mcp:write\"")
+    );
+    // No token at all: a challenge without an error code (RFC 6750 §3.1).
+    let anonymous = post(addr, DEMO, None, None, &initialize_body());
+    assert_refused(&anonymous, 401, "missing_token", None, "", "no token");
+    let challenge = anonymous.header("www-authenticate").unwrap_or_default();
+    assert!(!challenge.contains("error="), "{challenge}");
+    assert!(challenge.contains("resource_metadata="), "{challenge}");
+    assert_eq!(
+        (requests(&upstream), tool_calls(&upstream)),
+        (requests_before, calls_before),
+        "no refused request reached the upstream"
+    );
+    // A token with the tool's scope runs it.
+    let writer = rsa.sign(&claims("alice", "mcp mcp:write", 300));
+    let writer_session = open_session(addr, DEMO, Some(&writer));
+    let counted = call(
+        addr,
+        DEMO,
+        Some(&writer),
+        &writer_session,
+        "counter_increment",
+    );
+    assert_eq!(counted.status, 200, "{}", body_text(&counted));
+
+    // The protected resource metadata the challenges point at (RFC 9728).
+    let metadata = http::request(
+        addr,
+        "GET",
+        &format!("/.well-known/oauth-protected-resource{DEMO}"),
+        &[],
+        b"",
+    );
+    assert_eq!(metadata.status, 200, "{}", body_text(&metadata));
+    let document = metadata.json();
+    assert_eq!(document["resource"], format!("http://{addr}{DEMO}"));
+    assert_eq!(document["authorization_servers"], json!([ISSUER]));
+    assert_eq!(document["scopes_supported"], json!(["mcp", "mcp:write"]));
+    assert_eq!(document["bearer_methods_supported"], json!(["header"]));
+    let nowhere = http::request(
+        addr,
+        "GET",
+        "/.well-known/oauth-protected-resource/servers/nope/mcp",
+        &[],
+        b"",
+    );
+    assert_eq!(nowhere.status, 404);
+
+    // Tokens appear in no log line.
+    let log = gateway.log();
+    assert!(log.contains("JWKS loaded"), "the log is captured: {log}");
+    for token in good_tokens
+        .iter()
+        .map(|(_, t)| t)
+        .chain(cases.iter().map(|c| &c.1))
+    {
+        let signature = token.rsplit('.').next().unwrap_or_default();
+        assert!(!log.contains(token.as_str()), "a token was logged");
+        assert!(
+            signature.len() < 8 || !log.contains(signature),
+            "a token signature was logged"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A token signed with a new key works after one JWKS refresh; tokens naming unknown
+/// keys do not make the gateway refetch again within the interval.
+#[test]
+fn jwks_rotation_refreshes_once_and_unknown_kids_do_not_hammer() {
+    let dir = temp_dir("rotation");
+    let upstream = Upstream::start();
+    let old = SigningKey::generate("2026-old", Algorithm::ES256);
+    let new = SigningKey::generate("2026-new", Algorithm::RS256);
+    let jwks = JwksServer::start(&dir, jwks_json(&[&old]));
+    let config = dir.join("mcpgw.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[upstream]]\nname = \"demo\"\nurl = \"{}\"\n[auth]\nmode = \"jwt\"\n[auth.jwt]\n\
+             issuer = \"{ISSUER}\"\naudience = \"{AUDIENCE}\"\njwks = \"{}\"\njwks_ca = \"{}\"\n\
+             jwks_refresh_interval_ms = 3600000\n",
+            upstream.url,
+            jwks.url,
+            jwks.ca.display()
+        ),
+    )
+    .expect("config");
+    let gateway = Gateway::start(&["--config", &config.display().to_string()]);
+    let addr = gateway.addr.as_str();
+
+    let old_token = old.sign(&claims("alice", "", 300));
+    open_session(addr, DEMO, Some(&old_token));
+    assert_eq!(jwks.hits(), 1, "the JWKS is fetched on first use");
+
+    // The issuer rotates: the new key appears, a token signed with it arrives.
+    jwks.serve(jwks_json(&[&old, &new]));
+    let new_token = new.sign(&claims("alice", "", 300));
+    open_session(addr, DEMO, Some(&new_token));
+    assert_eq!(jwks.hits(), 2, "one refresh for the new kid");
+
+    // Unknown kids: refused, and no further fetch within the interval.
+    for i in 0..25 {
+        let stranger = SigningKey::generate(&format!("made-up-{i}"), Algorithm::EdDSA);
+        let response = post(
+            addr,
+            DEMO,
+            Some(&stranger.sign(&claims("mallory", "", 300))),
+            None,
+            &initialize_body(),
+        );
+        assert_refused(
+            &response,
+            401,
+            "invalid_token",
+            Some("unknown_key"),
+            "",
+            "unknown kid",
+        );
+    }
+    assert_eq!(
+        jwks.hits(),
+        2,
+        "unknown kids do not hammer the JWKS endpoint"
+    );
+    open_session(addr, DEMO, Some(&old_token));
+    open_session(addr, DEMO, Some(&new_token));
+    assert_eq!(jwks.hits(), 2, "known keys are served from the cache");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two supervisors of two workers, one Redis; three routes on the same upstream, one
+/// per mode. Fields drop in order: the gateways stop before Redis does.
+struct AuthFleet {
+    a: Gateway,
+    b: Gateway,
+    upstream: Upstream,
+    certs: MeshCerts,
+    redis: RedisServer,
+    key: SigningKey,
+    dir: PathBuf,
+}
+
+const API_KEY_ALICE: &str = "alice-api-key-0123456789";
+
+impl AuthFleet {
+    fn start(name: &str, rate_limit: &str) -> AuthFleet {
+        let dir = temp_dir(name);
+        let redis = RedisServer::start();
+        let upstream = Upstream::start();
+        let certs = MeshCerts::create(&["host-a", "host-b"]);
+        let key = SigningKey::generate("fleet-1", Algorithm::ES256);
+        let jwks_file = dir.join("jwks.json");
+        std::fs::write(&jwks_file, jwks_json(&[&key])).expect("JWKS file");
+        let tokens = dir.join("tokens");
+        std::fs::write(&tokens, format!("alice:{API_KEY_ALICE}\n")).expect("tokens file");
+        let config = dir.join("mcpgw.toml");
+        std::fs::write(
+            &config,
+            format!(
+                r#"
+[[upstream]]
+name = "open"
+url = "{url}"
+[[upstream]]
+name = "keyed"
+url = "{url}"
+[[upstream]]
+name = "jwt"
+url = "{url}"
+
+[auth]
+tokens_file = "{tokens}"
+
+[auth.jwt]
+issuer = "{ISSUER}"
+audience = "{AUDIENCE}"
+jwks = "{jwks}"
+leeway_secs = 0
+
+[auth.routes.open]
+mode = "public"
+[auth.routes.keyed]
+mode = "api-key"
+[auth.routes.jwt]
+mode = "jwt"
+scopes = ["mcp"]
+{rate_limit}
+"#,
+                url = upstream.url,
+                tokens = tokens.display(),
+                jwks = jwks_file.display(),
+            ),
+        )
+        .expect("config");
+        let start = |member: &str| {
+            let mut args: Vec<String> = vec![
+                "--config".into(),
+                config.display().to_string(),
+                "--workers".into(),
+                "2".into(),
+                "--redis".into(),
+                redis.url(),
+                "--mesh-transport".into(),
+                "quic".into(),
+                "--mesh-listen".into(),
+                "127.0.0.1:0".into(),
+            ];
+            args.extend(certs.flags(member));
+            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+            Gateway::start(&refs)
+        };
+        let a = start("host-a");
+        let b = start("host-b");
+        AuthFleet {
+            redis,
+            upstream,
+            certs,
+            a,
+            b,
+            key,
+            dir,
+        }
+    }
+
+    fn jwt(&self, sub: &str, ttl: i64) -> String {
+        self.key.sign(&claims(sub, "mcp", ttl))
+    }
+
+    /// Sends a tools/call for `session` straight to its owner over the mesh, as a
+    /// member of the mesh would, with `auth`; returns the status.
+    fn to_owner(&self, session: &str, auth: mcpgw_wire::AuthContext) -> u16 {
+        use mcpgw_mesh::transport::{MeshClient, MeshLimits, TransportKind};
+        let owner = session.split_once('.').expect("owner hint").1.to_owned();
+        let addr = self
+            .redis
+            .get(&format!("mcpgw:worker_addr:{owner}"))
+            .expect("owner address");
+        mcpgw_certs::install_crypto_provider();
+        let tls = mcpgw_certs::client_config(&mcpgw_certs::MeshTlsFiles::in_dir(
+            &self.certs.dir,
+            "host-b",
+        ))
+        .expect("mesh client config");
+        let body = json!({"jsonrpc": "2.0", "id": 9, "method": "tools/call",
+                          "params": {"name": "echo", "arguments": {"text": "direct"}}});
+        let frame = mcpgw_wire::RequestFrame {
+            request_id: 1,
+            session_id: Some(session.into()),
+            method: "POST".into(),
+            path: format!("/servers/{}/mcp", auth.route),
+            headers: vec![
+                ("content-type".into(), "application/json".into()),
+                (
+                    "accept".into(),
+                    "application/json, text/event-stream".into(),
+                ),
+                ("mcp-protocol-version".into(), "2025-11-25".into()),
+                ("mcp-session-id".into(), session.into()),
+            ],
+            body: body.to_string().into_bytes().into(),
+            auth,
+            deadline_ms: 10_000,
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let client =
+                MeshClient::new(TransportKind::Quic, tls, "auth-test", MeshLimits::default())
+                    .expect("mesh client");
+            let response = tokio::time::timeout(
+                Duration::from_secs(15),
+                client.forward(&addr, &owner, frame),
+            )
+            .await
+            .expect("the owner answers in time")
+            .expect("the owner answers");
+            response.head().status
+        })
+    }
+}
+
+impl Drop for AuthFleet {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn jwt_context(sub: &str, expires_at_ms: Option<u64>) -> mcpgw_wire::AuthContext {
+    mcpgw_wire::AuthContext {
+        mode: mcpgw_wire::AuthMode::Jwt,
+        subject: sub.into(),
+        scopes: vec!["mcp".into()],
+        expires_at_ms,
+        route: "jwt".into(),
+    }
+}
+
+/// Requests through the worker that does not own the session are forwarded and work
+/// in every mode; a token expiring mid-session then stops working on every edge and
+/// at the owner; another subject cannot use the session through any worker.
+#[test]
+fn forwarded_requests_carry_the_edge_decision_in_every_mode() {
+    let fleet = AuthFleet::start("forwarding", "");
+    let (a, b) = (fleet.a.addr.as_str(), fleet.b.addr.as_str());
+
+    // Each mode: a session opened through host-a, used through host-b (never its owner).
+    let alice_jwt = fleet.jwt("alice", 3600);
+    for (route, token) in [
+        ("open", None),
+        ("keyed", Some(API_KEY_ALICE)),
+        ("jwt", Some(alice_jwt.as_str())),
+    ] {
+        let path = format!("/servers/{route}/mcp");
+        let session = open_session(a, &path, token);
+        for _ in 0..3 {
+            let response = call(b, &path, token, &session, "echo");
+            assert_eq!(response.status, 200, "{route}: {}", body_text(&response));
+            let (edge, owner) = (
+                response.header("mcpgw-edge-worker").unwrap_or_default(),
+                response.header("mcpgw-owner-worker").unwrap_or_default(),
+            );
+            assert!(
+                !owner.is_empty() && edge != owner,
+                "{route}: forwarded ({edge} → {owner})"
+            );
+        }
+        if let Some(token) = token {
+            // Without the credential the edge refuses; the owner never sees it.
+            let refused = call(b, &path, None, &session, "echo");
+            assert_eq!(refused.status, 401, "{route}: {}", body_text(&refused));
+            let wrong = call(
+                b,
+                &path,
+                Some("wrong-key-wrong-key-wrong-key"),
+                &session,
+                "echo",
+            );
+            assert_eq!(wrong.status, 401, "{route}: {}", body_text(&wrong));
+            assert!(!body_text(&wrong).contains(token));
+        }
+    }
+
+    // Another subject cannot use alice's session, through any worker, nor straight at
+    // the owner over the mesh.
+    let session = open_session(a, "/servers/jwt/mcp", Some(&alice_jwt));
+    let bob = fleet.jwt("bob", 3600);
+    let calls_before = tool_calls(&fleet.upstream);
+    for edge in [a, b, a, b, a, b, a, b] {
+        let response = call(edge, "/servers/jwt/mcp", Some(&bob), &session, "echo");
+        assert_eq!(response.status, 404, "{}", body_text(&response));
+        assert_eq!(
+            response.json()["error"]["code"],
+            -32001,
+            "session not found"
+        );
+    }
+    let far = now_secs() * 1000 + 3_600_000;
+    assert_eq!(
+        fleet.to_owner(&session, jwt_context("bob", Some(far))),
+        404,
+        "the owner checks the subject"
+    );
+    assert_eq!(
+        tool_calls(&fleet.upstream),
+        calls_before,
+        "bob's calls never ran"
+    );
+    assert_eq!(
+        fleet.to_owner(&session, jwt_context("alice", Some(far))),
+        200,
+        "alice's context is served"
+    );
+
+    // The owner re-checks expiry: an expired context is refused even when an edge
+    // forwarded it; a context for another route or mode is refused too.
+    let past = now_secs() * 1000 - 1;
+    assert_eq!(
+        fleet.to_owner(&session, jwt_context("alice", Some(past))),
+        401,
+        "expired at the owner"
+    );
+    let mut public = jwt_context("alice", None);
+    public.mode = mcpgw_wire::AuthMode::Public;
+    assert_eq!(
+        fleet.to_owner(&session, public),
+        401,
+        "a public context on a jwt route"
+    );
+
+    // A token that expires mid-session: works on every edge until its exp, then stops
+    // on every edge (leeway 0 in this fleet).
+    let ttl = 8;
+    let short = fleet.jwt("carol", ttl);
+    let exp = now_secs() + ttl as u64;
+    let session = open_session(a, "/servers/jwt/mcp", Some(&short));
+    for edge in [a, b] {
+        let response = call(edge, "/servers/jwt/mcp", Some(&short), &session, "echo");
+        assert_eq!(response.status, 200, "before exp: {}", body_text(&response));
+    }
+    while now_secs() <= exp {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let calls_before = tool_calls(&fleet.upstream);
+    for edge in [a, b, a, b, a, b] {
+        let response = call(edge, "/servers/jwt/mcp", Some(&short), &session, "echo");
+        assert_refused(
+            &response,
+            401,
+            "invalid_token",
+            Some("expired"),
+            &short,
+            "after exp",
+        );
+    }
+    assert_eq!(
+        tool_calls(&fleet.upstream),
+        calls_before,
+        "expired calls never ran"
+    );
+}
+
+/// N client requests scattered over four workers move the principal's rate-limit
+/// counter by exactly N: the edge counts, the owner does not count again. Past the
+/// burst, 429 with Retry-After.
+#[test]
+fn rate_limit_counts_each_client_request_once() {
+    let fleet = AuthFleet::start(
+        "ratelimit",
+        "[auth.rate_limit]\nper_second = 0.01\nburst = 20\non_redis_error = \"closed\"\n",
+    );
+    let (a, b) = (fleet.a.addr.as_str(), fleet.b.addr.as_str());
+    let token = fleet.jwt("dave", 3600);
+    let session = open_session(a, "/servers/jwt/mcp", Some(&token));
+    let key = "mcpgw:ratelimit:jwt:dave";
+    let counted = |fleet: &AuthFleet| -> u64 {
+        fleet
+            .redis
+            .command(&["HGET", key, "requests"])
+            .parse()
+            .unwrap_or(0)
+    };
+    assert_eq!(
+        counted(&fleet),
+        2,
+        "initialize and initialized counted once each"
+    );
+    let calls_before = tool_calls(&fleet.upstream);
+    let n = 30;
+    let (mut passed, mut limited) = (0u64, 0u64);
+    for i in 0..n {
+        let edge = if i % 2 == 0 { a } else { b };
+        let response = call(edge, "/servers/jwt/mcp", Some(&token), &session, "echo");
+        match response.status {
+            200 => passed += 1,
+            429 => {
+                limited += 1;
+                assert!(
+                    response
+                        .header("retry-after")
+                        .is_some_and(|s| s.parse::<u64>().unwrap_or(0) >= 1)
+                );
+                assert_eq!(response.json()["error"]["data"]["reason"], "rate_limited");
+            }
+            other => panic!("unexpected {other}: {}", body_text(&response)),
+        }
+    }
+    assert_eq!(counted(&fleet), 2 + n, "the counter moved by exactly N");
+    assert_eq!(
+        tool_calls(&fleet.upstream) - calls_before,
+        passed,
+        "what passed ran once"
+    );
+    assert!(
+        passed >= 18 && limited >= 1,
+        "the burst of 20 ran out: {passed} passed, {limited} limited"
+    );
+    // Another principal has its own bucket; public routes are not limited.
+    let api = open_session(b, "/servers/keyed/mcp", Some(API_KEY_ALICE));
+    assert_eq!(
+        call(a, "/servers/keyed/mcp", Some(API_KEY_ALICE), &api, "echo").status,
+        200
+    );
+    assert_eq!(
+        fleet
+            .redis
+            .command(&["HGET", "mcpgw:ratelimit:api-key:alice", "requests"]),
+        "3"
+    );
+}
+
+/// The official Python SDK client with a bearer token, in legacy and 2026-07-28 mode,
+/// through a gateway started with the quick-start JWT flags.
+#[test]
+fn sdk_client_with_a_bearer_token_in_both_modes() {
+    let dir = temp_dir("sdk");
+    let upstream = Upstream::start();
+    let key = SigningKey::generate("sdk-1", Algorithm::RS256);
+    let jwks_file = dir.join("jwks.json");
+    std::fs::write(&jwks_file, jwks_json(&[&key])).expect("JWKS file");
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &format!("demo={}", upstream.url),
+        "--jwt-jwks",
+        &jwks_file.display().to_string(),
+        "--jwt-issuer",
+        ISSUER,
+        "--jwt-audience",
+        AUDIENCE,
+    ]);
+    let token = key.sign(&claims("sdk-user", "", 600));
+    for mode in ["legacy", "2026-07-28"] {
+        let output = Command::new(mcpgw_tests::python())
+            .arg(mcpgw_tests::python_script("sdk_client.py"))
+            .args([&gateway.url(), mode, "basic"])
+            .env("MCPGW_BEARER_TOKEN", &token)
+            .output()
+            .expect("run sdk_client.py");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success(),
+            "{mode}: {}\n{stdout}\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let last: Value =
+            serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("JSON line");
+        assert_eq!(last["echo"], "hello through mcpgw", "{mode}");
+    }
+    // Without the token the same client is refused.
+    let refused = Command::new(mcpgw_tests::python())
+        .arg(mcpgw_tests::python_script("sdk_client.py"))
+        .args([&gateway.url(), "legacy", "basic"])
+        .output()
+        .expect("run sdk_client.py");
+    assert!(!refused.status.success(), "no token, no session");
+    let _ = std::fs::remove_dir_all(&dir);
+}
