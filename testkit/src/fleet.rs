@@ -120,21 +120,21 @@ pub struct LocalFleet {
 
 impl LocalFleet {
     pub fn start(transport: &str, workers: usize, extra: &[&str]) -> LocalFleet {
-        Self::start_each(transport, workers, extra, extra)
+        Self::start_hosts(transport, (workers, extra), (workers, extra))
     }
 
-    /// Like [`start`](Self::start), with flags of their own for host-a and host-b.
-    pub fn start_each(
+    /// Like [`start`](Self::start), with a worker count and flags of their own for
+    /// host-a and host-b.
+    pub fn start_hosts(
         transport: &str,
-        workers: usize,
-        extra_a: &[&str],
-        extra_b: &[&str],
+        (workers_a, extra_a): (usize, &[&str]),
+        (workers_b, extra_b): (usize, &[&str]),
     ) -> LocalFleet {
         let redis = RedisServer::start();
         let upstream = Upstream::start();
         let certs = MeshCerts::create(&["host-a", "host-b"]);
         let redis_url = redis.url();
-        let spec = |member, extra| SupervisorSpec {
+        let spec = |member, workers, extra| SupervisorSpec {
             redis_url: &redis_url,
             upstream_url: &upstream.url,
             workers,
@@ -143,8 +143,8 @@ impl LocalFleet {
             member,
             extra,
         };
-        let a = start_supervisor(&spec("host-a", extra_a));
-        let b = start_supervisor(&spec("host-b", extra_b));
+        let a = start_supervisor(&spec("host-a", workers_a, extra_a));
+        let b = start_supervisor(&spec("host-b", workers_b, extra_b));
         LocalFleet {
             a,
             b,

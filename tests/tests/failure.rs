@@ -236,9 +236,11 @@ fn killing_an_owner_answers_its_sessions_truthfully_and_spares_the_rest() {
         let untold: Vec<&String> = mine
             .iter()
             .filter(|s| {
-                !outcomes
-                    .iter()
-                    .any(|o| &o.session == *s && o.started > killed_at && o.status == 404)
+                !outcomes.iter().any(|o| {
+                    &o.session == *s
+                        && o.started > killed_at
+                        && (o.status, o.detail.as_str()) == (404, "session_gone")
+                })
             })
             .collect();
         if !untold.is_empty() {
@@ -264,7 +266,12 @@ fn killing_an_owner_answers_its_sessions_truthfully_and_spares_the_rest() {
         if owner(&o.session) == victim {
             if o.started > killed_at {
                 match o.status {
-                    404 => assert_eq!(o.detail, "session_gone", "{o:?}"),
+                    // session_not_found: the race that
+                    // a_session_reclaimed_by_another_worker_is_gone_everywhere shows.
+                    404 => assert!(
+                        matches!(o.detail.as_str(), "session_gone" | "session_not_found"),
+                        "{o:?}"
+                    ),
                     502 => assert_eq!(o.detail, "outcome_unknown", "{o:?}"),
                     503 => assert_unknown(o),
                     _ => panic!("a dead owner's session gets a documented error only: {o:?}"),
@@ -291,11 +298,7 @@ fn killing_an_owner_answers_its_sessions_truthfully_and_spares_the_rest() {
             .rev()
             .find(|o| &o.session == session)
             .expect("victim sessions were exercised");
-        assert_eq!(
-            (last.status, last.detail.as_str()),
-            (404, "session_gone"),
-            "in the end the session is gone: {last:?}"
-        );
+        assert_eq!(last.status, 404, "in the end the session is gone: {last:?}");
     }
     for session in &others {
         assert_counting_on(&outcomes, session);
@@ -378,8 +381,22 @@ fn a_stateful_call_on_a_lost_session_never_returns_200() {
 /// README: "owner died after the request was sent to it: 502, outcome_unknown; it was
 /// not re-run elsewhere". The owner is killed while the upstream executes the call.
 #[test]
-fn an_owner_lost_mid_request_gets_502_and_the_call_is_never_rerun() {
-    let fleet = LocalFleet::start("tcp", 1, &["--forward-timeout-ms", NEVER]);
+fn an_owner_lost_mid_request_gets_502_and_the_call_is_never_rerun_quic() {
+    owner_lost_mid_request("quic");
+}
+
+#[test]
+#[ignore = "claim false over TCP (race): the caller sees the connection close while the \
+            killed owner's process is still being torn down, its one liveness probe is \
+            accepted then reset (not proof), the lease is alive, so the client gets 503 \
+            ownership_unknown, retryable: true, for a call the upstream did execute \
+            (fleet.rs classify: may_have_executed -> probe -> Unknown)"]
+fn an_owner_lost_mid_request_gets_502_and_the_call_is_never_rerun_tcp() {
+    owner_lost_mid_request("tcp");
+}
+
+fn owner_lost_mid_request(transport: &str) {
+    let fleet = LocalFleet::start(transport, 1, &["--forward-timeout-ms", NEVER]);
     let session = initialize(&fleet.a.addr, "/mcp");
     let warm = call_tool(
         &fleet.b.addr,
@@ -960,6 +977,59 @@ fn draining_the_supervisor_closes_the_port_and_ends_its_sessions() {
     );
 }
 
+/// README: "session's owner provably gone (… reclaimed): 404, data.reason:
+/// session_gone". Worker X proves the killed owner dead and reclaims its sessions;
+/// worker Y still holds a pooled QUIC connection to the dead owner and sends the next
+/// request on it.
+#[test]
+#[ignore = "claim false (race): after another worker reclaimed the dead owner's \
+            sessions, a worker whose request went out on its pooled connection to the dead \
+            owner answers 404 session_not_found, not session_gone. fleet.rs \
+            lost_after_sending reads 'no directory record' as 'the owner ended the session \
+            before' (a drain), but a concurrent reclaim also removes the record; for a \
+            request sent before the owner died the same path answers 404 instead of \
+            502 outcome_unknown"]
+fn a_session_reclaimed_by_another_worker_is_gone_everywhere() {
+    let never = ["--forward-timeout-ms", NEVER];
+    let fleet = LocalFleet::start_hosts("quic", (2, &never), (1, &never));
+    let session = initialize(&fleet.a.addr, "/mcp");
+    let victim = owner(&session);
+    // Host-b's one worker forwards once: it keeps a pooled connection to the owner.
+    let warm = call_tool(
+        &fleet.b.addr,
+        "/mcp",
+        &session,
+        2,
+        "counter_increment",
+        json!({}),
+    );
+    assert_eq!(warm.status, 200, "{}", warm.text());
+    let pid = fleet.pid_of(&victim);
+    signal::send(pid, Signal::SIGKILL);
+    signal::wait_until_gone(pid, WITHIN);
+    // Host-a's port now reaches only the other host-a worker: it proves the owner dead
+    // (its address refuses) and reclaims the session.
+    let proven = call_tool(
+        &fleet.a.addr,
+        "/mcp",
+        &session,
+        3,
+        "counter_increment",
+        json!({}),
+    );
+    assert_eq!(proven.outcome(), "404 session_gone", "{}", proven.text());
+    assert_eq!(recorded_owner(&fleet.redis, &session), None);
+    let pooled = call_tool(
+        &fleet.b.addr,
+        "/mcp",
+        &session,
+        4,
+        "counter_increment",
+        json!({}),
+    );
+    assert_eq!(pooled.outcome(), "404 session_gone", "{}", pooled.text());
+}
+
 /// README: "Other workers declare it dead only on proof: … or another worker answers
 /// there." The owner is killed and its supervisor's replacement binds the same mesh
 /// address under a new id, while the dead worker's lease is still alive in Redis: the
@@ -969,11 +1039,10 @@ fn an_address_that_answers_as_another_worker_proves_the_owner_dead() {
     let mesh = format!("127.0.0.1:{}", mcpgw_testkit::free_udp_port());
     // A lease of 10 minutes: within this test, only the address can prove anything.
     let long_lease = ["--lease-ms", "600000"];
-    let fleet = LocalFleet::start_each(
+    let fleet = LocalFleet::start_hosts(
         "quic",
-        1,
-        &[long_lease[0], long_lease[1], "--mesh-listen", &mesh],
-        &long_lease,
+        (1, &[long_lease[0], long_lease[1], "--mesh-listen", &mesh]),
+        (1, &long_lease),
     );
     // Initialized on host-a and never forwarded: host-b has no connection to it.
     let session = initialize(&fleet.a.addr, "/mcp");
@@ -1060,12 +1129,13 @@ fn another_principal_cannot_use_a_session() {
         assert_eq!(mine.status, 200, "alice via {addr}: {}", mine.text());
         let theirs = send(addr, "bob-token-0123456789ab", Some(&session), &call);
         assert_eq!(
-            theirs.outcome(),
-            "404 session_not_found",
+            theirs.status,
+            404,
             "bob via {addr} is told it does not exist: {}",
             theirs.text()
         );
         assert_eq!(theirs.error_code(), Some(-32001));
+        // `data.reason` is checked by the ignored test below: the claim is false.
         let anonymous = http::request(
             addr,
             "POST",
@@ -1094,6 +1164,60 @@ fn another_principal_cannot_use_a_session() {
         &call,
     );
     assert_eq!(third.expect_tool_text(), "3");
+}
+
+/// README: "session unknown or ended, or created by another principal: 404, -32001,
+/// data.reason: session_not_found".
+#[test]
+#[ignore = "claim false: another principal's use of a session is answered 404 -32001 \
+            with no error.data at all (exec.rs run_in_session returns \
+            GatewayError::session_not_found() without .with_data), on the owner and \
+            when forwarded"]
+fn another_principal_is_told_session_not_found_with_its_reason() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let tokens = dir.path().join("tokens");
+    std::fs::write(
+        &tokens,
+        "alice:alice-token-0123456789\nbob:bob-token-0123456789ab\n",
+    )
+    .expect("write tokens");
+    let tokens_arg = tokens.display().to_string();
+    let fleet = LocalFleet::start("quic", 1, &["--auth-tokens-file", &tokens_arg]);
+    let bearer = |token: &str| format!("Bearer {token}");
+    let alice = bearer("alice-token-0123456789");
+    let bob = bearer("bob-token-0123456789ab");
+    let opened = http::request(
+        &fleet.a.addr,
+        "POST",
+        "/mcp",
+        &[
+            ("Content-Type", "application/json"),
+            ("Accept", "application/json, text/event-stream"),
+            ("Authorization", &alice),
+        ],
+        &http::initialize_body(1),
+    );
+    let session = opened
+        .header("mcp-session-id")
+        .expect("a session id")
+        .to_owned();
+    for addr in [&fleet.a.addr, &fleet.b.addr] {
+        let mut headers = http::mcp_headers(Some(&session));
+        headers.push(("Authorization", &bob));
+        let theirs = http::request(
+            addr,
+            "POST",
+            "/mcp",
+            &headers,
+            &http::tool_call_body(2, "counter_increment", json!({})),
+        );
+        assert_eq!(
+            theirs.outcome(),
+            "404 session_not_found",
+            "via {addr}: {}",
+            theirs.text()
+        );
+    }
 }
 
 /// A host that goes silent (no refusal, no answer) is declared dead when its lease
