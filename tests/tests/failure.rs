@@ -695,10 +695,90 @@ fn redis_paused_past_the_lease_loses_no_session_and_admits_none() {
 }
 
 /// README: "fleet directory unreachable at initialize: 503, directory_unavailable;
-/// retry; no session was created".
+/// retry; no session was created", and for a worker that must ask the directory who
+/// owns a session: "Redis unreachable: 503, Retry-After: 1, ownership_unknown".
 #[test]
-fn initialize_while_the_directory_is_unreachable_creates_no_session() {
+fn while_the_directory_is_unreachable_nothing_is_created_and_ownership_is_unknown() {
     let fleet = LocalFleet::start("quic", 1, &[]);
+    // Opened on host-a and never used through host-b: host-b must ask the directory.
+    let existing = initialize(&fleet.a.addr, "/mcp");
+    let paused = fleet.redis.pause();
+    let refused = http::try_initialize(&fleet.a.addr, "/mcp");
+    let unknown = try_call_tool(&fleet.b.addr, &existing, 2, "counter_increment", json!({}));
+    paused.resume();
+    let refused = refused.expect("an answer to initialize");
+    assert_eq!(
+        refused.outcome(),
+        "503 directory_unavailable",
+        "{}",
+        refused.text()
+    );
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert!(refused.header("mcp-session-id").is_none(), "no session id");
+    assert_eq!(
+        refused.error().unwrap_or_default()["data"]["retryable"],
+        true
+    );
+    assert_eq!(refused.json()["id"], 1);
+    let unknown = unknown.expect("an answer to the call");
+    assert_eq!(
+        unknown.outcome(),
+        "503 ownership_unknown",
+        "{}",
+        unknown.text()
+    );
+    assert_eq!(unknown.header("retry-after"), Some("1"));
+    assert_eq!(
+        unknown.error().unwrap_or_default()["data"]["retryable"],
+        true
+    );
+    // The upstream session opened for the refused initialize was ended. (Whether the
+    // directory holds a record for it is the ignored test below.)
+    eventually(WITHIN, || {
+        let open = fleet.upstream.counter("sessions_open");
+        if open == 1 { Ok(()) } else { Err(open) }
+    });
+    assert_eq!(fleet.upstream.counter("sessions_created"), 2);
+    assert_eq!(
+        recorded_owner(&fleet.redis, &existing),
+        Some(owner(&existing))
+    );
+    // Once the directory answers, the retry works and the old session goes on.
+    let session = initialize(&fleet.a.addr, "/mcp");
+    assert_eq!(
+        recorded_owner(&fleet.redis, &session),
+        Some(owner(&session))
+    );
+    let again = eventually(WITHIN, || {
+        let r = try_call_tool(&fleet.b.addr, &existing, 3, "counter_increment", json!({}))?;
+        if r.status == 200 {
+            Ok(r)
+        } else {
+            Err(r.outcome())
+        }
+    });
+    assert_eq!(
+        again.expect_tool_text(),
+        "1",
+        "the refused call did not run"
+    );
+}
+
+/// README: "fleet directory unreachable at initialize: … no session was created" —
+/// in the directory too.
+#[test]
+#[ignore = "claim partly false: the worker's claim (a script doing SET NX + SADD) \
+            times out client-side after 500 ms but stays queued on its Redis connection; \
+            when Redis answers again it runs, and the directory records a session \
+            (pool_owner and the worker's session set) that was refused and never handed \
+            out. No client can use it (its id was never sent), but the record stays until \
+            the worker dies and is reclaimed (mesh directory.rs run(): a timed-out command \
+            is not withdrawn; the refused initialize does not release its claim)"]
+fn a_refused_initialize_leaves_no_record_in_the_directory() {
+    let fleet = LocalFleet::start("quic", 1, &[]);
+    // A first session, as on any running fleet (it also loads the claim script into
+    // Redis, so the queued claim can run when Redis answers again).
+    let first = initialize(&fleet.a.addr, "/mcp");
     let paused = fleet.redis.pause();
     let refused = http::try_initialize(&fleet.a.addr, "/mcp").expect("an answer");
     paused.resume();
@@ -708,23 +788,19 @@ fn initialize_while_the_directory_is_unreachable_creates_no_session() {
         "{}",
         refused.text()
     );
-    assert_eq!(refused.header("retry-after"), Some("1"));
-    assert!(refused.header("mcp-session-id").is_none(), "no session id");
-    let error = refused.error().unwrap_or_default();
-    assert_eq!(error["data"]["retryable"], true);
-    assert_eq!(refused.json()["id"], 1);
-    // The upstream session opened for it was ended, and the directory records nothing.
-    eventually(WITHIN, || {
-        let open = fleet.upstream.counter("sessions_open");
-        if open == 0 { Ok(()) } else { Err(open) }
-    });
-    assert!(fleet.redis.keys("mcpgw:pool_owner:*").is_empty());
-    assert_eq!(fleet.upstream.counter("sessions_created"), 1);
-    // Retrying once the directory answers works.
+    // The next claim of the same worker travels on the same Redis connection, after
+    // the refused one: once it is recorded, the refused one has run or never will.
     let session = initialize(&fleet.a.addr, "/mcp");
+    let mut recorded = fleet.redis.keys("mcpgw:pool_owner:*");
+    recorded.sort();
+    let mut handed_out = vec![
+        format!("mcpgw:pool_owner:{first}"),
+        format!("mcpgw:pool_owner:{session}"),
+    ];
+    handed_out.sort();
     assert_eq!(
-        recorded_owner(&fleet.redis, &session),
-        Some(owner(&session))
+        recorded, handed_out,
+        "only the sessions that were handed out are recorded"
     );
 }
 
