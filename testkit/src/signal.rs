@@ -35,6 +35,17 @@ pub fn parent_of(pid: u32) -> Option<u32> {
     stat_fields(pid)?.get(1)?.parse().ok()
 }
 
+/// The live child processes of `pid`, from `/proc`.
+pub fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&child| parent_of(child) == Some(pid) && state_of(child) != Some('Z'))
+        .collect()
+}
+
 /// The scheduler state of `pid` (`R` running, `S` sleeping, `T` stopped, `Z` zombie,
 /// …); `None` once it is gone.
 pub fn state_of(pid: u32) -> Option<char> {

@@ -159,9 +159,15 @@ fn every_worker_id_is_unique_and_its_own_process() {
     assert_eq!(pids.len(), 4, "four distinct processes");
     let addrs: HashSet<&String> = leases.values().map(|lease| &lease.addr).collect();
     assert_eq!(addrs.len(), 4, "four distinct mesh endpoints");
-    // Each supervisor's own two children hold two of the leases.
-    assert_eq!(fleet.workers_of(&fleet.a).len(), 2, "{leases:?}");
-    assert_eq!(fleet.workers_of(&fleet.b).len(), 2, "{leases:?}");
+    // The leases are held by exactly the supervisors' worker processes: a process
+    // sharing another's id would be a worker without a lease of its own.
+    let mut workers = signal::children_of(fleet.a.pid());
+    workers.extend(signal::children_of(fleet.b.pid()));
+    assert_eq!(
+        workers.iter().copied().collect::<HashSet<u32>>(),
+        pids,
+        "every worker process holds one lease, and only they do"
+    );
     for pid in pids {
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
