@@ -54,19 +54,16 @@ async fn start(redis: &RedisServer) -> Mesh {
 }
 
 /// Waits (bounded) until `channel` has `n` subscribers.
-async fn await_numsub(redis: &RedisServer, channel: &str, n: i64) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let now = redis.numsub(channel).await;
+async fn await_numsub(redis: &RedisServer, channel: &str, n: u64) {
+    eventually_async(TEST_TIMEOUT / 2, || async {
+        let now = redis.numsub(channel);
         if now == n {
-            return;
+            Ok(())
+        } else {
+            Err(format!("{channel} has {now} subscribers, expected {n}"))
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{channel} has {now} subscribers, expected {n}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await;
 }
 
 // ------------------------------------------------------------------ tests
@@ -121,7 +118,7 @@ async fn dropping_the_forward_before_the_head_cancels_at_the_owner(redis: &Redis
 /// A PUBLISH that reaches no subscriber is the Redis form of a refused connection:
 /// proof that nothing serves that worker's channel, at once.
 async fn a_worker_without_a_subscriber_is_refused(redis: &RedisServer) {
-    let mesh = start(redis).await;
+    let mesh = Mesh::start_redis(&redis.url(), limits(), patient()).await;
     let started = std::time::Instant::now();
     let err = mesh
         .client
@@ -135,7 +132,7 @@ async fn a_worker_without_a_subscriber_is_refused(redis: &RedisServer) {
     assert!(err.proves_peer_gone());
     assert!(!err.may_have_executed());
     assert!(
-        started.elapsed() < limits().connect_timeout,
+        started.elapsed() < patient().connect_timeout,
         "refusal must not wait for a timeout ({:?})",
         started.elapsed()
     );
@@ -149,8 +146,8 @@ async fn one_subscriber_per_worker_channel(redis: &RedisServer) {
     let config = redis_config(&redis.url());
     let request_channel = config.request_channel(OWNER);
     assert_eq!(mesh.server.redis_channel(), Some(request_channel.as_str()));
-    assert_eq!(redis.numsub(&request_channel).await, 1);
-    assert_eq!(redis.numsub(&config.reply_channel(CALLER)).await, 1);
+    assert_eq!(redis.numsub(&request_channel), 1);
+    assert_eq!(redis.numsub(&config.reply_channel(CALLER)), 1);
 
     let twin = MeshServer::bind_redis(
         config.clone(),
@@ -164,7 +161,7 @@ async fn one_subscriber_per_worker_channel(redis: &RedisServer) {
     .expect_err("a second subscriber for the same worker id");
     assert!(matches!(twin, MeshError::Redis(_)), "{twin:?}");
     eprintln!("refused as: {twin}");
-    assert_eq!(redis.numsub(&request_channel).await, 1);
+    assert_eq!(redis.numsub(&request_channel), 1);
 
     let (got, _) = body_of(mesh.forward("/echo", "once").await.expect("forward"))
         .await
@@ -293,20 +290,17 @@ async fn shutdown_finishes_in_flight_then_refuses(redis: &RedisServer) {
         .expect("forward");
     assert!(in_flight.next_chunk().await.expect("chunk").is_ok());
     let shutdown = tokio::spawn(server.shutdown(Duration::from_secs(20)));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
+    eventually_async(TEST_TIMEOUT / 2, || async {
         let err = client
             .forward("", OWNER, request("/echo", "x"))
             .await
             .expect_err("draining");
-        if err.remote().map(|e| e.kind) == Some(ErrorKind::Draining) {
-            break;
+        match err.remote().map(|e| e.kind) {
+            Some(ErrorKind::Draining) => Ok(()),
+            _ => Err(format!("not draining yet: {err:?}")),
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "never drained: {err:?}"
-        );
-    }
+    })
+    .await;
     record.gate.add_permits(1);
     let (rest, _) = body_of(in_flight)
         .await
@@ -319,7 +313,7 @@ async fn shutdown_finishes_in_flight_then_refuses(redis: &RedisServer) {
         "nothing was cut off"
     );
     // The worker unsubscribed on its way out: its channel refuses, which is proof.
-    assert_eq!(redis.numsub(&channel).await, 0);
+    assert_eq!(redis.numsub(&channel), 0);
     let err = client
         .forward("", OWNER, request("/echo", "x"))
         .await
@@ -338,7 +332,7 @@ async fn subscriptions_come_back_after_redis_restarts(redis: &RedisServer) {
     let config = redis_config(&redis.url());
     let mut hanging = mesh.forward("/hang", "").await.expect("head");
 
-    redis.restart();
+    redis.restart_empty();
     match hanging.next_chunk().await {
         Some(Err(MeshError::LostMidResponse(reason))) => eprintln!("in flight: {reason}"),
         other => panic!("expected LostMidResponse, got {other:?}"),
@@ -375,9 +369,12 @@ async fn a_silent_owner_is_presumed_dead_after_the_idle_timeout(redis: &RedisSer
     let client = MeshClient::new_redis(config, CALLER, quick)
         .await
         .expect("client");
+    // A deadline far beyond the test's own bound: only the idle timeout can end this.
+    let mut patient_request = request("/echo", "x");
+    patient_request.deadline_ms = 600_000;
     let started = std::time::Instant::now();
     let err = client
-        .forward("", "mute-1", request("/echo", "x"))
+        .forward("", "mute-1", patient_request)
         .await
         .expect_err("nobody answers");
     assert!(
@@ -385,11 +382,7 @@ async fn a_silent_owner_is_presumed_dead_after_the_idle_timeout(redis: &RedisSer
         "expected LostMidResponse, got {err:?}"
     );
     assert!(err.may_have_executed(), "it was delivered: outcome unknown");
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "the idle timeout, not the 30 s deadline, ended it ({:?})",
-        started.elapsed()
-    );
+    eprintln!("presumed dead after {:?}", started.elapsed());
     drop(mute);
 }
 
@@ -413,21 +406,20 @@ async fn an_owner_stops_for_a_caller_that_vanished(redis: &RedisServer) {
     // No Cancel: the response is leaked, then the whole client goes.
     std::mem::forget(response);
     drop(client);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while record.cancelled.load(Ordering::SeqCst) < 1 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the owner never noticed its caller was gone"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually_async(TEST_TIMEOUT / 2, || async {
+        match record.cancelled.load(Ordering::SeqCst) {
+            0 => Err("the owner has not noticed its caller is gone"),
+            _ => Ok(()),
+        }
+    })
+    .await;
 }
 
 /// Bytes that are not a mesh message are logged and dropped; the channel serves on.
 async fn garbage_on_the_channel_costs_nothing(redis: &RedisServer) {
     let mesh = start(redis).await;
     let channel = redis_config(&redis.url()).request_channel(OWNER);
-    let mut conn = redis.conn().await;
+    let mut conn = redis_conn(redis).await;
     for garbage in [&b""[..], b"x", &[0u8; 13], &[0xffu8; 64]] {
         let n: i64 = redis::cmd("PUBLISH")
             .arg(&channel)

@@ -147,8 +147,8 @@ async fn wrong_expected_worker_is_proof(kind: TransportKind) {
 }
 
 async fn closed_port_is_refused(kind: TransportKind) {
-    let mesh = Mesh::start(kind).await;
-    let addr = free_port(kind).await;
+    let mesh = Mesh::start_with(kind, limits(), patient()).await;
+    let addr = closed_port(kind);
     let started = std::time::Instant::now();
     let err = mesh
         .client
@@ -161,29 +161,20 @@ async fn closed_port_is_refused(kind: TransportKind) {
     );
     assert!(err.proves_peer_gone());
     assert!(
-        started.elapsed() < limits().connect_timeout,
+        started.elapsed() < patient().connect_timeout,
         "{kind}: refusal must not wait for the connect timeout ({:?})",
         started.elapsed()
     );
 }
 
 /// A loopback port on which nothing listens for `kind`.
-async fn free_port(kind: TransportKind) -> SocketAddr {
-    match kind {
-        TransportKind::Quic => {
-            let s = tokio::net::UdpSocket::bind("127.0.0.1:0")
-                .await
-                .expect("udp");
-            s.local_addr().expect("addr")
-        }
-        TransportKind::Tcp => {
-            let s = tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .expect("tcp");
-            s.local_addr().expect("addr")
-        }
+fn closed_port(kind: TransportKind) -> SocketAddr {
+    let port = match kind {
+        TransportKind::Quic => mcpgw_testkit::free_udp_port(),
+        TransportKind::Tcp => mcpgw_testkit::free_port(),
         TransportKind::Redis => unreachable!("the Redis transport has its own tests"),
-    }
+    };
+    SocketAddr::from(([127, 0, 0, 1], port))
 }
 
 async fn silent_port_is_a_timeout_not_proof(kind: TransportKind) {
@@ -433,20 +424,17 @@ async fn shutdown_finishes_in_flight_then_refuses(kind: TransportKind) {
     assert!(in_flight.next_chunk().await.expect("chunk").is_ok());
     let shutdown = tokio::spawn(server.shutdown(Duration::from_secs(20)));
     // Draining: new requests are refused with Draining while the old one runs on.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
+    eventually_async(TEST_TIMEOUT / 2, || async {
         let err = client
             .forward(&addr, OWNER, request("/echo", "x"))
             .await
             .expect_err("draining");
-        if err.remote().map(|e| e.kind) == Some(ErrorKind::Draining) {
-            break;
+        match err.remote().map(|e| e.kind) {
+            Some(ErrorKind::Draining) => Ok(()),
+            _ => Err(format!("{kind}: not draining yet: {err:?}")),
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{kind}: never drained: {err:?}"
-        );
-    }
+    })
+    .await;
     record.gate.add_permits(1);
     let (rest, _) = body_of(in_flight)
         .await

@@ -1,7 +1,7 @@
 //! `mcpgw-bench`: the tools that exercise mcpgw from the outside, over HTTP
 //! as a user would: a fast, stateful demo upstream MCP server to put behind
 //! the gateway (`upstream`), and the load generator with its reports (`run`,
-//! `compare`, `sessions`; see `bench`).
+//! `compare`, `sessions`, `failover`; see `bench`).
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
@@ -43,6 +43,10 @@ enum Command {
     /// Open K idle sessions on one worker and report memory per session (owner
     /// RSS, Redis directory).
     Sessions(bench::sessions::SessionsArgs),
+    /// Kill (kill -9) or pause (SIGSTOP) a worker that owns sessions, round after
+    /// round, and report how long its clients wait for a truthful answer
+    /// (p50/p90/max).
+    Failover(bench::failover::FailoverArgs),
 }
 
 #[tokio::main]
@@ -59,6 +63,7 @@ async fn main() -> ExitCode {
         Command::Run(args) => bench::run::main(args).await,
         Command::Compare(args) => bench::compare::main(args).await,
         Command::Sessions(args) => bench::sessions::main(args).await,
+        Command::Failover(args) => bench::failover::main(args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,38 +1,13 @@
 //! `mcpgw-bench run` against the demo upstream (no gateway): the load generator
 //! speaks MCP correctly in both eras, counts every answer, and writes its JSON.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 
-/// Kills the server even when an assertion fails first.
-struct Server(Child);
+use mcpgw_testkit::Upstream;
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_upstream() -> (Server, String) {
-    let child = Command::new(env!("CARGO_BIN_EXE_mcpgw-bench"))
-        .args(["upstream", "--listen", "127.0.0.1:0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start mcpgw-bench upstream");
-    let mut server = Server(child);
-    let stdout = server.0.stdout.take().expect("stdout is piped");
-    let mut line = String::new();
-    BufReader::new(stdout)
-        .read_line(&mut line)
-        .expect("read the announcement");
-    let url = line
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap_or_else(|| panic!("unexpected announcement: {line:?}"))
-        .to_owned();
-    (server, url)
+fn start_upstream() -> Upstream {
+    Upstream::start_binary(Path::new(env!("CARGO_BIN_EXE_mcpgw-bench")), &[])
 }
 
 fn run(url: &str, era: &str, out: &std::path::Path) -> serde_json::Value {
@@ -70,11 +45,11 @@ fn run(url: &str, era: &str, out: &std::path::Path) -> serde_json::Value {
 
 #[test]
 fn run_counts_every_request_in_both_eras() {
-    let (_upstream, url) = start_upstream();
-    let dir = std::env::temp_dir().join(format!("mcpgw-bench-run-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    let upstream = start_upstream();
+    let dir = tempfile::tempdir().expect("temp dir");
     for era in ["legacy", "modern"] {
-        let report = run(&url, era, &dir.join(format!("{era}.json")));
+        let calls_before = upstream.counter("tool_calls");
+        let report = run(&upstream.url, era, &dir.path().join(format!("{era}.json")));
         assert_eq!(report["era"], era);
         assert_eq!(
             report["requests"], 420,
@@ -95,6 +70,12 @@ fn run_counts_every_request_in_both_eras() {
             "no gateway, no worker headers"
         );
         assert_eq!(report["workers"], serde_json::json!([null]));
+        // Every counted success was executed by the server (the count also holds the
+        // uncounted requests sent before measuring began).
+        let executed = upstream.counter("tool_calls") - calls_before;
+        assert!(
+            executed >= calls,
+            "{era}: {calls} counted tools/call, {executed} executed"
+        );
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }

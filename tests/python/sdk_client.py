@@ -10,6 +10,8 @@ usage: sdk_client.py URL MODE SCENARIO
     stream   slow_stream with a progress callback; times of each progress and the result
     notes    add_note twice then list_notes (the SDK-built upstream's stateful tool)
     fleet    counter_increment 20 times, tools/list, then slow_stream
+    echoes   echo 20 times (distinct texts), tools/list, then slow_stream: no state, so
+             it runs in either mode, through any number of workers
 """
 
 import asyncio
@@ -100,7 +102,29 @@ async def fleet(url, mode):
             "result_ms": result_at, "text": text_of(result)}
 
 
-SCENARIOS = {"basic": basic, "counter": counter, "stream": stream, "notes": notes, "fleet": fleet}
+async def echoes(url, mode):
+    """Calls that need no session state, then a stream: in 2026-07-28 mode every
+    request stands alone, so any worker may answer each one."""
+    start = time.monotonic()
+    progress_at = []
+
+    async def on_progress(progress, total, message):
+        progress_at.append(round((time.monotonic() - start) * 1000, 1))
+
+    async with mcp.Client(url, mode=mode) as client:
+        echoed = [text_of(await client.call_tool("echo", {"text": f"echo {i}"}))
+                  for i in range(20)]
+        tools = await client.list_tools()
+        start = time.monotonic()
+        result = await client.call_tool(
+            "slow_stream", {"count": 10, "interval_ms": 100}, progress_callback=on_progress)
+        result_at = round((time.monotonic() - start) * 1000, 1)
+    return {"echoed": echoed, "tools": len(tools.tools), "progress_ms": progress_at,
+            "result_ms": result_at, "text": text_of(result)}
+
+
+SCENARIOS = {"basic": basic, "counter": counter, "stream": stream, "notes": notes, "fleet": fleet,
+             "echoes": echoes}
 
 if __name__ == "__main__":
     url, mode, scenario = sys.argv[1:4]

@@ -13,9 +13,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use jsonwebtoken::jwk::{Jwk, JwkSet};
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
-use mcpgw_tests::fleet::MeshCerts;
-use mcpgw_tests::http::{self, Response};
-use mcpgw_tests::{Gateway, RedisServer, Upstream};
+use mcpgw_testkit::fleet::MeshCerts;
+use mcpgw_testkit::http::{self, Response};
+use mcpgw_testkit::{Gateway, RedisServer, Upstream};
 use serde_json::{Value, json};
 
 const ISSUER: &str = "https://issuer.test";
@@ -268,7 +268,7 @@ fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!(
         "mcpgw-auth-{name}-{}-{}",
         std::process::id(),
-        mcpgw_tests::free_port()
+        mcpgw_testkit::free_port()
     ));
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir
@@ -284,7 +284,7 @@ struct LoggedGateway {
 
 impl LoggedGateway {
     fn start(args: &[&str], log: PathBuf) -> LoggedGateway {
-        let mut process = Command::new(mcpgw_tests::bin("mcpgw"))
+        let mut process = Command::new(mcpgw_testkit::bin("mcpgw"))
             .args(["serve", "--listen", "127.0.0.1:0"])
             .args(args)
             .env("RUST_LOG", "info,mcpgw=debug")
@@ -888,7 +888,7 @@ scopes = ["mcp"]
             .expect("owner address");
         mcpgw_certs::install_crypto_provider();
         let tls = mcpgw_certs::client_config(&mcpgw_certs::MeshTlsFiles::in_dir(
-            &self.certs.dir,
+            &self.certs.dir(),
             "host-b",
         ))
         .expect("mesh client config");
@@ -1162,8 +1162,8 @@ fn sdk_client_with_a_bearer_token_in_both_modes() {
     ]);
     let token = key.sign(&claims("sdk-user", "", 600));
     for mode in ["legacy", "2026-07-28"] {
-        let output = Command::new(mcpgw_tests::python())
-            .arg(mcpgw_tests::python_script("sdk_client.py"))
+        let output = Command::new(mcpgw_testkit::python())
+            .arg(mcpgw_testkit::python_script("sdk_client.py"))
             .args([&gateway.url(), mode, "basic"])
             .env("MCPGW_BEARER_TOKEN", &token)
             .output()
@@ -1180,8 +1180,8 @@ fn sdk_client_with_a_bearer_token_in_both_modes() {
         assert_eq!(last["echo"], "hello through mcpgw", "{mode}");
     }
     // Without the token the same client is refused.
-    let refused = Command::new(mcpgw_tests::python())
-        .arg(mcpgw_tests::python_script("sdk_client.py"))
+    let refused = Command::new(mcpgw_testkit::python())
+        .arg(mcpgw_testkit::python_script("sdk_client.py"))
         .args([&gateway.url(), "legacy", "basic"])
         .output()
         .expect("run sdk_client.py");

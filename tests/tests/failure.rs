@@ -1,24 +1,35 @@
-//! Truthful failure (DESIGN.md's decision table) with real processes: owners killed,
-//! paused past and within their lease, Redis paused and restarted empty, workers
-//! drained. A session-bearing request is answered by its owner or with an error that
-//! tells the truth; never by a fresh session.
+//! Truthful failure (docs: the decision table, and the README's "What clients see" and
+//! "When workers, hosts or Redis fail") with real processes: owners killed, paused
+//! past and within their lease, killed mid-request, replaced at their address; Redis
+//! paused and restarted empty; workers and supervisors drained. A session-bearing
+//! request is answered by its owner or with an error that tells the truth (status and
+//! `data.reason`); never by a fresh session.
+//!
+//! No test here waits a guessed time: each polls for the condition it needs, with a
+//! deadline that only catches a hang. Where a fault must last (Redis paused past the
+//! lease), the duration is the fault, not synchronisation.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use mcpgw_tests::ScatterProxy;
-use mcpgw_tests::fleet::{LocalFleet, signal};
-use mcpgw_tests::http::{self, call_tool, initialize};
+use mcpgw_testkit::fleet::{FLEET_CHANGE_WITHIN, LocalFleet, owner_of, recorded_owner};
+use mcpgw_testkit::http::{self, call_tool, initialize, try_call_tool};
+use mcpgw_testkit::signal::{self, Paused, Signal};
+use mcpgw_testkit::{ScatterProxy, eventually};
 use serde_json::json;
 
-/// The worker a session id names as its owner.
+/// Bound for every wait below: generous, so that only a hang fails a test.
+const WITHIN: Duration = FLEET_CHANGE_WITHIN;
+
+/// A forward timeout no test waits for: an answer that comes while a test still runs
+/// was decided by proof or a lease, never by this timeout.
+const NEVER: &str = "600000";
+
 fn owner(session: &str) -> String {
-    session
-        .split_once('.')
-        .map(|(_, o)| o.to_owned())
-        .unwrap_or_default()
+    owner_of(session)
 }
 
 #[derive(Debug, Clone)]
@@ -26,13 +37,26 @@ struct Outcome {
     session: String,
     started: Instant,
     finished: Instant,
+    /// 0: no HTTP answer at all (the connection was refused or reset).
     status: u16,
-    /// The counter value for a 200, else the error reason.
+    /// The counter value for a 200, else `data.reason` (or what was wrong with the
+    /// answer, or why there was none).
     detail: String,
+    /// `Retry-After` of the answer.
+    retry_after: Option<String>,
+}
+
+impl Outcome {
+    fn value(&self) -> Option<u64> {
+        (self.status == 200)
+            .then(|| self.detail.parse().ok())
+            .flatten()
+    }
 }
 
 /// Closed-loop load: one thread per session, `counter_increment` through `addr`
-/// (a scattering proxy), until stopped.
+/// (a scattering proxy), until finished. A thread records every answer and never
+/// panics on one; the test judges them.
 struct Load {
     stop: Arc<AtomicBool>,
     outcomes: Arc<Mutex<Vec<Outcome>>>,
@@ -53,39 +77,10 @@ impl Load {
                     while !stop.load(Ordering::Relaxed) {
                         id += 1;
                         let started = Instant::now();
-                        let body = json!({
-                            "jsonrpc": "2.0", "id": id, "method": "tools/call",
-                            "params": {"name": "counter_increment", "arguments": {}},
-                        })
-                        .to_string();
-                        let answer = http::try_request(
-                            &addr,
-                            "POST",
-                            "/mcp",
-                            &http::mcp_headers(Some(&session)),
-                            body.as_bytes(),
-                        );
-                        // No HTTP answer at all (status 0): the connection was reset
-                        // before any gateway code read it, e.g. queued at a killed
-                        // process's listener.
-                        let (status, detail) = match answer {
-                            Ok(r) if r.status == 200 => (200, r.tool_text().unwrap_or_default()),
-                            Ok(r) => (
-                                r.status,
-                                r.json()["error"]["data"]["reason"]
-                                    .as_str()
-                                    .unwrap_or("")
-                                    .to_owned(),
-                            ),
-                            Err(e) => (0, e),
-                        };
-                        outcomes.lock().unwrap().push(Outcome {
-                            session: session.clone(),
-                            started,
-                            finished: Instant::now(),
-                            status,
-                            detail,
-                        });
+                        let answer =
+                            try_call_tool(&addr, &session, id, "counter_increment", json!({}));
+                        let outcome = judge(&session, started, answer);
+                        lock(&outcomes).push(outcome);
                         thread::sleep(Duration::from_millis(20));
                     }
                 })
@@ -98,15 +93,56 @@ impl Load {
         }
     }
 
+    fn snapshot(&self) -> Vec<Outcome> {
+        lock(&self.outcomes).clone()
+    }
+
+    /// Waits until `condition` holds over the outcomes so far; its `Err` says what
+    /// is still missing.
+    #[track_caller]
+    fn wait_until(&self, condition: impl Fn(&[Outcome]) -> Result<(), String>) {
+        eventually(WITHIN, || condition(&self.snapshot()));
+    }
+
+    /// Stops the load and returns every outcome in the order the requests started. A
+    /// load thread that panicked fails the test here, so "no errors on the other
+    /// sessions" can never pass with a dead thread.
     fn finish(self) -> Vec<Outcome> {
         self.stop.store(true, Ordering::Relaxed);
-        for t in self.threads {
-            let _ = t.join();
+        for thread in self.threads {
+            if let Err(panic) = thread.join() {
+                std::panic::resume_unwind(panic);
+            }
         }
-        let mut all = self.outcomes.lock().unwrap().clone();
+        let mut all = lock(&self.outcomes).clone();
         all.sort_by_key(|o| o.started);
         all
     }
+}
+
+fn judge(session: &str, started: Instant, answer: Result<http::Response, String>) -> Outcome {
+    let (status, detail, retry_after) = match answer {
+        Ok(r) if r.status == 200 => (200, r.tool_text().unwrap_or_default(), None),
+        Ok(r) => {
+            let detail = r
+                .reason()
+                .unwrap_or_else(|| format!("no data.reason in {:?}", r.text()));
+            (r.status, detail, r.header("retry-after").map(str::to_owned))
+        }
+        Err(e) => (0, e, None),
+    };
+    Outcome {
+        session: session.to_owned(),
+        started,
+        finished: Instant::now(),
+        status,
+        detail,
+        retry_after,
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn sessions_on(proxy: &ScatterProxy, n: usize) -> Vec<String> {
@@ -121,9 +157,39 @@ fn proxy_for(fleet: &LocalFleet) -> ScatterProxy {
 fn values(outcomes: &[Outcome], session: &str) -> Vec<u64> {
     outcomes
         .iter()
-        .filter(|o| o.session == session && o.status == 200)
-        .filter_map(|o| o.detail.parse().ok())
+        .filter(|o| o.session == session)
+        .filter_map(Outcome::value)
         .collect()
+}
+
+/// Successful calls of `session` that started after `since`.
+fn successes_since(outcomes: &[Outcome], session: &str, since: Instant) -> usize {
+    outcomes
+        .iter()
+        .filter(|o| o.session == session && o.status == 200 && o.started > since)
+        .count()
+}
+
+/// Waits for every session to have made `n` successful calls since `since`.
+fn every_session_progressed(
+    sessions: &[String],
+    n: usize,
+    since: Instant,
+) -> impl Fn(&[Outcome]) -> Result<(), String> + '_ {
+    move |outcomes| {
+        let behind: Vec<&String> = sessions
+            .iter()
+            .filter(|s| successes_since(outcomes, s, since) < n)
+            .collect();
+        if behind.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} sessions not yet at {n} successes: {behind:?}",
+                behind.len()
+            ))
+        }
+    }
 }
 
 fn assert_counting_on(outcomes: &[Outcome], session: &str) {
@@ -137,21 +203,51 @@ fn assert_counting_on(outcomes: &[Outcome], session: &str) {
     }
 }
 
+/// The answers an unconfirmable owner gets: 503, `Retry-After: 1`, retryable.
+fn assert_unknown(o: &Outcome) {
+    assert_eq!(o.status, 503, "{o:?}");
+    assert!(
+        matches!(o.detail.as_str(), "ownership_unknown" | "lease_in_doubt"),
+        "503 says why: {o:?}"
+    );
+    assert_eq!(o.retry_after.as_deref(), Some("1"), "{o:?}");
+}
+
 #[test]
 fn killing_an_owner_answers_its_sessions_truthfully_and_spares_the_rest() {
-    let fleet = LocalFleet::start("quic", 2, &[]);
+    let fleet = LocalFleet::start("quic", 2, &["--forward-timeout-ms", NEVER]);
     let proxy = proxy_for(&fleet);
     let sessions = sessions_on(&proxy, 12);
     let victim = owner(&sessions[0]);
     let victim_pid = fleet.pid_of(&victim);
+    let supervisor = signal::parent_of(victim_pid).expect("the victim's supervisor");
     let load = Load::start(&proxy.addr, &sessions);
-    thread::sleep(Duration::from_secs(2));
-    signal(victim_pid, "KILL");
-    // Once the process is gone (or a zombie), its sockets are closed: from here on
-    // no request can reach it.
-    wait_until_dead(victim_pid);
+    load.wait_until(every_session_progressed(&sessions, 3, Instant::now()));
+    signal::send(victim_pid, Signal::SIGKILL);
+    // Once the process is gone (not just a zombie), its sockets are closed: from here
+    // on no request can reach it.
+    signal::wait_until_gone(victim_pid, WITHIN);
     let killed_at = Instant::now();
-    thread::sleep(Duration::from_secs(8));
+    let (mine, others): (Vec<String>, Vec<String>) =
+        sessions.iter().cloned().partition(|s| owner(s) == victim);
+    // Each of the victim's sessions has been told it is gone, and every other session
+    // kept working after the kill.
+    load.wait_until(|outcomes| {
+        let untold: Vec<&String> = mine
+            .iter()
+            .filter(|s| {
+                !outcomes.iter().any(|o| {
+                    &o.session == *s
+                        && o.started > killed_at
+                        && (o.status, o.detail.as_str()) == (404, "session_gone")
+                })
+            })
+            .collect();
+        if !untold.is_empty() {
+            return Err(format!("not yet told gone: {untold:?}"));
+        }
+        every_session_progressed(&others, 3, killed_at)(outcomes)
+    });
     let outcomes = load.finish();
 
     let mut first_truthful: Option<Duration> = None;
@@ -169,14 +265,17 @@ fn killing_an_owner_answers_its_sessions_truthfully_and_spares_the_rest() {
         }
         if owner(&o.session) == victim {
             if o.started > killed_at {
-                assert_ne!(
-                    o.status, 200,
-                    "a dead owner's session must never answer 200: {o:?}"
-                );
-                assert!(
-                    matches!(o.status, 404 | 502 | 503),
-                    "documented answers only: {o:?}"
-                );
+                match o.status {
+                    // session_not_found: the race that
+                    // a_session_reclaimed_by_another_worker_is_gone_everywhere shows.
+                    404 => assert!(
+                        matches!(o.detail.as_str(), "session_gone" | "session_not_found"),
+                        "{o:?}"
+                    ),
+                    502 => assert_eq!(o.detail, "outcome_unknown", "{o:?}"),
+                    503 => assert_unknown(o),
+                    _ => panic!("a dead owner's session gets a documented error only: {o:?}"),
+                }
                 if matches!(o.status, 404 | 502) && first_truthful.is_none() {
                     first_truthful = Some(o.finished - killed_at);
                 }
@@ -193,26 +292,23 @@ fn killing_an_owner_answers_its_sessions_truthfully_and_spares_the_rest() {
         "first truthful answer {first:?} after kill -9 of the owner; {reset} connections \
          queued at the killed worker's listener were reset"
     );
-    assert!(first < Duration::from_secs(10), "answered in {first:?}");
-    let last_victim = outcomes
-        .iter()
-        .rev()
-        .find(|o| owner(&o.session) == victim)
-        .expect("victim sessions were exercised");
-    assert_eq!(
-        last_victim.status, 404,
-        "in the end the session is gone: {last_victim:?}"
-    );
-    assert_eq!(last_victim.detail, "session_gone");
-    for session in sessions.iter().filter(|s| owner(s) != victim) {
+    for session in &mine {
+        let last = outcomes
+            .iter()
+            .rev()
+            .find(|o| &o.session == session)
+            .expect("victim sessions were exercised");
+        assert_eq!(last.status, 404, "in the end the session is gone: {last:?}");
+    }
+    for session in &others {
         assert_counting_on(&outcomes, session);
     }
-    // The supervisor replaced the dead worker.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while fleet.leases().values().all(|(pid, _)| *pid != victim_pid) && fleet.leases().len() < 4 {
-        assert!(Instant::now() < deadline, "no replacement worker");
-        thread::sleep(Duration::from_millis(100));
-    }
+    // The supervisor replaced the dead worker, under a new id.
+    let workers = eventually(WITHIN, || {
+        let now = mcpgw_testkit::fleet::workers_of(&fleet.redis, supervisor);
+        if now.len() == 2 { Ok(now) } else { Err(now) }
+    });
+    assert!(!workers.contains_key(&victim), "{workers:?}");
 }
 
 /// The seed's failure: a stateful call on a session whose owner is gone must never
@@ -229,9 +325,10 @@ fn a_stateful_call_on_a_lost_session_never_returns_200() {
         "session_append",
         json!({"item": "a"}),
     );
-    assert_eq!(first.status, 200);
-    signal(fleet.pid_of(&owner(&session)), "KILL");
-    thread::sleep(Duration::from_millis(200));
+    assert_eq!(first.status, 200, "{}", first.text());
+    let pid = fleet.pid_of(&owner(&session));
+    signal::send(pid, Signal::SIGKILL);
+    signal::wait_until_gone(pid, WITHIN);
     for id in 3..8 {
         let r = call_tool(
             &fleet.b.addr,
@@ -241,11 +338,16 @@ fn a_stateful_call_on_a_lost_session_never_returns_200() {
             "session_append",
             json!({"item": "b"}),
         );
-        assert_ne!(r.status, 200, "never a fresh session");
+        // A request written on the pooled connection to the dead owner may be "outcome
+        // unknown"; anything else is "gone" with the configured status.
         assert!(
-            matches!(r.status, 409 | 502),
-            "gone (409 as configured) or outcome unknown: {}",
-            r.status
+            matches!(
+                r.outcome().as_str(),
+                "409 session_gone" | "502 outcome_unknown"
+            ),
+            "never a fresh session: {} {}",
+            r.outcome(),
+            r.text()
         );
         let read = call_tool(
             &fleet.b.addr,
@@ -255,7 +357,7 @@ fn a_stateful_call_on_a_lost_session_never_returns_200() {
             "session_read",
             json!({}),
         );
-        assert_ne!(read.status, 200);
+        assert_ne!(read.status, 200, "{}", read.text());
     }
     let r = call_tool(
         &fleet.b.addr,
@@ -265,14 +367,86 @@ fn a_stateful_call_on_a_lost_session_never_returns_200() {
         "session_read",
         json!({}),
     );
-    assert_eq!(r.status, 409);
-    let message = r.json()["error"]["message"]
-        .as_str()
-        .unwrap_or_default()
-        .to_owned();
+    assert_eq!(r.outcome(), "409 session_gone", "{}", r.text());
+    let error = r.error().unwrap_or_default();
+    assert_eq!(error["code"], -32001);
+    assert_eq!(error["data"]["retryable"], false);
+    let message = error["message"].as_str().unwrap_or_default();
     assert!(
         message.contains("initialize"),
         "tells the client what to do: {message}"
+    );
+}
+
+/// README: "owner died after the request was sent to it: 502, outcome_unknown; it was
+/// not re-run elsewhere". The owner is killed while the upstream executes the call.
+#[test]
+fn an_owner_lost_mid_request_gets_502_and_the_call_is_never_rerun_quic() {
+    owner_lost_mid_request("quic");
+}
+
+#[test]
+#[ignore = "claim false over TCP (race): the caller sees the connection close while the \
+            killed owner's process is still being torn down, its one liveness probe is \
+            accepted then reset (not proof), the lease is alive, so the client gets 503 \
+            ownership_unknown, retryable: true, for a call the upstream did execute \
+            (fleet.rs classify: may_have_executed -> probe -> Unknown)"]
+fn an_owner_lost_mid_request_gets_502_and_the_call_is_never_rerun_tcp() {
+    owner_lost_mid_request("tcp");
+}
+
+fn owner_lost_mid_request(transport: &str) {
+    let fleet = LocalFleet::start(transport, 1, &["--forward-timeout-ms", NEVER]);
+    let session = initialize(&fleet.a.addr, "/mcp");
+    let warm = call_tool(
+        &fleet.b.addr,
+        "/mcp",
+        &session,
+        2,
+        "counter_increment",
+        json!({}),
+    );
+    assert_eq!(warm.status, 200, "{}", warm.text());
+    let owner_pid = fleet.pid_of(&owner(&session));
+    let before = fleet.upstream.counter("tool_calls");
+    let call = {
+        let (addr, session) = (fleet.b.addr.clone(), session.clone());
+        thread::spawn(move || try_call_tool(&addr, &session, 3, "sleep_ms", json!({"ms": 120_000})))
+    };
+    // The owner forwarded the call upstream and waits for its answer.
+    eventually(WITHIN, || {
+        let now = fleet.upstream.counter("tool_calls");
+        if now > before { Ok(()) } else { Err(now) }
+    });
+    signal::send(owner_pid, Signal::SIGKILL);
+    let lost = match call.join() {
+        Ok(answer) => answer.expect("an HTTP answer from host-b"),
+        Err(panic) => std::panic::resume_unwind(panic),
+    };
+    assert_eq!(lost.outcome(), "502 outcome_unknown", "{}", lost.text());
+    let error = lost.error().unwrap_or_default();
+    assert_eq!(lost.json()["id"], 3, "answers the request it was sent");
+    assert_eq!(error["data"]["retryable"], false, "{error}");
+    let message = error["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("not re-executed"),
+        "says it was not re-run: {message}"
+    );
+    // From now on the session is gone (its owner is proven dead), and nothing ran the
+    // call again: the upstream executed it exactly once.
+    let gone = eventually(WITHIN, || {
+        let r = try_call_tool(&fleet.b.addr, &session, 4, "session_read", json!({}))?;
+        if r.status == 404 {
+            Ok(r)
+        } else {
+            Err(r.outcome())
+        }
+    });
+    assert_eq!(gone.outcome(), "404 session_gone", "{}", gone.text());
+    assert_eq!(
+        fleet.upstream.counter("tool_calls"),
+        before + 1,
+        "the lost call ran once, upstream, and was never re-run elsewhere"
     );
 }
 
@@ -285,115 +459,205 @@ fn an_owner_paused_within_its_lease_gets_503_then_serves_again() {
     );
     let session = initialize(&fleet.a.addr, "/mcp");
     let (paused, took) = call_while_owner_paused(&fleet, &session);
-    eprintln!("paused owner answered {} in {took:?}", paused.status);
+    eprintln!("paused owner answered {} in {took:?}", paused.outcome());
     assert_eq!(
-        paused.status,
-        503,
+        paused.outcome(),
+        "503 ownership_unknown",
         "{}",
-        String::from_utf8_lossy(&paused.body)
+        paused.text()
     );
-    assert!(paused.header("retry-after").is_some());
+    assert_eq!(paused.header("retry-after"), Some("1"));
     assert_eq!(paused.json()["error"]["data"]["retryable"], true);
-    // After SIGCONT the session works again, with its state.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let r = call_tool(
-            &fleet.b.addr,
-            "/mcp",
-            &session,
-            4,
-            "session_read",
-            json!({}),
-        );
-        if r.status == 200 {
-            break;
-        }
+    // After SIGCONT the session works again, with its state: the counter goes on
+    // from the first call's 1 (the paused call may or may not have run meanwhile).
+    let value = eventually(WITHIN, || {
+        let r = try_call_tool(&fleet.b.addr, &session, 4, "counter_increment", json!({}))?;
         assert_ne!(r.status, 404, "a paused owner's session is not gone");
-        assert!(
-            Instant::now() < deadline,
-            "session never came back: {}",
-            r.status
-        );
-        thread::sleep(Duration::from_millis(200));
-    }
+        if r.status == 200 {
+            Ok(r.expect_tool_text())
+        } else {
+            Err(r.outcome())
+        }
+    });
+    assert!(
+        matches!(value.as_str(), "2" | "3"),
+        "the same session, not a fresh one: {value}"
+    );
 }
 
+/// Fencing and proof by an expired lease: an owner paused past its lease is declared
+/// dead; once resumed it finds its lease taken, drops its sessions and exits, and its
+/// supervisor starts a replacement under a new id. Every worker then says "gone".
 #[test]
-fn an_owner_paused_past_its_lease_is_fenced_and_everyone_says_gone() {
+fn an_owner_paused_past_its_lease_is_fenced_and_replaced_and_everyone_says_gone() {
     let fleet = LocalFleet::start("quic", 1, &["--lease-ms", "2000"]);
     let session = initialize(&fleet.a.addr, "/mcp");
-    assert_eq!(
-        call_tool(
-            &fleet.b.addr,
-            "/mcp",
-            &session,
-            2,
-            "counter_increment",
-            json!({})
-        )
-        .status,
-        200
-    );
-    let pid = fleet.pid_of(&owner(&session));
-    signal(pid, "STOP");
-    thread::sleep(Duration::from_secs(5));
-    // A request already on its way to the paused owner may get "outcome unknown";
-    // from then on the session is gone.
-    let during = call_tool(
+    let ok = call_tool(
         &fleet.b.addr,
         "/mcp",
         &session,
-        3,
+        2,
         "counter_increment",
         json!({}),
     );
-    assert!(matches!(during.status, 404 | 502), "{}", during.status);
-    let gone = call_tool(
-        &fleet.b.addr,
-        "/mcp",
-        &session,
-        4,
-        "counter_increment",
-        json!({}),
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    let fenced = owner(&session);
+    let pid = fleet.pid_of(&fenced);
+    let paused = Paused::stop(pid);
+    // Requests wait on the silent owner until its lease expires in Redis: one that was
+    // sent to it gets "outcome unknown"; from then on the session is gone.
+    let mut answers = Vec::new();
+    let gone = eventually(WITHIN, || {
+        let r = try_call_tool(&fleet.b.addr, &session, 3, "counter_increment", json!({}))?;
+        answers.push(r.outcome());
+        match r.outcome().as_str() {
+            "404 session_gone" => Ok(r),
+            "502 outcome_unknown" => Err(r.outcome()),
+            other => panic!(
+                "only the truth while the owner is silent: {other}: {}",
+                r.text()
+            ),
+        }
+    });
+    eprintln!("while paused: {answers:?}");
+    assert_eq!(gone.json()["error"]["data"]["retryable"], false);
+    assert!(
+        !fleet.leases().contains_key(&fenced),
+        "the dead worker's lease was reclaimed"
     );
-    assert_eq!(gone.status, 404, "lease expired: the session is gone");
-    signal(pid, "CONT");
-    // The resumed worker learns it was declared dead; every worker says "gone".
+    paused.resume();
+    // The resumed worker learns it was declared dead and exits; host-a's supervisor
+    // starts a replacement under a new id.
+    signal::wait_until_gone(pid, WITHIN);
+    let replacement = eventually(WITHIN, || {
+        let now = fleet.workers_of(&fleet.a);
+        now.into_iter()
+            .next()
+            .ok_or("no live worker under host-a yet")
+    });
+    assert_ne!(replacement.0, fenced, "a new id");
+    assert_ne!(replacement.1, pid, "a new process");
     for (i, addr) in [&fleet.a.addr, &fleet.b.addr, &fleet.a.addr, &fleet.b.addr]
         .iter()
         .enumerate()
     {
-        // A fenced worker exits and its supervisor restarts it: wait for the port.
-        mcpgw_tests::wait_for_listener(addr, Duration::from_secs(15));
-        let r = call_tool(
-            addr,
-            "/mcp",
-            &session,
-            10 + i as u64,
-            "counter_increment",
-            json!({}),
-        );
-        assert_eq!(
-            r.status,
-            404,
-            "via {addr}: {}",
-            String::from_utf8_lossy(&r.body)
-        );
-        thread::sleep(Duration::from_millis(300));
+        let r = eventually(WITHIN, || {
+            try_call_tool(
+                addr,
+                &session,
+                10 + i as u64,
+                "counter_increment",
+                json!({}),
+            )
+        });
+        assert_eq!(r.outcome(), "404 session_gone", "via {addr}: {}", r.text());
     }
 }
 
+/// README: "an owner acts for its sessions only while its lease is valid by its own
+/// clock". Redis stops answering; once the owner's own deadline passes it answers
+/// 503 `lease_in_doubt` and runs nothing until it has renewed.
 #[test]
-fn redis_paused_past_the_lease_loses_no_session() {
-    let fleet = LocalFleet::start("quic", 2, &["--lease-ms", "2000"]);
+fn an_owner_that_cannot_renew_its_lease_answers_lease_in_doubt_and_runs_nothing() {
+    let fleet = LocalFleet::start("quic", 1, &["--lease-ms", "2000"]);
+    let session = initialize(&fleet.a.addr, "/mcp");
+    let call = |id| try_call_tool(&fleet.a.addr, &session, id, "counter_increment", json!({}));
+    let first = call(2).expect("answer");
+    assert_eq!(first.expect_tool_text(), "1");
+    let mut last_value: u64 = 1;
+    let paused = fleet.redis.pause();
+    let doubt = eventually(WITHIN, || {
+        let r = call(3)?;
+        match r.status {
+            // Still within its lease by its own clock.
+            200 => {
+                last_value = r.expect_tool_text().parse().expect("a counter");
+                Err("still acting within the lease".to_owned())
+            }
+            _ => Ok(r),
+        }
+    });
+    assert_eq!(doubt.outcome(), "503 lease_in_doubt", "{}", doubt.text());
+    assert_eq!(doubt.header("retry-after"), Some("1"));
+    assert_eq!(doubt.json()["error"]["data"]["retryable"], true);
+    paused.resume();
+    let after = eventually(WITHIN, || {
+        let r = call(4)?;
+        if r.status == 200 {
+            Ok(r)
+        } else {
+            Err(r.outcome())
+        }
+    });
+    assert_eq!(
+        after.expect_tool_text(),
+        (last_value + 1).to_string(),
+        "the same session, and the refused calls did not run"
+    );
+}
+
+/// Sessions on a fleet of one worker per host, each used once through both hosts, so
+/// that every worker has the other's mesh address cached before Redis misbehaves.
+///
+/// Without the warm-up a worker that must look an owner up in the directory right
+/// after Redis returns may find the owner's lease expired (or not yet re-registered)
+/// before the owner renews it, and rightly declare it dead: README's "unless another
+/// worker reclaimed it". That race is real; these tests check the other path, the one
+/// where the owners carry on with their sessions.
+fn warm_sessions(fleet: &LocalFleet, proxy: &ScatterProxy, n: usize) -> Vec<String> {
+    let sessions = sessions_on(proxy, n);
+    for session in &sessions {
+        for addr in [&fleet.a.addr, &fleet.b.addr] {
+            let r = call_tool(addr, "/mcp", session, 1, "session_read", json!({}));
+            assert_eq!(r.status, 200, "warm-up via {addr}: {}", r.text());
+        }
+    }
+    sessions
+}
+
+#[test]
+fn redis_paused_past_the_lease_loses_no_session_and_admits_none() {
+    let lease = Duration::from_secs(2);
+    let fleet = LocalFleet::start("quic", 1, &["--lease-ms", "2000"]);
     let proxy = proxy_for(&fleet);
-    let sessions = sessions_on(&proxy, 8);
+    let sessions = warm_sessions(&fleet, &proxy, 8);
     let load = Load::start(&proxy.addr, &sessions);
-    thread::sleep(Duration::from_secs(1));
-    signal(u64::from(fleet.redis.pid()), "STOP");
-    thread::sleep(Duration::from_secs(5));
-    signal(u64::from(fleet.redis.pid()), "CONT");
-    thread::sleep(Duration::from_secs(4));
+    load.wait_until(every_session_progressed(&sessions, 2, Instant::now()));
+    let paused = fleet.redis.pause();
+    let paused_at = Instant::now();
+    // Owners stop acting once their own lease deadline passes: every session gets a 503.
+    load.wait_until(|outcomes| {
+        let serving: Vec<&String> = sessions
+            .iter()
+            .filter(|s| {
+                !outcomes
+                    .iter()
+                    .any(|o| &o.session == *s && o.started > paused_at && o.status == 503)
+            })
+            .collect();
+        if serving.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("not yet refused: {serving:?}"))
+        }
+    });
+    // New sessions get 503 meanwhile, and no session is created for them.
+    let refused = http::try_initialize(&proxy.addr, "/mcp").expect("an answer");
+    assert_eq!(
+        refused.outcome(),
+        "503 directory_unavailable",
+        "{}",
+        refused.text()
+    );
+    assert!(refused.header("mcp-session-id").is_none());
+    // The fault itself: Redis stays silent past the lease, so leases expire in Redis
+    // and must be taken back afterwards.
+    if let Some(rest) = (lease * 2).checked_sub(paused_at.elapsed()) {
+        thread::sleep(rest);
+    }
+    paused.resume();
+    let resumed_at = Instant::now();
+    load.wait_until(every_session_progressed(&sessions, 2, resumed_at));
     let outcomes = load.finish();
     let unavailable = outcomes.iter().filter(|o| o.status == 503).count();
     eprintln!(
@@ -401,41 +665,175 @@ fn redis_paused_past_the_lease_loses_no_session() {
         outcomes.len()
     );
     for o in &outcomes {
-        assert!(matches!(o.status, 200 | 503), "only 200 or 503: {o:?}");
+        match o.status {
+            200 => {}
+            503 => assert_unknown(o),
+            _ => panic!("only 200 or 503: {o:?}"),
+        }
     }
     for session in &sessions {
         assert_counting_on(&outcomes, session);
-        let tail = outcomes
-            .iter()
-            .rev()
-            .find(|o| &o.session == session)
-            .unwrap();
         assert_eq!(
-            tail.status, 200,
-            "{session} works again after Redis returns"
+            recorded_owner(&fleet.redis, session).as_deref(),
+            Some(owner(session).as_str()),
+            "{session} is still recorded for its owner"
         );
     }
-    assert!(
-        unavailable > 0,
-        "past the lease, owners stopped acting (503) while Redis was gone"
+    assert_eq!(
+        fleet.redis.keys("mcpgw:pool_owner:*").len(),
+        sessions.len(),
+        "the refused initialize left no record"
+    );
+    eventually(WITHIN, || {
+        let open = fleet.upstream.counter("sessions_open");
+        if open == sessions.len() as u64 {
+            Ok(())
+        } else {
+            Err(open)
+        }
+    });
+}
+
+/// README: "fleet directory unreachable at initialize: 503, directory_unavailable;
+/// retry; no session was created", and for a worker that must ask the directory who
+/// owns a session: "Redis unreachable: 503, Retry-After: 1, ownership_unknown".
+#[test]
+fn while_the_directory_is_unreachable_nothing_is_created_and_ownership_is_unknown() {
+    let fleet = LocalFleet::start("quic", 1, &[]);
+    // Opened on host-a and never used through host-b: host-b must ask the directory.
+    let existing = initialize(&fleet.a.addr, "/mcp");
+    let paused = fleet.redis.pause();
+    let refused = http::try_initialize(&fleet.a.addr, "/mcp");
+    let unknown = try_call_tool(&fleet.b.addr, &existing, 2, "counter_increment", json!({}));
+    paused.resume();
+    let refused = refused.expect("an answer to initialize");
+    assert_eq!(
+        refused.outcome(),
+        "503 directory_unavailable",
+        "{}",
+        refused.text()
+    );
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert!(refused.header("mcp-session-id").is_none(), "no session id");
+    assert_eq!(
+        refused.error().unwrap_or_default()["data"]["retryable"],
+        true
+    );
+    assert_eq!(refused.json()["id"], 1);
+    let unknown = unknown.expect("an answer to the call");
+    assert_eq!(
+        unknown.outcome(),
+        "503 ownership_unknown",
+        "{}",
+        unknown.text()
+    );
+    assert_eq!(unknown.header("retry-after"), Some("1"));
+    assert_eq!(
+        unknown.error().unwrap_or_default()["data"]["retryable"],
+        true
+    );
+    // The upstream session opened for the refused initialize was ended. (Whether the
+    // directory holds a record for it is the ignored test below.)
+    eventually(WITHIN, || {
+        let open = fleet.upstream.counter("sessions_open");
+        if open == 1 { Ok(()) } else { Err(open) }
+    });
+    assert_eq!(fleet.upstream.counter("sessions_created"), 2);
+    assert_eq!(
+        recorded_owner(&fleet.redis, &existing),
+        Some(owner(&existing))
+    );
+    // Once the directory answers, the retry works and the old session goes on.
+    let session = initialize(&fleet.a.addr, "/mcp");
+    assert_eq!(
+        recorded_owner(&fleet.redis, &session),
+        Some(owner(&session))
+    );
+    let again = eventually(WITHIN, || {
+        let r = try_call_tool(&fleet.b.addr, &existing, 3, "counter_increment", json!({}))?;
+        if r.status == 200 {
+            Ok(r)
+        } else {
+            Err(r.outcome())
+        }
+    });
+    assert_eq!(
+        again.expect_tool_text(),
+        "1",
+        "the refused call did not run"
+    );
+}
+
+/// README: "fleet directory unreachable at initialize: … no session was created" —
+/// in the directory too.
+#[test]
+#[ignore = "claim partly false: the worker's claim (a script doing SET NX + SADD) \
+            times out client-side after 500 ms but stays queued on its Redis connection; \
+            when Redis answers again it runs, and the directory records a session \
+            (pool_owner and the worker's session set) that was refused and never handed \
+            out. No client can use it (its id was never sent), but the record stays until \
+            the worker dies and is reclaimed (mesh directory.rs run(): a timed-out command \
+            is not withdrawn; the refused initialize does not release its claim)"]
+fn a_refused_initialize_leaves_no_record_in_the_directory() {
+    let fleet = LocalFleet::start("quic", 1, &[]);
+    // A first session, as on any running fleet (it also loads the claim script into
+    // Redis, so the queued claim can run when Redis answers again).
+    let first = initialize(&fleet.a.addr, "/mcp");
+    let paused = fleet.redis.pause();
+    let refused = http::try_initialize(&fleet.a.addr, "/mcp").expect("an answer");
+    paused.resume();
+    assert_eq!(
+        refused.outcome(),
+        "503 directory_unavailable",
+        "{}",
+        refused.text()
+    );
+    // The next claim of the same worker travels on the same Redis connection, after
+    // the refused one: once it is recorded, the refused one has run or never will.
+    let session = initialize(&fleet.a.addr, "/mcp");
+    let mut recorded = fleet.redis.keys("mcpgw:pool_owner:*");
+    recorded.sort();
+    let mut handed_out = vec![
+        format!("mcpgw:pool_owner:{first}"),
+        format!("mcpgw:pool_owner:{session}"),
+    ];
+    handed_out.sort();
+    assert_eq!(
+        recorded, handed_out,
+        "only the sessions that were handed out are recorded"
     );
 }
 
 #[test]
 fn redis_restarted_empty_loses_no_session() {
-    let mut fleet = LocalFleet::start("quic", 2, &["--lease-ms", "3000"]);
+    let fleet = LocalFleet::start("quic", 1, &["--lease-ms", "3000"]);
     let proxy = proxy_for(&fleet);
-    let sessions = sessions_on(&proxy, 8);
+    let sessions = warm_sessions(&fleet, &proxy, 8);
     let load = Load::start(&proxy.addr, &sessions);
-    thread::sleep(Duration::from_secs(1));
+    load.wait_until(every_session_progressed(&sessions, 2, Instant::now()));
     fleet.redis.restart_empty();
-    thread::sleep(Duration::from_secs(6));
+    let restarted_at = Instant::now();
+    // The owners notice the new generation, register again and re-claim every session.
+    eventually(WITHIN, || {
+        let missing: Vec<&String> = sessions
+            .iter()
+            .filter(|s| recorded_owner(&fleet.redis, s) != Some(owner(s)))
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(missing)
+        }
+    });
+    load.wait_until(every_session_progressed(&sessions, 2, restarted_at));
     let outcomes = load.finish();
     for o in &outcomes {
-        assert!(
-            matches!(o.status, 200 | 503),
-            "no session is lost to a forgetful Redis: {o:?}"
-        );
+        match o.status {
+            200 => {}
+            // Until the owners re-claimed them, missing records mean "unknown".
+            503 => assert_unknown(o),
+            _ => panic!("no session is lost to a forgetful Redis: {o:?}"),
+        }
     }
     for session in &sessions {
         assert_counting_on(&outcomes, session);
@@ -443,22 +841,21 @@ fn redis_restarted_empty_loses_no_session() {
             .iter()
             .rev()
             .find(|o| &o.session == session)
-            .unwrap();
+            .expect("exercised");
         assert_eq!(tail.status, 200, "{session} works after the rebuild");
-        assert_eq!(
-            fleet
-                .redis
-                .get(&format!("mcpgw:pool_owner:{session}"))
-                .as_deref(),
-            Some(owner(session).as_str()),
-            "ownership was re-claimed"
-        );
     }
+    // New sessions work again without a restart: recorded, and with their own state.
     let fresh = initialize(&proxy.addr, "/mcp");
-    assert!(
-        !fresh.is_empty(),
-        "new sessions work again without a restart"
+    assert_eq!(recorded_owner(&fleet.redis, &fresh), Some(owner(&fresh)));
+    let first = call_tool(
+        &proxy.addr,
+        "/mcp",
+        &fresh,
+        2,
+        "counter_increment",
+        json!({}),
     );
+    assert_eq!(first.expect_tool_text(), "1");
 }
 
 #[test]
@@ -472,6 +869,8 @@ fn a_drained_worker_finishes_in_flight_requests_then_its_sessions_are_gone() {
         .filter(|s| owner(s) == victim)
         .cloned()
         .collect();
+    let open_before = fleet.upstream.counter("sessions_open");
+    let calls_before = fleet.upstream.counter("tool_calls");
     // Slow calls in flight on the victim's sessions, some through other workers.
     let in_flight: Vec<_> = mine
         .iter()
@@ -484,9 +883,8 @@ fn a_drained_worker_finishes_in_flight_requests_then_its_sessions_are_gone() {
                 fleet.b.addr.clone()
             };
             thread::spawn(move || {
-                call_tool(
+                try_call_tool(
                     &addr,
-                    "/mcp",
                     &session,
                     500 + i as u64,
                     "sleep_ms",
@@ -495,47 +893,57 @@ fn a_drained_worker_finishes_in_flight_requests_then_its_sessions_are_gone() {
             })
         })
         .collect();
-    thread::sleep(Duration::from_millis(400));
-    signal(fleet.pid_of(&victim), "TERM");
+    let expected = calls_before + in_flight.len() as u64;
+    eventually(WITHIN, || {
+        let now = fleet.upstream.counter("tool_calls");
+        if now >= expected { Ok(()) } else { Err(now) }
+    });
+    signal::send(fleet.pid_of(&victim), Signal::SIGTERM);
     for handle in in_flight {
-        let r = handle.join().unwrap();
-        assert_eq!(
-            r.status,
-            200,
-            "in-flight requests finish: {}",
-            String::from_utf8_lossy(&r.body)
-        );
+        let r = match handle.join() {
+            Ok(answer) => answer.expect("an HTTP answer"),
+            Err(panic) => std::panic::resume_unwind(panic),
+        };
+        assert_eq!(r.status, 200, "in-flight requests finish: {}", r.text());
     }
-    // Once drained, its sessions are gone, answered fast.
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let started = Instant::now();
-        let r = call_tool(
-            &proxy.addr,
-            "/mcp",
-            &mine[0],
-            900,
-            "counter_increment",
-            json!({}),
-        );
-        if r.status == 404 {
-            assert!(
-                started.elapsed() < Duration::from_secs(2),
-                "gone is answered fast"
-            );
-            break;
+    // Once drained, its sessions are ended upstream and in the directory, and gone.
+    let gone = eventually(WITHIN, || {
+        let r = try_call_tool(&proxy.addr, &mine[0], 900, "counter_increment", json!({}))?;
+        match r.status {
+            404 => Ok(r),
+            200 => Err(r.outcome()),
+            // The owner is draining: unknown until the session has ended.
+            503 => {
+                assert_eq!(
+                    r.reason().as_deref(),
+                    Some("ownership_unknown"),
+                    "{}",
+                    r.text()
+                );
+                Err(r.outcome())
+            }
+            _ => panic!("during the drain: {} {}", r.outcome(), r.text()),
         }
-        assert!(
-            matches!(r.status, 200 | 503),
-            "during the drain: {}",
-            r.status
-        );
-        assert!(
-            Instant::now() < deadline,
-            "the drained session never became gone"
-        );
-        thread::sleep(Duration::from_millis(200));
+    });
+    assert!(
+        matches!(
+            gone.reason().as_deref(),
+            Some("session_not_found" | "session_gone")
+        ),
+        "{}",
+        gone.text()
+    );
+    for session in &mine {
+        assert_eq!(recorded_owner(&fleet.redis, session), None, "{session}");
     }
+    eventually(WITHIN, || {
+        let open = fleet.upstream.counter("sessions_open");
+        if open == open_before - mine.len() as u64 {
+            Ok(())
+        } else {
+            Err(open)
+        }
+    });
     // Other sessions are untouched.
     for session in sessions.iter().filter(|s| owner(s) != victim) {
         let r = call_tool(
@@ -546,23 +954,228 @@ fn a_drained_worker_finishes_in_flight_requests_then_its_sessions_are_gone() {
             "counter_increment",
             json!({}),
         );
-        assert_eq!(r.status, 200);
+        assert_eq!(r.status, 200, "{}", r.text());
     }
+}
+
+/// README: "Drain (SIGTERM to a worker or the supervisor): the public port closes,
+/// exchanges and forwarded requests in flight finish, then the sessions end upstream
+/// and in the directory, so later requests for them get a fast 404."
+#[test]
+fn draining_the_supervisor_closes_the_port_and_ends_its_sessions() {
+    let fleet = LocalFleet::start("tcp", 2, &[]);
+    let mine: Vec<String> = (0..4).map(|_| initialize(&fleet.a.addr, "/mcp")).collect();
+    let theirs = initialize(&fleet.b.addr, "/mcp");
+    let a_workers = fleet.workers_of(&fleet.a);
+    assert_eq!(a_workers.len(), 2);
+    let calls_before = fleet.upstream.counter("tool_calls");
+    let in_flight: Vec<_> = mine
+        .iter()
+        .enumerate()
+        .map(|(i, session)| {
+            // Half straight to host-a's port, half forwarded from host-b.
+            let addr = if i % 2 == 0 {
+                fleet.a.addr.clone()
+            } else {
+                fleet.b.addr.clone()
+            };
+            let session = session.clone();
+            thread::spawn(move || {
+                try_call_tool(&addr, &session, 50, "sleep_ms", json!({"ms": 1500}))
+            })
+        })
+        .collect();
+    let expected = calls_before + in_flight.len() as u64;
+    eventually(WITHIN, || {
+        let now = fleet.upstream.counter("tool_calls");
+        if now >= expected { Ok(()) } else { Err(now) }
+    });
+    fleet.a.child.signal(Signal::SIGTERM);
+    for handle in in_flight {
+        let r = match handle.join() {
+            Ok(answer) => answer.expect("an HTTP answer"),
+            Err(panic) => std::panic::resume_unwind(panic),
+        };
+        assert_eq!(r.status, 200, "in-flight requests finish: {}", r.text());
+    }
+    mcpgw_testkit::wait_until_refused(&fleet.a.addr, WITHIN);
+    let mut supervisor = fleet.a;
+    assert_eq!(
+        supervisor.child.wait_exit(WITHIN),
+        Some(0),
+        "a drained supervisor exits cleanly"
+    );
+    // Every session of host-a ended upstream and in the directory; its workers
+    // deregistered.
+    for session in &mine {
+        assert_eq!(recorded_owner(&fleet.redis, session), None, "{session}");
+    }
+    let leases = mcpgw_testkit::fleet::leases(&fleet.redis);
+    for id in a_workers.keys() {
+        assert!(!leases.contains_key(id), "{id} deregistered: {leases:?}");
+    }
+    eventually(WITHIN, || {
+        // Only host-b's session is still open upstream.
+        let open = fleet.upstream.counter("sessions_open");
+        if open == 1 { Ok(()) } else { Err(open) }
+    });
+    for (i, session) in mine.iter().enumerate() {
+        let r = call_tool(
+            &fleet.b.addr,
+            "/mcp",
+            session,
+            60 + i as u64,
+            "counter_increment",
+            json!({}),
+        );
+        assert_eq!(r.status, 404, "{}", r.text());
+        assert!(
+            matches!(
+                r.reason().as_deref(),
+                Some("session_not_found" | "session_gone")
+            ),
+            "{}",
+            r.text()
+        );
+    }
+    let r = call_tool(
+        &fleet.b.addr,
+        "/mcp",
+        &theirs,
+        70,
+        "counter_increment",
+        json!({}),
+    );
+    assert_eq!(
+        r.expect_tool_text(),
+        "1",
+        "host-b's own session is untouched"
+    );
+}
+
+/// README: "session's owner provably gone (… reclaimed): 404, data.reason:
+/// session_gone". Worker X proves the killed owner dead and reclaims its sessions;
+/// worker Y still holds a pooled QUIC connection to the dead owner and sends the next
+/// request on it.
+#[test]
+#[ignore = "claim false (race): after another worker reclaimed the dead owner's \
+            sessions, a worker whose request went out on its pooled connection to the dead \
+            owner answers 404 session_not_found, not session_gone. fleet.rs \
+            lost_after_sending reads 'no directory record' as 'the owner ended the session \
+            before' (a drain), but a concurrent reclaim also removes the record; for a \
+            request sent before the owner died the same path answers 404 instead of \
+            502 outcome_unknown"]
+fn a_session_reclaimed_by_another_worker_is_gone_everywhere() {
+    let never = ["--forward-timeout-ms", NEVER];
+    let fleet = LocalFleet::start_hosts("quic", (2, &never), (1, &never));
+    let session = initialize(&fleet.a.addr, "/mcp");
+    let victim = owner(&session);
+    // Host-b's one worker forwards once: it keeps a pooled connection to the owner.
+    let warm = call_tool(
+        &fleet.b.addr,
+        "/mcp",
+        &session,
+        2,
+        "counter_increment",
+        json!({}),
+    );
+    assert_eq!(warm.status, 200, "{}", warm.text());
+    let pid = fleet.pid_of(&victim);
+    signal::send(pid, Signal::SIGKILL);
+    signal::wait_until_gone(pid, WITHIN);
+    // Host-a's port now reaches only the other host-a worker: it proves the owner dead
+    // (its address refuses) and reclaims the session.
+    let proven = call_tool(
+        &fleet.a.addr,
+        "/mcp",
+        &session,
+        3,
+        "counter_increment",
+        json!({}),
+    );
+    assert_eq!(proven.outcome(), "404 session_gone", "{}", proven.text());
+    assert_eq!(recorded_owner(&fleet.redis, &session), None);
+    let pooled = call_tool(
+        &fleet.b.addr,
+        "/mcp",
+        &session,
+        4,
+        "counter_increment",
+        json!({}),
+    );
+    assert_eq!(pooled.outcome(), "404 session_gone", "{}", pooled.text());
+}
+
+/// README: "Other workers declare it dead only on proof: … or another worker answers
+/// there." The owner is killed and its supervisor's replacement binds the same mesh
+/// address under a new id, while the dead worker's lease is still alive in Redis: the
+/// address answering as another worker is the proof.
+#[test]
+fn an_address_that_answers_as_another_worker_proves_the_owner_dead() {
+    let mesh = format!("127.0.0.1:{}", mcpgw_testkit::free_udp_port());
+    // A lease of 10 minutes: within this test, only the address can prove anything.
+    let long_lease = ["--lease-ms", "600000"];
+    let fleet = LocalFleet::start_hosts(
+        "quic",
+        (1, &[long_lease[0], long_lease[1], "--mesh-listen", &mesh]),
+        (1, &long_lease),
+    );
+    // Initialized on host-a and never forwarded: host-b has no connection to it.
+    let session = initialize(&fleet.a.addr, "/mcp");
+    let dead = owner(&session);
+    let dead_lease = fleet.leases().remove(&dead).expect("the owner's lease");
+    assert_eq!(dead_lease.addr, mesh);
+    signal::send(dead_lease.pid, Signal::SIGKILL);
+    signal::wait_until_gone(dead_lease.pid, WITHIN);
+    let (replacement, _) = eventually(WITHIN, || {
+        let leases: HashMap<_, _> = fleet.leases();
+        leases
+            .into_iter()
+            .find(|(id, lease)| *id != dead && lease.addr == mesh)
+            .ok_or("no replacement at the same mesh address yet")
+    });
+    assert!(
+        fleet.leases().contains_key(&dead),
+        "the dead worker's lease is still alive: it proves nothing yet"
+    );
+    let r = call_tool(
+        &fleet.b.addr,
+        "/mcp",
+        &session,
+        2,
+        "counter_increment",
+        json!({}),
+    );
+    assert_eq!(r.outcome(), "404 session_gone", "{}", r.text());
+    let detail = r.error().unwrap_or_default()["data"]["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        detail.contains(&replacement) && detail.contains("answers as worker"),
+        "the proof is named: {detail}"
+    );
+    assert!(
+        !fleet.leases().contains_key(&dead),
+        "the proven-dead worker was reclaimed"
+    );
+    assert_eq!(recorded_owner(&fleet.redis, &session), None);
 }
 
 /// A session belongs to the principal that created it: another principal using its
 /// id, on the owner or through another worker, is answered as if it did not exist.
 #[test]
 fn another_principal_cannot_use_a_session() {
-    let tokens = std::env::temp_dir().join(format!("mcpgw-tokens-{}", std::process::id()));
+    let dir = tempfile::tempdir().expect("temp dir");
+    let tokens = dir.path().join("tokens");
     std::fs::write(
         &tokens,
         "alice:alice-token-0123456789\nbob:bob-token-0123456789ab\n",
     )
-    .unwrap();
+    .expect("write tokens");
     let tokens_arg = tokens.display().to_string();
     let fleet = LocalFleet::start("quic", 1, &["--auth-tokens-file", &tokens_arg]);
-    let init = br#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-11-25","capabilities":{},"clientInfo":{"name":"t","version":"0"}}}"#;
+    let init = http::initialize_body(1);
     let headers = |token: &'static str, session: Option<&str>| {
         let mut h = vec![
             ("Content-Type", "application/json".to_owned()),
@@ -571,29 +1184,35 @@ fn another_principal_cannot_use_a_session() {
         ];
         if let Some(s) = session {
             h.push(("Mcp-Session-Id", s.to_owned()));
-            h.push(("MCP-Protocol-Version", "2025-11-25".to_owned()));
+            h.push(("MCP-Protocol-Version", http::LEGACY_VERSION.to_owned()));
         }
         h
     };
     let send = |addr: &str, token: &'static str, session: Option<&str>, body: &[u8]| {
         let h = headers(token, session);
         let refs: Vec<(&str, &str)> = h.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        mcpgw_tests::http::request(addr, "POST", "/mcp", &refs, body)
+        http::request(addr, "POST", "/mcp", &refs, body)
     };
-    let opened = send(&fleet.a.addr, "alice-token-0123456789", None, init);
-    assert_eq!(opened.status, 200);
-    let session = opened.header("mcp-session-id").unwrap().to_owned();
-    let call = br#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"counter_increment","arguments":{}}}"#;
+    let opened = send(&fleet.a.addr, "alice-token-0123456789", None, &init);
+    assert_eq!(opened.status, 200, "{}", opened.text());
+    let session = opened
+        .header("mcp-session-id")
+        .expect("a session id")
+        .to_owned();
+    let call = http::tool_call_body(2, "counter_increment", json!({}));
     for addr in [&fleet.a.addr, &fleet.b.addr] {
-        let mine = send(addr, "alice-token-0123456789", Some(&session), call);
-        assert_eq!(mine.status, 200, "alice via {addr}");
-        let theirs = send(addr, "bob-token-0123456789ab", Some(&session), call);
+        let mine = send(addr, "alice-token-0123456789", Some(&session), &call);
+        assert_eq!(mine.status, 200, "alice via {addr}: {}", mine.text());
+        let theirs = send(addr, "bob-token-0123456789ab", Some(&session), &call);
         assert_eq!(
-            theirs.status, 404,
-            "bob via {addr} is told it does not exist"
+            theirs.status,
+            404,
+            "bob via {addr} is told it does not exist: {}",
+            theirs.text()
         );
         assert_eq!(theirs.error_code(), Some(-32001));
-        let anonymous = mcpgw_tests::http::request(
+        // `data.reason` is checked by the ignored test below: the claim is false.
+        let anonymous = http::request(
             addr,
             "POST",
             "/mcp",
@@ -601,56 +1220,104 @@ fn another_principal_cannot_use_a_session() {
                 ("Content-Type", "application/json"),
                 ("Mcp-Session-Id", &session),
             ],
-            call,
+            &call,
         );
-        assert_eq!(anonymous.status, 401);
+        assert_eq!(
+            anonymous.outcome(),
+            "401 unauthorized",
+            "{}",
+            anonymous.text()
+        );
         assert!(anonymous.header("www-authenticate").is_some());
-        let wrong = send(addr, "not-a-valid-token-at-all", Some(&session), call);
-        assert_eq!(wrong.status, 401);
+        let wrong = send(addr, "not-a-valid-token-at-all", Some(&session), &call);
+        assert_eq!(wrong.outcome(), "401 unauthorized", "{}", wrong.text());
     }
     // Bob's attempts changed nothing: alice's counter went 1, 2, now 3.
     let third = send(
         &fleet.b.addr,
         "alice-token-0123456789",
         Some(&session),
-        call,
+        &call,
     );
-    assert!(
-        String::from_utf8_lossy(&third.body).contains("\"3\""),
-        "{}",
-        String::from_utf8_lossy(&third.body)
+    assert_eq!(third.expect_tool_text(), "3");
+}
+
+/// README: "session unknown or ended, or created by another principal: 404, -32001,
+/// data.reason: session_not_found".
+#[test]
+#[ignore = "claim false: another principal's use of a session is answered 404 -32001 \
+            with no error.data at all (exec.rs run_in_session returns \
+            GatewayError::session_not_found() without .with_data), on the owner and \
+            when forwarded"]
+fn another_principal_is_told_session_not_found_with_its_reason() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let tokens = dir.path().join("tokens");
+    std::fs::write(
+        &tokens,
+        "alice:alice-token-0123456789\nbob:bob-token-0123456789ab\n",
+    )
+    .expect("write tokens");
+    let tokens_arg = tokens.display().to_string();
+    let fleet = LocalFleet::start("quic", 1, &["--auth-tokens-file", &tokens_arg]);
+    let bearer = |token: &str| format!("Bearer {token}");
+    let alice = bearer("alice-token-0123456789");
+    let bob = bearer("bob-token-0123456789ab");
+    let opened = http::request(
+        &fleet.a.addr,
+        "POST",
+        "/mcp",
+        &[
+            ("Content-Type", "application/json"),
+            ("Accept", "application/json, text/event-stream"),
+            ("Authorization", &alice),
+        ],
+        &http::initialize_body(1),
     );
-    let _ = std::fs::remove_file(&tokens);
+    let session = opened
+        .header("mcp-session-id")
+        .expect("a session id")
+        .to_owned();
+    for addr in [&fleet.a.addr, &fleet.b.addr] {
+        let mut headers = http::mcp_headers(Some(&session));
+        headers.push(("Authorization", &bob));
+        let theirs = http::request(
+            addr,
+            "POST",
+            "/mcp",
+            &headers,
+            &http::tool_call_body(2, "counter_increment", json!({})),
+        );
+        assert_eq!(
+            theirs.outcome(),
+            "404 session_not_found",
+            "via {addr}: {}",
+            theirs.text()
+        );
+    }
 }
 
 /// A host that goes silent (no refusal, no answer) is declared dead when its lease
 /// expires, and a request waiting on it is answered then, not after the forward
-/// timeout (30 s by default).
+/// timeout (set here far beyond anything the test waits for).
 #[test]
 fn a_silent_owner_is_answered_within_its_lease_not_the_forward_timeout() {
-    let fleet = LocalFleet::start("quic", 1, &["--lease-ms", "3000"]);
+    let fleet = LocalFleet::start(
+        "quic",
+        1,
+        &["--lease-ms", "3000", "--forward-timeout-ms", NEVER],
+    );
     let session = initialize(&fleet.a.addr, "/mcp");
     let (r, took) = call_while_owner_paused(&fleet, &session);
-    eprintln!("silent owner: answered {} after {took:?}", r.status);
+    eprintln!("silent owner: answered {} after {took:?}", r.outcome());
     assert!(
-        matches!(r.status, 502 | 404),
-        "the truth once the lease expired: {}",
-        r.status
+        matches!(
+            r.outcome().as_str(),
+            "502 outcome_unknown" | "404 session_gone"
+        ),
+        "the truth once the lease expired: {} {}",
+        r.outcome(),
+        r.text()
     );
-    assert!(
-        took < Duration::from_secs(10),
-        "answered within the lease, not the forward timeout: {took:?}"
-    );
-}
-
-/// Waits until `pid` is gone: reaped by its supervisor. (A zombie leader is not
-/// enough: the other threads of a multi-threaded process may still hold its sockets.)
-fn wait_until_dead(pid: u64) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::path::Path::new(&format!("/proc/{pid}")).exists() {
-        assert!(Instant::now() < deadline, "process {pid} was not reaped");
-        thread::sleep(Duration::from_millis(2));
-    }
 }
 
 /// Opt-in: while a session's owner cannot be confirmed, session-independent methods
@@ -671,52 +1338,57 @@ fn idempotent_methods_may_be_answered_statelessly_while_ownership_is_unknown() {
     );
     let session = initialize(&fleet.a.addr, "/mcp");
     let pid = fleet.pid_of(&owner(&session));
-    signal(pid, "STOP");
-    let list = br#"{"jsonrpc":"2.0","id":7,"method":"tools/list"}"#;
-    let listed = http::request(
-        &fleet.b.addr,
-        "POST",
-        "/mcp",
-        &http::mcp_headers(Some(&session)),
-        list,
-    );
+    let paused = Paused::stop(pid);
+    let send = |id: u64, method: &str| {
+        http::request(
+            &fleet.b.addr,
+            "POST",
+            "/mcp",
+            &http::mcp_headers(Some(&session)),
+            &http::rpc_body(id, method, json!({})),
+        )
+    };
+    let listed = send(7, "tools/list");
+    let pinged = send(8, "ping");
     let stateful = call_tool(
         &fleet.b.addr,
         "/mcp",
         &session,
-        8,
+        9,
         "counter_increment",
         json!({}),
     );
-    signal(pid, "CONT");
-    assert_eq!(
-        listed.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&listed.body)
-    );
+    paused.resume();
+    assert_eq!(listed.status, 200, "{}", listed.text());
     assert_eq!(listed.header("mcpgw-stateless"), Some("1"));
     let tools = &listed.messages()[0]["result"]["tools"];
     assert!(tools.as_array().is_some_and(|t| !t.is_empty()), "{tools}");
     assert_eq!(listed.messages()[0]["id"], 7);
+    assert_eq!(pinged.status, 200, "{}", pinged.text());
+    assert_eq!(pinged.header("mcpgw-stateless"), Some("1"));
+    assert_eq!(pinged.messages()[0]["id"], 8);
     assert_eq!(
-        stateful.status, 503,
-        "stateful calls are never answered without the session"
+        pinged.messages()[0]["result"],
+        json!({}),
+        "{}",
+        pinged.text()
     );
-    // The temporary upstream session was ended again.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while fleet.upstream.stats()["sessions_open"] != json!(1) {
-        assert!(
-            Instant::now() < deadline,
-            "temporary upstream session left open: {}",
-            fleet.upstream.stats()
-        );
-        thread::sleep(Duration::from_millis(50));
-    }
+    assert_eq!(
+        stateful.outcome(),
+        "503 ownership_unknown",
+        "stateful calls are never answered without the session: {}",
+        stateful.text()
+    );
+    // The temporary upstream sessions were ended again: only the real one is open.
+    eventually(WITHIN, || {
+        let open = fleet.upstream.counter("sessions_open");
+        if open == 1 { Ok(()) } else { Err(open) }
+    });
 }
 
 /// One stateful call through host-b while the session's owner is stopped (SIGSTOP),
-/// after a first call proved the session works; the owner is resumed afterwards.
+/// after a first call proved the session works; the owner is resumed afterwards,
+/// also when the call fails the test.
 fn call_while_owner_paused(fleet: &LocalFleet, session: &str) -> (http::Response, Duration) {
     let ok = call_tool(
         &fleet.b.addr,
@@ -726,9 +1398,8 @@ fn call_while_owner_paused(fleet: &LocalFleet, session: &str) -> (http::Response
         "counter_increment",
         json!({}),
     );
-    assert_eq!(ok.status, 200);
-    let pid = fleet.pid_of(&owner(session));
-    signal(pid, "STOP");
+    assert_eq!(ok.expect_tool_text(), "1");
+    let paused = Paused::stop(fleet.pid_of(&owner(session)));
     let started = Instant::now();
     let answer = call_tool(
         &fleet.b.addr,
@@ -739,6 +1410,6 @@ fn call_while_owner_paused(fleet: &LocalFleet, session: &str) -> (http::Response
         json!({}),
     );
     let took = started.elapsed();
-    signal(pid, "CONT");
+    paused.resume();
     (answer, took)
 }

@@ -2,20 +2,25 @@
 //! over all workers, forwarded over mutually authenticated QUIC or TCP.
 
 use std::collections::HashSet;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use mcpgw_tests::fleet::{LocalFleet, MeshCerts, SupervisorSpec, leases, start_supervisor};
-use mcpgw_tests::http::{self, call_tool, initialize, mcp_headers};
-use mcpgw_tests::{RedisServer, ScatterProxy, Upstream, run_python};
+use mcpgw_testkit::fleet::{
+    FLEET_CHANGE_WITHIN, LocalFleet, MeshCerts, SupervisorSpec, leases, start_supervisor,
+};
+use mcpgw_testkit::http::{self, call_tool, initialize, mcp_headers};
+use mcpgw_testkit::signal::{self, Signal};
+use mcpgw_testkit::{RedisServer, ScatterProxy, Upstream, eventually, run_python};
 use serde_json::json;
 
 fn tool_text(response: &http::Response) -> String {
-    response.tool_text().unwrap_or_else(|| {
-        panic!(
-            "no tool result: {}",
-            String::from_utf8_lossy(&response.body)
-        )
-    })
+    response.expect_tool_text()
+}
+
+fn progress_of(out: &serde_json::Value) -> Vec<f64> {
+    out["progress_ms"]
+        .as_array()
+        .map(|v| v.iter().filter_map(|v| v.as_f64()).collect())
+        .unwrap_or_default()
 }
 
 /// Returns the fleet, still running, for checks of its own.
@@ -31,28 +36,19 @@ fn forwarding_suite(transport: &str) -> LocalFleet {
         json!(expected),
         "{transport}: one session's counter, in order"
     );
-    let progress: Vec<f64> = out["progress_ms"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|v| v.as_f64())
-        .collect();
+    let progress = progress_of(&out);
     assert_eq!(
         progress.len(),
         10,
         "{transport}: every progress event arrives"
     );
-    let result_ms = out["result_ms"].as_f64().unwrap();
+    let result_ms = out["result_ms"].as_f64().unwrap_or_default();
     eprintln!("{transport}: progress at {progress:?} ms, result at {result_ms} ms");
     assert!(
         result_ms - progress[0] >= 500.0,
         "{transport}: the stream is relayed incrementally"
     );
-    let sent: Vec<u64> = proxy
-        .sent
-        .iter()
-        .map(|n| n.load(std::sync::atomic::Ordering::Relaxed))
-        .collect();
+    let sent = proxy.sent_counts();
     assert!(
         sent.iter().all(|&n| n > 0),
         "both ports got requests: {sent:?}"
@@ -67,21 +63,14 @@ fn forwarding_suite(transport: &str) -> LocalFleet {
     })
     .to_string();
     // host-b's workers never hold a session initialized on host-a: this crosses the mesh.
-    let start = Instant::now();
-    let mut arrivals = Vec::new();
-    let response = http::request_raw(
+    let (response, arrivals) = http::request_timed(
         &fleet.b.addr,
         "POST",
         "/mcp",
         &mcp_headers(Some(&session)),
         body.as_bytes(),
-        |chunk| {
-            for _ in 0..String::from_utf8_lossy(chunk).matches("data:").count() {
-                arrivals.push(start.elapsed());
-            }
-        },
     );
-    assert_eq!(response.status, 200);
+    assert_eq!(response.status, 200, "{}", response.text());
     let edge = response.header("mcpgw-edge-worker").unwrap_or_default();
     let owner = response.header("mcpgw-owner-worker").unwrap_or_default();
     assert!(
@@ -106,6 +95,39 @@ fn forwarding_over_tcp() {
     forwarding_suite("tcp");
 }
 
+/// The official SDK client in 2026-07-28 mode through a fleet of four workers: no
+/// sessions, every request answered by whichever worker the balancer picked.
+#[test]
+fn sdk_client_in_2026_mode_through_a_fleet() {
+    let fleet = LocalFleet::start("quic", 2, &[]);
+    let proxy = ScatterProxy::start(vec![fleet.a.addr.clone(), fleet.b.addr.clone()]);
+    let out = run_python("sdk_client.py", &[&proxy.url(), "2026-07-28", "echoes"]);
+    let expected: Vec<String> = (0..20).map(|i| format!("echo {i}")).collect();
+    assert_eq!(out["echoed"], json!(expected), "every call answered: {out}");
+    assert!(out["tools"].as_u64().is_some_and(|n| n >= 4), "{out}");
+    let progress = progress_of(&out);
+    assert_eq!(progress.len(), 10, "every progress event arrives: {out}");
+    let result_ms = out["result_ms"].as_f64().unwrap_or_default();
+    assert!(
+        result_ms - progress[0] >= 500.0,
+        "the stream is relayed incrementally: {out}"
+    );
+    let sent = proxy.sent_counts();
+    assert!(
+        sent.iter().all(|&n| n > 0),
+        "both ports got requests: {sent:?}"
+    );
+    assert_eq!(
+        fleet.upstream.counter("sessions_created"),
+        0,
+        "2026-07-28 requests open no upstream session"
+    );
+    assert!(
+        fleet.redis.keys("mcpgw:pool_owner:*").is_empty(),
+        "and no session in the directory"
+    );
+}
+
 /// The Redis pub/sub baseline passes the same suite, and keeps DESIGN invariant 2:
 /// every worker's request channel has exactly one subscriber.
 #[test]
@@ -117,15 +139,13 @@ fn forwarding_over_redis() {
         4,
         "two supervisors of two workers: {workers:?}"
     );
-    for (id, (_, addr)) in &workers {
+    for (id, lease) in &workers {
         let channel = format!("mcpgw:pool_rpc:{id}");
-        assert_eq!(addr, &channel, "a Redis worker advertises its channel");
-        // NUMSUB answers [channel, count].
-        let reply = fleet.redis.command(&["PUBSUB", "NUMSUB", &channel]);
+        assert_eq!(lease.addr, channel, "a Redis worker advertises its channel");
         assert_eq!(
-            reply.lines().nth(1),
-            Some("1"),
-            "{channel} must have exactly one subscriber: {reply:?}"
+            fleet.redis.numsub(&channel),
+            1,
+            "{channel} must have exactly one subscriber"
         );
     }
 }
@@ -135,10 +155,19 @@ fn every_worker_id_is_unique_and_its_own_process() {
     let fleet = LocalFleet::start("quic", 2, &[]);
     let leases = leases(&fleet.redis);
     assert_eq!(leases.len(), 4, "four workers registered: {leases:?}");
-    let pids: HashSet<u64> = leases.values().map(|(pid, _)| *pid).collect();
+    let pids: HashSet<u32> = leases.values().map(|lease| lease.pid).collect();
     assert_eq!(pids.len(), 4, "four distinct processes");
-    let addrs: HashSet<&String> = leases.values().map(|(_, addr)| addr).collect();
+    let addrs: HashSet<&String> = leases.values().map(|lease| &lease.addr).collect();
     assert_eq!(addrs.len(), 4, "four distinct mesh endpoints");
+    // The leases are held by exactly the supervisors' worker processes: a process
+    // sharing another's id would be a worker without a lease of its own.
+    let mut workers = signal::children_of(fleet.a.pid());
+    workers.extend(signal::children_of(fleet.b.pid()));
+    assert_eq!(
+        workers.iter().copied().collect::<HashSet<u32>>(),
+        pids,
+        "every worker process holds one lease, and only they do"
+    );
     for pid in pids {
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
@@ -164,7 +193,12 @@ fn a_worker_id_already_leased_refuses_to_start() {
         member: "host-a",
         extra: &["--worker-id", "fixed-1"],
     };
-    let _first = start_supervisor(&spec);
+    let first = start_supervisor(&spec);
+    let first_worker = leases(&redis)
+        .get("fixed-1")
+        .map(|lease| lease.pid)
+        .expect("the first worker holds fixed-1");
+    assert_eq!(signal::parent_of(first_worker), Some(first.pid()));
     let mut args = vec![
         "serve".to_string(),
         "--listen".into(),
@@ -177,31 +211,32 @@ fn a_worker_id_already_leased_refuses_to_start() {
         "fixed-1".into(),
     ];
     args.extend(certs.flags("host-a"));
-    let mut second = std::process::Command::new(mcpgw_tests::bin("mcpgw"))
+    let mut command = std::process::Command::new(mcpgw_testkit::bin("mcpgw"));
+    command
         .args(&args)
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(status) = second.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = second.kill();
-            panic!("the second process with a leased id did not exit");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+        .stderr(std::process::Stdio::piped());
+    let mut second = mcpgw_testkit::process::spawn(command).expect("start a second mcpgw");
+    let status = eventually(FLEET_CHANGE_WITHIN, || {
+        second
+            .try_wait()
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| "the second process with a leased id still runs".to_owned())
+    });
     let mut stderr = String::new();
-    std::io::Read::read_to_string(second.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    if let Some(pipe) = second.stderr.as_mut() {
+        std::io::Read::read_to_string(pipe, &mut stderr).expect("read stderr");
+    }
     assert!(!status.success(), "{stderr}");
     assert!(
         stderr.contains("fixed-1") && stderr.contains("already held"),
         "clear error: {stderr}"
     );
-    assert_eq!(leases(&redis).len(), 1, "the first worker keeps its lease");
+    assert_eq!(
+        leases(&redis).get("fixed-1").map(|lease| lease.pid),
+        Some(first_worker),
+        "the first worker keeps its lease"
+    );
 }
 
 #[test]
@@ -209,7 +244,7 @@ fn scattered_requests_execute_exactly_once() {
     let fleet = LocalFleet::start("quic", 2, &[]);
     let proxy = ScatterProxy::start(vec![fleet.a.addr.clone(), fleet.b.addr.clone()]);
     let sessions: Vec<String> = (0..4).map(|_| initialize(&proxy.addr, "/mcp")).collect();
-    let before = fleet.upstream.stats()["tool_calls"].as_u64().unwrap();
+    let before = fleet.upstream.counter("tool_calls");
     let n = 200;
     let mut forwarded = 0;
     for i in 0..n {
@@ -228,7 +263,7 @@ fn scattered_requests_execute_exactly_once() {
             forwarded += 1;
         }
     }
-    let after = fleet.upstream.stats()["tool_calls"].as_u64().unwrap();
+    let after = fleet.upstream.counter("tool_calls");
     eprintln!("{forwarded} of {n} requests were forwarded");
     assert!(
         forwarded > n / 4,
@@ -244,40 +279,43 @@ fn scattered_requests_execute_exactly_once() {
 #[test]
 fn the_supervisor_replaces_a_dead_worker_under_a_new_id() {
     let fleet = LocalFleet::start("quic", 2, &[]);
-    let before = leases(&fleet.redis);
-    let (victim, (pid, _)) = before
+    let before = fleet.workers_of(&fleet.a);
+    assert_eq!(before.len(), 2, "{before:?}");
+    let (victim, victim_pid) = before
         .iter()
+        .map(|(id, pid)| (id.clone(), *pid))
         .next()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .unwrap();
-    let status = std::process::Command::new("kill")
-        .args(["-9", &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let now = leases(&fleet.redis);
-        let fresh: Vec<&String> = now.keys().filter(|id| !before.contains_key(*id)).collect();
-        if let Some(new_id) = fresh.first() {
-            assert_ne!(**new_id, victim);
-            assert_ne!(now[*new_id].0, pid, "a new process");
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no replacement worker registered"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+        .expect("a worker");
+    signal::send(victim_pid, Signal::SIGKILL);
+    signal::wait_until_gone(victim_pid, FLEET_CHANGE_WITHIN);
+    // Two live children of host-a's supervisor hold leases again: the survivor and a
+    // replacement, which must not reuse the dead worker's id.
+    let after = eventually(FLEET_CHANGE_WITHIN, || {
+        let now = fleet.workers_of(&fleet.a);
+        if now.len() == 2 { Ok(now) } else { Err(now) }
+    });
+    assert!(
+        !after.contains_key(&victim),
+        "the dead worker's id is not reused: {after:?}"
+    );
+    let fresh: Vec<&String> = after
+        .keys()
+        .filter(|id| !before.contains_key(*id))
+        .collect();
+    assert_eq!(fresh.len(), 1, "exactly one replacement: {after:?}");
+    assert!(
+        !after.values().any(|pid| *pid == victim_pid),
+        "the replacement is a new process: {after:?}"
+    );
 }
 
 /// Steady state puts no Redis round trip on a forwarded request: the owner is named
 /// by the session id and peer addresses are cached.
 #[test]
 fn forwarded_requests_cost_no_redis_commands_in_steady_state() {
-    // A long lease keeps heartbeats (time-based, not request-based) out of the count.
-    let fleet = LocalFleet::start("quic", 2, &["--lease-ms", "60000"]);
+    // A lease of 10 minutes (renewed every 200 s) keeps heartbeats, which are
+    // time-based, out of the count however slowly the machine runs the loop.
+    let fleet = LocalFleet::start("quic", 2, &["--lease-ms", "600000"]);
     let session = initialize(&fleet.a.addr, "/mcp");
     // Warm up: every host-b worker learns the owner's address once.
     for i in 0..20 {
@@ -326,9 +364,10 @@ fn forwarded_requests_cost_no_redis_commands_in_steady_state() {
 fn mesh_refuses_peers_without_a_mesh_ca_certificate() {
     for transport in ["quic", "tcp"] {
         let fleet = LocalFleet::start(transport, 2, &[]);
-        let (owner, (_, addr)) = leases(&fleet.redis).into_iter().next().unwrap();
+        let (owner, lease) = leases(&fleet.redis).into_iter().next().expect("a worker");
+        let addr = lease.addr;
         let foreign = MeshCerts::create(&["intruder"]);
-        let mesh_ca = fleet.certs.dir.join("ca.crt");
+        let mesh_ca = fleet.certs.dir().join("ca.crt");
         for (label, tls) in [
             ("foreign CA", foreign_client_config(&foreign)),
             ("no certificate", anonymous_client_config(&mesh_ca)),
@@ -342,7 +381,7 @@ fn mesh_refuses_peers_without_a_mesh_ca_certificate() {
         }
         // And a member of the mesh is served.
         let member = mcpgw_certs::client_config(&mcpgw_certs::MeshTlsFiles::in_dir(
-            &fleet.certs.dir,
+            &fleet.certs.dir(),
             "host-b",
         ))
         .unwrap();
@@ -353,7 +392,8 @@ fn mesh_refuses_peers_without_a_mesh_ca_certificate() {
 
 fn foreign_client_config(certs: &MeshCerts) -> std::sync::Arc<rustls::ClientConfig> {
     mcpgw_certs::install_crypto_provider();
-    mcpgw_certs::client_config(&mcpgw_certs::MeshTlsFiles::in_dir(&certs.dir, "intruder")).unwrap()
+    mcpgw_certs::client_config(&mcpgw_certs::MeshTlsFiles::in_dir(&certs.dir(), "intruder"))
+        .unwrap()
 }
 
 fn anonymous_client_config(mesh_ca: &std::path::Path) -> std::sync::Arc<rustls::ClientConfig> {

@@ -2,11 +2,18 @@
 //! in legacy session mode and in 2026-07-28 mode, through the gateway to the demo
 //! upstream and to a server built with the same SDK.
 
-use mcpgw_tests::{Child, Gateway, Upstream, python, python_script, run_python};
-use std::time::Duration;
+use mcpgw_testkit::python::SdkServer;
+use mcpgw_testkit::{Gateway, Upstream, run_python};
 
 fn gateway_for(upstream_url: &str) -> Gateway {
     Gateway::start(&["--upstream", &format!("demo={upstream_url}")])
+}
+
+fn strings(value: &serde_json::Value) -> Vec<&str> {
+    value
+        .as_array()
+        .map(|items| items.iter().filter_map(|t| t.as_str()).collect())
+        .unwrap_or_default()
 }
 
 #[test]
@@ -17,12 +24,7 @@ fn sdk_client_lists_and_calls_in_both_modes() {
         let out = run_python("sdk_client.py", &[&gateway.url(), mode, "basic"]);
         assert_eq!(out["echo"], "hello through mcpgw", "{mode}");
         assert_eq!(out["is_error"], false, "{mode}");
-        let tools: Vec<&str> = out["tools"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter_map(|t| t.as_str())
-            .collect();
+        let tools = strings(&out["tools"]);
         for tool in ["echo", "counter_increment", "slow_stream", "sleep_ms"] {
             assert!(tools.contains(&tool), "{mode}: {tool} in {tools:?}");
         }
@@ -46,16 +48,14 @@ fn sdk_client_sees_progress_before_the_result() {
         let out = run_python("sdk_client.py", &[&gateway.url(), mode, "stream"]);
         let progress: Vec<f64> = out["progress_ms"]
             .as_array()
-            .unwrap()
-            .iter()
-            .filter_map(|v| v.as_f64())
-            .collect();
-        let result_ms = out["result_ms"].as_f64().unwrap();
+            .map(|v| v.iter().filter_map(|v| v.as_f64()).collect())
+            .unwrap_or_default();
+        let result_ms = out["result_ms"].as_f64().unwrap_or_default();
         eprintln!("{mode}: progress at {progress:?} ms, result at {result_ms} ms");
         assert_eq!(
             progress.len(),
             10,
-            "{mode}: every progress notification arrives"
+            "{mode}: every progress notification arrives: {out}"
         );
         // The upstream spaces 10 events 100 ms apart: the first must reach the client
         // long before the result, or the gateway buffered the stream.
@@ -69,22 +69,30 @@ fn sdk_client_sees_progress_before_the_result() {
 
 #[test]
 fn sdk_built_upstream_keeps_state_per_session_through_the_gateway() {
-    let port = mcpgw_tests::free_port();
-    let mut server = Child::spawn(
-        "sdk_server",
-        &python(),
-        &[
-            python_script("sdk_server.py").display().to_string(),
-            port.to_string(),
-        ],
-    );
-    server.wait_for_line("sdk_server listening", Duration::from_secs(30));
-    mcpgw_tests::wait_for_listener(&format!("127.0.0.1:{port}"), Duration::from_secs(30));
-    let gateway = gateway_for(&format!("http://127.0.0.1:{port}/mcp"));
+    let server = SdkServer::start();
+    let gateway = gateway_for(&server.url);
     let out = run_python("sdk_client.py", &[&gateway.url(), "legacy", "notes"]);
     assert_eq!(out["mine"], "one,two");
     assert_eq!(
         out["theirs"], "",
         "a second session sees none of the first's notes"
     );
+}
+
+/// The SDK-built upstream behind the gateway, driven by the SDK client in both eras:
+/// a 2026-07-28 client is passed through statelessly to a server nobody here wrote.
+#[test]
+fn sdk_built_upstream_serves_both_modes_through_the_gateway() {
+    let server = SdkServer::start();
+    let gateway = gateway_for(&server.url);
+    for mode in ["legacy", "2026-07-28"] {
+        let out = run_python("sdk_client.py", &[&gateway.url(), mode, "basic"]);
+        assert_eq!(
+            strings(&out["tools"]),
+            ["add_note", "echo", "list_notes"],
+            "{mode}: the SDK server's own tools: {out}"
+        );
+        assert_eq!(out["echo"], "hello through mcpgw", "{mode}: {out}");
+        assert_eq!(out["is_error"], false, "{mode}: {out}");
+    }
 }

@@ -1,10 +1,12 @@
 //! One `mcpgw serve` process in front of the real demo upstream: the session
 //! protocol, the modern protocol, streaming, and every kind of bad input.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use mcpgw_tests::http::{self, call_tool, initialize, mcp_headers, request};
-use mcpgw_tests::{Gateway, Upstream};
+use mcpgw_testkit::http::{
+    self, call_tool, initialize, mcp_headers, modern_body, modern_headers, request,
+};
+use mcpgw_testkit::{Gateway, Upstream};
 use serde_json::json;
 
 fn start() -> (Upstream, Gateway) {
@@ -14,12 +16,7 @@ fn start() -> (Upstream, Gateway) {
 }
 
 fn tool_text(response: &http::Response) -> String {
-    response.tool_text().unwrap_or_else(|| {
-        panic!(
-            "no tool result: {}",
-            String::from_utf8_lossy(&response.body)
-        )
-    })
+    response.expect_tool_text()
 }
 
 #[test]
@@ -67,7 +64,12 @@ fn legacy_sessions_are_isolated_and_end_with_delete() {
         let deleted = request(addr, "DELETE", path, &mcp_headers(Some(&a)), b"");
         assert_eq!(deleted.status, 200);
         let after = call_tool(addr, path, &a, 4, "counter_increment", json!({}));
-        assert_eq!(after.status, 404, "a deleted session is gone");
+        assert_eq!(
+            after.outcome(),
+            "404 session_not_found",
+            "a deleted session is gone: {}",
+            after.text()
+        );
         assert_eq!(after.error_code(), Some(-32001));
     }
     assert_eq!(
@@ -112,20 +114,12 @@ fn sse_events_are_relayed_as_they_arrive() {
         "params": { "name": "slow_stream", "arguments": { "count": 10, "interval_ms": 100 },
                     "_meta": { "progressToken": "p7" } },
     });
-    let start = Instant::now();
-    let mut arrivals = Vec::new();
-    let response = http::request_raw(
+    let (response, arrivals) = http::request_timed(
         addr,
         "POST",
         "/mcp",
         &mcp_headers(Some(&session)),
         body.to_string().as_bytes(),
-        |chunk| {
-            let events = String::from_utf8_lossy(chunk).matches("data:").count();
-            for _ in 0..events {
-                arrivals.push(start.elapsed());
-            }
-        },
     );
     assert_eq!(response.status, 200);
     assert_eq!(response.header("content-type"), Some("text/event-stream"));
@@ -141,30 +135,6 @@ fn sse_events_are_relayed_as_they_arrive() {
         last - first >= Duration::from_millis(500),
         "events must arrive spread over the stream (first {first:?}, last {last:?}), not in one burst"
     );
-}
-
-fn modern_headers<'a>(method: &'a str, name: Option<&'a str>) -> Vec<(&'a str, &'a str)> {
-    let mut headers = vec![
-        ("Content-Type", "application/json"),
-        ("Accept", "application/json, text/event-stream"),
-        ("MCP-Protocol-Version", "2026-07-28"),
-        ("Mcp-Method", method),
-    ];
-    if let Some(name) = name {
-        headers.push(("Mcp-Name", name));
-    }
-    headers
-}
-
-fn modern_body(id: u64, method: &str, params: serde_json::Value) -> Vec<u8> {
-    let mut params = params;
-    params["_meta"] = json!({
-        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
-        "io.modelcontextprotocol/clientCapabilities": {},
-    });
-    json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params})
-        .to_string()
-        .into_bytes()
 }
 
 #[test]
@@ -332,7 +302,12 @@ fn bad_input_is_refused_clearly_and_the_gateway_keeps_serving() {
     ];
     for (what, path, headers, body, status, code) in cases {
         let response = request(addr, "POST", path, &headers, body);
-        assert_eq!(response.status, status, "{what}: status");
+        assert_eq!(
+            response.status,
+            status,
+            "{what}: status: {}",
+            response.text()
+        );
         let error = response.json();
         assert_eq!(error["jsonrpc"], "2.0", "{what}: JSON-RPC body");
         assert_eq!(error["error"]["code"], code, "{what}: code");
@@ -341,6 +316,27 @@ fn bad_input_is_refused_clearly_and_the_gateway_keeps_serving() {
             message.len() > 20,
             "{what}: the message explains: {message:?}"
         );
+        match what {
+            "unknown session" => assert_eq!(
+                response.reason().as_deref(),
+                Some("session_not_found"),
+                "{what}: {error}"
+            ),
+            "unsupported protocol version" => {
+                let supported: Vec<&str> = error["error"]["data"]["supported"]
+                    .as_array()
+                    .map(|v| v.iter().filter_map(|s| s.as_str()).collect())
+                    .unwrap_or_default();
+                for version in ["2025-03-26", "2025-06-18", "2025-11-25", "2026-07-28"] {
+                    assert!(
+                        supported.contains(&version),
+                        "data.supported lists {version}: {error}"
+                    );
+                }
+                assert!(!supported.contains(&"1999-01-01"), "{error}");
+            }
+            _ => {}
+        }
     }
     // Still serving, and the session survived every bad request.
     let ok = call_tool(
@@ -357,7 +353,7 @@ fn bad_input_is_refused_clearly_and_the_gateway_keeps_serving() {
 
 #[test]
 fn an_unreachable_upstream_gets_a_gateway_error() {
-    let port = mcpgw_tests::free_port();
+    let port = mcpgw_testkit::free_port();
     let gateway = Gateway::start(&["--upstream", &format!("gone=http://127.0.0.1:{port}/mcp")]);
     let body = br#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-11-25","capabilities":{},"clientInfo":{"name":"t","version":"0"}}}"#;
     let response = request(
@@ -402,7 +398,7 @@ fn upstream_timeouts_become_504() {
 
 #[test]
 fn an_invalid_configuration_exits_2_naming_the_field() {
-    let output = std::process::Command::new(mcpgw_tests::bin("mcpgw"))
+    let output = std::process::Command::new(mcpgw_testkit::bin("mcpgw"))
         .args(["serve", "--upstream", "demo=ftp://x/mcp"])
         .output()
         .unwrap();

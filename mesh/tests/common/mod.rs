@@ -1,12 +1,14 @@
-//! Shared harness for the mesh transport tests: an in-process PKI, a test service
-//! that records what it saw, and a server/client pair on loopback.
+//! Shared harness for the mesh tests: a test service that records what it saw, and a
+//! server/client pair on loopback. Processes, Redis, the in-process PKI and polling
+//! come from `mcpgw-testkit`.
 #![allow(dead_code)] // each test crate uses a different part of the harness
 
 pub mod scenarios;
 
-mod redis_server;
-#[allow(unused_imports)] // only the Redis transport tests start a Redis
-pub use redis_server::RedisServer;
+#[allow(unused_imports)] // not every test crate starts a Redis or needs each helper
+pub use mcpgw_testkit::pki::{Pki, YEAR};
+#[allow(unused_imports)]
+pub use mcpgw_testkit::{RedisServer, eventually_async};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -15,7 +17,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use futures_util::stream::{self, BoxStream};
-use mcpgw_certs::{MeshTls, MeshTlsFiles, Pem, generate_ca, issue_leaf, write_pem_files};
 use mcpgw_mesh::transport::{
     ForwardedResponse, MeshClient, MeshError, MeshLimits, MeshServer, MeshServerHandle,
     MeshService, PeerInfo, RedisTransportConfig, ResponsePart, TransportKind,
@@ -23,48 +24,10 @@ use mcpgw_mesh::transport::{
 use mcpgw_wire::{AuthContext, AuthMode, ErrorFrame, ErrorKind, RequestFrame, ResponseHead};
 use tokio::sync::Semaphore;
 
-pub const YEAR: Duration = Duration::from_secs(365 * 24 * 3600);
 pub const OWNER: &str = "owner-1";
 pub const CALLER: &str = "caller-1";
 /// Upper bound for any one test; generous so that a slow machine never fails a test.
 pub const TEST_TIMEOUT: Duration = Duration::from_secs(60);
-
-// ------------------------------------------------------------------ test PKI
-
-/// A mesh CA and a directory for its members' files.
-pub struct Pki {
-    pub dir: tempfile::TempDir,
-    pub ca: Pem,
-}
-
-impl Pki {
-    pub fn new(name: &str) -> Self {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let ca = generate_ca(name, YEAR).expect("CA");
-        std::fs::write(dir.path().join("ca.crt"), &ca.cert).expect("write CA");
-        Self { dir, ca }
-    }
-
-    pub fn member(&self, name: &str) -> MeshTls {
-        let leaf = issue_leaf(&self.ca, name, YEAR).expect("leaf");
-        write_pem_files(self.dir.path(), name, &leaf).expect("write leaf");
-        MeshTls::load(&MeshTlsFiles::in_dir(self.dir.path(), name)).expect("load member")
-    }
-
-    /// A client config that trusts the mesh CA but presents no certificate.
-    pub fn anonymous_client(&self) -> Arc<rustls::ClientConfig> {
-        let roots = mcpgw_certs::load_ca_bundle(&self.dir.path().join("ca.crt")).expect("bundle");
-        let verifier =
-            mcpgw_certs::MeshServerCertVerifier::with_roots(Arc::new(roots)).expect("verifier");
-        let config = rustls::ClientConfig::builder_with_provider(mcpgw_certs::crypto_provider())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .expect("TLS 1.3")
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(verifier))
-            .with_no_client_auth();
-        Arc::new(config)
-    }
-}
 
 // ------------------------------------------------------------------ test service
 
@@ -259,6 +222,16 @@ pub fn limits() -> MeshLimits {
     }
 }
 
+/// Limits whose connect timeout no test waits for (the whole test is bounded by
+/// [`TEST_TIMEOUT`]): "answered before the connect timeout" then holds unless the
+/// timeout did the work, however slow the machine.
+pub fn patient() -> MeshLimits {
+    MeshLimits {
+        connect_timeout: TEST_TIMEOUT,
+        ..limits()
+    }
+}
+
 impl Mesh {
     pub async fn start(kind: TransportKind) -> Self {
         Self::start_with(kind, limits(), limits()).await
@@ -353,17 +326,28 @@ impl Mesh {
     }
 
     async fn await_count(&self, counter: &AtomicUsize, n: usize, what: &str) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while counter.load(Ordering::SeqCst) < n {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{}: service saw {} {what}, expected {n}",
-                self.kind,
-                counter.load(Ordering::SeqCst)
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        eventually_async(TEST_TIMEOUT / 2, || async {
+            let seen = counter.load(Ordering::SeqCst);
+            if seen >= n {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{}: service saw {seen} {what}, expected {n}",
+                    self.kind
+                ))
+            }
+        })
+        .await;
     }
+}
+
+/// A plain connection to the test Redis, for commands the test sends itself.
+pub async fn redis_conn(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(server.url())
+        .expect("redis url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect to the test redis")
 }
 
 /// The Redis transport's settings in the tests: a prefix unlike the default, so that

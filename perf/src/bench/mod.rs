@@ -1,12 +1,14 @@
 //! The load side of `mcpgw-bench`: `run` (closed-loop load against gateway URLs),
 //! `compare` (every forwarding configuration side by side, in one run, on one
-//! machine) and `sessions` (memory per idle session).
+//! machine), `sessions` (memory per idle session) and `failover` (time to the first
+//! truthful answer after a worker is killed or paused).
 //!
 //! It talks to the gateway only over HTTP, as a user would, and reads the machine's
 //! own counters (/proc, Redis INFO) around each measured window.
 
 mod client;
 pub mod compare;
+pub mod failover;
 mod fleet;
 mod latency;
 mod loopback;

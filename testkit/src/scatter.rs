@@ -10,16 +10,24 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread;
 
 pub struct ScatterProxy {
+    /// `host:port` clients connect to.
     pub addr: String,
+    /// Set on drop: the accept loop ends at its next connection.
     stop: Arc<AtomicBool>,
     /// Requests sent to each backend, in the order of `backends`.
     pub sent: Arc<Vec<AtomicU64>>,
 }
 
 impl ScatterProxy {
+    #[track_caller]
     pub fn start(backends: Vec<String>) -> ScatterProxy {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind scatter proxy");
-        let addr = listener.local_addr().expect("addr").to_string();
+        assert!(!backends.is_empty(), "a scatter proxy needs a backend");
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .unwrap_or_else(|e| panic!("cannot bind the scatter proxy: {e}"));
+        let addr = listener
+            .local_addr()
+            .unwrap_or_else(|e| panic!("scatter proxy address: {e}"))
+            .to_string();
         let stop = Arc::new(AtomicBool::new(false));
         let sent: Arc<Vec<AtomicU64>> =
             Arc::new(backends.iter().map(|_| AtomicU64::new(0)).collect());
@@ -44,6 +52,14 @@ impl ScatterProxy {
 
     pub fn url(&self) -> String {
         format!("http://{}/mcp", self.addr)
+    }
+
+    /// Requests sent to each backend so far, in the order of the backends.
+    pub fn sent_counts(&self) -> Vec<u64> {
+        self.sent
+            .iter()
+            .map(|n| n.load(Ordering::Relaxed))
+            .collect()
     }
 }
 

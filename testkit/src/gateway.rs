@@ -1,0 +1,50 @@
+//! An `mcpgw serve` process: one standalone worker, or a supervisor with its workers
+//! (all in the supervisor's process group, so dropping the handle kills them all).
+
+use std::time::Duration;
+
+use crate::process::Child;
+
+/// How long a gateway (and all its workers) may take to announce that it serves.
+const READY_WITHIN: Duration = Duration::from_secs(60);
+
+pub struct Gateway {
+    pub child: Child,
+    /// `host:port` of the public front.
+    pub addr: String,
+}
+
+impl Gateway {
+    /// Starts `mcpgw serve` with `args` (plus `--listen 127.0.0.1:0` unless given) and
+    /// waits until it serves.
+    pub fn start(args: &[&str]) -> Gateway {
+        Self::start_with_env(args, &[])
+    }
+
+    #[track_caller]
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Gateway {
+        let mut all = vec!["serve"];
+        if !args.contains(&"--listen") {
+            all.extend(["--listen", "127.0.0.1:0"]);
+        }
+        all.extend_from_slice(args);
+        let mut child = Child::spawn_with_env("mcpgw", &crate::bin("mcpgw"), &all, env);
+        let line = child.wait_for_line("mcpgw listening on", READY_WITHIN);
+        let addr = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("http://"))
+            .unwrap_or_else(|| panic!("mcpgw's announcement names no address: {line:?}"))
+            .trim_end_matches('/')
+            .to_owned();
+        Gateway { child, addr }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}/mcp", self.addr)
+    }
+
+    /// The pid of the `mcpgw serve` process (the supervisor, in a fleet).
+    pub fn pid(&self) -> u32 {
+        self.child.pid()
+    }
+}
