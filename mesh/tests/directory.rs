@@ -535,7 +535,7 @@ async fn a_wrong_password_is_rejected_without_echoing_it() {
 /// What a lease running out in Redis does, without waiting for it: claiming many
 /// sessions takes longer than a short lease on a busy machine.
 async fn expire_lease(server: &RedisServer, id: &str) {
-    let mut raw = redis_conn(&server).await;
+    let mut raw = redis_conn(server).await;
     let _: i64 = redis::cmd("DEL")
         .arg(format!("t*st:worker:{id}"))
         .arg(format!("t*st:worker_addr:{id}"))
@@ -545,7 +545,7 @@ async fn expire_lease(server: &RedisServer, id: &str) {
 }
 
 async fn key_count(server: &RedisServer) -> i64 {
-    let mut raw = redis_conn(&server).await;
+    let mut raw = redis_conn(server).await;
     redis::cmd("DBSIZE").query_async(&mut raw).await.unwrap()
 }
 
