@@ -3,6 +3,7 @@
 //! file, the file over defaults). An invalid value is refused at start with the field
 //! name and the problem.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -39,12 +40,93 @@ pub struct Config {
     pub auth_tokens_file: Option<PathBuf>,
 }
 
+/// One upstream MCP server: its route name, where it is, and how the gateway reaches it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct UpstreamConfig {
     /// Route name: clients reach it at `/servers/{name}/mcp`.
     pub name: String,
-    /// Streamable HTTP endpoint of the upstream MCP server.
-    pub url: String,
+    pub target: UpstreamTarget,
+    /// The upstream speaks only the session-based protocol (2025-*), or keeps state in
+    /// its sessions: a 2026-07-28 client then gets one upstream session per (principal,
+    /// route), held by one worker, instead of a stateless pass-through. Always true
+    /// for stdio upstreams (a process is a session).
+    pub legacy_only: bool,
+}
+
+/// Where an upstream is.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum UpstreamTarget {
+    /// Streamable HTTP at `url` (`http://` or `https://`).
+    Http { url: String, tls: UpstreamTls },
+    /// A command the gateway runs once per session and speaks to over stdin/stdout.
+    Stdio(StdioCommand),
+}
+
+/// TLS settings of an `https://` upstream.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct UpstreamTls {
+    /// PEM bundle of the CAs to trust instead of the platform's root certificates
+    /// (which honour `SSL_CERT_FILE`).
+    pub ca: Option<PathBuf>,
+    /// Client certificate (PEM) for upstreams that require mutual TLS.
+    pub client_cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    pub client_key: Option<PathBuf>,
+}
+
+/// A stdio upstream: the command every session starts.
+#[derive(Clone, Serialize, Deserialize)]
+pub struct StdioCommand {
+    /// The program, found on `PATH` unless it is a path.
+    pub program: String,
+    pub args: Vec<String>,
+    /// Set in the child's environment, which is otherwise the gateway's own minus its
+    /// `MCPGW_*` variables (they hold the gateway's configuration).
+    pub env: BTreeMap<String, String>,
+    /// Working directory of the child; the gateway's own when unset.
+    pub cwd: Option<PathBuf>,
+    /// Child processes of this upstream one worker runs at most (one per session);
+    /// past it initialize gets 503.
+    pub max_processes: usize,
+}
+
+impl std::fmt::Debug for StdioCommand {
+    // Environment values are often credentials: only their names are shown.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StdioCommand")
+            .field("program", &self.program)
+            .field("args", &self.args.len())
+            .field("env", &self.env.keys().collect::<Vec<_>>())
+            .field("cwd", &self.cwd)
+            .field("max_processes", &self.max_processes)
+            .finish()
+    }
+}
+
+/// Child processes per stdio upstream and worker, unless configured.
+pub const DEFAULT_MAX_STDIO_PROCESSES: usize = 32;
+
+impl UpstreamConfig {
+    /// A plain Streamable HTTP upstream.
+    pub fn http(name: &str, url: &str) -> UpstreamConfig {
+        UpstreamConfig {
+            name: name.to_owned(),
+            target: UpstreamTarget::Http {
+                url: url.to_owned(),
+                tls: UpstreamTls::default(),
+            },
+            legacy_only: false,
+        }
+    }
+
+    /// What the upstream is, for the start-up announcement: the URL, or the stdio
+    /// program (never its arguments or environment, which may hold credentials).
+    pub fn describe(&self) -> String {
+        match &self.target {
+            UpstreamTarget::Http { url, .. } => url.clone(),
+            UpstreamTarget::Stdio(command) => format!("stdio: {}", command.program),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -158,7 +240,10 @@ pub struct ServeArgs {
     /// Public listen address, e.g. 0.0.0.0:8080.
     #[arg(long, env = "MCPGW_LISTEN")]
     pub listen: Option<String>,
-    /// An upstream as name=URL; repeat for several. Replaces the file's upstreams.
+    /// An upstream as name=URL (http:// or https://) or name=stdio:COMMAND ARG... (split
+    /// into words as a shell would, without a shell); repeat for several. Replaces the
+    /// file's upstreams. Commas separate upstreams, so a stdio command with a comma
+    /// needs the file's `[[upstream]] command = [...]`.
     #[arg(long = "upstream", env = "MCPGW_UPSTREAMS", value_delimiter = ',')]
     pub upstreams: Vec<String>,
     /// Worker processes to run.
@@ -224,7 +309,7 @@ pub struct ServeArgs {
 struct FileConfig {
     listen: Option<String>,
     #[serde(default, rename = "upstream")]
-    upstreams: Vec<UpstreamConfig>,
+    upstreams: Vec<FileUpstream>,
     #[serde(default)]
     limits: FileLimits,
     #[serde(default)]
@@ -233,6 +318,35 @@ struct FileConfig {
     mesh: FileMesh,
     #[serde(default)]
     auth: FileAuth,
+}
+
+/// One `[[upstream]]` table: `url` (http, https, or `stdio:COMMAND ARG…`) or
+/// `command`, and the settings that go with each.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileUpstream {
+    name: String,
+    url: Option<String>,
+    command: Option<FileCommand>,
+    #[serde(default)]
+    args: Vec<String>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    cwd: Option<PathBuf>,
+    max_processes: Option<usize>,
+    tls_ca: Option<PathBuf>,
+    tls_client_cert: Option<PathBuf>,
+    tls_client_key: Option<PathBuf>,
+    #[serde(default)]
+    legacy_only: bool,
+}
+
+/// A stdio command as a list of words, or as one line split as a shell would.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum FileCommand {
+    Words(Vec<String>),
+    Line(String),
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -296,7 +410,12 @@ impl Config {
         if let Some(listen) = file.listen {
             self.listen = parse_addr("listen", &listen)?;
         }
-        self.upstreams = file.upstreams;
+        self.upstreams = file
+            .upstreams
+            .into_iter()
+            .enumerate()
+            .map(|(i, u)| u.resolve(&format!("upstream[{i}]")))
+            .collect::<Result<_, _>>()?;
         let l = file.limits;
         set(&mut self.limits.max_body_bytes, l.max_body_bytes);
         set_ms(
@@ -408,7 +527,7 @@ impl Config {
         if self.upstreams.is_empty() {
             return Err(invalid(
                 "upstream",
-                "no upstream configured: pass --upstream name=URL or add [[upstream]] to the file",
+                "no upstream configured: pass --upstream name=URL (or name=stdio:COMMAND) or add [[upstream]] to the file",
             ));
         }
         for (i, upstream) in self.upstreams.iter().enumerate() {
@@ -433,7 +552,7 @@ impl Config {
                     format!("{:?} is configured twice", upstream.name),
                 ));
             }
-            check_upstream_url(&format!("{field}.url"), &upstream.url)?;
+            check_upstream_target(&field, &upstream.target)?;
         }
         if self.limits.max_body_bytes == 0 {
             return Err(invalid("limits.max_body_bytes", "must be greater than 0"));
@@ -570,37 +689,220 @@ fn parse_addr(field: &str, text: &str) -> Result<SocketAddr, ConfigError> {
     })
 }
 
+/// `--upstream name=URL` or `--upstream name=stdio:COMMAND ARG…`.
 fn parse_upstream_spec(spec: &str) -> Result<UpstreamConfig, ConfigError> {
-    let Some((name, url)) = spec.split_once('=') else {
+    let Some((name, target)) = spec.split_once('=') else {
         return Err(invalid(
             "--upstream",
-            format!("{spec:?} must look like name=http://host:port/mcp"),
+            format!(
+                "{spec:?} must look like name=http://host:port/mcp or name=stdio:COMMAND ARG..."
+            ),
         ));
+    };
+    let target = target.trim();
+    let target = match target.strip_prefix("stdio:") {
+        Some(line) => {
+            let mut words = split_command("--upstream", line)?;
+            let program = words.remove(0);
+            UpstreamTarget::Stdio(StdioCommand {
+                program,
+                args: words,
+                env: BTreeMap::new(),
+                cwd: None,
+                max_processes: DEFAULT_MAX_STDIO_PROCESSES,
+            })
+        }
+        None => return Ok(UpstreamConfig::http(name.trim(), target)),
     };
     Ok(UpstreamConfig {
         name: name.trim().to_owned(),
-        url: url.trim().to_owned(),
+        target,
+        legacy_only: true,
     })
 }
 
-fn check_upstream_url(field: &str, url: &str) -> Result<(), ConfigError> {
+/// Splits a command line into words as a POSIX shell would (quotes, backslashes),
+/// without running a shell: no variables, globs or pipes.
+fn split_command(field: &str, line: &str) -> Result<Vec<String>, ConfigError> {
+    let words = shlex::split(line).ok_or_else(|| {
+        invalid(
+            field,
+            "the stdio command has an unterminated quote or a trailing backslash",
+        )
+    })?;
+    if words.is_empty() {
+        return Err(invalid(
+            field,
+            "the stdio command is empty: give the program and its arguments after stdio:",
+        ));
+    }
+    Ok(words)
+}
+
+impl FileUpstream {
+    fn resolve(self, field: &str) -> Result<UpstreamConfig, ConfigError> {
+        let stdio_only = |what: &str, set: bool| -> Result<(), ConfigError> {
+            if set {
+                Err(invalid(
+                    &format!("{field}.{what}"),
+                    "applies to stdio upstreams only (command = ..., or url = \"stdio:...\")",
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        let words = match (self.url, self.command) {
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    field,
+                    "give either url (http, https or stdio:...) or command, not both",
+                ));
+            }
+            (None, None) => {
+                return Err(invalid(
+                    field,
+                    "needs url = \"http(s)://host/mcp\" or command = [\"program\", \"arg\", ...]",
+                ));
+            }
+            (None, Some(FileCommand::Words(words))) => words,
+            (None, Some(FileCommand::Line(line))) => {
+                split_command(&format!("{field}.command"), &line)?
+            }
+            (Some(url), None) => match url.trim().strip_prefix("stdio:") {
+                Some(line) => split_command(&format!("{field}.url"), line)?,
+                None => {
+                    stdio_only("args", !self.args.is_empty())?;
+                    stdio_only("env", !self.env.is_empty())?;
+                    stdio_only("cwd", self.cwd.is_some())?;
+                    stdio_only("max_processes", self.max_processes.is_some())?;
+                    return Ok(UpstreamConfig {
+                        name: self.name,
+                        target: UpstreamTarget::Http {
+                            url: url.trim().to_owned(),
+                            tls: UpstreamTls {
+                                ca: self.tls_ca,
+                                client_cert: self.tls_client_cert,
+                                client_key: self.tls_client_key,
+                            },
+                        },
+                        legacy_only: self.legacy_only,
+                    });
+                }
+            },
+        };
+        for (what, set) in [
+            ("tls_ca", self.tls_ca.is_some()),
+            ("tls_client_cert", self.tls_client_cert.is_some()),
+            ("tls_client_key", self.tls_client_key.is_some()),
+        ] {
+            if set {
+                return Err(invalid(
+                    &format!("{field}.{what}"),
+                    "applies to https:// upstreams only",
+                ));
+            }
+        }
+        let mut words = words;
+        words.extend(self.args);
+        if words.first().is_none_or(|program| program.is_empty()) {
+            return Err(invalid(
+                &format!("{field}.command"),
+                "is empty: give the program and its arguments",
+            ));
+        }
+        let program = words.remove(0);
+        Ok(UpstreamConfig {
+            name: self.name,
+            target: UpstreamTarget::Stdio(StdioCommand {
+                program,
+                args: words,
+                env: self.env,
+                cwd: self.cwd,
+                max_processes: self.max_processes.unwrap_or(DEFAULT_MAX_STDIO_PROCESSES),
+            }),
+            legacy_only: true,
+        })
+    }
+}
+
+fn check_upstream_target(field: &str, target: &UpstreamTarget) -> Result<(), ConfigError> {
+    match target {
+        UpstreamTarget::Http { url, tls } => {
+            let https = check_upstream_url(&format!("{field}.url"), url)?;
+            let tls_fields = [
+                ("tls_ca", &tls.ca),
+                ("tls_client_cert", &tls.client_cert),
+                ("tls_client_key", &tls.client_key),
+            ];
+            for (what, path) in tls_fields {
+                match path {
+                    Some(_) if !https => {
+                        return Err(invalid(
+                            &format!("{field}.{what}"),
+                            "applies to https:// upstreams only",
+                        ));
+                    }
+                    Some(path) if !path.is_file() => {
+                        return Err(invalid(
+                            &format!("{field}.{what}"),
+                            format!("{} is not a readable file", path.display()),
+                        ));
+                    }
+                    _ => {}
+                }
+            }
+            if tls.client_cert.is_some() != tls.client_key.is_some() {
+                return Err(invalid(
+                    &format!("{field}.tls_client_cert"),
+                    "a client certificate needs both tls_client_cert and tls_client_key",
+                ));
+            }
+        }
+        UpstreamTarget::Stdio(command) => {
+            if command.max_processes == 0 {
+                return Err(invalid(
+                    &format!("{field}.max_processes"),
+                    "must be greater than 0",
+                ));
+            }
+            if let Some(cwd) = &command.cwd
+                && !cwd.is_dir()
+            {
+                return Err(invalid(
+                    &format!("{field}.cwd"),
+                    format!("{} is not a directory", cwd.display()),
+                ));
+            }
+            if let Some(bad) = command.env.keys().find(|k| k.is_empty() || k.contains('=')) {
+                return Err(invalid(
+                    &format!("{field}.env"),
+                    format!("{bad:?} is not a valid environment variable name"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks an HTTP upstream URL; returns whether it is `https://`.
+fn check_upstream_url(field: &str, url: &str) -> Result<bool, ConfigError> {
     let uri: http::Uri = url
         .parse()
         .map_err(|_| invalid(field, format!("{url:?} is not a URL")))?;
-    match uri.scheme_str() {
-        Some("http") => {}
-        Some("https") => {
+    let https = match uri.scheme_str() {
+        Some("http") => false,
+        Some("https") => true,
+        _ => {
             return Err(invalid(
                 field,
-                "https upstreams are not implemented yet: use http:// (for example behind a local TLS proxy)",
+                format!("{url:?} must start with http://, https:// or stdio:"),
             ));
         }
-        _ => return Err(invalid(field, format!("{url:?} must start with http://"))),
-    }
+    };
     if uri.host().is_none() {
         return Err(invalid(field, format!("{url:?} has no host")));
     }
-    Ok(())
+    Ok(https)
 }
 
 fn set<T>(slot: &mut T, value: Option<T>) {
@@ -644,7 +946,8 @@ mod tests {
             (args(&["noequals"]), "--upstream"),
             (args(&["bad name=http://x/mcp"]), "upstream[0].name"),
             (args(&["a=ftp://x/mcp"]), "upstream[0].url"),
-            (args(&["a=https://x/mcp"]), "upstream[0].url"),
+            (args(&["a=stdio:"]), "--upstream"),
+            (args(&["a=stdio:python 'unterminated"]), "--upstream"),
             (
                 args(&["a=http://x/mcp", "a=http://y/mcp"]),
                 "upstream[1].name",

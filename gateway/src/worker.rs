@@ -12,7 +12,7 @@ use tracing::{error, warn};
 
 use crate::auth::Authenticator;
 use crate::config::Config;
-use crate::execute::upstream::{HttpUpstream, Upstream};
+use crate::execute::upstream::Upstream;
 use crate::fleet::Fleet;
 use crate::lease::LeaseCheck;
 use crate::mcp::GatewayError;
@@ -52,10 +52,7 @@ impl Worker {
         let upstreams = config
             .upstreams
             .iter()
-            .map(|u| {
-                HttpUpstream::new(&u.name, &u.url, config.limits.upstream_connect_timeout)
-                    .map(Upstream::Http)
-            })
+            .map(|u| Upstream::new(u, &config.limits))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| config_error(e.to_string()))?;
         let id_header = http::HeaderValue::from_str(&id)

@@ -23,6 +23,12 @@ const LEASE_IN_DOUBT_WHY: &str = "the worker holding it could not renew its leas
 impl Worker {
     /// Decides where `call` runs and runs it.
     pub async fn dispatch(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
+        // A 2026-07-28 call to an upstream that keeps state in sessions runs in the
+        // session its principal shares there (execute/shared.rs).
+        let call = self.bind_shared_session(call);
+        if crate::execute::shared::is_bound(&call) {
+            return self.dispatch_shared(call).await;
+        }
         // Kept only when a stateless answer could stand in for an "unknown" one.
         let fallback = self.stateless_candidate(&call).then(|| call.clone());
         match (self.decide_and_run(call).await, fallback) {
@@ -66,7 +72,12 @@ impl Worker {
     }
 
     /// The client-facing error for a situation that refuses; `why` is its cause.
-    fn refuse(&self, situation: &Situation, why: &str, id: serde_json::Value) -> GatewayError {
+    pub(crate) fn refuse(
+        &self,
+        situation: &Situation,
+        why: &str,
+        id: serde_json::Value,
+    ) -> GatewayError {
         let gone = self
             .fleet()
             .map_or(StatusCode::NOT_FOUND, |fleet| fleet.gone_status());

@@ -86,7 +86,8 @@ async fn serve_forwarded(worker: &Arc<Worker>, frame: RequestFrame) -> Result<Re
         },
     );
     let call = match checked {
-        Ok(call) => call,
+        // A 2026-07-28 call binds to its principal's shared session here too.
+        Ok(call) => worker.bind_shared_session(call),
         // The edge ran the same checks; a refusal here is still an answer to relay.
         Err(error) => return Ok(Reply::from_error(&error)),
     };
