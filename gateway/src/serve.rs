@@ -394,7 +394,11 @@ fn advertise_addr(
 fn announce(config: &Config, addr: std::net::SocketAddr) {
     println!("mcpgw listening on http://{addr}");
     for upstream in &config.upstreams {
-        println!("  /servers/{}/mcp -> {}", upstream.name, upstream.describe());
+        println!(
+            "  /servers/{}/mcp -> {}",
+            upstream.name,
+            upstream.describe()
+        );
     }
     if let Some(only) = config.default_upstream() {
         println!("  /mcp -> {}", only.describe());

@@ -118,7 +118,11 @@ pub fn owner_hint(session_id: &str) -> Option<&str> {
 /// derived, so every worker finds the same one, and hashed, so neither the directory
 /// nor the logs ever hold the principal (it may be a credential in some auth modes).
 pub fn shared_session_id(route: &str, principal: &str) -> String {
-    let digest = sha256(&[b"mcpgw shared session v1", route.as_bytes(), principal.as_bytes()]);
+    let digest = sha256(&[
+        b"mcpgw shared session v1",
+        route.as_bytes(),
+        principal.as_bytes(),
+    ]);
     format!("shared-{}", hex(&digest[..SESSION_ENTROPY_BYTES]))
 }
 
@@ -310,7 +314,9 @@ mod tests {
         assert!(registry.retire("s1", "its process exited").is_some());
         assert_eq!(registry.len(), 0);
         assert!(registry.ids().is_empty());
-        let found = registry.get("s1").expect("retired sessions are still found");
+        let found = registry
+            .get("s1")
+            .expect("retired sessions are still found");
         assert_eq!(found.ended(), Some("its process exited"));
         assert!(registry.retire("s1", "again").is_none(), "retired once");
         registry.forget_retired("s1");

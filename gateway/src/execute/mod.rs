@@ -84,7 +84,13 @@ impl Worker {
         let upstream_index = call.upstream;
         let streams = SessionStreams::new(&self.id);
         let (link, reply) = self
-            .open_link(upstream_index, call.headers, call.body, &session_id, &streams)
+            .open_link(
+                upstream_index,
+                call.headers,
+                call.body,
+                &session_id,
+                &streams,
+            )
             .await
             .map_err(|e| upstream_error(e, id.clone()))?;
         if !reply.status.is_success() {
@@ -172,10 +178,16 @@ impl Worker {
                     Err(e) => return Err(upstream_error(e, id)),
                 };
                 if reply.status == StatusCode::NOT_FOUND
-                    && matches!(session.link, UpstreamLink::Http { session_id: Some(_) })
+                    && matches!(
+                        session.link,
+                        UpstreamLink::Http {
+                            session_id: Some(_)
+                        }
+                    )
                 {
                     // The upstream forgot its session (restart, expiry): ours is gone with it.
-                    let why = "the upstream no longer knows it (it restarted or expired the session)";
+                    let why =
+                        "the upstream no longer knows it (it restarted or expired the session)";
                     self.session_lost(&session.id, why).await;
                     return Err(self.session_gone(why).with_id(id));
                 }
@@ -208,7 +220,9 @@ impl Worker {
             return Ok(relay(reply, None));
         }
         let log = session.streams.new_get();
-        session.streams.pump(std::sync::Arc::clone(&log), reply.body);
+        session
+            .streams
+            .pump(std::sync::Arc::clone(&log), reply.body);
         self.stream_reply(log.subscribe(None), id)
     }
 
@@ -327,7 +341,10 @@ impl Worker {
                     )
                     .await?;
                 let timeout = self.config.limits.upstream_request_timeout;
-                match process.exchange(&body, accepts_json(&headers), timeout).await {
+                match process
+                    .exchange(&body, accepts_json(&headers), timeout)
+                    .await
+                {
                     Ok(reply) => Ok((UpstreamLink::Stdio(process), reply)),
                     Err(e) => {
                         process.stop().await;
@@ -529,7 +546,7 @@ fn relay(reply: UpstreamReply, session_header: Option<HeaderValue>) -> Reply {
 pub(crate) fn upstream_error(error: UpstreamError, id: serde_json::Value) -> GatewayError {
     let (status, reason) = error.status_and_reason();
     let advice = match &error {
-        UpstreamError::Tls { .. } => "check the upstream's certificate and the gateway's TLS settings for it",
+        UpstreamError::Tls { .. } => "fix the certificate or the upstream's tls settings",
         UpstreamError::ProcessLimit { .. } => "retry later",
         UpstreamError::Spawn { .. } => "check the upstream's command",
         _ => "retry later or check the upstream",

@@ -86,11 +86,9 @@ impl Worker {
                 Err(unanswered) if unanswered.situation == Situation::NoSuchSession => {
                     self.execute_local(call, None).await
                 }
-                Err(unanswered) => Err(self.refuse_shared(
-                    &unanswered.situation,
-                    &unanswered.why,
-                    &call,
-                )),
+                Err(unanswered) => {
+                    Err(self.refuse_shared(&unanswered.situation, &unanswered.why, &call))
+                }
             },
             (Decision::Forward, None) | (Decision::Refuse(Refusal::NoSuchSession), _) => {
                 self.execute_local(call, None).await
@@ -108,6 +106,14 @@ impl Worker {
         match table::decide(situation) {
             Decision::Refuse(Refusal::SessionGone) => {
                 self.shared_lost(call.upstream, why).with_id(call.id())
+            }
+            Decision::Refuse(Refusal::OutcomeUnknown) => {
+                let route = &self.config.upstreams[call.upstream].name;
+                let mut error = self.refuse(situation, why, call.id());
+                error.message = format!(
+                    "the worker holding your upstream session on route {route} died while                      running this request ({why}): its outcome is unknown, it was not re-run,                      and the state of that session is lost; your next request starts a new one"
+                );
+                error
             }
             _ => self.refuse(situation, why, call.id()),
         }
@@ -149,7 +155,13 @@ impl Worker {
         let upstream = call.upstream;
         let streams = SessionStreams::new(&self.id);
         let (link, reply) = self
-            .open_link(upstream, initialize_headers(None), initialize_body(), &key, &streams)
+            .open_link(
+                upstream,
+                initialize_headers(None),
+                initialize_body(),
+                &key,
+                &streams,
+            )
             .await
             .map_err(|e| upstream_error(e, id.clone()))?;
         let init = match read_initialize(reply).await {
@@ -194,11 +206,12 @@ impl Worker {
                     self.close_link(upstream, &link).await;
                     drop(guard);
                     debug!(session = %session::tag_of(&key), "shared session opened elsewhere first");
-                    return fleet.forward_to_owner(&self.id, &call).await.map_err(
-                        |unanswered| {
+                    return fleet
+                        .forward_to_owner(&self.id, &call)
+                        .await
+                        .map_err(|unanswered| {
                             self.refuse_shared(&unanswered.situation, &unanswered.why, &call)
-                        },
-                    );
+                        });
                 }
                 Err(e) => {
                     self.close_link(upstream, &link).await;
@@ -215,13 +228,7 @@ impl Worker {
                 }
             }
         }
-        let mut session = Session::new(
-            key,
-            upstream,
-            call.auth.principal.clone(),
-            link,
-            streams,
-        );
+        let mut session = Session::new(key, upstream, call.auth.principal.clone(), link, streams);
         session.shared = true;
         session.upstream_init = Some(init);
         let session = self.sessions.insert(session);
@@ -246,8 +253,13 @@ impl Worker {
             return Err(self.shared_lost(session.upstream, why).with_id(id));
         }
         session.touch();
-        let method = call.message.as_ref().and_then(|m| m.method());
-        if method == Some("server/discover") {
+        let method = call
+            .message
+            .as_ref()
+            .and_then(|m| m.method())
+            .unwrap_or("")
+            .to_owned();
+        if method == "server/discover" {
             return Ok(discover(id, session.upstream_init.as_ref()));
         }
         let mut headers = call.headers;
@@ -258,7 +270,7 @@ impl Worker {
                 .unwrap_or(HeaderValue::from_static(SHARED_PROTOCOL_VERSION)),
         );
         let reply = self
-            .send_in_session(&session, Method::POST, headers, call.body)
+            .send_in_session(&session, Method::POST, headers, legacy_body(call.body))
             .await;
         let lost = match reply {
             Ok(reply)
@@ -272,7 +284,7 @@ impl Worker {
             {
                 "the upstream no longer knows it".to_owned()
             }
-            Ok(reply) => return Ok(self.modernize(reply, &session).await),
+            Ok(reply) => return Ok(self.modernize(reply, &session, cacheable(&method)).await),
             Err(UpstreamError::Exited { detail, .. }) => format!("its upstream process {detail}"),
             Err(e) => return Err(upstream_error(e, id)),
         };
@@ -284,7 +296,12 @@ impl Worker {
     /// A legacy answer as a 2026-07-28 client expects it: results say they are
     /// complete; server-to-client requests, which it cannot receive here, are answered
     /// upstream with an error instead of being passed on.
-    async fn modernize(self: &Arc<Self>, reply: UpstreamReply, session: &Arc<Session>) -> Reply {
+    async fn modernize(
+        self: &Arc<Self>,
+        reply: UpstreamReply,
+        session: &Arc<Session>,
+        cacheable: bool,
+    ) -> Reply {
         let mut headers = HeaderMap::new();
         if let Some(content_type) = reply.headers.get(CONTENT_TYPE) {
             headers.insert(CONTENT_TYPE, content_type.clone());
@@ -295,7 +312,7 @@ impl Worker {
                     let bytes = collected.to_bytes();
                     match serde_json::from_slice::<Value>(&bytes) {
                         Ok(mut message) => {
-                            mark_complete(&mut message);
+                            mark_complete(&mut message, cacheable);
                             Bytes::from(message.to_string())
                         }
                         Err(_) => bytes,
@@ -321,7 +338,7 @@ impl Worker {
         let worker = Arc::clone(self);
         let session = Arc::clone(session);
         let events = body::sse_events(reply.body).map_frame(move |frame| {
-            frame.map_data(|event| modernize_event(&event, &worker, &session))
+            frame.map_data(|event| modernize_event(&event, &worker, &session, cacheable))
         });
         Reply {
             status: reply.status,
@@ -332,7 +349,12 @@ impl Worker {
 }
 
 /// One SSE event of a legacy answer, for a 2026-07-28 client.
-fn modernize_event(event: &Bytes, worker: &Arc<Worker>, session: &Arc<Session>) -> Bytes {
+fn modernize_event(
+    event: &Bytes,
+    worker: &Arc<Worker>,
+    session: &Arc<Session>,
+    cacheable: bool,
+) -> Bytes {
     let Some(mut message) = event_json(event) else {
         return event.clone();
     };
@@ -345,7 +367,7 @@ fn modernize_event(event: &Bytes, worker: &Arc<Worker>, session: &Arc<Session>) 
             ": mcpgw declined a {method} request the upstream sent: 2026-07-28 clients cannot receive it\n\n"
         ));
     }
-    mark_complete(&mut message);
+    mark_complete(&mut message, cacheable);
     Bytes::from(format!("event: message\ndata: {message}\n\n"))
 }
 
@@ -399,12 +421,56 @@ fn event_json(event: &[u8]) -> Option<Value> {
     serde_json::from_str(&data.join("\n")).ok()
 }
 
-/// Marks a result as complete, as 2026-07-28 results are.
-fn mark_complete(message: &mut Value) {
+/// Prefix of the `_meta` keys that carry the 2026-07-28 envelope (protocol version,
+/// client capabilities, log level): a legacy server refuses requests that carry them.
+const ENVELOPE_PREFIX: &str = "io.modelcontextprotocol/";
+
+/// A 2026-07-28 request as the legacy session expects it: without the envelope (the
+/// session negotiated its version and capabilities at initialize).
+fn legacy_body(body: Bytes) -> Bytes {
+    let Ok(mut message) = serde_json::from_slice::<Value>(&body) else {
+        return body;
+    };
+    let Some(params) = message.get_mut("params").and_then(Value::as_object_mut) else {
+        return body;
+    };
+    let Some(meta) = params.get_mut("_meta").and_then(Value::as_object_mut) else {
+        return body;
+    };
+    meta.retain(|key, _| !key.starts_with(ENVELOPE_PREFIX));
+    if meta.is_empty() {
+        params.remove("_meta");
+    }
+    Bytes::from(message.to_string())
+}
+
+/// Whether 2026-07-28 results of `method` carry caching hints (`ttlMs`, `cacheScope`).
+fn cacheable(method: &str) -> bool {
+    matches!(
+        method,
+        "server/discover"
+            | "tools/list"
+            | "prompts/list"
+            | "resources/list"
+            | "resources/templates/list"
+            | "resources/read"
+    )
+}
+
+/// Marks a result as complete, as 2026-07-28 results are, and gives a cacheable one
+/// caching hints: private to the principal (its session answered), never reused
+/// (`ttlMs: 0`), since the upstream's answer may change with the session's state.
+fn mark_complete(message: &mut Value, cacheable: bool) {
     if let Some(result) = message.get_mut("result").and_then(Value::as_object_mut) {
         result
             .entry("resultType")
             .or_insert_with(|| Value::from("complete"));
+        if cacheable {
+            result.entry("ttlMs").or_insert_with(|| Value::from(0));
+            result
+                .entry("cacheScope")
+                .or_insert_with(|| Value::from("private"));
+        }
     }
 }
 
@@ -414,14 +480,14 @@ fn discover(id: Value, init: Option<&Value>) -> Reply {
     let mut result = json!({
         "supportedVersions": [mcp::MODERN_VERSIONS.first().copied().unwrap_or("2026-07-28")],
         "capabilities": init.get("capabilities").cloned().unwrap_or(json!({})),
-        "resultType": "complete",
     });
     for key in ["serverInfo", "instructions"] {
         if let Some(value) = init.get(key) {
             result[key] = value.clone();
         }
     }
-    let body = json!({ "jsonrpc": "2.0", "id": id, "result": result });
+    let mut body = json!({ "jsonrpc": "2.0", "id": id, "result": result });
+    mark_complete(&mut body, true);
     Reply::json(StatusCode::OK, Bytes::from(body.to_string()))
 }
 
@@ -506,14 +572,34 @@ mod tests {
     #[test]
     fn results_are_marked_complete_and_other_messages_left_alone() {
         let mut response = json!({"jsonrpc":"2.0","id":1,"result":{"content":[]}});
-        mark_complete(&mut response);
+        mark_complete(&mut response, false);
         assert_eq!(response["result"]["resultType"], "complete");
+        assert!(response["result"].get("ttlMs").is_none());
+        let mut list = json!({"jsonrpc":"2.0","id":1,"result":{"tools":[]}});
+        mark_complete(&mut list, true);
+        assert_eq!(list["result"]["ttlMs"], 0);
+        assert_eq!(list["result"]["cacheScope"], "private");
         let mut already = json!({"jsonrpc":"2.0","id":1,"result":{"resultType":"input_required"}});
-        mark_complete(&mut already);
+        mark_complete(&mut already, false);
         assert_eq!(already["result"]["resultType"], "input_required");
         let mut note = json!({"jsonrpc":"2.0","method":"notifications/progress","params":{}});
-        mark_complete(&mut note);
+        mark_complete(&mut note, false);
         assert!(note.get("result").is_none());
+    }
+
+    #[test]
+    fn the_modern_envelope_is_taken_off_and_the_rest_of_meta_kept() {
+        let body = json!({"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x",
+            "_meta":{"io.modelcontextprotocol/protocolVersion":"2026-07-28",
+                     "io.modelcontextprotocol/clientCapabilities":{},"progressToken":7}}});
+        let legacy: Value =
+            serde_json::from_slice(&legacy_body(Bytes::from(body.to_string()))).unwrap();
+        assert_eq!(legacy["params"]["_meta"], json!({"progressToken": 7}));
+        let bare = json!({"jsonrpc":"2.0","id":1,"method":"tools/list","params":{
+            "_meta":{"io.modelcontextprotocol/protocolVersion":"2026-07-28"}}});
+        let legacy: Value =
+            serde_json::from_slice(&legacy_body(Bytes::from(bare.to_string()))).unwrap();
+        assert!(legacy["params"].get("_meta").is_none());
     }
 
     #[test]

@@ -449,9 +449,15 @@ mod tests {
 
     #[test]
     fn the_gateway_id_replaces_the_upstream_id_and_keep_alives_stay_bare() {
-        let event = with_id(b"id: upstream-9\r\nevent: message\r\ndata: {}\r\n\r\n", "w:1:3");
+        let event = with_id(
+            b"id: upstream-9\r\nevent: message\r\ndata: {}\r\n\r\n",
+            "w:1:3",
+        );
         assert_eq!(&event[..], b"id: w:1:3\nevent: message\ndata: {}\n\n");
-        assert_eq!(&with_id(b": keepalive\n\n", "w:1:4")[..], b": keepalive\n\n");
+        assert_eq!(
+            &with_id(b": keepalive\n\n", "w:1:4")[..],
+            b": keepalive\n\n"
+        );
     }
 
     #[tokio::test]
@@ -463,7 +469,11 @@ mod tests {
         log.finish();
         let events = read_all(log.subscribe(Some(2)).unwrap()).await;
         assert_eq!(events.len(), 3);
-        assert!(events[0].starts_with("id: host-1.w2:7:3\n"), "{}", events[0]);
+        assert!(
+            events[0].starts_with("id: host-1.w2:7:3\n"),
+            "{}",
+            events[0]
+        );
         assert!(events[2].contains("{\"n\":5}"));
     }
 

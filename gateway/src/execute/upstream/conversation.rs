@@ -76,7 +76,9 @@ impl Conversation {
     pub fn request(&mut self, mut message: Map<String, Value>, sink: AnswerSink) -> Bytes {
         self.next_id += 1;
         let id = self.next_id;
-        let client_id = message.insert("id".into(), Value::from(id)).unwrap_or(Value::Null);
+        let client_id = message
+            .insert("id".into(), Value::from(id))
+            .unwrap_or(Value::Null);
         let progress_token = message
             .get_mut("params")
             .and_then(|p| p.get_mut("_meta"))
@@ -121,7 +123,10 @@ impl Conversation {
         let Ok(Value::Object(mut message)) = serde_json::from_slice::<Value>(raw) else {
             return Route::Dropped("a line that is not a JSON-RPC object".into());
         };
-        let method = message.get("method").and_then(Value::as_str).map(str::to_owned);
+        let method = message
+            .get("method")
+            .and_then(Value::as_str)
+            .map(str::to_owned);
         let Some(method) = method else {
             // A response: to one of our requests, by the id we gave it.
             let ours = message.get("id").and_then(Value::as_u64);
@@ -276,14 +281,18 @@ mod tests {
         let (tx, _rx) = mpsc::unbounded_channel();
         c.request(object(json!({"jsonrpc":"2.0","id":"r","method":"x"})), tx);
         let cancel = c
-            .other(object(json!({"jsonrpc":"2.0","method":"notifications/cancelled",
-                                 "params":{"requestId":"r"}})))
+            .other(object(
+                json!({"jsonrpc":"2.0","method":"notifications/cancelled",
+                                 "params":{"requestId":"r"}}),
+            ))
             .unwrap();
         assert_eq!(json_of(&cancel)["params"]["requestId"], 1);
         assert!(
-            c.other(object(json!({"jsonrpc":"2.0","method":"notifications/cancelled",
-                                  "params":{"requestId":"gone"}})))
-                .is_none()
+            c.other(object(
+                json!({"jsonrpc":"2.0","method":"notifications/cancelled",
+                                  "params":{"requestId":"gone"}})
+            ))
+            .is_none()
         );
         assert!(matches!(c.incoming(b"not json"), Route::Dropped(_)));
         assert!(matches!(

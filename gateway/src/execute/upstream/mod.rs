@@ -50,7 +50,7 @@ pub enum UpstreamError {
     Failed { name: String, detail: String },
     /// The TLS handshake failed: a certificate the gateway does not trust, or one the
     /// upstream does not accept.
-    #[error("upstream {name} refused by TLS: {detail}")]
+    #[error("upstream {name}: TLS handshake failed: {detail}")]
     Tls { name: String, detail: String },
     /// This worker already runs as many child processes of the upstream as allowed.
     #[error(

@@ -85,18 +85,20 @@ impl StdioUpstream {
         unsolicited: Arc<StreamLog>,
         on_exit: Box<dyn FnOnce(String) + Send>,
     ) -> Result<Arc<StdioProcess>, UpstreamError> {
-        let slot = ProcessSlot::take(&self.running, self.command.max_processes).ok_or_else(|| {
-            UpstreamError::ProcessLimit {
-                name: self.name.clone(),
-                max: self.command.max_processes,
-            }
-        })?;
-        let mut child = spawn(self.command_line())
-            .await
-            .map_err(|detail| UpstreamError::Spawn {
-                name: self.name.clone(),
-                detail,
+        let slot =
+            ProcessSlot::take(&self.running, self.command.max_processes).ok_or_else(|| {
+                UpstreamError::ProcessLimit {
+                    name: self.name.clone(),
+                    max: self.command.max_processes,
+                }
             })?;
+        let mut child =
+            spawn(self.command_line())
+                .await
+                .map_err(|detail| UpstreamError::Spawn {
+                    name: self.name.clone(),
+                    detail,
+                })?;
         let pid = child.id().unwrap_or(0);
         let spawn_failed = |what: &str| UpstreamError::Spawn {
             name: self.name.clone(),
@@ -301,9 +303,7 @@ impl StdioProcess {
         match written {
             Ok(Ok(())) => Ok(()),
             Ok(Err(_)) => Err(self.exited()),
-            Err(_) => Err(self.failed(format!(
-                "it did not read its input within {timeout:?}"
-            ))),
+            Err(_) => Err(self.failed(format!("it did not read its input within {timeout:?}"))),
         }
     }
 
@@ -527,8 +527,7 @@ async fn spawn(command: Command) -> Result<Child, String> {
 /// The thread that forks every stdio child, started on first use. It lives as long
 /// as the process, so `PR_SET_PDEATHSIG` in a child fires only when the worker dies.
 fn spawn_thread() -> Result<&'static std::sync::mpsc::Sender<SpawnJob>, String> {
-    static SPAWNER: OnceLock<Result<std::sync::mpsc::Sender<SpawnJob>, String>> =
-        OnceLock::new();
+    static SPAWNER: OnceLock<Result<std::sync::mpsc::Sender<SpawnJob>, String>> = OnceLock::new();
     SPAWNER
         .get_or_init(|| {
             let (sender, jobs) = std::sync::mpsc::channel::<SpawnJob>();

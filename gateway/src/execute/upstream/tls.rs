@@ -23,7 +23,8 @@ pub fn client_config(name: &str, tls: &UpstreamTls) -> Result<Arc<ClientConfig>,
         .with_safe_default_protocol_versions()
         .map_err(|e| format!("upstream {name}: TLS versions: {e}"))?
         .with_root_certificates(roots);
-    let mut config = match (&tls.client_cert, &tls.client_key) {
+    // ALPN is left to the connector (it offers HTTP/1.1), which insists on setting it.
+    let config = match (&tls.client_cert, &tls.client_key) {
         (Some(cert), Some(key)) => {
             let chain = CertificateDer::pem_file_iter(cert)
                 .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
@@ -52,7 +53,6 @@ pub fn client_config(name: &str, tls: &UpstreamTls) -> Result<Arc<ClientConfig>,
         }
         _ => builder.with_no_client_auth(),
     };
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }
 
@@ -82,7 +82,9 @@ fn platform_roots() -> Result<&'static RootCertStore, String> {
         .map_err(Clone::clone)
 }
 
-/// The TLS error somewhere in an error's chain, if the failure was a handshake.
+/// The TLS error somewhere in an error's chain, if the failure was a handshake. An
+/// `io::Error` hides what it wraps from `source()` (and connectors wrap it in another
+/// `io::Error`), so each one is opened too.
 pub fn find_tls_error<'a>(
     error: &'a (dyn std::error::Error + 'static),
 ) -> Option<&'a rustls::Error> {
@@ -91,12 +93,12 @@ pub fn find_tls_error<'a>(
         if let Some(tls) = e.downcast_ref::<rustls::Error>() {
             return Some(tls);
         }
-        if let Some(tls) = e
-            .downcast_ref::<std::io::Error>()
-            .and_then(|io| io.get_ref())
-            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        {
-            return Some(tls);
+        let mut wrapped = e.downcast_ref::<std::io::Error>();
+        while let Some(inner) = wrapped.and_then(|io| io.get_ref()) {
+            if let Some(tls) = inner.downcast_ref::<rustls::Error>() {
+                return Some(tls);
+            }
+            wrapped = inner.downcast_ref::<std::io::Error>();
         }
         current = e.source();
     }
@@ -160,7 +162,8 @@ mod tests {
     #[test]
     fn a_certificate_error_inside_an_io_error_is_found_and_explained() {
         let tls = rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer);
-        let wrapped = Connect(std::io::Error::new(std::io::ErrorKind::InvalidData, tls));
+        let inner = std::io::Error::new(std::io::ErrorKind::InvalidData, tls);
+        let wrapped = Connect(std::io::Error::other(inner));
         let found = find_tls_error(&wrapped).expect("the TLS error is in the chain");
         assert!(explain(found).contains("tls_ca"), "{}", explain(found));
         let refused = Connect(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
