@@ -999,6 +999,141 @@ mod tests {
     }
 
     #[test]
+    fn stdio_upstreams_split_like_a_shell_and_hold_sessions_for_modern_clients() {
+        let config = Config::load(&args(&[
+            "time=stdio:python3 -m mcp_server_time --local-timezone 'Europe/Paris' \"a b\"",
+        ]))
+        .unwrap();
+        let UpstreamTarget::Stdio(command) = &config.upstreams[0].target else {
+            panic!("a stdio upstream")
+        };
+        assert_eq!(command.program, "python3");
+        assert_eq!(
+            command.args,
+            [
+                "-m",
+                "mcp_server_time",
+                "--local-timezone",
+                "Europe/Paris",
+                "a b"
+            ]
+        );
+        assert_eq!(command.max_processes, DEFAULT_MAX_STDIO_PROCESSES);
+        assert!(config.upstreams[0].legacy_only);
+        assert_eq!(config.upstreams[0].describe(), "stdio: python3");
+        let http = Config::load(&args(&["web=https://example.com/mcp"])).unwrap();
+        assert!(!http.upstreams[0].legacy_only);
+    }
+
+    fn load_file(text: &str) -> Result<Config, ConfigError> {
+        let dir = std::env::temp_dir().join(format!(
+            "mcpgw-config-upstreams-{}-{}",
+            std::process::id(),
+            text.len()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("mcpgw.toml");
+        std::fs::write(&path, text).unwrap();
+        let loaded = Config::load(&ServeArgs {
+            config: Some(path),
+            ..ServeArgs::default()
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+        loaded
+    }
+
+    #[test]
+    fn upstream_tables_take_commands_tls_files_and_refuse_mixtures() {
+        let readable = std::env::current_dir().unwrap().join("Cargo.toml");
+        let readable = readable.display();
+        let config = load_file(&format!(
+            r#"
+[[upstream]]
+name = "tool"
+command = ["server", "--flag"]
+args = ["more"]
+env = {{ API_KEY = "secret" }}
+cwd = "/"
+max_processes = 4
+
+[[upstream]]
+name = "line"
+command = "server 'two words'"
+
+[[upstream]]
+name = "secure"
+url = "https://example.com/mcp"
+tls_ca = "{readable}"
+tls_client_cert = "{readable}"
+tls_client_key = "{readable}"
+
+[[upstream]]
+name = "old"
+url = "http://127.0.0.1:1/mcp"
+legacy_only = true
+"#
+        ))
+        .unwrap();
+        let UpstreamTarget::Stdio(tool) = &config.upstreams[0].target else {
+            panic!("stdio")
+        };
+        assert_eq!(
+            (tool.program.as_str(), tool.args.clone()),
+            ("server", vec!["--flag".to_owned(), "more".to_owned()])
+        );
+        assert_eq!(tool.max_processes, 4);
+        assert!(
+            !format!("{tool:?}").contains("secret"),
+            "environment values stay out of logs"
+        );
+        let UpstreamTarget::Stdio(line) = &config.upstreams[1].target else {
+            panic!("stdio")
+        };
+        assert_eq!(line.args, ["two words"]);
+        assert!(matches!(
+            &config.upstreams[2].target,
+            UpstreamTarget::Http { tls, .. } if tls.client_key.is_some()
+        ));
+        assert!(config.upstreams[3].legacy_only);
+
+        let refused = [
+            (
+                "[[upstream]]\nname = \"a\"\nurl = \"http://x/mcp\"\ntls_ca = \"Cargo.toml\"\n",
+                "upstream[0].tls_ca",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\nurl = \"http://x/mcp\"\ncommand = [\"x\"]\n",
+                "upstream[0]",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\nurl = \"http://x/mcp\"\nenv = { A = \"b\" }\n",
+                "upstream[0].env",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\nurl = \"https://x/mcp\"\ntls_ca = \"/nonexistent/ca.pem\"\n",
+                "upstream[0].tls_ca",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\nurl = \"https://x/mcp\"\ntls_client_cert = \"Cargo.toml\"\n",
+                "upstream[0].tls_client_cert",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\ncommand = [\"x\"]\nmax_processes = 0\n",
+                "upstream[0].max_processes",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\ncommand = [\"x\"]\ntls_ca = \"Cargo.toml\"\n",
+                "upstream[0].tls_ca",
+            ),
+            ("[[upstream]]\nname = \"a\"\n", "upstream[0]"),
+        ];
+        for (text, field) in refused {
+            let err = load_file(text).expect_err(field);
+            assert_eq!(err.field, field, "{text}: {err}");
+        }
+    }
+
+    #[test]
     fn file_values_are_read_and_flags_win() {
         let dir = std::env::temp_dir().join(format!("mcpgw-config-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

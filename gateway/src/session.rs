@@ -34,7 +34,7 @@ pub struct Session {
     pub id: String,
     /// A short hash of the id for log lines: the id itself lets its holder act in the
     /// session, so it is never logged whole.
-    pub tag: String,
+    pub tag: SessionTag,
     /// Index of the upstream (route) the session was opened on.
     pub upstream: usize,
     /// Who created the session; only the same principal may use it.
@@ -126,9 +126,19 @@ pub fn shared_session_id(route: &str, principal: &str) -> String {
     format!("shared-{}", hex(&digest[..SESSION_ENTROPY_BYTES]))
 }
 
-/// A short, stable, one-way label of a session id for logs.
-pub fn tag_of(session_id: &str) -> String {
-    hex(&sha256(&[session_id.as_bytes()])[..4])
+/// A short, stable, one-way label of a session id for logs (8 hex digits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionTag([u8; 4]);
+
+impl std::fmt::Display for SessionTag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&hex(&self.0))
+    }
+}
+
+pub fn tag_of(session_id: &str) -> SessionTag {
+    let digest = sha256(&[session_id.as_bytes()]);
+    SessionTag([digest[0], digest[1], digest[2], digest[3]])
 }
 
 fn sha256(parts: &[&[u8]]) -> [u8; 32] {
@@ -257,7 +267,7 @@ mod tests {
             0,
             String::new(),
             UpstreamLink::Http { session_id: None },
-            SessionStreams::new("w"),
+            SessionStreams::default(),
         )
     }
 
@@ -293,7 +303,8 @@ mod tests {
         assert!(!alice.contains("alice"));
         assert_eq!(owner_hint(&alice), None);
         assert!(crate::mcp::validate_session_id(alice.as_bytes()).is_ok());
-        assert_eq!(tag_of(&alice).len(), 8);
+        assert_eq!(tag_of(&alice).to_string().len(), 8);
+        assert_eq!(tag_of(&alice), tag_of(&alice));
     }
 
     #[test]

@@ -304,6 +304,57 @@ fn stdio_sessions_get_their_own_processes_which_live_and_die_with_them() {
     }
 }
 
+#[test]
+fn the_process_limit_is_a_clear_503_and_a_place_frees_when_a_session_ends() {
+    let config = temp_file(
+        "mcpgw.toml",
+        &format!(
+            "[[upstream]]\nname = \"st\"\ncommand = [\"{}\", \"{}\", \"stdio\"]\nmax_processes = 1\n",
+            python().display(),
+            python_script("stateful_server.py").display()
+        ),
+    );
+    let gateway = Gateway::start(&["--config", &config.display().to_string()]);
+    let first = initialize(&gateway.addr, "/mcp");
+    let mut headers = mcp_headers(None);
+    headers.retain(|(k, _)| *k != "MCP-Protocol-Version");
+    let refused = http::request(&gateway.addr, "POST", "/mcp", &headers, INIT);
+    eprintln!("past the limit: {}", String::from_utf8_lossy(&refused.body));
+    assert_eq!(refused.status, 503);
+    assert_eq!(reason(&refused), "process_limit");
+    assert!(refused.header("retry-after").is_some());
+    let message = refused.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        message.contains("st") && message.contains("maximum of 1"),
+        "{message}"
+    );
+    let ended = http::request(
+        &gateway.addr,
+        "DELETE",
+        "/mcp",
+        &mcp_headers(Some(&first)),
+        b"",
+    );
+    assert_eq!(ended.status, 200);
+    let next = initialize(&gateway.addr, "/mcp");
+    let answer = call_tool(
+        &gateway.addr,
+        "/mcp",
+        &next,
+        2,
+        "counter_increment",
+        json!({}),
+    );
+    assert_eq!(
+        tool_text(&answer),
+        "1",
+        "a fresh process for the new session"
+    );
+}
+
 /// Sends each request to the worker its role calls for: initialize and everything
 /// else to worker 0 (the owner), `tools/call` to worker 1 (forwarded), and the
 /// client's answers to the server's requests to worker 2 (forwarded too).

@@ -82,7 +82,7 @@ impl Worker {
             .with_id(id.clone())
         })?;
         let upstream_index = call.upstream;
-        let streams = SessionStreams::new(&self.id);
+        let streams = SessionStreams::default();
         let (link, reply) = self
             .open_link(
                 upstream_index,
@@ -219,10 +219,8 @@ impl Worker {
         if !(reply.status.is_success() && is_sse(&reply.headers)) {
             return Ok(relay(reply, None));
         }
-        let log = session.streams.new_get();
-        session
-            .streams
-            .pump(std::sync::Arc::clone(&log), reply.body);
+        let log = session.streams.new_get(&self.id);
+        streams::pump(Arc::clone(&log), reply.body);
         self.stream_reply(log.subscribe(None), id)
     }
 
@@ -268,8 +266,8 @@ impl Worker {
         if !is_sse(&reply.headers) {
             return relay(reply, None);
         }
-        let log = session.streams.new_post();
-        session.streams.pump(Arc::clone(&log), reply.body);
+        let log = session.streams.new_post(&self.id);
+        streams::pump(Arc::clone(&log), reply.body);
         match log.subscribe(None) {
             Ok(body) => sse_reply(reply.status, body),
             // A fresh log has nothing to miss.
@@ -332,10 +330,10 @@ impl Worker {
                 Ok((UpstreamLink::Http { session_id }, reply))
             }
             Upstream::Stdio(stdio) => {
-                let unsolicited = streams.new_get();
+                let unsolicited = streams.new_get(&self.id);
                 let process = stdio
                     .start(
-                        &session::tag_of(session_id),
+                        session::tag_of(session_id),
                         unsolicited,
                         self.on_process_exit(session_id),
                     )
@@ -545,15 +543,20 @@ fn relay(reply: UpstreamReply, session_header: Option<HeaderValue>) -> Reply {
 
 pub(crate) fn upstream_error(error: UpstreamError, id: serde_json::Value) -> GatewayError {
     let (status, reason) = error.status_and_reason();
-    let advice = match &error {
-        UpstreamError::Tls { .. } => "fix the certificate or the upstream's tls settings",
-        UpstreamError::ProcessLimit { .. } => "retry later",
-        UpstreamError::Spawn { .. } => "check the upstream's command",
-        _ => "retry later or check the upstream",
+    let message = match &error {
+        // Its own words already say what to do.
+        UpstreamError::ProcessLimit { .. } => error.to_string(),
+        UpstreamError::Tls { .. } => {
+            format!("{error}: fix the certificate or the upstream's tls settings")
+        }
+        UpstreamError::Spawn { .. } => format!("{error}: check the upstream's command"),
+        _ => format!("{error}: retry later or check the upstream"),
     };
-    let mut error = GatewayError::gateway(status, reason, format!("{error}: {advice}")).with_id(id);
+    let mut error = GatewayError::gateway(status, reason, message).with_id(id);
     if status == StatusCode::SERVICE_UNAVAILABLE {
-        error = error.with_retry_after(1);
+        error = error
+            .with_data(json!({ "reason": reason, "retryable": true }))
+            .with_retry_after(1);
     }
     error
 }

@@ -153,7 +153,7 @@ impl Worker {
         self.admit_new_session()
             .map_err(|e| e.with_id(id.clone()))?;
         let upstream = call.upstream;
-        let streams = SessionStreams::new(&self.id);
+        let streams = SessionStreams::default();
         let (link, reply) = self
             .open_link(
                 upstream,

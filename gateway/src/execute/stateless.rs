@@ -78,7 +78,7 @@ impl Worker {
         });
         // A temporary upstream session: its own upstream session id, or a child
         // process of its own for a stdio upstream.
-        let streams = SessionStreams::new(&self.id);
+        let streams = SessionStreams::default();
         let (link, opened) = self
             .open_link(
                 call.upstream,

@@ -18,7 +18,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use parking_lot::Mutex;
-use tokio::sync::{Notify, watch};
+use tokio::sync::Notify;
 
 use crate::body::{self, BoxError, ReplyBody};
 
@@ -28,6 +28,9 @@ pub const MAX_EVENTS_PER_STREAM: usize = 1024;
 pub const MAX_BYTES_PER_STREAM: usize = 1024 * 1024;
 /// Streams one session keeps (the newest); an older finished one is forgotten first.
 pub const MAX_STREAMS_PER_SESSION: usize = 16;
+
+/// How long a reader waits for an event before it sends a keep-alive comment.
+const KEEPALIVE_AFTER: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// Where an event sits: the owner that numbered it, its stream, its place.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -235,21 +238,26 @@ impl Reading {
                     return None;
                 }
             }
-            changed.await;
+            if tokio::time::timeout(KEEPALIVE_AFTER, changed)
+                .await
+                .is_err()
+            {
+                // Quiet for a while: a comment keeps proxies from closing the stream.
+                return Some(Bytes::from_static(b": keepalive\n\n"));
+            }
         }
     }
 }
 
-/// The streams of one session.
+/// The streams of one session. Nothing is allocated until a stream exists: an idle
+/// session pays a few words for this.
+#[derive(Default)]
 pub struct SessionStreams {
-    owner: Arc<str>,
     next_number: AtomicU64,
     /// The session's `GET` stream, while its source lives.
     get: Mutex<Option<Arc<StreamLog>>>,
     /// Answers to POSTs, newest last, kept for resumption.
     posts: Mutex<VecDeque<Arc<StreamLog>>>,
-    /// Turns true when the session ends: every pump stops reading its upstream.
-    closed: watch::Sender<bool>,
 }
 
 impl std::fmt::Debug for SessionStreams {
@@ -262,24 +270,15 @@ impl std::fmt::Debug for SessionStreams {
 }
 
 impl SessionStreams {
-    pub fn new(owner: &str) -> SessionStreams {
-        SessionStreams {
-            owner: Arc::from(owner),
-            next_number: AtomicU64::new(1),
-            get: Mutex::new(None),
-            posts: Mutex::new(VecDeque::new()),
-            closed: watch::Sender::new(false),
-        }
-    }
-
-    fn new_log(&self) -> Arc<StreamLog> {
-        let number = self.next_number.fetch_add(1, Ordering::Relaxed);
-        StreamLog::new(Arc::clone(&self.owner), number)
+    /// A new log, numbered by `owner` (this worker's id).
+    fn new_log(&self, owner: &str) -> Arc<StreamLog> {
+        let number = self.next_number.fetch_add(1, Ordering::Relaxed) + 1;
+        StreamLog::new(Arc::from(owner), number)
     }
 
     /// A new log for a POST's answer.
-    pub fn new_post(&self) -> Arc<StreamLog> {
-        let log = self.new_log();
+    pub fn new_post(&self, owner: &str) -> Arc<StreamLog> {
+        let log = self.new_log(owner);
         let mut posts = self.posts.lock();
         if posts.len() >= MAX_STREAMS_PER_SESSION {
             let victim = posts.iter().position(|l| l.is_finished()).unwrap_or(0);
@@ -292,8 +291,8 @@ impl SessionStreams {
     }
 
     /// A new log for the session's `GET` stream, replacing an ended one.
-    pub fn new_get(&self) -> Arc<StreamLog> {
-        let log = self.new_log();
+    pub fn new_get(&self, owner: &str) -> Arc<StreamLog> {
+        let log = self.new_log(owner);
         if let Some(old) = self.get.lock().replace(Arc::clone(&log)) {
             old.finish();
         }
@@ -321,7 +320,6 @@ impl SessionStreams {
 
     /// The session ended: every stream ends, every pump stops.
     pub fn close(&self) {
-        self.closed.send_replace(true);
         if let Some(get) = self.get.lock().take() {
             get.finish();
         }
@@ -329,35 +327,45 @@ impl SessionStreams {
             log.finish();
         }
     }
+}
 
-    /// Reads `source` (an upstream SSE body) into `log` in a task of its own, so the
-    /// upstream is read on while the client is away. Ends with the source, or when the
-    /// session closes.
-    pub fn pump(&self, log: Arc<StreamLog>, source: ReplyBody) {
-        let mut closed = self.closed.subscribe();
-        tokio::spawn(async move {
-            let mut events = body::sse_events(source);
-            loop {
-                tokio::select! {
-                    frame = events.frame() => match frame {
-                        Some(Ok(frame)) => {
-                            if let Ok(event) = frame.into_data() {
-                                log.push(&event);
-                            }
-                        }
-                        Some(Err(e)) => {
-                            tracing::debug!(error = %e, stream = log.number(), "upstream stream broke");
-                            break;
-                        }
-                        None => break,
-                    },
-                    // A dropped sender (the session is gone) ends the pump too.
-                    _ = closed.wait_for(|closed| *closed) => break,
-                }
-            }
-            log.finish();
-        });
+impl Drop for SessionStreams {
+    // A session dropped without an orderly end (a fenced worker) stops its pumps too.
+    fn drop(&mut self) {
+        self.close();
     }
+}
+
+/// Reads `source` (an upstream SSE body) into `log` in a task of its own, so the
+/// upstream is read on while the client is away. Ends with the source, or when the
+/// log is finished (the session ended).
+pub fn pump(log: Arc<StreamLog>, source: ReplyBody) {
+    tokio::spawn(async move {
+        let mut events = body::sse_events(source);
+        loop {
+            let changed = log.changed.notified();
+            if log.is_finished() {
+                break;
+            }
+            tokio::select! {
+                frame = events.frame() => match frame {
+                    Some(Ok(frame)) => {
+                        if let Ok(event) = frame.into_data() {
+                            log.push(&event);
+                        }
+                    }
+                    Some(Err(e)) => {
+                        tracing::debug!(error = %e, stream = log.number(), "upstream stream broke");
+                        break;
+                    }
+                    None => break,
+                },
+                // New events, readers, or the end: the end is checked above.
+                () = changed => {}
+            }
+        }
+        log.finish();
+    });
 }
 
 /// `event` with its `id` field set to `id` (any upstream id dropped). An event of
@@ -524,14 +532,14 @@ mod tests {
 
     #[test]
     fn a_session_keeps_a_bounded_number_of_streams() {
-        let streams = SessionStreams::new("w");
-        let first = streams.new_post();
+        let streams = SessionStreams::default();
+        let first = streams.new_post("w");
         for _ in 0..MAX_STREAMS_PER_SESSION {
-            streams.new_post();
+            streams.new_post("w");
         }
         assert!(streams.find(first.number()).is_none());
         assert!(first.is_finished());
-        let get = streams.new_get();
+        let get = streams.new_get("w");
         assert!(streams.live_get().is_some());
         streams.close();
         assert!(get.is_finished());

@@ -43,6 +43,7 @@ use super::{UpstreamError, UpstreamReply};
 use crate::body::{self, BoxError};
 use crate::config::StdioCommand;
 use crate::execute::streams::StreamLog;
+use crate::session::SessionTag;
 
 /// The hidden subcommand that starts a child: `mcpgw stdio-exec -- PROGRAM ARG…`.
 pub const EXEC_SUBCOMMAND: &str = "stdio-exec";
@@ -81,7 +82,7 @@ impl StdioUpstream {
     /// `unsolicited`; `on_exit` hears once why it stopped.
     pub async fn start(
         &self,
-        tag: &str,
+        tag: SessionTag,
         unsolicited: Arc<StreamLog>,
         on_exit: Box<dyn FnOnce(String) + Send>,
     ) -> Result<Arc<StdioProcess>, UpstreamError> {
@@ -111,13 +112,13 @@ impl StdioUpstream {
         let (stop_tx, stop_rx) = oneshot::channel();
         let (output_done_tx, output_done_rx) = oneshot::channel();
         let (exited_tx, exited) = watch::channel(None);
-        tokio::spawn(log_stderr(stderr, self.name.clone(), tag.to_owned()));
+        tokio::spawn(log_stderr(stderr, self.name.clone(), tag));
         tokio::spawn(read_stdout(
             stdout,
             Arc::clone(&conversation),
             unsolicited,
             self.name.clone(),
-            tag.to_owned(),
+            tag,
             output_done_tx,
         ));
         tokio::spawn(keep(Keeper {
@@ -377,7 +378,7 @@ async fn read_stdout(
     conversation: Arc<Mutex<Conversation>>,
     unsolicited: Arc<StreamLog>,
     name: String,
-    tag: String,
+    tag: SessionTag,
     done: oneshot::Sender<String>,
 ) {
     let mut lines = FramedRead::new(stdout, LinesCodec::new_with_max_length(MAX_MESSAGE_BYTES));
@@ -409,7 +410,7 @@ async fn read_stdout(
     let _ = done.send(why);
 }
 
-async fn log_stderr(stderr: tokio::process::ChildStderr, name: String, tag: String) {
+async fn log_stderr(stderr: tokio::process::ChildStderr, name: String, tag: SessionTag) {
     let mut lines = FramedRead::new(stderr, LinesCodec::new_with_max_length(MAX_LOG_LINE));
     while let Some(line) = lines.next().await {
         match line {
@@ -460,8 +461,9 @@ async fn keep(mut keeper: Keeper) {
         }
     };
     keeper.conversation.lock().close(&why);
-    keeper.exited.send_replace(Some(why.clone()));
+    // The place is free before anyone hears the child is gone.
     drop(keeper.slot);
+    keeper.exited.send_replace(Some(why.clone()));
     (keeper.on_exit)(why);
 }
 
