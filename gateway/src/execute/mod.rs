@@ -17,6 +17,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::header::{ACCEPT, CACHE_CONTROL, CONTENT_TYPE};
 use http::{HeaderMap, HeaderValue, Method, StatusCode};
+use http_body_util::BodyExt;
 use serde_json::json;
 use tracing::{debug, warn};
 
@@ -98,6 +99,28 @@ impl Worker {
             self.close_link(upstream_index, &link).await;
             return Ok(relay(reply, None));
         }
+        let reply = match link {
+            // A child whose initialize failed serves no session: it ends, and its
+            // answer goes to the client without a session id.
+            UpstreamLink::Stdio(_) if !is_sse(&reply.headers) => {
+                let answer = reply.body.collect().await.map(|c| c.to_bytes());
+                let refused = answer.as_ref().map_or(true, |bytes| {
+                    serde_json::from_slice::<serde_json::Value>(bytes)
+                        .map_or(true, |message| message.get("result").is_none())
+                });
+                if refused {
+                    self.close_link(upstream_index, &link).await;
+                    let body = answer.unwrap_or_default();
+                    return Ok(Reply::json(StatusCode::OK, body));
+                }
+                UpstreamReply {
+                    status: reply.status,
+                    headers: reply.headers,
+                    body: body::full(answer.unwrap_or_default()),
+                }
+            }
+            _ => reply,
+        };
         let session = Session::new(
             session_id.clone(),
             upstream_index,

@@ -56,10 +56,7 @@ impl HttpUpstream {
             .pool_idle_timeout(Duration::from_secs(60))
             .pool_max_idle_per_host(1024);
         let client = if uri.scheme_str() == Some("https") {
-            let config = tls::client_config(name, tls).map_err(|detail| UpstreamError::Tls {
-                name: name.to_owned(),
-                detail,
-            })?;
+            let config = tls::client_config(name, tls).map_err(UpstreamError::Config)?;
             connector.enforce_http(false);
             let https = hyper_rustls::HttpsConnectorBuilder::new()
                 .with_tls_config((*config).clone())

@@ -61,6 +61,10 @@ pub enum UpstreamError {
     /// The upstream's process could not be started.
     #[error("upstream {name}: cannot start its process: {detail}")]
     Spawn { name: String, detail: String },
+    /// The upstream's settings cannot be used (a CA bundle that holds no CA); found
+    /// when the worker starts.
+    #[error("{0}")]
+    Config(String),
     /// The session's upstream process has exited; the session ended with it.
     #[error("upstream {name}: its process for this session {detail}")]
     Exited { name: String, detail: String },
@@ -79,6 +83,7 @@ impl UpstreamError {
             }
             UpstreamError::Spawn { .. } => (StatusCode::BAD_GATEWAY, "upstream_spawn_failed"),
             UpstreamError::Exited { .. } => (StatusCode::BAD_GATEWAY, "upstream_exited"),
+            UpstreamError::Config(_) => (StatusCode::INTERNAL_SERVER_ERROR, "config"),
         }
     }
 }

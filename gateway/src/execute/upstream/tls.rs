@@ -13,8 +13,7 @@ use crate::config::UpstreamTls;
 /// The rustls client configuration of one upstream. `name` only labels errors.
 pub fn client_config(name: &str, tls: &UpstreamTls) -> Result<Arc<ClientConfig>, String> {
     let roots = match &tls.ca {
-        Some(path) => mcpgw_certs::load_ca_bundle(path)
-            .map_err(|e| format!("upstream {name}: tls_ca: {e}"))?,
+        Some(path) => ca_bundle(path).map_err(|e| format!("upstream {name}: tls_ca: {e}"))?,
         None => platform_roots()
             .map_err(|e| format!("upstream {name}: {e}"))?
             .clone(),
@@ -54,6 +53,23 @@ pub fn client_config(name: &str, tls: &UpstreamTls) -> Result<Arc<ClientConfig>,
         _ => builder.with_no_client_auth(),
     };
     Ok(Arc::new(config))
+}
+
+/// The CAs of a PEM bundle.
+fn ca_bundle(path: &std::path::Path) -> Result<RootCertStore, String> {
+    let certs = CertificateDer::pem_file_iter(path)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| format!("{} is not a PEM certificate bundle ({e})", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!("{} holds no certificate", path.display()));
+    }
+    let mut roots = RootCertStore::empty();
+    for cert in certs {
+        roots
+            .add(cert)
+            .map_err(|e| format!("{} holds an unusable CA certificate ({e})", path.display()))?;
+    }
+    Ok(roots)
 }
 
 /// The platform's root certificates (`SSL_CERT_FILE` / `SSL_CERT_DIR` when set), read
