@@ -72,8 +72,9 @@ impl Conversation {
         self.pending.len()
     }
 
-    /// The line to write for a client request; its answers go to `sink`.
-    pub fn request(&mut self, mut message: Map<String, Value>, sink: AnswerSink) -> Bytes {
+    /// The line to write for a client request, and the id it goes by; its answers go
+    /// to `sink`.
+    pub fn request(&mut self, mut message: Map<String, Value>, sink: AnswerSink) -> (u64, Bytes) {
         self.next_id += 1;
         let id = self.next_id;
         let client_id = message
@@ -99,11 +100,19 @@ impl Conversation {
                 sink,
             },
         );
-        line(&Value::Object(message))
+        (id, line(&Value::Object(message)))
+    }
+
+    /// Forgets a request nobody waits for any more (it timed out): a late answer is
+    /// dropped, and it no longer counts as in flight.
+    pub fn abandon(&mut self, id: u64) {
+        self.pending.remove(&id);
     }
 
     /// The line to write for a client notification or response; `None` when it must
     /// not reach the child (a cancellation of a request that is no longer in flight).
+    /// A cancelled request is no longer in flight: the server need not answer it, and
+    /// its stream ends without a response.
     pub fn other(&mut self, mut message: Map<String, Value>) -> Option<Bytes> {
         if message.get("method").and_then(Value::as_str) == Some("notifications/cancelled") {
             let params = message.get_mut("params").and_then(Value::as_object_mut)?;
@@ -113,6 +122,7 @@ impl Conversation {
                 .iter()
                 .find(|(_, p)| &p.client_id == theirs)
                 .map(|(id, _)| *id)?;
+            self.pending.remove(&ours);
             params.insert("requestId".into(), Value::from(ours));
         }
         Some(line(&Value::Object(message)))
@@ -217,7 +227,7 @@ mod tests {
     fn ids_are_rewritten_out_and_restored_in() {
         let mut c = Conversation::default();
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let sent = c.request(
+        let (_, sent) = c.request(
             object(json!({"jsonrpc":"2.0","id":"abc","method":"tools/list"})),
             tx,
         );
@@ -241,8 +251,8 @@ mod tests {
         let mut c = Conversation::default();
         let (a, _ra) = mpsc::unbounded_channel();
         let (b, _rb) = mpsc::unbounded_channel();
-        let first = c.request(object(json!({"jsonrpc":"2.0","id":1,"method":"x"})), a);
-        let second = c.request(object(json!({"jsonrpc":"2.0","id":1,"method":"x"})), b);
+        let (_, first) = c.request(object(json!({"jsonrpc":"2.0","id":1,"method":"x"})), a);
+        let (_, second) = c.request(object(json!({"jsonrpc":"2.0","id":1,"method":"x"})), b);
         assert_ne!(json_of(&first)["id"], json_of(&second)["id"]);
         assert_eq!(c.in_flight(), 2);
     }
@@ -251,7 +261,7 @@ mod tests {
     fn progress_follows_its_token_and_other_messages_the_only_request() {
         let mut c = Conversation::default();
         let (tx, _rx) = mpsc::unbounded_channel();
-        let sent = c.request(
+        let (_, sent) = c.request(
             object(json!({"jsonrpc":"2.0","id":9,"method":"tools/call",
                           "params":{"name":"slow","_meta":{"progressToken":"p1"}}})),
             tx,
@@ -271,8 +281,14 @@ mod tests {
             Route::Request(_, Answer::Interim(_))
         ));
         let (other, _ro) = mpsc::unbounded_channel();
-        c.request(object(json!({"jsonrpc":"2.0","id":10,"method":"x"})), other);
+        let (second, _) = c.request(object(json!({"jsonrpc":"2.0","id":10,"method":"x"})), other);
         assert!(matches!(c.incoming(elicit), Route::Unsolicited(_)));
+        c.abandon(second);
+        assert_eq!(
+            c.in_flight(),
+            1,
+            "an abandoned request is no longer in flight"
+        );
     }
 
     #[test]
@@ -287,6 +303,11 @@ mod tests {
             ))
             .unwrap();
         assert_eq!(json_of(&cancel)["params"]["requestId"], 1);
+        assert_eq!(
+            c.in_flight(),
+            0,
+            "a cancelled request is no longer in flight"
+        );
         assert!(
             c.other(object(
                 json!({"jsonrpc":"2.0","method":"notifications/cancelled",

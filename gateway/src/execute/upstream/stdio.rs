@@ -243,7 +243,7 @@ impl StdioProcess {
             });
         }
         let (sink, mut answers) = mpsc::unbounded_channel();
-        let line = {
+        let (id, line) = {
             let mut conversation = self.conversation.lock();
             self.check_open(&conversation)?;
             conversation.request(message, sink)
@@ -255,9 +255,18 @@ impl StdioProcess {
         .await;
         let first = match first {
             Ok(Ok(Some(first))) => first,
+            Ok(Ok(None)) if self.conversation.lock().closed().is_none() => {
+                return Err(
+                    self.failed("the request was cancelled before the server answered it".into())
+                );
+            }
             Ok(Ok(None)) => return Err(self.exited()),
-            Ok(Err(e)) => return Err(e),
+            Ok(Err(e)) => {
+                self.conversation.lock().abandon(id);
+                return Err(e);
+            }
             Err(_) => {
+                self.conversation.lock().abandon(id);
                 return Err(UpstreamError::Timeout {
                     name: self.name.clone(),
                     timeout,
