@@ -298,7 +298,11 @@ impl Worker {
         }
     }
 
-    /// Ends a session here and upstream (client DELETE, drain, idle expiry).
+    /// Ends a session here and upstream (client DELETE, drain, idle expiry): forgets it
+    /// (registry and directory), ends its streams, then its upstream session or child
+    /// process. Later requests for it get 404 `session_not_found`. (For a shared
+    /// session the next 2026-07-28 call silently opens a new one; an expiry that wants
+    /// those clients told once calls [`Worker::session_lost`] instead.)
     pub async fn end_session(&self, session: &Session) {
         self.forget_session(&session.id).await;
         session.streams.close();
@@ -306,7 +310,9 @@ impl Worker {
     }
 
     /// A session ended under the gateway (its process exited, its upstream forgot
-    /// it): later requests hear why. Does nothing for a session already ended.
+    /// it): it is retired with `why`, and later requests hear it (404 `session_gone`).
+    /// Does nothing for a session already ended. A child process still running is
+    /// ended when the retired session is dropped.
     pub(crate) async fn session_lost(&self, session_id: &str, why: &str) {
         let Some(session) = self.sessions.retire(session_id, why) else {
             return;
