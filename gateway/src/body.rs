@@ -2,6 +2,7 @@
 //! adapter that re-chunks an SSE stream so each event is exactly one chunk.
 
 use std::pin::Pin;
+use std::sync::OnceLock;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -22,11 +23,53 @@ pub fn full(bytes: Bytes) -> ReplyBody {
         .boxed_unsync()
 }
 
-/// Re-chunks an SSE body: each data frame it yields is one complete event, yielded
-/// as soon as its last byte arrives. An event that grows past `max_event` bytes
-/// without ending ends the stream: `overflow` (an event that tells the client why)
-/// goes out instead, and the rest of the upstream's stream is dropped.
-pub fn sse_events<B>(inner: B, max_event: usize, overflow: Bytes) -> ReplyBody
+/// Largest upstream SSE event this process buffers while waiting for its end
+/// (`limits.max_sse_event_bytes`), set once when the worker starts.
+static MAX_SSE_EVENT: OnceLock<usize> = OnceLock::new();
+
+/// Used until [`set_max_sse_event`] is called (tests, tools).
+const DEFAULT_MAX_SSE_EVENT: usize = 16 * 1024 * 1024;
+
+/// Sets the process's SSE event limit; the first call wins.
+pub fn set_max_sse_event(bytes: usize) {
+    let _ = MAX_SSE_EVENT.set(bytes);
+}
+
+/// Re-chunks an upstream SSE body: each data frame it yields is one complete event,
+/// yielded as soon as its last byte arrives. An event that outgrows the process's
+/// limit ends the stream with an error event (the session is untouched).
+pub fn sse_events<B>(inner: B) -> ReplyBody
+where
+    B: Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<BoxError>,
+{
+    let max = MAX_SSE_EVENT.get().copied().unwrap_or(DEFAULT_MAX_SSE_EVENT);
+    sse_events_bounded(inner, max, overflow_event(max))
+}
+
+/// The event sent in place of an upstream event larger than `max` bytes. The request
+/// it belonged to is not known this deep (the id is null, as JSON-RPC allows when it
+/// cannot be determined); the stream ends after it.
+fn overflow_event(max: usize) -> Bytes {
+    let error = crate::mcp::GatewayError::gateway(
+        http::StatusCode::BAD_GATEWAY,
+        "upstream_event_too_large",
+        format!(
+            "the upstream sent an event larger than the gateway's {max}-byte limit; the \
+             stream was ended (the session is intact): ask for less, or raise \
+             limits.max_sse_event_bytes"
+        ),
+    );
+    let mut event = b"event: message\ndata: ".to_vec();
+    event.extend_from_slice(&error.body());
+    event.extend_from_slice(b"\n\n");
+    Bytes::from(event)
+}
+
+/// [`sse_events`] with an explicit limit and overflow event. An event that grows past
+/// `max_event` bytes without ending ends the stream: `overflow` goes out instead, and
+/// the rest of the upstream's stream is dropped.
+pub fn sse_events_bounded<B>(inner: B, max_event: usize, overflow: Bytes) -> ReplyBody
 where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<BoxError>,
@@ -162,11 +205,7 @@ mod tests {
             Ok(Frame::data(Bytes::from_static(b"2\n"))),
             Ok(Frame::data(Bytes::from_static(b"\ndata: 3\n\n"))),
         ];
-        let mut body = sse_events(
-            StreamBody::new(futures_util::stream::iter(chunks)),
-            usize::MAX,
-            Bytes::new(),
-        );
+        let mut body = sse_events(StreamBody::new(futures_util::stream::iter(chunks)));
         let mut frames = Vec::new();
         while let Some(frame) = body.frame().await {
             frames.push(frame.unwrap().into_data().unwrap());
@@ -189,7 +228,7 @@ mod tests {
             Ok(Frame::data(Bytes::from_static(b"0123456789 never ends"))),
             Ok(Frame::data(Bytes::from_static(b"\n\ndata: after\n\n"))),
         ];
-        let mut body = sse_events(
+        let mut body = sse_events_bounded(
             StreamBody::new(futures_util::stream::iter(chunks)),
             16,
             Bytes::from_static(b"data: too large\n\n"),

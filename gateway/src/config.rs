@@ -3,6 +3,7 @@
 //! file, the file over defaults). An invalid value is refused at start with the field
 //! name and the problem.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -48,12 +49,93 @@ pub struct Config {
     pub trust_forwarded_for: bool,
 }
 
+/// One upstream MCP server: its route name, where it is, and how the gateway reaches it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct UpstreamConfig {
     /// Route name: clients reach it at `/servers/{name}/mcp`.
     pub name: String,
-    /// Streamable HTTP endpoint of the upstream MCP server.
-    pub url: String,
+    pub target: UpstreamTarget,
+    /// The upstream speaks only the session-based protocol (2025-*), or keeps state in
+    /// its sessions: a 2026-07-28 client then gets one upstream session per (principal,
+    /// route), held by one worker, instead of a stateless pass-through. Always true
+    /// for stdio upstreams (a process is a session).
+    pub legacy_only: bool,
+}
+
+/// Where an upstream is.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum UpstreamTarget {
+    /// Streamable HTTP at `url` (`http://` or `https://`).
+    Http { url: String, tls: UpstreamTls },
+    /// A command the gateway runs once per session and speaks to over stdin/stdout.
+    Stdio(StdioCommand),
+}
+
+/// TLS settings of an `https://` upstream.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct UpstreamTls {
+    /// PEM bundle of the CAs to trust instead of the platform's root certificates
+    /// (which honour `SSL_CERT_FILE`).
+    pub ca: Option<PathBuf>,
+    /// Client certificate (PEM) for upstreams that require mutual TLS.
+    pub client_cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    pub client_key: Option<PathBuf>,
+}
+
+/// A stdio upstream: the command every session starts.
+#[derive(Clone, Serialize, Deserialize)]
+pub struct StdioCommand {
+    /// The program, found on `PATH` unless it is a path.
+    pub program: String,
+    pub args: Vec<String>,
+    /// Set in the child's environment, which is otherwise the gateway's own minus its
+    /// `MCPGW_*` variables (they hold the gateway's configuration).
+    pub env: BTreeMap<String, String>,
+    /// Working directory of the child; the gateway's own when unset.
+    pub cwd: Option<PathBuf>,
+    /// Child processes of this upstream one worker runs at most (one per session);
+    /// past it initialize gets 503.
+    pub max_processes: usize,
+}
+
+impl std::fmt::Debug for StdioCommand {
+    // Environment values are often credentials: only their names are shown.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StdioCommand")
+            .field("program", &self.program)
+            .field("args", &self.args.len())
+            .field("env", &self.env.keys().collect::<Vec<_>>())
+            .field("cwd", &self.cwd)
+            .field("max_processes", &self.max_processes)
+            .finish()
+    }
+}
+
+/// Child processes per stdio upstream and worker, unless configured.
+pub const DEFAULT_MAX_STDIO_PROCESSES: usize = 32;
+
+impl UpstreamConfig {
+    /// A plain Streamable HTTP upstream.
+    pub fn http(name: &str, url: &str) -> UpstreamConfig {
+        UpstreamConfig {
+            name: name.to_owned(),
+            target: UpstreamTarget::Http {
+                url: url.to_owned(),
+                tls: UpstreamTls::default(),
+            },
+            legacy_only: false,
+        }
+    }
+
+    /// What the upstream is, for the start-up announcement: the URL, or the stdio
+    /// program (never its arguments or environment, which may hold credentials).
+    pub fn describe(&self) -> String {
+        match &self.target {
+            UpstreamTarget::Http { url, .. } => url.clone(),
+            UpstreamTarget::Stdio(command) => format!("stdio: {}", command.program),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -204,7 +286,10 @@ pub struct ServeArgs {
     /// Public listen address, e.g. 0.0.0.0:8080.
     #[arg(long, env = "MCPGW_LISTEN")]
     pub listen: Option<String>,
-    /// An upstream as name=URL; repeat for several. Replaces the file's upstreams.
+    /// An upstream as name=URL (http:// or https://) or name=stdio:COMMAND ARG... (split
+    /// into words as a shell would, without a shell); repeat for several. Replaces the
+    /// file's upstreams. Commas separate upstreams, so a stdio command with a comma
+    /// needs the file's `[[upstream]] command = [...]`.
     #[arg(long = "upstream", env = "MCPGW_UPSTREAMS", value_delimiter = ',')]
     pub upstreams: Vec<String>,
     /// Worker processes to run.
@@ -288,7 +373,7 @@ struct FileConfig {
     listen: Option<String>,
     trust_forwarded_for: Option<bool>,
     #[serde(default, rename = "upstream")]
-    upstreams: Vec<UpstreamConfig>,
+    upstreams: Vec<FileUpstream>,
     #[serde(default)]
     limits: FileLimits,
     #[serde(default)]
@@ -299,6 +384,35 @@ struct FileConfig {
     auth: AuthConfig,
     #[serde(default)]
     admin: FileAdmin,
+}
+
+/// One `[[upstream]]` table: `url` (http, https, or `stdio:COMMAND ARG…`) or
+/// `command`, and the settings that go with each.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileUpstream {
+    name: String,
+    url: Option<String>,
+    command: Option<FileCommand>,
+    #[serde(default)]
+    args: Vec<String>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    cwd: Option<PathBuf>,
+    max_processes: Option<usize>,
+    tls_ca: Option<PathBuf>,
+    tls_client_cert: Option<PathBuf>,
+    tls_client_key: Option<PathBuf>,
+    #[serde(default)]
+    legacy_only: bool,
+}
+
+/// A stdio command as a list of words, or as one line split as a shell would.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum FileCommand {
+    Words(Vec<String>),
+    Line(String),
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -369,7 +483,12 @@ impl Config {
         if let Some(listen) = file.listen {
             self.listen = parse_addr("listen", &listen)?;
         }
-        self.upstreams = file.upstreams;
+        self.upstreams = file
+            .upstreams
+            .into_iter()
+            .enumerate()
+            .map(|(i, u)| u.resolve(&format!("upstream[{i}]")))
+            .collect::<Result<_, _>>()?;
         let l = file.limits;
         set(&mut self.limits.max_body_bytes, l.max_body_bytes);
         set_ms(
@@ -512,7 +631,7 @@ impl Config {
         if self.upstreams.is_empty() {
             return Err(invalid(
                 "upstream",
-                "no upstream configured: pass --upstream name=URL or add [[upstream]] to the file",
+                "no upstream configured: pass --upstream name=URL (or name=stdio:COMMAND) or add [[upstream]] to the file",
             ));
         }
         for (i, upstream) in self.upstreams.iter().enumerate() {
@@ -537,7 +656,7 @@ impl Config {
                     format!("{:?} is configured twice", upstream.name),
                 ));
             }
-            check_upstream_url(&format!("{field}.url"), &upstream.url)?;
+            check_upstream_target(&field, &upstream.target)?;
         }
         if self.limits.max_body_bytes == 0 {
             return Err(invalid("limits.max_body_bytes", "must be greater than 0"));
@@ -709,37 +828,220 @@ fn parse_addr(field: &str, text: &str) -> Result<SocketAddr, ConfigError> {
     })
 }
 
+/// `--upstream name=URL` or `--upstream name=stdio:COMMAND ARG…`.
 fn parse_upstream_spec(spec: &str) -> Result<UpstreamConfig, ConfigError> {
-    let Some((name, url)) = spec.split_once('=') else {
+    let Some((name, target)) = spec.split_once('=') else {
         return Err(invalid(
             "--upstream",
-            format!("{spec:?} must look like name=http://host:port/mcp"),
+            format!(
+                "{spec:?} must look like name=http://host:port/mcp or name=stdio:COMMAND ARG..."
+            ),
         ));
+    };
+    let target = target.trim();
+    let target = match target.strip_prefix("stdio:") {
+        Some(line) => {
+            let mut words = split_command("--upstream", line)?;
+            let program = words.remove(0);
+            UpstreamTarget::Stdio(StdioCommand {
+                program,
+                args: words,
+                env: BTreeMap::new(),
+                cwd: None,
+                max_processes: DEFAULT_MAX_STDIO_PROCESSES,
+            })
+        }
+        None => return Ok(UpstreamConfig::http(name.trim(), target)),
     };
     Ok(UpstreamConfig {
         name: name.trim().to_owned(),
-        url: url.trim().to_owned(),
+        target,
+        legacy_only: true,
     })
 }
 
-fn check_upstream_url(field: &str, url: &str) -> Result<(), ConfigError> {
+/// Splits a command line into words as a POSIX shell would (quotes, backslashes),
+/// without running a shell: no variables, globs or pipes.
+fn split_command(field: &str, line: &str) -> Result<Vec<String>, ConfigError> {
+    let words = shlex::split(line).ok_or_else(|| {
+        invalid(
+            field,
+            "the stdio command has an unterminated quote or a trailing backslash",
+        )
+    })?;
+    if words.is_empty() {
+        return Err(invalid(
+            field,
+            "the stdio command is empty: give the program and its arguments after stdio:",
+        ));
+    }
+    Ok(words)
+}
+
+impl FileUpstream {
+    fn resolve(self, field: &str) -> Result<UpstreamConfig, ConfigError> {
+        let stdio_only = |what: &str, set: bool| -> Result<(), ConfigError> {
+            if set {
+                Err(invalid(
+                    &format!("{field}.{what}"),
+                    "applies to stdio upstreams only (command = ..., or url = \"stdio:...\")",
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        let words = match (self.url, self.command) {
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    field,
+                    "give either url (http, https or stdio:...) or command, not both",
+                ));
+            }
+            (None, None) => {
+                return Err(invalid(
+                    field,
+                    "needs url = \"http(s)://host/mcp\" or command = [\"program\", \"arg\", ...]",
+                ));
+            }
+            (None, Some(FileCommand::Words(words))) => words,
+            (None, Some(FileCommand::Line(line))) => {
+                split_command(&format!("{field}.command"), &line)?
+            }
+            (Some(url), None) => match url.trim().strip_prefix("stdio:") {
+                Some(line) => split_command(&format!("{field}.url"), line)?,
+                None => {
+                    stdio_only("args", !self.args.is_empty())?;
+                    stdio_only("env", !self.env.is_empty())?;
+                    stdio_only("cwd", self.cwd.is_some())?;
+                    stdio_only("max_processes", self.max_processes.is_some())?;
+                    return Ok(UpstreamConfig {
+                        name: self.name,
+                        target: UpstreamTarget::Http {
+                            url: url.trim().to_owned(),
+                            tls: UpstreamTls {
+                                ca: self.tls_ca,
+                                client_cert: self.tls_client_cert,
+                                client_key: self.tls_client_key,
+                            },
+                        },
+                        legacy_only: self.legacy_only,
+                    });
+                }
+            },
+        };
+        for (what, set) in [
+            ("tls_ca", self.tls_ca.is_some()),
+            ("tls_client_cert", self.tls_client_cert.is_some()),
+            ("tls_client_key", self.tls_client_key.is_some()),
+        ] {
+            if set {
+                return Err(invalid(
+                    &format!("{field}.{what}"),
+                    "applies to https:// upstreams only",
+                ));
+            }
+        }
+        let mut words = words;
+        words.extend(self.args);
+        if words.first().is_none_or(|program| program.is_empty()) {
+            return Err(invalid(
+                &format!("{field}.command"),
+                "is empty: give the program and its arguments",
+            ));
+        }
+        let program = words.remove(0);
+        Ok(UpstreamConfig {
+            name: self.name,
+            target: UpstreamTarget::Stdio(StdioCommand {
+                program,
+                args: words,
+                env: self.env,
+                cwd: self.cwd,
+                max_processes: self.max_processes.unwrap_or(DEFAULT_MAX_STDIO_PROCESSES),
+            }),
+            legacy_only: true,
+        })
+    }
+}
+
+fn check_upstream_target(field: &str, target: &UpstreamTarget) -> Result<(), ConfigError> {
+    match target {
+        UpstreamTarget::Http { url, tls } => {
+            let https = check_upstream_url(&format!("{field}.url"), url)?;
+            let tls_fields = [
+                ("tls_ca", &tls.ca),
+                ("tls_client_cert", &tls.client_cert),
+                ("tls_client_key", &tls.client_key),
+            ];
+            for (what, path) in tls_fields {
+                match path {
+                    Some(_) if !https => {
+                        return Err(invalid(
+                            &format!("{field}.{what}"),
+                            "applies to https:// upstreams only",
+                        ));
+                    }
+                    Some(path) if !path.is_file() => {
+                        return Err(invalid(
+                            &format!("{field}.{what}"),
+                            format!("{} is not a readable file", path.display()),
+                        ));
+                    }
+                    _ => {}
+                }
+            }
+            if tls.client_cert.is_some() != tls.client_key.is_some() {
+                return Err(invalid(
+                    &format!("{field}.tls_client_cert"),
+                    "a client certificate needs both tls_client_cert and tls_client_key",
+                ));
+            }
+        }
+        UpstreamTarget::Stdio(command) => {
+            if command.max_processes == 0 {
+                return Err(invalid(
+                    &format!("{field}.max_processes"),
+                    "must be greater than 0",
+                ));
+            }
+            if let Some(cwd) = &command.cwd
+                && !cwd.is_dir()
+            {
+                return Err(invalid(
+                    &format!("{field}.cwd"),
+                    format!("{} is not a directory", cwd.display()),
+                ));
+            }
+            if let Some(bad) = command.env.keys().find(|k| k.is_empty() || k.contains('=')) {
+                return Err(invalid(
+                    &format!("{field}.env"),
+                    format!("{bad:?} is not a valid environment variable name"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks an HTTP upstream URL; returns whether it is `https://`.
+fn check_upstream_url(field: &str, url: &str) -> Result<bool, ConfigError> {
     let uri: http::Uri = url
         .parse()
         .map_err(|_| invalid(field, format!("{url:?} is not a URL")))?;
-    match uri.scheme_str() {
-        Some("http") => {}
-        Some("https") => {
+    let https = match uri.scheme_str() {
+        Some("http") => false,
+        Some("https") => true,
+        _ => {
             return Err(invalid(
                 field,
-                "https upstreams are not implemented yet: use http:// (for example behind a local TLS proxy)",
+                format!("{url:?} must start with http://, https:// or stdio:"),
             ));
         }
-        _ => return Err(invalid(field, format!("{url:?} must start with http://"))),
-    }
+    };
     if uri.host().is_none() {
         return Err(invalid(field, format!("{url:?} has no host")));
     }
-    Ok(())
+    Ok(https)
 }
 
 fn set<T>(slot: &mut T, value: Option<T>) {
@@ -783,7 +1085,8 @@ mod tests {
             (args(&["noequals"]), "--upstream"),
             (args(&["bad name=http://x/mcp"]), "upstream[0].name"),
             (args(&["a=ftp://x/mcp"]), "upstream[0].url"),
-            (args(&["a=https://x/mcp"]), "upstream[0].url"),
+            (args(&["a=stdio:"]), "--upstream"),
+            (args(&["a=stdio:python 'unterminated"]), "--upstream"),
             (
                 args(&["a=http://x/mcp", "a=http://y/mcp"]),
                 "upstream[1].name",
@@ -832,6 +1135,141 @@ mod tests {
         })
         .expect("redis transport without certificates");
         assert_eq!(config.mesh.transport, MeshTransport::Redis);
+    }
+
+    #[test]
+    fn stdio_upstreams_split_like_a_shell_and_hold_sessions_for_modern_clients() {
+        let config = Config::load(&args(&[
+            "time=stdio:python3 -m mcp_server_time --local-timezone 'Europe/Paris' \"a b\"",
+        ]))
+        .unwrap();
+        let UpstreamTarget::Stdio(command) = &config.upstreams[0].target else {
+            panic!("a stdio upstream")
+        };
+        assert_eq!(command.program, "python3");
+        assert_eq!(
+            command.args,
+            [
+                "-m",
+                "mcp_server_time",
+                "--local-timezone",
+                "Europe/Paris",
+                "a b"
+            ]
+        );
+        assert_eq!(command.max_processes, DEFAULT_MAX_STDIO_PROCESSES);
+        assert!(config.upstreams[0].legacy_only);
+        assert_eq!(config.upstreams[0].describe(), "stdio: python3");
+        let http = Config::load(&args(&["web=https://example.com/mcp"])).unwrap();
+        assert!(!http.upstreams[0].legacy_only);
+    }
+
+    fn load_file(text: &str) -> Result<Config, ConfigError> {
+        let dir = std::env::temp_dir().join(format!(
+            "mcpgw-config-upstreams-{}-{}",
+            std::process::id(),
+            text.len()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("mcpgw.toml");
+        std::fs::write(&path, text).unwrap();
+        let loaded = Config::load(&ServeArgs {
+            config: Some(path),
+            ..ServeArgs::default()
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+        loaded
+    }
+
+    #[test]
+    fn upstream_tables_take_commands_tls_files_and_refuse_mixtures() {
+        let readable = std::env::current_dir().unwrap().join("Cargo.toml");
+        let readable = readable.display();
+        let config = load_file(&format!(
+            r#"
+[[upstream]]
+name = "tool"
+command = ["server", "--flag"]
+args = ["more"]
+env = {{ API_KEY = "secret" }}
+cwd = "/"
+max_processes = 4
+
+[[upstream]]
+name = "line"
+command = "server 'two words'"
+
+[[upstream]]
+name = "secure"
+url = "https://example.com/mcp"
+tls_ca = "{readable}"
+tls_client_cert = "{readable}"
+tls_client_key = "{readable}"
+
+[[upstream]]
+name = "old"
+url = "http://127.0.0.1:1/mcp"
+legacy_only = true
+"#
+        ))
+        .unwrap();
+        let UpstreamTarget::Stdio(tool) = &config.upstreams[0].target else {
+            panic!("stdio")
+        };
+        assert_eq!(
+            (tool.program.as_str(), tool.args.clone()),
+            ("server", vec!["--flag".to_owned(), "more".to_owned()])
+        );
+        assert_eq!(tool.max_processes, 4);
+        assert!(
+            !format!("{tool:?}").contains("secret"),
+            "environment values stay out of logs"
+        );
+        let UpstreamTarget::Stdio(line) = &config.upstreams[1].target else {
+            panic!("stdio")
+        };
+        assert_eq!(line.args, ["two words"]);
+        assert!(matches!(
+            &config.upstreams[2].target,
+            UpstreamTarget::Http { tls, .. } if tls.client_key.is_some()
+        ));
+        assert!(config.upstreams[3].legacy_only);
+
+        let refused = [
+            (
+                "[[upstream]]\nname = \"a\"\nurl = \"http://x/mcp\"\ntls_ca = \"Cargo.toml\"\n",
+                "upstream[0].tls_ca",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\nurl = \"http://x/mcp\"\ncommand = [\"x\"]\n",
+                "upstream[0]",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\nurl = \"http://x/mcp\"\nenv = { A = \"b\" }\n",
+                "upstream[0].env",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\nurl = \"https://x/mcp\"\ntls_ca = \"/nonexistent/ca.pem\"\n",
+                "upstream[0].tls_ca",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\nurl = \"https://x/mcp\"\ntls_client_cert = \"Cargo.toml\"\n",
+                "upstream[0].tls_client_cert",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\ncommand = [\"x\"]\nmax_processes = 0\n",
+                "upstream[0].max_processes",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\ncommand = [\"x\"]\ntls_ca = \"Cargo.toml\"\n",
+                "upstream[0].tls_ca",
+            ),
+            ("[[upstream]]\nname = \"a\"\n", "upstream[0]"),
+        ];
+        for (text, field) in refused {
+            let err = load_file(text).expect_err(field);
+            assert_eq!(err.field, field, "{text}: {err}");
+        }
     }
 
     #[test]

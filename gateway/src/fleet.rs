@@ -171,7 +171,7 @@ impl Fleet {
             .release_session(session_id, owner, Some(&session.quota_key))
             .await
         {
-            warn!(session = %crate::session::short(session_id), error = %e, "could not remove the session's directory record");
+            warn!(session = %crate::session::tag_of(session_id), error = %e, "could not remove the session's directory record");
         }
     }
 }

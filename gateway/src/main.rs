@@ -66,6 +66,12 @@ enum Command {
     /// One worker of a fleet, started by `mcpgw serve` (not for direct use).
     #[command(hide = true)]
     Worker,
+    /// A stdio upstream's child, started by a worker (not for direct use).
+    #[command(hide = true, name = execute::upstream::stdio::EXEC_SUBCOMMAND)]
+    StdioExec {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -91,5 +97,6 @@ fn main() -> ExitCode {
         }
         Command::Worker => serve::run_worker_process(),
         Command::Certs(command) => certs_cli::run(command),
+        Command::StdioExec { command } => execute::upstream::stdio::exec_child(command),
     }
 }

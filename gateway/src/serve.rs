@@ -464,9 +464,13 @@ fn advertise_addr(
 fn announce(config: &Config, addr: std::net::SocketAddr, admin: std::net::SocketAddr) {
     println!("mcpgw listening on http://{addr} (admin: http://{admin})");
     for upstream in &config.upstreams {
-        println!("  /servers/{}/mcp -> {}", upstream.name, upstream.url);
+        println!(
+            "  /servers/{}/mcp -> {}",
+            upstream.name,
+            upstream.describe()
+        );
     }
     if let Some(only) = config.default_upstream() {
-        println!("  /mcp -> {}", only.url);
+        println!("  /mcp -> {}", only.describe());
     }
 }

@@ -3,89 +3,133 @@
 //! A session id carries a hint of its owner (`<32 hex>.<worker id>`), so any worker
 //! can find the owner without a directory round trip. The hint is only a hint: the
 //! owner always checks its own registry, so a forged id reaches no other session.
+//!
+//! A session ends in one of two ways: the gateway ends it (client DELETE, drain, idle
+//! expiry: [`crate::worker::Worker::end_session`]), or it ends under the gateway (its
+//! stdio process exited, its upstream forgot it): then it is *retired* with the
+//! reason, and its requests are answered "gone" with that reason for a while.
 
-use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 
-use http::HeaderValue;
-use parking_lot::RwLock;
 use tokio::time::Instant;
+
+use crate::execute::streams::SessionStreams;
+use crate::execute::upstream::UpstreamLink;
 
 /// Random bytes in a session id: 128 bits, as the MCP security guidance asks.
 const SESSION_ENTROPY_BYTES: usize = 16;
+/// Retired sessions remembered at most, so their requests hear why they ended.
+const MAX_RETIRED: usize = 4096;
+/// How long a retired session is remembered.
+const RETIRED_FOR: Duration = Duration::from_secs(600);
 
 /// One client session and the upstream session that serves it, one to one, so no
-/// state leaks between client sessions.
+/// state leaks between client sessions. A *shared* session instead serves every
+/// 2026-07-28 client of one principal on one route (they have no session of their
+/// own, but the upstream keeps state in one).
 #[derive(Debug)]
 pub struct Session {
     pub id: String,
+    /// A short hash of the id for log lines: the id itself lets its holder act in the
+    /// session, so it is never logged whole.
+    pub tag: SessionTag,
     /// Index of the upstream (route) the session was opened on.
     pub upstream: usize,
-    /// The upstream's own `Mcp-Session-Id`, if it issued one.
-    pub upstream_session_id: Option<HeaderValue>,
     /// Who created the session; only the same principal may use it.
     pub principal: String,
-    /// What the session counts against in the per-principal quota (the principal, or
-    /// the client's address in public mode).
+    /// What the session counts against in the per-principal session quota (the
+    /// principal within its auth mode, or the client's address in public mode).
     pub quota_key: String,
+    /// The upstream side: an upstream session id, or a child process.
+    pub link: UpstreamLink,
+    /// Held for the 2026-07-28 clients of (principal, route), not one legacy client.
+    pub shared: bool,
+    /// The upstream's `initialize` result (protocol version, capabilities, server
+    /// info), when the gateway itself opened the session (shared sessions).
+    pub upstream_init: Option<serde_json::Value>,
+    /// The session's server-to-client streams, kept for resumption.
+    pub streams: SessionStreams,
+    /// When a request last used the session (idle expiry).
+    last_activity: parking_lot::Mutex<Instant>,
     /// Exchanges running in the session right now (requests being answered, held GET
     /// streams): a session in use never expires.
     in_use: AtomicUsize,
-    /// When the last exchange ended (or the session opened), in milliseconds since
-    /// the registry's epoch: idle expiry counts from here.
-    last_active_ms: AtomicU64,
+    /// Why the session ended under the gateway, once it has.
+    ended: OnceLock<String>,
 }
 
 impl Session {
     pub fn new(
         id: String,
         upstream: usize,
-        upstream_session_id: Option<HeaderValue>,
         principal: String,
-        quota_key: String,
+        link: UpstreamLink,
+        streams: SessionStreams,
     ) -> Session {
         Session {
+            tag: tag_of(&id),
             id,
             upstream,
-            upstream_session_id,
             principal,
-            quota_key,
+            quota_key: String::new(),
+            link,
+            shared: false,
+            upstream_init: None,
+            streams,
+            last_activity: parking_lot::Mutex::new(Instant::now()),
             in_use: AtomicUsize::new(0),
-            last_active_ms: AtomicU64::new(0),
+            ended: OnceLock::new(),
         }
+    }
+
+    /// Sets what the session counts against in the session quota.
+    pub fn with_quota_key(mut self, quota_key: String) -> Session {
+        self.quota_key = quota_key;
+        self
+    }
+
+    /// Marks the session as used now.
+    pub fn touch(&self) {
+        *self.last_activity.lock() = Instant::now();
+    }
+
+    /// How long no request has used the session.
+    pub fn idle_for(&self) -> Duration {
+        self.last_activity.lock().elapsed()
+    }
+
+    /// Why the session ended under the gateway, if it did.
+    pub fn ended(&self) -> Option<&str> {
+        self.ended.get().map(String::as_str)
     }
 }
 
 /// One exchange's hold on a session: while it lives the session cannot expire, and
-/// dropping it (the answer fully sent, or the client gone) marks the session active
-/// now. Keep it with the answer's body so a long stream holds the session.
+/// dropping it (the answer fully sent, or the client gone) marks the session used now.
+/// Keep it with the answer's body, so a long stream holds the session.
 #[derive(Debug)]
 pub struct SessionUse {
     session: Arc<Session>,
-    epoch: Instant,
+    /// False for a retired session: it is found (to tell why it ended) but not held.
+    counted: bool,
 }
 
-impl std::ops::Deref for SessionUse {
-    type Target = Arc<Session>;
-
-    fn deref(&self) -> &Arc<Session> {
+impl SessionUse {
+    pub fn session(&self) -> &Arc<Session> {
         &self.session
     }
 }
 
 impl Drop for SessionUse {
     fn drop(&mut self) {
-        self.session
-            .last_active_ms
-            .store(millis_since(self.epoch), Ordering::Relaxed);
-        self.session.in_use.fetch_sub(1, Ordering::AcqRel);
+        if self.counted {
+            self.session.touch();
+            self.session.in_use.fetch_sub(1, Ordering::AcqRel);
+        }
     }
-}
-
-fn millis_since(epoch: Instant) -> u64 {
-    u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Mints a session id owned by `worker_id`: 128 random bits, then the owner hint.
@@ -93,22 +137,10 @@ pub fn mint_session_id(worker_id: &str) -> std::io::Result<String> {
     let mut random = [0u8; SESSION_ENTROPY_BYTES];
     getrandom::fill(&mut random).map_err(std::io::Error::other)?;
     let mut id = String::with_capacity(SESSION_ENTROPY_BYTES * 2 + 1 + worker_id.len());
-    for byte in random {
-        id.push_str(&format!("{byte:02x}"));
-    }
+    id.push_str(&hex(&random));
     id.push('.');
     id.push_str(worker_id);
     Ok(id)
-}
-
-/// A short, stable stand-in for a session id in logs: the id itself is a bearer
-/// credential for the session and never goes to a log line.
-pub fn short(session_id: &str) -> String {
-    use std::hash::{Hash, Hasher};
-    // SipHash with fixed keys: the same id gives the same tag in every worker's logs.
-    let mut hasher = std::hash::DefaultHasher::new();
-    session_id.hash(&mut hasher);
-    format!("{:08x}", hasher.finish() as u32)
 }
 
 /// The owner a session id claims, if it has the gateway's shape.
@@ -120,138 +152,240 @@ pub fn owner_hint(session_id: &str) -> Option<&str> {
     well_formed.then_some(owner)
 }
 
-/// The sessions this worker owns, and how many each quota key holds.
-#[derive(Debug)]
+/// The id of the session the 2026-07-28 clients of `principal` share on `route`:
+/// derived, so every worker finds the same one, and hashed, so neither the directory
+/// nor the logs ever hold the principal (it may be a credential in some auth modes).
+pub fn shared_session_id(route: &str, principal: &str) -> String {
+    let digest = sha256(&[
+        b"mcpgw shared session v1",
+        route.as_bytes(),
+        principal.as_bytes(),
+    ]);
+    format!("shared-{}", hex(&digest[..SESSION_ENTROPY_BYTES]))
+}
+
+/// A short, stable, one-way label of a session id for logs (8 hex digits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionTag([u8; 4]);
+
+impl std::fmt::Display for SessionTag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&hex(&self.0))
+    }
+}
+
+pub fn tag_of(session_id: &str) -> SessionTag {
+    let digest = sha256(&[session_id.as_bytes()]);
+    SessionTag([digest[0], digest[1], digest[2], digest[3]])
+}
+
+fn sha256(parts: &[&[u8]]) -> [u8; 32] {
+    let mut context = aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256);
+    for part in parts {
+        // Length-prefixed, so ("ab", "c") and ("a", "bc") differ.
+        context.update(&(part.len() as u64).to_be_bytes());
+        context.update(part);
+    }
+    let mut out = [0u8; 32];
+    out.copy_from_slice(context.finish().as_ref());
+    out
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The sessions this worker owns, and those that recently ended under it.
+#[derive(Debug, Default)]
 pub struct SessionRegistry {
-    inner: RwLock<Registry>,
-    /// Zero point of the sessions' activity clocks.
-    epoch: Instant,
+    sessions: RwLock<HashMap<String, Arc<Session>>>,
+    /// Live sessions per quota key (see [`Session::quota_key`]).
+    per_quota_key: parking_lot::Mutex<HashMap<String, usize>>,
+    retired: parking_lot::Mutex<Retired>,
+    /// One lock per shared session being opened, so concurrent first requests of one
+    /// principal open one upstream session, not several.
+    opening: parking_lot::Mutex<HashMap<String, std::sync::Weak<tokio::sync::Mutex<()>>>>,
 }
 
 #[derive(Debug, Default)]
-struct Registry {
-    sessions: HashMap<String, Arc<Session>>,
-    per_quota_key: HashMap<String, usize>,
-}
-
-impl Default for SessionRegistry {
-    fn default() -> Self {
-        SessionRegistry {
-            inner: RwLock::new(Registry::default()),
-            epoch: Instant::now(),
-        }
-    }
+struct Retired {
+    by_id: HashMap<String, Arc<Session>>,
+    order: VecDeque<(Instant, String)>,
 }
 
 impl SessionRegistry {
-    /// The session, without holding it (bookkeeping, drains).
+    /// The live session `id`, or a retired one (check [`Session::ended`]).
     pub fn get(&self, id: &str) -> Option<Arc<Session>> {
-        self.inner.read().sessions.get(id).cloned()
+        if let Some(session) = self.read().get(id) {
+            return Some(Arc::clone(session));
+        }
+        self.retired.lock().by_id.get(id).cloned()
     }
 
-    /// The session, held for one exchange (see [`SessionUse`]). Taken under the same
-    /// lock that expiry takes, so a session is never expired under a starting exchange.
+    /// The session `id`, held for one exchange (see [`SessionUse`]): a live one is
+    /// taken under the lock that expiry takes, so it never expires under a starting
+    /// exchange; a retired one is found (its requests hear why it ended), not held.
     pub fn enter(&self, id: &str) -> Option<SessionUse> {
-        let inner = self.inner.read();
-        let session = inner.sessions.get(id)?;
-        session.in_use.fetch_add(1, Ordering::AcqRel);
+        if let Some(session) = self.read().get(id) {
+            session.in_use.fetch_add(1, Ordering::AcqRel);
+            return Some(SessionUse {
+                session: Arc::clone(session),
+                counted: true,
+            });
+        }
+        let retired = self.retired.lock().by_id.get(id).cloned()?;
         Some(SessionUse {
-            session: Arc::clone(session),
-            epoch: self.epoch,
+            session: retired,
+            counted: false,
         })
     }
 
+    /// Adds a session unless one with its id is live already; returns the one held.
     pub fn insert(&self, session: Session) -> Arc<Session> {
-        session
-            .last_active_ms
-            .store(millis_since(self.epoch), Ordering::Relaxed);
         let session = Arc::new(session);
-        let mut inner = self.inner.write();
-        *inner
-            .per_quota_key
-            .entry(session.quota_key.clone())
-            .or_default() += 1;
-        if let Some(replaced) = inner
-            .sessions
-            .insert(session.id.clone(), Arc::clone(&session))
-        {
-            inner.uncount(&replaced.quota_key);
+        let held = self
+            .write()
+            .entry(session.id.clone())
+            .or_insert_with(|| Arc::clone(&session))
+            .clone();
+        if Arc::ptr_eq(&held, &session) {
+            *self
+                .per_quota_key
+                .lock()
+                .entry(session.quota_key.clone())
+                .or_default() += 1;
         }
-        session
+        held
     }
 
     pub fn remove(&self, id: &str) -> Option<Arc<Session>> {
-        let mut inner = self.inner.write();
-        let removed = inner.sessions.remove(id)?;
-        inner.uncount(&removed.quota_key);
+        let removed = self.write().remove(id)?;
+        self.uncount(&removed);
         Some(removed)
     }
 
-    pub fn len(&self) -> usize {
-        self.inner.read().sessions.len()
-    }
-
-    /// Sessions this worker holds for `quota_key`.
+    /// Live sessions this worker holds for `quota_key`.
     pub fn count_for(&self, quota_key: &str) -> usize {
-        self.inner
-            .read()
-            .per_quota_key
+        self.per_quota_key
+            .lock()
             .get(quota_key)
             .copied()
             .unwrap_or(0)
     }
 
-    /// Every session id, for a drain or a directory rebuild.
-    pub fn ids(&self) -> Vec<String> {
-        self.inner.read().sessions.keys().cloned().collect()
-    }
-
-    /// Removes and returns every session (fencing).
-    pub fn take_all(&self) -> Vec<Arc<Session>> {
-        let mut inner = self.inner.write();
-        inner.per_quota_key.clear();
-        inner.sessions.drain().map(|(_, s)| s).collect()
-    }
-
-    /// Removes and returns the sessions no exchange has used for `idle`.
+    /// Removes and returns the live sessions no exchange has used for `idle`.
     pub fn take_idle(&self, idle: Duration) -> Vec<Arc<Session>> {
-        let now = millis_since(self.epoch);
-        let idle = u64::try_from(idle.as_millis()).unwrap_or(u64::MAX);
-        let mut inner = self.inner.write();
-        let expired: Vec<String> = inner
-            .sessions
+        let mut sessions = self.write();
+        let expired: Vec<String> = sessions
             .values()
-            .filter(|s| {
-                s.in_use.load(Ordering::Acquire) == 0
-                    && now.saturating_sub(s.last_active_ms.load(Ordering::Relaxed)) >= idle
-            })
+            .filter(|s| s.in_use.load(Ordering::Acquire) == 0 && s.idle_for() >= idle)
             .map(|s| s.id.clone())
             .collect();
-        expired
+        let taken: Vec<Arc<Session>> = expired
             .iter()
-            .filter_map(|id| {
-                let removed = inner.sessions.remove(id)?;
-                inner.uncount(&removed.quota_key);
-                Some(removed)
-            })
-            .collect()
+            .filter_map(|id| sessions.remove(id))
+            .collect();
+        drop(sessions);
+        for session in &taken {
+            self.uncount(session);
+        }
+        taken
     }
-}
 
-impl Registry {
-    fn uncount(&mut self, quota_key: &str) {
-        if let Some(n) = self.per_quota_key.get_mut(quota_key) {
+    fn uncount(&self, session: &Session) {
+        let mut counts = self.per_quota_key.lock();
+        if let Some(n) = counts.get_mut(&session.quota_key) {
             *n = n.saturating_sub(1);
             if *n == 0 {
-                self.per_quota_key.remove(quota_key);
+                counts.remove(&session.quota_key);
             }
         }
+    }
+
+    /// Moves a live session to the retired ones with the reason it ended; returns it
+    /// if it was live.
+    pub fn retire(&self, id: &str, why: &str) -> Option<Arc<Session>> {
+        let session = self.write().remove(id)?;
+        self.uncount(&session);
+        self.keep_retired(Arc::clone(&session), why);
+        Some(session)
+    }
+
+    /// Remembers a session already taken out of the live ones (idle expiry) as retired
+    /// with `why`, so its clients hear it once.
+    pub fn keep_retired(&self, session: Arc<Session>, why: &str) {
+        let _ = session.ended.set(why.to_owned());
+        let mut retired = self.retired.lock();
+        let now = Instant::now();
+        while let Some((at, _)) = retired.order.front()
+            && (retired.order.len() >= MAX_RETIRED || now.duration_since(*at) > RETIRED_FOR)
+        {
+            if let Some((_, old)) = retired.order.pop_front() {
+                retired.by_id.remove(&old);
+            }
+        }
+        retired.order.push_back((now, session.id.clone()));
+        retired.by_id.insert(session.id.clone(), session);
+    }
+
+    /// Forgets a retired session (its end was reported, and a new one may take its id).
+    pub fn forget_retired(&self, id: &str) {
+        self.retired.lock().by_id.remove(id);
+    }
+
+    /// Live sessions.
+    pub fn len(&self) -> usize {
+        self.read().len()
+    }
+
+    /// Every live session id, for a drain or a directory rebuild.
+    pub fn ids(&self) -> Vec<String> {
+        self.read().keys().cloned().collect()
+    }
+
+    /// Removes and returns every live session (fencing, drain).
+    pub fn take_all(&self) -> Vec<Arc<Session>> {
+        let taken: Vec<Arc<Session>> = self.write().drain().map(|(_, s)| s).collect();
+        self.per_quota_key.lock().clear();
+        taken
+    }
+
+    /// The lock that serializes opening the shared session `id` in this worker.
+    pub fn opening(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut opening = self.opening.lock();
+        if let Some(lock) = opening.get(id).and_then(std::sync::Weak::upgrade) {
+            return lock;
+        }
+        opening.retain(|_, lock| lock.strong_count() > 0);
+        let lock = Arc::new(tokio::sync::Mutex::new(()));
+        opening.insert(id.to_owned(), Arc::downgrade(&lock));
+        lock
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Arc<Session>>> {
+        // A panic while holding the lock cannot leave the map half-updated (each
+        // operation is one map call), so a poisoned lock is still consistent.
+        self.sessions.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Arc<Session>>> {
+        self.sessions.write().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn session(id: &str) -> Session {
+        Session::new(
+            id.to_owned(),
+            0,
+            String::new(),
+            UpstreamLink::Http { session_id: None },
+            SessionStreams::default(),
+        )
+    }
 
     #[test]
     fn minted_ids_are_visible_ascii_unique_and_carry_the_owner() {
@@ -271,49 +405,78 @@ mod tests {
         assert_eq!(owner_hint("\u{e9}\u{e9}\u{e9}"), None);
     }
 
-    fn session(id: &str, quota_key: &str) -> Session {
-        Session::new(id.to_owned(), 0, None, String::new(), quota_key.to_owned())
+    #[test]
+    fn shared_ids_are_stable_per_principal_and_route_and_hide_both() {
+        let alice = shared_session_id("demo", "alice");
+        assert_eq!(alice, shared_session_id("demo", "alice"));
+        assert_ne!(alice, shared_session_id("demo", "bob"));
+        assert_ne!(alice, shared_session_id("other", "alice"));
+        assert_ne!(
+            shared_session_id("ab", "c"),
+            shared_session_id("a", "bc"),
+            "the parts are delimited"
+        );
+        assert!(!alice.contains("alice"));
+        assert_eq!(owner_hint(&alice), None);
+        assert!(crate::mcp::validate_session_id(alice.as_bytes()).is_ok());
+        assert_eq!(tag_of(&alice).to_string().len(), 8);
+        assert_eq!(tag_of(&alice), tag_of(&alice));
     }
 
     #[test]
     fn registry_round_trip() {
         let registry = SessionRegistry::default();
         let id = mint_session_id("w").unwrap();
-        registry.insert(session(&id, "alice"));
+        registry.insert(session(&id));
         assert_eq!(registry.len(), 1);
-        assert_eq!(registry.count_for("alice"), 1);
         assert!(registry.get(&id).is_some());
         assert!(registry.remove(&id).is_some());
         assert!(registry.get(&id).is_none());
-        assert_eq!(registry.count_for("alice"), 0);
+    }
+
+    #[test]
+    fn a_retired_session_is_found_with_its_reason_but_not_counted() {
+        let registry = SessionRegistry::default();
+        registry.insert(session("s1"));
+        assert!(registry.retire("s1", "its process exited").is_some());
+        assert_eq!(registry.len(), 0);
+        assert!(registry.ids().is_empty());
+        let found = registry
+            .get("s1")
+            .expect("retired sessions are still found");
+        assert_eq!(found.ended(), Some("its process exited"));
+        assert!(registry.retire("s1", "again").is_none(), "retired once");
+        registry.forget_retired("s1");
+        assert!(registry.get("s1").is_none());
     }
 
     #[tokio::test(start_paused = true)]
     async fn idle_sessions_expire_and_held_ones_do_not() {
         let registry = SessionRegistry::default();
-        registry.insert(session("idle", "a"));
-        registry.insert(session("held", "a"));
-        registry.insert(session("recent", "b"));
+        for id in ["idle", "held", "recent"] {
+            registry.insert(session(id).with_quota_key("alice".into()));
+        }
+        assert_eq!(registry.count_for("alice"), 3);
         let held = registry.enter("held").unwrap();
         tokio::time::advance(Duration::from_secs(50)).await;
         drop(registry.enter("recent"));
         tokio::time::advance(Duration::from_secs(20)).await;
-        let expired: Vec<String> = registry
-            .take_idle(Duration::from_secs(60))
-            .iter()
-            .map(|s| s.id.clone())
-            .collect();
-        assert_eq!(expired, ["idle"]);
-        assert_eq!(registry.count_for("a"), 1);
+        let ids = |taken: Vec<Arc<Session>>| taken.iter().map(|s| s.id.clone()).collect::<Vec<_>>();
+        assert_eq!(ids(registry.take_idle(Duration::from_secs(60))), ["idle"]);
+        assert_eq!(registry.count_for("alice"), 2);
         // Held for 70 s, but in use: it stays, and its idle time counts from release.
         drop(held);
         tokio::time::advance(Duration::from_secs(59)).await;
-        let expired: Vec<String> = registry
-            .take_idle(Duration::from_secs(60))
-            .iter()
-            .map(|s| s.id.clone())
-            .collect();
-        assert_eq!(expired, ["recent"]);
+        assert_eq!(ids(registry.take_idle(Duration::from_secs(60))), ["recent"]);
         assert!(registry.get("held").is_some());
+        assert!(registry.enter("recent").is_none(), "an expired session is gone");
+    }
+
+    #[test]
+    fn a_second_insert_of_a_live_id_returns_the_first() {
+        let registry = SessionRegistry::default();
+        let first = registry.insert(session("s"));
+        let second = registry.insert(session("s"));
+        assert!(Arc::ptr_eq(&first, &second));
     }
 }

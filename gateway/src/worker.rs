@@ -12,7 +12,7 @@ use tracing::{error, warn};
 
 use crate::auth::Authenticator;
 use crate::config::Config;
-use crate::execute::upstream::{HttpUpstream, Upstream};
+use crate::execute::upstream::Upstream;
 use crate::fleet::Fleet;
 use crate::lease::LeaseCheck;
 use crate::mcp::GatewayError;
@@ -49,13 +49,11 @@ impl Worker {
     pub fn new(id: String, config: Arc<Config>) -> Result<Arc<Worker>, GatewayError> {
         let config_error =
             |e: String| GatewayError::gateway(StatusCode::INTERNAL_SERVER_ERROR, "config", e);
+        crate::body::set_max_sse_event(config.limits.max_sse_event_bytes);
         let upstreams = config
             .upstreams
             .iter()
-            .map(|u| {
-                HttpUpstream::new(&u.name, &u.url, config.limits.upstream_connect_timeout)
-                    .map(Upstream::Http)
-            })
+            .map(|u| Upstream::new(u, &config.limits))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| config_error(e.to_string()))?;
         let id_header = http::HeaderValue::from_str(&id)
@@ -109,7 +107,7 @@ impl Worker {
             LeaseCheck::InDoubt => false,
             LeaseCheck::Rebuilt { taken } => {
                 for sid in taken {
-                    warn!(session = %crate::session::short(&sid), "session now owned elsewhere; dropping it here");
+                    warn!(session = %crate::session::tag_of(&sid), "session now owned elsewhere; dropping it here");
                     self.sessions.remove(&sid);
                 }
                 true
@@ -131,16 +129,22 @@ impl Worker {
     }
 
     /// Ends the sessions no exchange has used for the idle timeout, upstream and in
-    /// the directory. Returns how many ended.
+    /// the directory; later requests for them get 404. A shared session (2026-07-28
+    /// clients) is retired instead, so its clients are told once that its state is
+    /// gone before their next call opens a fresh one. Returns how many ended.
     pub async fn expire_idle_sessions(&self) -> usize {
-        let expired = self
-            .sessions
-            .take_idle(self.config.limits.session_idle_timeout);
+        let idle = self.config.limits.session_idle_timeout;
+        let expired = self.sessions.take_idle(idle);
         for session in &expired {
+            if session.shared {
+                let why = format!("it was idle for longer than {}s", idle.as_secs());
+                self.sessions.keep_retired(Arc::clone(session), &why);
+            }
             if let Some(fleet) = self.fleet.get() {
                 fleet.release(session, &self.id).await;
             }
-            self.end_upstream_session(session).await;
+            session.streams.close();
+            self.close_link(session.upstream, &session.link).await;
         }
         expired.len()
     }

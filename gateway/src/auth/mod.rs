@@ -616,10 +616,7 @@ mod tests {
         Config {
             upstreams: names
                 .iter()
-                .map(|n| UpstreamConfig {
-                    name: n.to_string(),
-                    url: "http://127.0.0.1:1/mcp".into(),
-                })
+                .map(|n| UpstreamConfig::http(n, "http://127.0.0.1:1/mcp"))
                 .collect(),
             auth: toml::from_str(auth).unwrap(),
             ..Config::default()

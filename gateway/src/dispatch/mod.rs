@@ -14,6 +14,7 @@ use crate::execute::stateless::STATELESS_METHODS;
 use crate::mcp::{Era, GatewayError};
 use crate::reply::Reply;
 use crate::request::Call;
+use crate::session::SessionUse;
 use crate::worker::Worker;
 use table::{Decision, Known, Situation, decide};
 
@@ -23,6 +24,12 @@ const LEASE_IN_DOUBT_WHY: &str = "the worker holding it could not renew its leas
 impl Worker {
     /// Decides where `call` runs and runs it.
     pub async fn dispatch(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
+        // A 2026-07-28 call to an upstream that keeps state in sessions runs in the
+        // session its principal shares there (execute/shared.rs).
+        let call = self.bind_shared_session(call);
+        if crate::execute::shared::is_bound(&call) {
+            return self.dispatch_shared(call).await;
+        }
         // Kept only when a stateless answer could stand in for an "unknown" one.
         let fallback = self.stateless_candidate(&call).then(|| call.clone());
         match (self.decide_and_run(call).await, fallback) {
@@ -53,7 +60,7 @@ impl Worker {
             in_fleet: self.fleet().is_some(),
         });
         match (decide(&situation), self.fleet()) {
-            (Decision::ExecuteHere, _) => self.execute_local(call, local).await,
+            (Decision::ExecuteHere, _) => self.execute_held(call, local).await,
             (Decision::Forward, Some(fleet)) => fleet
                 .forward_to_owner(&self.id, &call)
                 .await
@@ -69,8 +76,27 @@ impl Worker {
         }
     }
 
+    /// Runs `call` here, holding its session (if any) until the answer is fully sent.
+    pub(crate) async fn execute_held(
+        self: &Arc<Self>,
+        call: Call,
+        held: Option<SessionUse>,
+    ) -> Result<Reply, GatewayError> {
+        let session = held.as_ref().map(|held| Arc::clone(held.session()));
+        let mut reply = self.execute_local(call, session).await?;
+        if let Some(held) = held {
+            reply.body = crate::body::hold(reply.body, held);
+        }
+        Ok(reply)
+    }
+
     /// The client-facing error for a situation that refuses; `why` is its cause.
-    fn refuse(&self, situation: &Situation, why: &str, id: serde_json::Value) -> GatewayError {
+    pub(crate) fn refuse(
+        &self,
+        situation: &Situation,
+        why: &str,
+        id: serde_json::Value,
+    ) -> GatewayError {
         let gone = self
             .fleet()
             .map_or(StatusCode::NOT_FOUND, |fleet| fleet.gone_status());

@@ -1,23 +1,34 @@
 //! Local execution: runs a checked call against this worker's upstream sessions. A
 //! forwarded request from another worker runs through here too, so the owner executes
 //! it exactly as if its client had connected directly.
+//!
+//! `mod.rs` opens legacy sessions, runs requests in them and ends them, whatever the
+//! upstream's transport (`upstream/`); `streams.rs` makes their SSE answers
+//! resumable; `shared.rs` serves 2026-07-28 clients of upstreams that keep state in
+//! sessions; `stateless.rs` answers without the session when its owner is unknown.
 
+pub mod shared;
 pub mod stateless;
+pub mod streams;
 pub mod upstream;
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use http::header::{ACCEPT, CACHE_CONTROL, CONTENT_TYPE};
 use http::{HeaderMap, HeaderValue, Method, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::json;
 use tracing::{debug, warn};
 
-use crate::body;
+use crate::body::{self, ReplyBody};
 use crate::mcp::{self, Era, GatewayError};
 use crate::reply::{HEADER_OWNER_WORKER, Reply};
 use crate::request::Call;
-use crate::session::{self, Session, SessionUse};
+use crate::session::{self, Session};
 use crate::worker::Worker;
-use upstream::{UpstreamError, UpstreamReply, UpstreamRequest};
+use streams::{EventId, SessionStreams};
+use upstream::{Upstream, UpstreamError, UpstreamLink, UpstreamReply, UpstreamRequest};
 
 /// What the gateway asks an upstream to answer in: JSON or a stream of events.
 pub(crate) const ACCEPT_BOTH: HeaderValue =
@@ -29,10 +40,13 @@ impl Worker {
     pub async fn execute_local(
         self: &Arc<Self>,
         call: Call,
-        session: Option<SessionUse>,
+        session: Option<Arc<Session>>,
     ) -> Result<Reply, GatewayError> {
         let mut reply = match (call.era, session) {
-            (Era::Modern, _) => self.pass_through(call).await,
+            // A 2026-07-28 call bound to its (principal, route) session (`shared.rs`).
+            (Era::Modern, Some(session)) => self.run_shared(call, session).await,
+            (Era::Modern, None) if call.session_id.is_some() => self.open_shared(call).await,
+            (Era::Modern, None) => self.pass_through(call).await,
             (Era::Legacy, None) if call.is_initialize() => self.open_session(call).await,
             (Era::Legacy, None) => Err(GatewayError::session_not_found().with_id(call.id())),
             (Era::Legacy, Some(session)) => self.run_in_session(call, session).await,
@@ -43,33 +57,25 @@ impl Worker {
         Ok(reply)
     }
 
-    /// 2026-07-28: no session; the request goes upstream as it came.
+    /// 2026-07-28 on a stateless upstream: no session; the request goes upstream as it came.
     async fn pass_through(&self, call: Call) -> Result<Reply, GatewayError> {
         let id = call.id();
         let reply = self
             .send_upstream(call.upstream, call.method, call.headers, call.body, None)
             .await
-            .map_err(|e| upstream_error(e, id.clone()))?;
-        Ok(self.relay(reply, None, &id))
+            .map_err(|e| upstream_error(e, id))?;
+        Ok(relay(reply, None))
     }
 
-    /// Legacy `initialize`: opens this client's own upstream session, then mints the
-    /// client-facing id and registers ownership.
+    /// Legacy `initialize`: opens this client's own upstream session (an upstream
+    /// session over HTTP, or a child process), then mints the client-facing id and
+    /// registers ownership.
     async fn open_session(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
         let id = call.id();
         let quota_key = call.quota_key();
-        self.admit_new_session(&quota_key)
+        self.admit_new_session()
+            .and_then(|()| self.check_local_quota(&quota_key))
             .map_err(|e| e.with_id(id.clone()))?;
-        let upstream_index = call.upstream;
-        let reply = self
-            .send_upstream(upstream_index, Method::POST, call.headers, call.body, None)
-            .await
-            .map_err(|e| upstream_error(e, id.clone()))?;
-        if !reply.status.is_success() {
-            // The upstream refused initialize: its answer is the truth for the client.
-            return Ok(self.relay(reply, None, &id));
-        }
-        let upstream_session_id = reply.headers.get(mcp::HEADER_SESSION_ID).cloned();
         let session_id = session::mint_session_id(&self.id).map_err(|e| {
             GatewayError::gateway(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -78,20 +84,60 @@ impl Worker {
             )
             .with_id(id.clone())
         })?;
+        let upstream_index = call.upstream;
+        let streams = SessionStreams::default();
+        let (link, reply) = self
+            .open_link(
+                upstream_index,
+                call.headers,
+                call.body,
+                &session_id,
+                &streams,
+            )
+            .await
+            .map_err(|e| upstream_error(e, id.clone()))?;
+        if !reply.status.is_success() {
+            // The upstream refused initialize: its answer is the truth for the client.
+            self.close_link(upstream_index, &link).await;
+            return Ok(relay(reply, None));
+        }
+        let reply = match link {
+            // A child whose initialize failed serves no session: it ends, and its
+            // answer goes to the client without a session id.
+            UpstreamLink::Stdio(_) if !is_sse(&reply.headers) => {
+                let answer = reply.body.collect().await.map(|c| c.to_bytes());
+                let refused = answer.as_ref().map_or(true, |bytes| {
+                    serde_json::from_slice::<serde_json::Value>(bytes)
+                        .map_or(true, |message| message.get("result").is_none())
+                });
+                if refused {
+                    self.close_link(upstream_index, &link).await;
+                    let body = answer.unwrap_or_default();
+                    return Ok(Reply::json(StatusCode::OK, body));
+                }
+                UpstreamReply {
+                    status: reply.status,
+                    headers: reply.headers,
+                    body: body::full(answer.unwrap_or_default()),
+                }
+            }
+            _ => reply,
+        };
         let session = Session::new(
             session_id.clone(),
             upstream_index,
-            upstream_session_id,
             call.auth.subject.clone(),
-            quota_key,
-        );
+            link,
+            streams,
+        )
+        .with_quota_key(quota_key);
         if let Err(error) = self.claim_session(&session).await {
             // Never hand out a session the fleet cannot route to: end it upstream.
-            self.end_upstream_session(&session).await;
+            self.close_link(upstream_index, &session.link).await;
             return Err(error.with_id(id));
         }
-        self.sessions.insert(session);
-        debug!(session = %session::short(&session_id), upstream = self.upstreams[upstream_index].name(), "session opened");
+        let session = self.sessions.insert(session);
+        debug!(session = %session.tag, upstream = self.upstreams[upstream_index].name(), "session opened");
         let header = HeaderValue::from_str(&session_id).map_err(|_| {
             GatewayError::gateway(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -99,10 +145,20 @@ impl Worker {
                 "minted session id is not a valid header value",
             )
         })?;
-        Ok(self.relay(reply, Some(header), &id))
+        Ok(relay(reply, Some(header)))
     }
 
-    fn admit_new_session(&self, quota_key: &str) -> Result<(), GatewayError> {
+    /// Standalone, this worker's count is the whole count of a principal's sessions;
+    /// in a fleet the directory keeps the fleet-wide one when the session is claimed.
+    fn check_local_quota(&self, quota_key: &str) -> Result<(), GatewayError> {
+        let quota = self.config.limits.max_sessions_per_principal;
+        if self.fleet().is_none() && quota > 0 && self.sessions.count_for(quota_key) >= quota {
+            return Err(quota_exceeded(quota, quota_key));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn admit_new_session(&self) -> Result<(), GatewayError> {
         if self.draining() {
             return Err(GatewayError::gateway(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -120,162 +176,414 @@ impl Worker {
             )
             .with_retry_after(1));
         }
-        // Standalone, this worker's count is the whole count; in a fleet the directory
-        // keeps the fleet-wide one when the session is claimed.
-        let quota = self.config.limits.max_sessions_per_principal;
-        if self.fleet().is_none() && quota > 0 && self.sessions.count_for(quota_key) >= quota {
-            return Err(quota_exceeded(quota, quota_key));
-        }
         Ok(())
     }
 
-    async fn run_in_session(&self, call: Call, session: SessionUse) -> Result<Reply, GatewayError> {
+    async fn run_in_session(
+        self: &Arc<Self>,
+        call: Call,
+        session: Arc<Session>,
+    ) -> Result<Reply, GatewayError> {
         let id = call.id();
-        if session.principal != call.auth.subject || session.upstream != call.upstream {
-            // Another principal (or a request on another route, authenticated by that
-            // route's rules) learns nothing about the session, not even that it exists.
+        if session.principal != call.auth.subject
+            || session.upstream != call.upstream
+            || session.shared
+        {
+            // Another principal learns nothing about the session, not even that it
+            // exists; a shared session is not addressable by a legacy client.
             return Err(GatewayError::session_not_found().with_id(id));
         }
-        if call.method == Method::DELETE {
-            self.end_session(&session).await;
-            return Ok(Reply::json(StatusCode::OK, bytes::Bytes::new()));
+        if let Some(why) = session.ended() {
+            return Err(self.session_gone(why).with_id(id));
         }
+        session.touch();
+        match call.method {
+            Method::DELETE => {
+                self.end_session(&session).await;
+                Ok(Reply::json(StatusCode::OK, Bytes::new()))
+            }
+            Method::GET => self.open_stream(call, &session).await,
+            _ => {
+                let reply = self
+                    .send_in_session(&session, Method::POST, call.headers, call.body)
+                    .await;
+                let reply = match reply {
+                    Ok(reply) => reply,
+                    Err(UpstreamError::Exited { detail, .. }) => {
+                        let why = format!("its upstream process {detail}");
+                        self.session_lost(&session.id, &why).await;
+                        return Err(self.session_gone(&why).with_id(id));
+                    }
+                    Err(e) => return Err(upstream_error(e, id)),
+                };
+                if reply.status == StatusCode::NOT_FOUND
+                    && matches!(
+                        session.link,
+                        UpstreamLink::Http {
+                            session_id: Some(_)
+                        }
+                    )
+                {
+                    // The upstream forgot its session (restart, expiry): ours is gone with it.
+                    let why =
+                        "the upstream no longer knows it (it restarted or expired the session)";
+                    self.session_lost(&session.id, why).await;
+                    return Err(self.session_gone(why).with_id(id));
+                }
+                Ok(self.relay_in_session(&session, reply))
+            }
+        }
+    }
+
+    /// A legacy `GET`: resumes a stream after `Last-Event-ID`, or takes over the
+    /// session's `GET` stream (opening it upstream when it is not open).
+    async fn open_stream(&self, call: Call, session: &Session) -> Result<Reply, GatewayError> {
+        let id = call.id();
+        if let Some(last) = call.headers.get(mcp::HEADER_LAST_EVENT_ID) {
+            return self.resume_stream(last, session).map_err(|e| e.with_id(id));
+        }
+        if let Some(log) = session.streams.live_get() {
+            return self.stream_reply(log.subscribe(None), id);
+        }
+        if let UpstreamLink::Stdio(_) = session.link {
+            // A stdio session's GET stream lives as long as the session itself.
+            return Err(self.session_gone("its stream ended").with_id(id));
+        }
+        let mut headers = call.headers;
+        headers.remove(mcp::HEADER_LAST_EVENT_ID);
         let reply = self
-            .send_upstream(
-                session.upstream,
-                call.method,
-                call.headers,
-                call.body,
-                session.upstream_session_id.clone(),
-            )
+            .send_in_session(session, Method::GET, headers, Bytes::new())
             .await
             .map_err(|e| upstream_error(e, id.clone()))?;
-        if reply.status == StatusCode::NOT_FOUND && session.upstream_session_id.is_some() {
-            // The upstream forgot its session (restart, expiry): ours is gone with it.
-            warn!(session = %session::short(&session.id), "upstream no longer knows the session; ending it");
-            self.forget_session(&session.id).await;
-            return Err(GatewayError::session_not_found().with_id(id));
+        if !(reply.status.is_success() && is_sse(&reply.headers)) {
+            return Ok(relay(reply, None));
         }
-        let mut reply = self.relay(reply, None, &id);
-        // The session stays in use until its answer is fully sent: a held GET stream
-        // keeps it from expiring.
-        reply.body = body::hold(reply.body, session);
-        Ok(reply)
+        let log = session.streams.new_get(&self.id);
+        streams::pump(Arc::clone(&log), reply.body);
+        self.stream_reply(log.subscribe(None), id)
     }
 
-    /// Ends a session here and upstream (client DELETE, drain).
+    /// `GET` with `Last-Event-ID`: the rest of that stream, from the event after it.
+    fn resume_stream(&self, last: &HeaderValue, session: &Session) -> Result<Reply, GatewayError> {
+        let event = last.to_str().ok().and_then(EventId::parse).ok_or_else(|| {
+            GatewayError::invalid_request(
+                "Last-Event-ID is not an event id this gateway issued: send the id of the \
+                 last event received, or open the stream without it",
+            )
+        })?;
+        if event.owner != self.id {
+            return Err(replay_unavailable(format!(
+                "its events were numbered by worker {}, which no longer holds this session",
+                event.owner
+            )));
+        }
+        let log = session.streams.find(event.stream).ok_or_else(|| {
+            replay_unavailable(format!(
+                "stream {} is no longer kept (a session keeps its newest {} streams)",
+                event.stream,
+                streams::MAX_STREAMS_PER_SESSION
+            ))
+        })?;
+        let body = log
+            .subscribe(Some(event.seq))
+            .map_err(|gap| replay_unavailable(gap.to_string()))?;
+        Ok(sse_reply(StatusCode::OK, body))
+    }
+
+    fn stream_reply(
+        &self,
+        body: Result<ReplyBody, streams::ReplayGap>,
+        id: serde_json::Value,
+    ) -> Result<Reply, GatewayError> {
+        body.map(|body| sse_reply(StatusCode::OK, body))
+            .map_err(|gap| replay_unavailable(gap.to_string()).with_id(id))
+    }
+
+    /// Relays an upstream answer in a legacy session: an SSE answer goes through a
+    /// stream log, so the client can resume it after a dropped connection.
+    fn relay_in_session(&self, session: &Session, reply: UpstreamReply) -> Reply {
+        if !is_sse(&reply.headers) {
+            return relay(reply, None);
+        }
+        let log = session.streams.new_post(&self.id);
+        streams::pump(Arc::clone(&log), reply.body);
+        match log.subscribe(None) {
+            Ok(body) => sse_reply(reply.status, body),
+            // A fresh log has nothing to miss.
+            Err(gap) => Reply::from_error(&replay_unavailable(gap.to_string())),
+        }
+    }
+
+    /// Ends a session here and upstream (client DELETE, drain, idle expiry): forgets it
+    /// (registry and directory), ends its streams, then its upstream session or child
+    /// process. Later requests for it get 404 `session_not_found`. (For a shared
+    /// session the next 2026-07-28 call silently opens a new one; an expiry that wants
+    /// those clients told once calls [`Worker::session_lost`] instead.)
     pub async fn end_session(&self, session: &Session) {
         self.forget_session(&session.id).await;
-        self.end_upstream_session(session).await;
+        session.streams.close();
+        self.close_link(session.upstream, &session.link).await;
     }
 
-    pub(crate) async fn end_upstream_session(&self, session: &Session) {
-        let Some(upstream_id) = session.upstream_session_id.clone() else {
+    /// A session ended under the gateway (its process exited, its upstream forgot
+    /// it): it is retired with `why`, and later requests hear it (404 `session_gone`).
+    /// Does nothing for a session already ended. A child process still running is
+    /// ended when the retired session is dropped.
+    pub(crate) async fn session_lost(&self, session_id: &str, why: &str) {
+        let Some(session) = self.sessions.retire(session_id, why) else {
             return;
         };
-        let mut headers = HeaderMap::new();
-        headers.insert(ACCEPT, ACCEPT_BOTH);
-        match self
-            .send_upstream(
-                session.upstream,
-                Method::DELETE,
-                headers,
-                bytes::Bytes::new(),
-                Some(upstream_id),
-            )
-            .await
-        {
-            Ok(reply) => {
-                debug!(session = %session::short(&session.id), status = %reply.status, "upstream session ended")
+        warn!(session = %session.tag, upstream = self.upstreams[session.upstream].name(), "session ended: {why}");
+        session.streams.close();
+        if let Some(fleet) = self.fleet() {
+            fleet.release(&session, &self.id).await;
+        }
+    }
+
+    /// "Session gone" with the reason, as the fleet answers it (404, or 409 when
+    /// configured).
+    pub(crate) fn session_gone(&self, why: &str) -> GatewayError {
+        let status = self
+            .fleet()
+            .map_or(StatusCode::NOT_FOUND, |fleet| fleet.gone_status());
+        GatewayError::new(
+            status,
+            mcp::code::SESSION_NOT_FOUND,
+            format!(
+                "session gone: {why}; send initialize without Mcp-Session-Id to start a new session"
+            ),
+        )
+        .with_data(json!({ "reason": "session_gone", "detail": why, "retryable": false }))
+    }
+
+    /// Opens an upstream session with an `initialize` request: the upstream's own
+    /// session over HTTP, or a new child process for stdio.
+    pub(crate) async fn open_link(
+        self: &Arc<Self>,
+        upstream: usize,
+        headers: HeaderMap,
+        body: Bytes,
+        session_id: &str,
+        streams: &SessionStreams,
+    ) -> Result<(UpstreamLink, UpstreamReply), UpstreamError> {
+        match &self.upstreams[upstream] {
+            Upstream::Http(_) => {
+                let reply = self
+                    .send_upstream(upstream, Method::POST, headers, body, None)
+                    .await?;
+                let session_id = reply.headers.get(mcp::HEADER_SESSION_ID).cloned();
+                Ok((UpstreamLink::Http { session_id }, reply))
             }
-            Err(e) => {
-                debug!(session = %session::short(&session.id), error = %e, "upstream session end failed")
+            Upstream::Stdio(stdio) => {
+                let unsolicited = streams.new_get(&self.id);
+                let process = stdio
+                    .start(
+                        session::tag_of(session_id),
+                        unsolicited,
+                        self.on_process_exit(session_id),
+                    )
+                    .await?;
+                let timeout = self.config.limits.upstream_request_timeout;
+                match process
+                    .exchange(&body, accepts_json(&headers), timeout)
+                    .await
+                {
+                    Ok(reply) => Ok((UpstreamLink::Stdio(process), reply)),
+                    Err(e) => {
+                        process.stop().await;
+                        Err(e)
+                    }
+                }
             }
         }
     }
 
-    /// Sends one exchange to an upstream with the session's upstream id.
+    /// What happens when a session's child process exits: the session ends with it.
+    fn on_process_exit(self: &Arc<Self>, session_id: &str) -> Box<dyn FnOnce(String) + Send> {
+        let worker = Arc::downgrade(self);
+        let session_id = session_id.to_owned();
+        Box::new(move |why| {
+            if let Some(worker) = worker.upgrade() {
+                tokio::spawn(async move {
+                    worker
+                        .session_lost(&session_id, &format!("its upstream process {why}"))
+                        .await;
+                });
+            }
+        })
+    }
+
+    /// Sends one exchange in an open upstream session.
+    pub(crate) async fn send_in_session(
+        &self,
+        session: &Session,
+        method: Method,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Result<UpstreamReply, UpstreamError> {
+        self.send_on_link(session.upstream, &session.link, method, headers, body)
+            .await
+    }
+
+    pub(crate) async fn send_on_link(
+        &self,
+        upstream: usize,
+        link: &UpstreamLink,
+        method: Method,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Result<UpstreamReply, UpstreamError> {
+        match link {
+            UpstreamLink::Http { session_id } => {
+                self.send_upstream(upstream, method, headers, body, session_id.clone())
+                    .await
+            }
+            UpstreamLink::Stdio(process) if method == Method::POST => {
+                let timeout = self.config.limits.upstream_request_timeout;
+                process
+                    .exchange(&body, accepts_json(&headers), timeout)
+                    .await
+            }
+            UpstreamLink::Stdio(_) => Err(UpstreamError::Failed {
+                name: self.upstreams[upstream].name().to_owned(),
+                detail: format!("{method} has no meaning for a stdio upstream"),
+            }),
+        }
+    }
+
+    /// Ends an upstream session: DELETE over HTTP, or the child process ends.
+    pub(crate) async fn close_link(&self, upstream: usize, link: &UpstreamLink) {
+        match link {
+            UpstreamLink::Http { session_id: None } => {}
+            UpstreamLink::Http {
+                session_id: Some(upstream_id),
+            } => {
+                let mut headers = HeaderMap::new();
+                headers.insert(ACCEPT, ACCEPT_BOTH);
+                match self
+                    .send_upstream(
+                        upstream,
+                        Method::DELETE,
+                        headers,
+                        Bytes::new(),
+                        Some(upstream_id.clone()),
+                    )
+                    .await
+                {
+                    Ok(reply) => debug!(status = %reply.status, "upstream session ended"),
+                    Err(e) => debug!(error = %e, "upstream session end failed"),
+                }
+            }
+            UpstreamLink::Stdio(process) => process.stop().await,
+        }
+    }
+
+    /// Sends one exchange to an HTTP upstream with the session's upstream id.
     pub(crate) async fn send_upstream(
         &self,
         upstream: usize,
         method: Method,
         mut headers: HeaderMap,
-        body: bytes::Bytes,
+        body: Bytes,
         upstream_session_id: Option<HeaderValue>,
     ) -> Result<UpstreamReply, UpstreamError> {
+        let http = match &self.upstreams[upstream] {
+            Upstream::Http(http) => http,
+            Upstream::Stdio(stdio) => {
+                return Err(UpstreamError::Failed {
+                    name: stdio.name().to_owned(),
+                    detail: "a stdio upstream is reached only in a session".into(),
+                });
+            }
+        };
         if let Some(sid) = upstream_session_id {
             headers.insert(mcp::HEADER_SESSION_ID, sid);
         }
         if !headers.contains_key(ACCEPT) {
             headers.insert(ACCEPT, ACCEPT_BOTH);
         }
-        self.upstreams[upstream]
-            .send(UpstreamRequest {
-                method,
-                headers,
-                body,
-                timeout: self.config.limits.upstream_request_timeout,
-            })
-            .await
-    }
-}
-
-impl Worker {
-    /// Builds the client's reply from the upstream's: status and content type pass
-    /// through, the upstream's session id is replaced by ours, SSE is re-chunked per
-    /// event (an event past the configured size ends the stream with an error event
-    /// for request `id`; the session survives).
-    pub(crate) fn relay(
-        &self,
-        reply: UpstreamReply,
-        session_header: Option<HeaderValue>,
-        id: &serde_json::Value,
-    ) -> Reply {
-        let mut headers = HeaderMap::new();
-        let is_sse = reply
-            .headers
-            .get(CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
-        if let Some(content_type) = reply.headers.get(CONTENT_TYPE) {
-            headers.insert(CONTENT_TYPE, content_type.clone());
-        }
-        if let Some(session) = session_header {
-            headers.insert(mcp::HEADER_SESSION_ID, session);
-        }
-        let body = if is_sse {
-            headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-            // Tells nginx-style proxies in front of the gateway not to buffer the stream.
-            headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
-            let max = self.config.limits.max_sse_event_bytes;
-            body::sse_events(reply.body, max, sse_overflow_event(max, id))
-        } else {
-            reply.body
-        };
-        Reply {
-            status: reply.status,
+        http.send(UpstreamRequest {
+            method,
             headers,
             body,
-        }
+            timeout: self.config.limits.upstream_request_timeout,
+        })
+        .await
     }
 }
 
-/// The event sent in place of an upstream event larger than `max` bytes.
-fn sse_overflow_event(max: usize, id: &serde_json::Value) -> bytes::Bytes {
-    let error = GatewayError::gateway(
-        StatusCode::BAD_GATEWAY,
-        "upstream_event_too_large",
+fn is_sse(headers: &HeaderMap) -> bool {
+    headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"))
+}
+
+/// Whether the client takes a plain JSON answer (else only SSE).
+fn accepts_json(headers: &HeaderMap) -> bool {
+    let accept: Vec<&str> = headers
+        .get_all(ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .collect();
+    accept.is_empty()
+        || accept.iter().any(|v| {
+            v.split(',').any(|media| {
+                let media = media.split(';').next().unwrap_or("").trim();
+                media.eq_ignore_ascii_case("application/json") || media == "*/*"
+            })
+        })
+}
+
+/// An SSE answer with the headers streams need.
+fn sse_reply(status: StatusCode, body: ReplyBody) -> Reply {
+    let mut headers = HeaderMap::new();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    // Tells nginx-style proxies in front of the gateway not to buffer the stream.
+    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// A stream cannot resume where the client asked.
+fn replay_unavailable(why: String) -> GatewayError {
+    GatewayError::gateway(
+        StatusCode::GONE,
+        "replay_unavailable",
         format!(
-            "the upstream sent an event larger than the gateway's {max}-byte limit; \
-             the stream was ended (the session is intact): ask for less, or raise \
-             max_sse_event_bytes"
+            "the stream cannot resume after that event: {why}; open the stream again \
+             without Last-Event-ID (events in between are lost)"
         ),
     )
-    .with_id(id.clone());
-    let mut event = b"event: message\ndata: ".to_vec();
-    event.extend_from_slice(&error.body());
-    event.extend_from_slice(b"\n\n");
-    bytes::Bytes::from(event)
+}
+
+/// Builds the client's reply from the upstream's: status and content type pass through,
+/// the upstream's session id is replaced by ours, SSE is re-chunked per event.
+fn relay(reply: UpstreamReply, session_header: Option<HeaderValue>) -> Reply {
+    let mut headers = HeaderMap::new();
+    let is_sse = is_sse(&reply.headers);
+    if let Some(content_type) = reply.headers.get(CONTENT_TYPE) {
+        headers.insert(CONTENT_TYPE, content_type.clone());
+    }
+    if let Some(session) = session_header {
+        headers.insert(mcp::HEADER_SESSION_ID, session);
+    }
+    let body = if is_sse {
+        headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+        body::sse_events(reply.body)
+    } else {
+        reply.body
+    };
+    Reply {
+        status: reply.status,
+        headers,
+        body,
+    }
 }
 
 /// 429 for a principal (or client address) at its session quota.
@@ -294,7 +602,7 @@ pub(crate) fn quota_exceeded(quota: usize, quota_key: &str) -> GatewayError {
             scope.replace('_', " ")
         ),
     )
-    .with_data(serde_json::json!({
+    .with_data(json!({
         "reason": "session_quota", "scope": scope, "limit": quota, "retryable": true,
     }))
     .with_retry_after(QUOTA_RETRY_AFTER_SECONDS)
@@ -306,10 +614,58 @@ const QUOTA_RETRY_AFTER_SECONDS: u32 = 30;
 
 pub(crate) fn upstream_error(error: UpstreamError, id: serde_json::Value) -> GatewayError {
     let (status, reason) = error.status_and_reason();
-    GatewayError::gateway(
-        status,
-        reason,
-        format!("{error}: retry later or check the upstream"),
-    )
-    .with_id(id)
+    let message = match &error {
+        // Its own words already say what to do.
+        UpstreamError::ProcessLimit { .. } => error.to_string(),
+        UpstreamError::Tls { .. } => {
+            format!("{error}: fix the certificate or the upstream's tls settings")
+        }
+        UpstreamError::Spawn { .. } => format!("{error}: check the upstream's command"),
+        _ => format!("{error}: retry later or check the upstream"),
+    };
+    let mut error = GatewayError::gateway(status, reason, message).with_id(id);
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        error = error
+            .with_data(json!({ "reason": reason, "retryable": true }))
+            .with_retry_after(1);
+    }
+    error
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accept_headers_decide_json_or_sse() {
+        let mut h = HeaderMap::new();
+        assert!(accepts_json(&h));
+        h.insert(ACCEPT, HeaderValue::from_static("text/event-stream"));
+        assert!(!accepts_json(&h));
+        h.insert(ACCEPT, ACCEPT_BOTH);
+        assert!(accepts_json(&h));
+    }
+
+    #[test]
+    fn upstream_errors_name_the_upstream_and_the_problem() {
+        let error = upstream_error(
+            UpstreamError::Tls {
+                name: "secure".into(),
+                detail: "its certificate is not signed by a CA this gateway trusts".into(),
+            },
+            json!(3),
+        );
+        assert_eq!(error.status, StatusCode::BAD_GATEWAY);
+        assert!(error.message.contains("secure"), "{}", error.message);
+        assert_eq!(error.data.as_ref().unwrap()["reason"], "upstream_tls");
+        let limit = upstream_error(
+            UpstreamError::ProcessLimit {
+                name: "time".into(),
+                max: 2,
+            },
+            json!(1),
+        );
+        assert_eq!(limit.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(limit.retry_after, Some(1));
+    }
 }

@@ -2,12 +2,15 @@
 //! `--stateless-when-unknown`): only for methods whose answer does not depend on the
 //! session's state.
 
+use std::sync::Arc;
+
 use http::header::{ACCEPT, CONTENT_TYPE};
 use http::{HeaderMap, HeaderValue, Method, StatusCode};
 use http_body_util::BodyExt;
 use tracing::debug;
 
 use super::ACCEPT_BOTH;
+use super::streams::SessionStreams;
 use super::upstream::UpstreamError;
 use crate::body;
 use crate::mcp::{self, GatewayError};
@@ -31,7 +34,7 @@ impl Worker {
     /// here; a list method runs on a short-lived upstream session of its own, opened
     /// and ended around it. The reply says so in `mcpgw-stateless: 1`.
     pub async fn answer_statelessly(
-        &self,
+        self: &Arc<Self>,
         call: Call,
         unknown: GatewayError,
     ) -> Result<Reply, GatewayError> {
@@ -55,7 +58,7 @@ impl Worker {
         Ok(reply)
     }
 
-    async fn on_temporary_session(&self, call: &Call) -> Result<Reply, UpstreamError> {
+    async fn on_temporary_session(self: &Arc<Self>, call: &Call) -> Result<Reply, UpstreamError> {
         let version = call
             .headers
             .get(mcp::HEADER_PROTOCOL_VERSION)
@@ -73,64 +76,64 @@ impl Worker {
                 "clientInfo": { "name": "mcpgw", "version": env!("CARGO_PKG_VERSION") },
             },
         });
-        let opened = self
-            .send_upstream(
+        // A temporary upstream session: its own upstream session id, or a child
+        // process of its own for a stdio upstream.
+        let streams = SessionStreams::default();
+        let (link, opened) = self
+            .open_link(
                 call.upstream,
-                Method::POST,
                 headers.clone(),
                 bytes::Bytes::from(initialize.to_string()),
-                None,
+                "stateless",
+                &streams,
             )
             .await?;
-        let upstream_session = opened.headers.get(mcp::HEADER_SESSION_ID).cloned();
         let _ = opened.body.collect().await;
         if let Ok(version) = HeaderValue::from_str(&version) {
             headers.insert(mcp::HEADER_PROTOCOL_VERSION, version);
         }
         let initialized = br#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#;
-        let acked = self
-            .send_upstream(
+        let answered = async {
+            let acked = self
+                .send_on_link(
+                    call.upstream,
+                    &link,
+                    Method::POST,
+                    headers.clone(),
+                    bytes::Bytes::from_static(initialized),
+                )
+                .await?;
+            let _ = acked.body.collect().await;
+            self.send_on_link(
                 call.upstream,
-                Method::POST,
-                headers.clone(),
-                bytes::Bytes::from_static(initialized),
-                upstream_session.clone(),
-            )
-            .await?;
-        let _ = acked.body.collect().await;
-        let answered = self
-            .send_upstream(
-                call.upstream,
+                &link,
                 Method::POST,
                 call.headers.clone(),
                 call.body.clone(),
-                upstream_session.clone(),
             )
-            .await?;
+            .await
+        }
+        .await;
         // Lists are small: read the answer whole, so the session can end before it
         // is returned.
-        let status = answered.status;
-        let content_type = answered.headers.get(CONTENT_TYPE).cloned();
-        let collected = answered
-            .body
-            .collect()
-            .await
-            .map_err(|e| UpstreamError::Failed {
-                name: self.upstreams[call.upstream].name().to_owned(),
-                detail: e.to_string(),
-            })?
-            .to_bytes();
-        if upstream_session.is_some() {
-            let _ = self
-                .send_upstream(
-                    call.upstream,
-                    Method::DELETE,
-                    headers,
-                    bytes::Bytes::new(),
-                    upstream_session,
-                )
-                .await;
-        }
+        let collected = match answered {
+            Ok(answered) => {
+                let status = answered.status;
+                let content_type = answered.headers.get(CONTENT_TYPE).cloned();
+                answered
+                    .body
+                    .collect()
+                    .await
+                    .map(|c| (status, content_type, c.to_bytes()))
+                    .map_err(|e| UpstreamError::Failed {
+                        name: self.upstreams[call.upstream].name().to_owned(),
+                        detail: e.to_string(),
+                    })
+            }
+            Err(e) => Err(e),
+        };
+        self.close_link(call.upstream, &link).await;
+        let (status, content_type, collected) = collected?;
         let mut reply_headers = HeaderMap::new();
         if let Some(content_type) = content_type {
             reply_headers.insert(CONTENT_TYPE, content_type);

@@ -86,7 +86,8 @@ async fn serve_forwarded(worker: &Arc<Worker>, frame: RequestFrame) -> Result<Re
         },
     );
     let call = match checked {
-        Ok(call) => call,
+        // A 2026-07-28 call binds to its principal's shared session here too.
+        Ok(call) => worker.bind_shared_session(call),
         // The edge ran the same checks; a refusal here is still an answer to relay.
         Err(error) => return Ok(Reply::from_error(&error)),
     };
@@ -105,7 +106,7 @@ async fn serve_forwarded(worker: &Arc<Worker>, frame: RequestFrame) -> Result<Re
                     message: format!(
                         "worker {} does not hold session {}",
                         worker.id,
-                        crate::session::short(id)
+                        crate::session::tag_of(id)
                     ),
                 });
             }
@@ -117,7 +118,7 @@ async fn serve_forwarded(worker: &Arc<Worker>, frame: RequestFrame) -> Result<Re
             message: "owner cannot confirm its lease right now".into(),
         });
     }
-    Ok(match worker.execute_local(call, session).await {
+    Ok(match worker.execute_held(call, session).await {
         Ok(reply) => reply,
         Err(error) => Reply::from_error(&error),
     })

@@ -1,26 +1,49 @@
-//! Streamable HTTP upstreams over a pooled HTTP/1.1 client.
+//! Streamable HTTP upstreams (`http://` and `https://`) over a pooled HTTP/1.1 client:
+//! one keep-alive pool per upstream, shared by all its sessions.
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Uri};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::{Client, ResponseFuture};
 use hyper_util::rt::TokioExecutor;
 
-use super::{UpstreamError, UpstreamReply, UpstreamRequest};
+use super::{UpstreamError, UpstreamReply, UpstreamRequest, tls};
+use crate::config::UpstreamTls;
 
 pub struct HttpUpstream {
     name: String,
     uri: Uri,
     connect_timeout: Duration,
     /// Shared keep-alive pool: one upstream session does not need its own connection.
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Pool,
+}
+
+/// The pool of one upstream: plain TCP, or TCP with rustls on top.
+enum Pool {
+    Plain(Client<HttpConnector, Full<Bytes>>),
+    Tls(Client<HttpsConnector<HttpConnector>, Full<Bytes>>),
+}
+
+impl Pool {
+    fn request(&self, request: Request<Full<Bytes>>) -> ResponseFuture {
+        match self {
+            Pool::Plain(client) => client.request(request),
+            Pool::Tls(client) => client.request(request),
+        }
+    }
 }
 
 impl HttpUpstream {
-    pub fn new(name: &str, url: &str, connect_timeout: Duration) -> Result<Self, UpstreamError> {
+    pub fn new(
+        name: &str,
+        url: &str,
+        tls: &UpstreamTls,
+        connect_timeout: Duration,
+    ) -> Result<Self, UpstreamError> {
         let uri: Uri = url.parse().map_err(|_| UpstreamError::Unreachable {
             name: name.to_owned(),
             detail: format!("{url:?} is not a valid URL"),
@@ -28,10 +51,22 @@ impl HttpUpstream {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(connect_timeout));
-        let client = Client::builder(TokioExecutor::new())
+        let mut builder = Client::builder(TokioExecutor::new());
+        builder
             .pool_idle_timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(1024)
-            .build(connector);
+            .pool_max_idle_per_host(1024);
+        let client = if uri.scheme_str() == Some("https") {
+            let config = tls::client_config(name, tls).map_err(UpstreamError::Config)?;
+            connector.enforce_http(false);
+            let https = hyper_rustls::HttpsConnectorBuilder::new()
+                .with_tls_config((*config).clone())
+                .https_only()
+                .enable_http1()
+                .wrap_connector(connector);
+            Pool::Tls(builder.build(https))
+        } else {
+            Pool::Plain(builder.build(connector))
+        };
         Ok(Self {
             name: name.to_owned(),
             uri,
@@ -62,7 +97,12 @@ impl HttpUpstream {
             })?
             .map_err(|e| {
                 let detail = error_chain(&e);
-                if e.is_connect() && timed_out(&e) {
+                if let Some(tls) = tls::find_tls_error(&e) {
+                    UpstreamError::Tls {
+                        name: self.name.clone(),
+                        detail: tls::explain(tls),
+                    }
+                } else if e.is_connect() && timed_out(&e) {
                     // The connector's own deadline: slow, not refused.
                     UpstreamError::Timeout {
                         name: self.name.clone(),

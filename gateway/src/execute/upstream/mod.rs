@@ -1,16 +1,23 @@
 //! Clients of upstream MCP servers. Each transport turns one MCP HTTP exchange into
-//! its own terms; Streamable HTTP is the first, stdio child processes will sit beside
-//! it behind the same `Upstream` type.
+//! its own terms: Streamable HTTP (`http.rs`, with TLS from `tls.rs` for `https://`)
+//! passes it on as is; stdio (`stdio.rs`) runs a child process per session and maps
+//! the exchange onto newline-delimited JSON-RPC (`conversation.rs`).
 
+mod conversation;
 mod http;
+pub mod stdio;
+mod tls;
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use ::http::{HeaderMap, Method, StatusCode};
+use ::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use bytes::Bytes;
 
 pub use self::http::HttpUpstream;
+pub use self::stdio::{StdioProcess, StdioUpstream};
 use crate::body::ReplyBody;
+use crate::config::{Limits, UpstreamConfig, UpstreamTarget};
 
 /// One request to an upstream, already translated to the upstream's session.
 pub struct UpstreamRequest {
@@ -41,6 +48,26 @@ pub enum UpstreamError {
     /// The exchange broke after it started.
     #[error("upstream {name} failed: {detail}")]
     Failed { name: String, detail: String },
+    /// The TLS handshake failed: a certificate the gateway does not trust, or one the
+    /// upstream does not accept.
+    #[error("upstream {name}: TLS handshake failed: {detail}")]
+    Tls { name: String, detail: String },
+    /// This worker already runs as many child processes of the upstream as allowed.
+    #[error(
+        "upstream {name}: this worker runs its maximum of {max} processes of it; retry \
+         (another worker may have room) or end idle sessions"
+    )]
+    ProcessLimit { name: String, max: usize },
+    /// The upstream's process could not be started.
+    #[error("upstream {name}: cannot start its process: {detail}")]
+    Spawn { name: String, detail: String },
+    /// The upstream's settings cannot be used (a CA bundle that holds no CA); found
+    /// when the worker starts.
+    #[error("{0}")]
+    Config(String),
+    /// The session's upstream process has exited; the session ended with it.
+    #[error("upstream {name}: its process for this session {detail}")]
+    Exited { name: String, detail: String },
 }
 
 impl UpstreamError {
@@ -50,6 +77,13 @@ impl UpstreamError {
             UpstreamError::Unreachable { .. } => (StatusCode::BAD_GATEWAY, "upstream_unreachable"),
             UpstreamError::Timeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout"),
             UpstreamError::Failed { .. } => (StatusCode::BAD_GATEWAY, "upstream_failed"),
+            UpstreamError::Tls { .. } => (StatusCode::BAD_GATEWAY, "upstream_tls"),
+            UpstreamError::ProcessLimit { .. } => {
+                (StatusCode::SERVICE_UNAVAILABLE, "process_limit")
+            }
+            UpstreamError::Spawn { .. } => (StatusCode::BAD_GATEWAY, "upstream_spawn_failed"),
+            UpstreamError::Exited { .. } => (StatusCode::BAD_GATEWAY, "upstream_exited"),
+            UpstreamError::Config(_) => (StatusCode::INTERNAL_SERVER_ERROR, "config"),
         }
     }
 }
@@ -57,18 +91,52 @@ impl UpstreamError {
 /// A configured upstream MCP server.
 pub enum Upstream {
     Http(HttpUpstream),
+    Stdio(StdioUpstream),
 }
 
 impl Upstream {
+    pub fn new(config: &UpstreamConfig, limits: &Limits) -> Result<Upstream, UpstreamError> {
+        Ok(match &config.target {
+            UpstreamTarget::Http { url, tls } => Upstream::Http(HttpUpstream::new(
+                &config.name,
+                url,
+                tls,
+                limits.upstream_connect_timeout,
+            )?),
+            UpstreamTarget::Stdio(command) => {
+                Upstream::Stdio(StdioUpstream::new(&config.name, command.clone()))
+            }
+        })
+    }
+
     pub fn name(&self) -> &str {
         match self {
             Upstream::Http(u) => u.name(),
+            Upstream::Stdio(u) => u.name(),
         }
     }
+}
 
-    pub async fn send(&self, request: UpstreamRequest) -> Result<UpstreamReply, UpstreamError> {
+/// How one session reaches its upstream: the upstream's own session over HTTP, or a
+/// child process of its own. It lives as long as the session.
+pub enum UpstreamLink {
+    /// Streamable HTTP: the upstream's `Mcp-Session-Id`, if it issued one.
+    Http { session_id: Option<HeaderValue> },
+    /// A child process started for this session alone.
+    Stdio(Arc<StdioProcess>),
+}
+
+impl std::fmt::Debug for UpstreamLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Upstream::Http(u) => u.send(request).await,
+            UpstreamLink::Http { session_id } => f
+                .debug_struct("Http")
+                .field("has_session", &session_id.is_some())
+                .finish(),
+            UpstreamLink::Stdio(process) => f
+                .debug_struct("Stdio")
+                .field("pid", &process.pid())
+                .finish(),
         }
     }
 }

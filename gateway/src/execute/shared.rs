@@ -1,0 +1,626 @@
+//! 2026-07-28 clients on upstreams that keep state in sessions (stdio upstreams, and
+//! HTTP upstreams configured `legacy_only`).
+//!
+//! Such a client has no session, yet its calls must reach the same upstream state
+//! whichever worker receives them. So the gateway holds one upstream session per
+//! (principal, route), named by an id derived from both ([`shared_session_id`]),
+//! owned by the worker that opened it and recorded in the directory like any session:
+//! every other worker forwards the client's calls there over the mesh. The first
+//! call of a principal opens it (the directory's `SET NX` decides between two workers
+//! opening at once). Each call is translated: sent in the legacy protocol the session
+//! speaks, its results marked as 2026-07-28 results. Server-to-client requests cannot
+//! reach a 2026-07-28 client here, so the gateway answers them with an error.
+//!
+//! When the session ends under the gateway (its process exits, its owner dies, its
+//! upstream forgets it), the next call is answered `session_gone` once, and the one
+//! after opens a new session: the client learns that its state was lost, then
+//! carries on with fresh state.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{ACCEPT, CONTENT_TYPE};
+use http::{HeaderMap, HeaderValue, Method, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use tracing::{debug, info};
+
+use super::streams::SessionStreams;
+use super::upstream::{UpstreamError, UpstreamReply};
+use super::{ACCEPT_BOTH, is_sse, upstream_error};
+use mcpgw_mesh::directory::Claim;
+
+use crate::body;
+use crate::dispatch::table::{self, Decision, Known, Refusal, Situation};
+use crate::mcp::{self, Era, GatewayError};
+use crate::reply::Reply;
+use crate::request::Call;
+use crate::session::{self, Session, shared_session_id};
+use crate::worker::Worker;
+
+/// The legacy protocol version the gateway asks for when it opens a shared session.
+const SHARED_PROTOCOL_VERSION: &str = "2025-11-25";
+/// Largest `initialize` answer read whole.
+const MAX_INITIALIZE_BYTES: usize = 1024 * 1024;
+
+/// Whether a call was bound to a shared session by [`Worker::bind_shared_session`].
+pub fn is_bound(call: &Call) -> bool {
+    call.era == Era::Modern && call.session_id.is_some()
+}
+
+impl Worker {
+    /// Binds a 2026-07-28 call on a route whose upstream keeps state in sessions to the
+    /// session its principal shares there. The edge and the owner both bind, from the
+    /// authenticated principal, so a client can never name another's session.
+    pub fn bind_shared_session(&self, mut call: Call) -> Call {
+        let route = &self.config.upstreams[call.upstream];
+        if call.era == Era::Modern && route.legacy_only {
+            call.session_id = Some(shared_session_id(&route.name, &call.auth.subject));
+        }
+        call
+    }
+
+    /// Where a bound call runs: the decision table, as for a legacy session, except
+    /// that where the table finds no session the first call opens it here.
+    pub async fn dispatch_shared(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
+        let held = |worker: &Worker| {
+            call.session_id
+                .as_deref()
+                .and_then(|id| worker.sessions.get(id))
+        };
+        let mut local = held(self);
+        if local.is_some() && !self.lease_valid() && !self.renew_lease(true).await {
+            local = held(self);
+        }
+        let situation = table::situation(&Known {
+            modern: false,
+            has_session_id: true,
+            is_initialize: false,
+            held_here: local.is_some(),
+            lease_valid: self.lease_valid(),
+            in_fleet: self.fleet().is_some(),
+        });
+        match (table::decide(&situation), self.fleet()) {
+            (Decision::ExecuteHere, _) => self.execute_local(call, local).await,
+            (Decision::Forward, Some(fleet)) => match fleet.forward_to_owner(&self.id, &call).await
+            {
+                Ok(reply) => Ok(reply),
+                Err(unanswered) if unanswered.situation == Situation::NoSuchSession => {
+                    self.execute_local(call, None).await
+                }
+                Err(unanswered) => {
+                    Err(self.refuse_shared(&unanswered.situation, &unanswered.why, &call))
+                }
+            },
+            (Decision::Forward, None) | (Decision::Refuse(Refusal::NoSuchSession), _) => {
+                self.execute_local(call, None).await
+            }
+            (Decision::Refuse(_), _) => Err(self.refuse_shared(
+                &situation,
+                "the worker holding it could not renew its lease in time",
+                &call,
+            )),
+        }
+    }
+
+    /// The table's refusal, with "gone" told the way a 2026-07-28 client needs it.
+    fn refuse_shared(&self, situation: &Situation, why: &str, call: &Call) -> GatewayError {
+        match table::decide(situation) {
+            Decision::Refuse(Refusal::SessionGone) => {
+                self.shared_lost(call.upstream, why).with_id(call.id())
+            }
+            Decision::Refuse(Refusal::OutcomeUnknown) => {
+                let route = &self.config.upstreams[call.upstream].name;
+                let mut error = self.refuse(situation, why, call.id());
+                error.message = format!(
+                    "the worker holding your upstream session on route {route} died while                      running this request ({why}): its outcome is unknown, it was not re-run,                      and the state of that session is lost; your next request starts a new one"
+                );
+                error
+            }
+            _ => self.refuse(situation, why, call.id()),
+        }
+    }
+
+    /// The shared session's state is lost; the next call starts afresh.
+    fn shared_lost(&self, upstream: usize, why: &str) -> GatewayError {
+        let status = self
+            .fleet()
+            .map_or(StatusCode::NOT_FOUND, |fleet| fleet.gone_status());
+        let route = &self.config.upstreams[upstream].name;
+        GatewayError::new(
+            status,
+            mcp::code::SESSION_NOT_FOUND,
+            format!(
+                "the upstream session that held your state on route {route} is gone ({why}); \
+                 your next request starts a new one, without that state"
+            ),
+        )
+        .with_data(json!({ "reason": "session_gone", "detail": why, "retryable": false }))
+    }
+
+    /// The first call of a principal on a route: opens the shared session here, claims
+    /// it in the directory, and runs the call in it. If another worker claimed it
+    /// meanwhile, ours is closed and the call goes there.
+    pub(crate) async fn open_shared(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
+        let id = call.id();
+        let Some(key) = call.session_id.clone() else {
+            return Err(GatewayError::session_not_found().with_id(id));
+        };
+        let opening = self.sessions.opening(&key);
+        let guard = opening.lock().await;
+        if let Some(session) = self.sessions.get(&key).filter(|s| s.ended().is_none()) {
+            drop(guard);
+            return self.run_shared(call, session).await;
+        }
+        self.admit_new_session()
+            .map_err(|e| e.with_id(id.clone()))?;
+        let upstream = call.upstream;
+        let streams = SessionStreams::default();
+        let (link, reply) = self
+            .open_link(
+                upstream,
+                initialize_headers(None),
+                initialize_body(),
+                &key,
+                &streams,
+            )
+            .await
+            .map_err(|e| upstream_error(e, id.clone()))?;
+        let init = match read_initialize(reply).await {
+            Ok(init) => init,
+            Err(why) => {
+                self.close_link(upstream, &link).await;
+                return Err(GatewayError::gateway(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_initialize_failed",
+                    format!(
+                        "upstream {} did not open a session for 2026-07-28 clients: {why}",
+                        self.upstreams[upstream].name()
+                    ),
+                )
+                .with_id(id));
+            }
+        };
+        let version = negotiated_version(Some(&init)).to_owned();
+        let initialized = self
+            .send_on_link(
+                upstream,
+                &link,
+                Method::POST,
+                initialize_headers(Some(&version)),
+                Bytes::from_static(br#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#),
+            )
+            .await;
+        match initialized {
+            Ok(reply) => {
+                let _ = reply.body.collect().await;
+            }
+            Err(e) => {
+                self.close_link(upstream, &link).await;
+                return Err(upstream_error(e, id));
+            }
+        }
+        if let Some(fleet) = self.fleet() {
+            match fleet.directory.claim_session(&key, &self.id, None).await {
+                Ok(Claim::Claimed) => {}
+                Ok(Claim::Taken | Claim::OverQuota) => {
+                    // Another worker opened it first: use theirs.
+                    self.close_link(upstream, &link).await;
+                    drop(guard);
+                    debug!(session = %session::tag_of(&key), "shared session opened elsewhere first");
+                    return fleet
+                        .forward_to_owner(&self.id, &call)
+                        .await
+                        .map_err(|unanswered| {
+                            self.refuse_shared(&unanswered.situation, &unanswered.why, &call)
+                        });
+                }
+                Err(e) => {
+                    self.close_link(upstream, &link).await;
+                    return Err(GatewayError::gateway(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "directory_unavailable",
+                        format!(
+                            "the fleet directory did not record the session for your state \
+                             ({e}); nothing was run: retry"
+                        ),
+                    )
+                    .with_retry_after(1)
+                    .with_id(id));
+                }
+            }
+        }
+        let mut session = Session::new(key, upstream, call.auth.subject.clone(), link, streams);
+        session.shared = true;
+        session.upstream_init = Some(init);
+        let session = self.sessions.insert(session);
+        info!(session = %session.tag, upstream = self.upstreams[upstream].name(), "shared session opened for 2026-07-28 clients");
+        drop(guard);
+        self.run_shared(call, session).await
+    }
+
+    /// Runs a 2026-07-28 call in its shared session.
+    pub(crate) async fn run_shared(
+        self: &Arc<Self>,
+        call: Call,
+        session: Arc<Session>,
+    ) -> Result<Reply, GatewayError> {
+        let id = call.id();
+        if session.principal != call.auth.subject || !session.shared {
+            return Err(GatewayError::session_not_found().with_id(id));
+        }
+        if let Some(why) = session.ended() {
+            // Told once; the next call opens a new session.
+            self.sessions.forget_retired(&session.id);
+            return Err(self.shared_lost(session.upstream, why).with_id(id));
+        }
+        session.touch();
+        let method = call
+            .message
+            .as_ref()
+            .and_then(|m| m.method())
+            .unwrap_or("")
+            .to_owned();
+        if method == "server/discover" {
+            return Ok(discover(id, session.upstream_init.as_ref()));
+        }
+        let mut headers = call.headers;
+        let version = negotiated_version(session.upstream_init.as_ref());
+        headers.insert(
+            mcp::HEADER_PROTOCOL_VERSION,
+            HeaderValue::from_str(version)
+                .unwrap_or(HeaderValue::from_static(SHARED_PROTOCOL_VERSION)),
+        );
+        let reply = self
+            .send_in_session(&session, Method::POST, headers, legacy_body(call.body))
+            .await;
+        let lost = match reply {
+            Ok(reply)
+                if reply.status == StatusCode::NOT_FOUND
+                    && matches!(
+                        session.link,
+                        super::upstream::UpstreamLink::Http {
+                            session_id: Some(_)
+                        }
+                    ) =>
+            {
+                "the upstream no longer knows it".to_owned()
+            }
+            Ok(reply) => return Ok(self.modernize(reply, &session, cacheable(&method)).await),
+            Err(UpstreamError::Exited { detail, .. }) => format!("its upstream process {detail}"),
+            Err(e) => return Err(upstream_error(e, id)),
+        };
+        self.session_lost(&session.id, &lost).await;
+        self.sessions.forget_retired(&session.id);
+        Err(self.shared_lost(session.upstream, &lost).with_id(id))
+    }
+
+    /// A legacy answer as a 2026-07-28 client expects it: results say they are
+    /// complete; server-to-client requests, which it cannot receive here, are answered
+    /// upstream with an error instead of being passed on.
+    async fn modernize(
+        self: &Arc<Self>,
+        reply: UpstreamReply,
+        session: &Arc<Session>,
+        cacheable: bool,
+    ) -> Reply {
+        let mut headers = HeaderMap::new();
+        if let Some(content_type) = reply.headers.get(CONTENT_TYPE) {
+            headers.insert(CONTENT_TYPE, content_type.clone());
+        }
+        if !is_sse(&reply.headers) {
+            let body = match reply.body.collect().await {
+                Ok(collected) => {
+                    let bytes = collected.to_bytes();
+                    match serde_json::from_slice::<Value>(&bytes) {
+                        Ok(mut message) => {
+                            mark_complete(&mut message, cacheable);
+                            Bytes::from(message.to_string())
+                        }
+                        Err(_) => bytes,
+                    }
+                }
+                Err(e) => {
+                    let error = upstream_error(
+                        UpstreamError::Failed {
+                            name: self.upstreams[session.upstream].name().to_owned(),
+                            detail: e.to_string(),
+                        },
+                        Value::Null,
+                    );
+                    return Reply::from_error(&error);
+                }
+            };
+            return Reply {
+                status: reply.status,
+                headers,
+                body: body::full(body),
+            };
+        }
+        let worker = Arc::clone(self);
+        let session = Arc::clone(session);
+        let events = body::sse_events(reply.body).map_frame(move |frame| {
+            frame.map_data(|event| modernize_event(&event, &worker, &session, cacheable))
+        });
+        Reply {
+            status: reply.status,
+            headers,
+            body: events.boxed_unsync(),
+        }
+    }
+}
+
+/// One SSE event of a legacy answer, for a 2026-07-28 client.
+fn modernize_event(
+    event: &Bytes,
+    worker: &Arc<Worker>,
+    session: &Arc<Session>,
+    cacheable: bool,
+) -> Bytes {
+    let Some(mut message) = event_json(event) else {
+        return event.clone();
+    };
+    if message.get("method").is_some()
+        && let Some(request_id) = message.get("id").cloned()
+    {
+        let method = message["method"].as_str().unwrap_or("").to_owned();
+        decline_server_request(worker, session, request_id, &method);
+        return Bytes::from(format!(
+            ": mcpgw declined a {method} request the upstream sent: 2026-07-28 clients cannot receive it\n\n"
+        ));
+    }
+    mark_complete(&mut message, cacheable);
+    Bytes::from(format!("event: message\ndata: {message}\n\n"))
+}
+
+/// Answers an upstream's request to the client with an error, in the background.
+fn decline_server_request(
+    worker: &Arc<Worker>,
+    session: &Arc<Session>,
+    request_id: Value,
+    method: &str,
+) {
+    let answer = json!({
+        "jsonrpc": "2.0",
+        "id": request_id,
+        "error": {
+            "code": mcp::code::METHOD_NOT_FOUND,
+            "message": format!(
+                "{method} cannot reach this client: it speaks MCP 2026-07-28 through mcpgw, \
+                 which does not relay server-to-client requests to such clients"
+            ),
+        },
+    });
+    let worker = Arc::clone(worker);
+    let session = Arc::clone(session);
+    tokio::spawn(async move {
+        let version = negotiated_version(session.upstream_init.as_ref()).to_owned();
+        let sent = worker
+            .send_in_session(
+                &session,
+                Method::POST,
+                initialize_headers(Some(&version)),
+                Bytes::from(answer.to_string()),
+            )
+            .await;
+        if let Ok(reply) = sent {
+            let _ = reply.body.collect().await;
+        }
+    });
+}
+
+/// The JSON-RPC message in an SSE event's data lines, if there is one.
+fn event_json(event: &[u8]) -> Option<Value> {
+    let text = std::str::from_utf8(event).ok()?;
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("data:"))
+        .map(|d| d.strip_prefix(' ').unwrap_or(d))
+        .collect();
+    if data.is_empty() {
+        return None;
+    }
+    serde_json::from_str(&data.join("\n")).ok()
+}
+
+/// Prefix of the `_meta` keys that carry the 2026-07-28 envelope (protocol version,
+/// client capabilities, log level): a legacy server refuses requests that carry them.
+const ENVELOPE_PREFIX: &str = "io.modelcontextprotocol/";
+
+/// A 2026-07-28 request as the legacy session expects it: without the envelope (the
+/// session negotiated its version and capabilities at initialize).
+fn legacy_body(body: Bytes) -> Bytes {
+    let Ok(mut message) = serde_json::from_slice::<Value>(&body) else {
+        return body;
+    };
+    let Some(params) = message.get_mut("params").and_then(Value::as_object_mut) else {
+        return body;
+    };
+    let Some(meta) = params.get_mut("_meta").and_then(Value::as_object_mut) else {
+        return body;
+    };
+    meta.retain(|key, _| !key.starts_with(ENVELOPE_PREFIX));
+    if meta.is_empty() {
+        params.remove("_meta");
+    }
+    Bytes::from(message.to_string())
+}
+
+/// Whether 2026-07-28 results of `method` carry caching hints (`ttlMs`, `cacheScope`).
+fn cacheable(method: &str) -> bool {
+    matches!(
+        method,
+        "server/discover"
+            | "tools/list"
+            | "prompts/list"
+            | "resources/list"
+            | "resources/templates/list"
+            | "resources/read"
+    )
+}
+
+/// Marks a result as complete, as 2026-07-28 results are, and gives a cacheable one
+/// caching hints: private to the principal (its session answered), never reused
+/// (`ttlMs: 0`), since the upstream's answer may change with the session's state.
+fn mark_complete(message: &mut Value, cacheable: bool) {
+    if let Some(result) = message.get_mut("result").and_then(Value::as_object_mut) {
+        result
+            .entry("resultType")
+            .or_insert_with(|| Value::from("complete"));
+        if cacheable {
+            result.entry("ttlMs").or_insert_with(|| Value::from(0));
+            result
+                .entry("cacheScope")
+                .or_insert_with(|| Value::from("private"));
+        }
+    }
+}
+
+/// `server/discover`, answered from what the upstream said at initialize.
+fn discover(id: Value, init: Option<&Value>) -> Reply {
+    let init = init.cloned().unwrap_or(Value::Null);
+    let mut result = json!({
+        "supportedVersions": [mcp::MODERN_VERSIONS.first().copied().unwrap_or("2026-07-28")],
+        "capabilities": init.get("capabilities").cloned().unwrap_or(json!({})),
+    });
+    for key in ["serverInfo", "instructions"] {
+        if let Some(value) = init.get(key) {
+            result[key] = value.clone();
+        }
+    }
+    let mut body = json!({ "jsonrpc": "2.0", "id": id, "result": result });
+    mark_complete(&mut body, true);
+    Reply::json(StatusCode::OK, Bytes::from(body.to_string()))
+}
+
+fn negotiated_version(init: Option<&Value>) -> &str {
+    init.and_then(|init| init.get("protocolVersion"))
+        .and_then(Value::as_str)
+        .filter(|v| mcp::LEGACY_VERSIONS.contains(v))
+        .unwrap_or(SHARED_PROTOCOL_VERSION)
+}
+
+fn initialize_headers(version: Option<&str>) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(ACCEPT, ACCEPT_BOTH);
+    if let Some(version) = version.and_then(|v| HeaderValue::from_str(v).ok()) {
+        headers.insert(mcp::HEADER_PROTOCOL_VERSION, version);
+    }
+    headers
+}
+
+/// The gateway's own `initialize`: no client capabilities, so a well-behaved server
+/// sends none of the requests a 2026-07-28 client could not answer.
+fn initialize_body() -> Bytes {
+    let body = json!({
+        "jsonrpc": "2.0", "id": 0, "method": "initialize",
+        "params": {
+            "protocolVersion": SHARED_PROTOCOL_VERSION,
+            "capabilities": {},
+            "clientInfo": { "name": "mcpgw", "version": env!("CARGO_PKG_VERSION") },
+        },
+    });
+    Bytes::from(body.to_string())
+}
+
+/// The `result` of an `initialize` answer (JSON or SSE), or why there is none.
+async fn read_initialize(reply: UpstreamReply) -> Result<Value, String> {
+    let status = reply.status;
+    let sse = is_sse(&reply.headers);
+    // Read frame by frame: `Limited`'s collect future trips a rustc limitation on
+    // `Send` here ("implementation of Send is not general enough").
+    let mut body = reply.body;
+    let mut bytes = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| format!("its answer could not be read: {e}"))?;
+        if let Ok(data) = frame.into_data() {
+            bytes.extend_from_slice(&data);
+        }
+        if bytes.len() > MAX_INITIALIZE_BYTES {
+            return Err(format!("its answer exceeds {MAX_INITIALIZE_BYTES} bytes"));
+        }
+    }
+    if !status.is_success() {
+        return Err(format!(
+            "it answered {status}: {}",
+            String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
+        ));
+    }
+    let messages: Vec<Value> = if sse {
+        crate::sse::SseSplitter::new()
+            .push(&[&bytes[..], b"\n\n"].concat())
+            .iter()
+            .filter_map(|event| event_json(event))
+            .collect()
+    } else {
+        serde_json::from_slice(&bytes).ok().into_iter().collect()
+    };
+    let answer = messages
+        .into_iter()
+        .find(|m| m.get("result").is_some() || m.get("error").is_some())
+        .ok_or_else(|| "its answer held no initialize result".to_owned())?;
+    match (answer.get("result"), answer.get("error")) {
+        (Some(result), _) => Ok(result.clone()),
+        (None, Some(error)) => Err(format!("it refused initialize: {error}")),
+        (None, None) => Err("its answer held no initialize result".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn results_are_marked_complete_and_other_messages_left_alone() {
+        let mut response = json!({"jsonrpc":"2.0","id":1,"result":{"content":[]}});
+        mark_complete(&mut response, false);
+        assert_eq!(response["result"]["resultType"], "complete");
+        assert!(response["result"].get("ttlMs").is_none());
+        let mut list = json!({"jsonrpc":"2.0","id":1,"result":{"tools":[]}});
+        mark_complete(&mut list, true);
+        assert_eq!(list["result"]["ttlMs"], 0);
+        assert_eq!(list["result"]["cacheScope"], "private");
+        let mut already = json!({"jsonrpc":"2.0","id":1,"result":{"resultType":"input_required"}});
+        mark_complete(&mut already, false);
+        assert_eq!(already["result"]["resultType"], "input_required");
+        let mut note = json!({"jsonrpc":"2.0","method":"notifications/progress","params":{}});
+        mark_complete(&mut note, false);
+        assert!(note.get("result").is_none());
+    }
+
+    #[test]
+    fn the_modern_envelope_is_taken_off_and_the_rest_of_meta_kept() {
+        let body = json!({"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x",
+            "_meta":{"io.modelcontextprotocol/protocolVersion":"2026-07-28",
+                     "io.modelcontextprotocol/clientCapabilities":{},"progressToken":7}}});
+        let legacy: Value =
+            serde_json::from_slice(&legacy_body(Bytes::from(body.to_string()))).unwrap();
+        assert_eq!(legacy["params"]["_meta"], json!({"progressToken": 7}));
+        let bare = json!({"jsonrpc":"2.0","id":1,"method":"tools/list","params":{
+            "_meta":{"io.modelcontextprotocol/protocolVersion":"2026-07-28"}}});
+        let legacy: Value =
+            serde_json::from_slice(&legacy_body(Bytes::from(bare.to_string()))).unwrap();
+        assert!(legacy["params"].get("_meta").is_none());
+    }
+
+    #[test]
+    fn discover_is_built_from_the_initialize_result() {
+        let init = json!({"protocolVersion":"2025-06-18","capabilities":{"tools":{}},
+                          "serverInfo":{"name":"legacy","version":"1"}});
+        assert_eq!(negotiated_version(Some(&init)), "2025-06-18");
+        assert_eq!(
+            negotiated_version(Some(&json!({"protocolVersion":"1999-01-01"}))),
+            SHARED_PROTOCOL_VERSION
+        );
+        let reply = discover(json!(4), Some(&init));
+        assert_eq!(reply.status, StatusCode::OK);
+    }
+
+    #[test]
+    fn event_data_is_read_across_lines() {
+        let event = b"id: w:1:1\nevent: message\ndata: {\"a\":\ndata: 1}\n\n";
+        assert_eq!(event_json(event), Some(json!({"a":1})));
+        assert_eq!(event_json(b": keepalive\n\n"), None);
+    }
+}

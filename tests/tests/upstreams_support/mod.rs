@@ -1,0 +1,467 @@
+//! Helpers of the upstream tests, kept small and beside them: a fleet of one-worker
+//! supervisors (so each worker has an address of its own and a test can pick the
+//! worker), a proxy that routes each request by what it carries, a test CA and a TLS
+//! terminator, an SSE reader that can drop its connection mid-stream, and process
+//! checks.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use mcpgw_testkit::fleet::MeshCerts;
+use mcpgw_testkit::{Gateway, RedisServer};
+
+/// Redis and `n` supervisors of one worker each: worker `i` is reached at `addr(i)`.
+pub struct Fleet {
+    pub redis: RedisServer,
+    pub certs: MeshCerts,
+    pub gateways: Vec<Gateway>,
+}
+
+impl Fleet {
+    /// Every supervisor gets `args` (the upstreams: `--upstream …` or `--config …`).
+    pub fn start(n: usize, args: &[String]) -> Fleet {
+        Self::start_with_env(n, args, &[])
+    }
+
+    pub fn start_with_env(n: usize, args: &[String], env: &[(&str, &str)]) -> Fleet {
+        let redis = RedisServer::start();
+        let members: Vec<String> = (0..n).map(|i| format!("host-{i}")).collect();
+        let member_refs: Vec<&str> = members.iter().map(String::as_str).collect();
+        let certs = MeshCerts::create(&member_refs);
+        let gateways = members
+            .iter()
+            .map(|member| {
+                let mut all: Vec<String> = vec![
+                    "--workers".into(),
+                    "1".into(),
+                    "--redis".into(),
+                    redis.url(),
+                    "--mesh-transport".into(),
+                    "quic".into(),
+                    "--mesh-listen".into(),
+                    "127.0.0.1:0".into(),
+                ];
+                all.extend(certs.flags(member));
+                all.extend(args.iter().cloned());
+                let refs: Vec<&str> = all.iter().map(String::as_str).collect();
+                Gateway::start_with_env(&refs, env)
+            })
+            .collect();
+        Fleet {
+            redis,
+            certs,
+            gateways,
+        }
+    }
+
+    pub fn addr(&self, i: usize) -> &str {
+        &self.gateways[i].addr
+    }
+
+    pub fn addrs(&self) -> Vec<String> {
+        self.gateways.iter().map(|g| g.addr.clone()).collect()
+    }
+}
+
+/// The pid and id of the worker behind supervisor `i` (of one worker): its id from
+/// the header of its public `/healthz`, its pid from its lease in the directory.
+pub fn worker_at(fleet: &Fleet, i: usize) -> (u32, String) {
+    let health = mcpgw_testkit::http::request(fleet.addr(i), "GET", "/healthz", &[], b"");
+    let id = health
+        .header("mcpgw-edge-worker")
+        .expect("healthz names its worker")
+        .to_owned();
+    let lease = mcpgw_testkit::fleet::leases(&fleet.redis)
+        .remove(&id)
+        .expect("the worker holds a lease");
+    (lease.pid, id)
+}
+
+/// Whether a process runs (a zombie does not: it is dead, waiting to be reaped).
+pub fn running(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .and_then(|(_, rest)| rest.chars().next())
+            .is_some_and(|state| state != 'Z' && state != 'X'),
+        Err(_) => false,
+    }
+}
+
+/// Waits until `pid` no longer runs; panics with `what` after a generous deadline
+/// (a bound on a hang, not a speed requirement).
+pub fn wait_stopped(pid: u32, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while running(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: process {pid} still runs"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Pids of the running children of `parent`.
+pub fn children_of(parent: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    let (_, rest) = stat.rsplit_once(") ")?;
+                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
+                })
+                == Some(parent)
+        })
+        .filter(|pid| running(*pid))
+        .collect()
+}
+
+/// A proxy that sends each request (on a fresh connection) to the backend `route`
+/// picks from its method and body: a test decides which worker sees what.
+pub struct RoutingProxy {
+    pub addr: String,
+    /// Requests sent to each backend.
+    pub sent: Arc<Vec<AtomicU64>>,
+}
+
+pub type Route = fn(method: &str, body: &[u8]) -> usize;
+
+impl RoutingProxy {
+    pub fn start(backends: Vec<String>, route: Route) -> RoutingProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind routing proxy");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let sent: Arc<Vec<AtomicU64>> =
+            Arc::new(backends.iter().map(|_| AtomicU64::new(0)).collect());
+        let backends = Arc::new(backends);
+        let counts = Arc::clone(&sent);
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                let backends = Arc::clone(&backends);
+                let counts = Arc::clone(&counts);
+                std::thread::spawn(move || relay(client, &backends, &counts, route));
+            }
+        });
+        RoutingProxy { addr, sent }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}/mcp", self.addr)
+    }
+
+    pub fn sent(&self) -> Vec<u64> {
+        self.sent
+            .iter()
+            .map(|n| n.load(Ordering::Relaxed))
+            .collect()
+    }
+}
+
+fn relay(client: TcpStream, backends: &[String], sent: &[AtomicU64], route: Route) {
+    let _ = client.set_nodelay(true);
+    let Ok(mut writer) = client.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(client);
+    let mut head = Vec::new();
+    let mut method = String::new();
+    let mut content_length = 0usize;
+    loop {
+        let mut line = String::new();
+        match reader.read_line(&mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        if method.is_empty() {
+            method = line.split_whitespace().next().unwrap_or("").to_owned();
+        }
+        let lower = line.to_ascii_lowercase();
+        if let Some(v) = lower.strip_prefix("content-length:") {
+            content_length = v.trim().parse().unwrap_or(0);
+        }
+        if lower.starts_with("connection:") {
+            continue;
+        }
+        if line == "\r\n" || line == "\n" {
+            head.extend_from_slice(b"Connection: close\r\n\r\n");
+            break;
+        }
+        head.extend_from_slice(line.as_bytes());
+    }
+    let mut body = vec![0u8; content_length];
+    if reader.read_exact(&mut body).is_err() {
+        return;
+    }
+    let index = route(&method, &body) % backends.len();
+    sent[index].fetch_add(1, Ordering::Relaxed);
+    let Ok(mut backend) = TcpStream::connect(&backends[index]) else {
+        let _ = writer.write_all(
+            b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        );
+        return;
+    };
+    let _ = backend.set_nodelay(true);
+    if backend
+        .write_all(&head)
+        .and_then(|_| backend.write_all(&body))
+        .is_err()
+    {
+        return;
+    }
+    let mut buf = [0u8; 16384];
+    loop {
+        match backend.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                if writer.write_all(&buf[..n]).is_err() {
+                    let _ = backend.shutdown(Shutdown::Both);
+                    return;
+                }
+            }
+        }
+    }
+    let _ = writer.shutdown(Shutdown::Both);
+}
+
+/// A CA made for one test, and the certificates it issues, as PEM files.
+pub struct TestCa {
+    pub dir: PathBuf,
+    name: String,
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+}
+
+impl TestCa {
+    pub fn new(name: &str) -> TestCa {
+        let dir = std::env::temp_dir().join(format!(
+            "mcpgw-test-ca-{name}-{}-{}",
+            std::process::id(),
+            mcpgw_testkit::free_port()
+        ));
+        std::fs::create_dir_all(&dir).expect("CA dir");
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA params");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, format!("{name} test CA"));
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
+        let key = rcgen::KeyPair::generate().expect("CA key");
+        let cert = params.self_signed(&key).expect("CA certificate");
+        std::fs::write(dir.join("ca.crt"), cert.pem()).expect("write CA");
+        TestCa {
+            dir,
+            name: name.to_owned(),
+            issuer: rcgen::Issuer::new(params, key),
+        }
+    }
+
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir.join("ca.crt")
+    }
+
+    /// A leaf for 127.0.0.1 (server and client use): its certificate and key files.
+    pub fn issue(&self, leaf: &str) -> (PathBuf, PathBuf) {
+        let mut params =
+            rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])
+                .expect("leaf params");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, format!("{} {leaf}", self.name));
+        params.extended_key_usages = vec![
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let key = rcgen::KeyPair::generate().expect("leaf key");
+        let cert = params.signed_by(&key, &self.issuer).expect("leaf");
+        let (cert_file, key_file) = (
+            self.dir.join(format!("{leaf}.crt")),
+            self.dir.join(format!("{leaf}.key")),
+        );
+        std::fs::write(&cert_file, cert.pem()).expect("write leaf");
+        std::fs::write(&key_file, key.serialize_pem()).expect("write key");
+        (cert_file, key_file)
+    }
+}
+
+impl Drop for TestCa {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// TLS in front of a plain TCP backend (the demo upstream), on its own runtime.
+pub struct TlsTerminator {
+    pub addr: String,
+    _runtime: tokio::runtime::Runtime,
+}
+
+impl TlsTerminator {
+    /// Serves `cert`/`key`; with `client_ca`, only clients with a leaf of that CA.
+    pub fn start(backend: &str, cert: &Path, key: &Path, client_ca: Option<&Path>) -> Self {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        mcpgw_certs::install_crypto_provider();
+        let chain = CertificateDer::pem_file_iter(cert)
+            .expect("server cert")
+            .collect::<Result<Vec<_>, _>>()
+            .expect("server cert PEM");
+        let key = PrivateKeyDer::from_pem_file(key).expect("server key");
+        let builder = rustls::ServerConfig::builder();
+        let builder = match client_ca {
+            Some(ca) => {
+                let roots = mcpgw_certs::load_ca_bundle(ca).expect("client CA");
+                let verifier = rustls::server::WebPkiClientVerifier::builder(Arc::new(roots))
+                    .build()
+                    .expect("client verifier");
+                builder.with_client_cert_verifier(verifier)
+            }
+            None => builder.with_no_client_auth(),
+        };
+        let config = builder.with_single_cert(chain, key).expect("server config");
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .expect("bind TLS terminator");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let backend = backend.to_owned();
+        runtime.spawn(async move {
+            loop {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    continue;
+                };
+                let acceptor = acceptor.clone();
+                let backend = backend.clone();
+                tokio::spawn(async move {
+                    // A refused handshake is what some tests are about: nothing to do.
+                    let Ok(mut tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let Ok(mut plain) = tokio::net::TcpStream::connect(&backend).await else {
+                        return;
+                    };
+                    let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+                });
+            }
+        });
+        TlsTerminator {
+            addr,
+            _runtime: runtime,
+        }
+    }
+}
+
+/// One SSE event as a client saw it.
+#[derive(Debug, Clone)]
+pub struct Event {
+    pub id: Option<String>,
+    pub data: serde_json::Value,
+}
+
+/// Sends a request and reads its SSE answer event by event; with `stop_after`, drops
+/// the connection after that many events (a client whose connection broke).
+pub fn read_events(
+    addr: &str,
+    method: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    stop_after: Option<usize>,
+) -> (u16, Vec<Event>) {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    let mut head = format!("{method} /mcp HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
+    stream.write_all(head.as_bytes()).expect("send head");
+    stream.write_all(body).expect("send body");
+    let mut reader = BufReader::new(stream);
+    let mut status_line = String::new();
+    reader.read_line(&mut status_line).expect("status line");
+    let status: u16 = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("status");
+    let mut chunked = false;
+    loop {
+        let mut line = String::new();
+        reader.read_line(&mut line).expect("header");
+        if line.trim().is_empty() {
+            break;
+        }
+        let lower = line.to_ascii_lowercase();
+        if lower.starts_with("transfer-encoding:") && lower.contains("chunked") {
+            chunked = true;
+        }
+    }
+    let mut events = Vec::new();
+    let mut pending = String::new();
+    let read_some = |reader: &mut BufReader<TcpStream>| -> Option<Vec<u8>> {
+        if chunked {
+            let mut size = String::new();
+            if reader.read_line(&mut size).ok()? == 0 {
+                return None;
+            }
+            let n = usize::from_str_radix(size.trim(), 16).ok()?;
+            if n == 0 {
+                return None;
+            }
+            let mut chunk = vec![0u8; n + 2];
+            reader.read_exact(&mut chunk).ok()?;
+            chunk.truncate(n);
+            Some(chunk)
+        } else {
+            let mut buf = vec![0u8; 8192];
+            let n = reader.read(&mut buf).ok()?;
+            (n > 0).then(|| buf[..n].to_vec())
+        }
+    };
+    'reading: while let Some(chunk) = read_some(&mut reader) {
+        pending.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = pending.find("\n\n") {
+            let raw: String = pending.drain(..end + 2).collect();
+            let mut id = None;
+            let mut data = Vec::new();
+            for line in raw.lines() {
+                if let Some(v) = line.strip_prefix("id:") {
+                    id = Some(v.trim().to_owned());
+                } else if let Some(v) = line.strip_prefix("data:") {
+                    data.push(v.trim_start().to_owned());
+                }
+            }
+            if data.is_empty() {
+                continue;
+            }
+            let Ok(data) = serde_json::from_str(&data.join("\n")) else {
+                continue;
+            };
+            events.push(Event { id, data });
+            if stop_after.is_some_and(|n| events.len() >= n) {
+                // Drop the connection as a client whose network broke would.
+                let _ = reader.get_ref().shutdown(Shutdown::Both);
+                break 'reading;
+            }
+        }
+    }
+    (status, events)
+}
