@@ -27,6 +27,15 @@ mkdir -p "$WORK"
 
 say() { echo "compose-images: $*"; }
 
+# docker build with its output in a log, shown only when the build fails.
+build() {
+  if ! docker build "$@" >"$WORK/build.log" 2>&1; then
+    cat "$WORK/build.log" >&2
+    say "docker build $* failed" >&2
+    exit 1
+  fi
+}
+
 have_image() { docker image inspect "$1" >/dev/null 2>&1; }
 
 # A registry that cannot be reached fails fast (name resolution); one that answers
@@ -78,7 +87,7 @@ build_debian_base() {
 build_from_debian() { # image, packages, dockerfile tail
   local image=$1 packages=$2 tail=$3
   say "building $image from the Debian package(s) $packages"
-  docker build -q -t "$image" - >/dev/null <<DOCKERFILE
+  build -t "$image" - <<DOCKERFILE
 FROM $DEBIAN_IMAGE
 RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $packages >/dev/null \
  && apt-get clean && rm -rf /var/lib/apt/lists/*
@@ -103,8 +112,7 @@ ensure_base "$REDIS_IMAGE" build_from_debian "$REDIS_IMAGE" "redis-server" \
   $'USER redis\nCMD ["redis-server"]'
 
 # The runtime stage without binaries, exactly as a registry user's build makes it.
-docker build -q --target runtime-base -t mcpgw-runtime-base:compose-test \
-  -f compose/Dockerfile . >/dev/null
+build --target runtime-base -t mcpgw-runtime-base:compose-test -f compose/Dockerfile .
 
 # The binaries as the test runs them: debug information stripped (the image is
 # smaller, the code the same).
@@ -116,7 +124,6 @@ for binary in mcpgw mcpgw-bench; do
   objcopy --strip-debug "$BIN/$binary" "$context/$binary"
 done
 cp compose/Dockerfile.host-binaries "$context/Dockerfile"
-docker build -q --build-arg RUNTIME_BASE=mcpgw-runtime-base:compose-test \
-  -t "$MCPGW_TEST_IMAGE" "$context" >/dev/null
+build --build-arg RUNTIME_BASE=mcpgw-runtime-base:compose-test -t "$MCPGW_TEST_IMAGE" "$context"
 rm -rf "$context"
 say "images ready in $(( $(date +%s) - started )) s: $MCPGW_TEST_IMAGE, $NGINX_IMAGE, $REDIS_IMAGE"
