@@ -118,12 +118,25 @@ build --target runtime-base -t mcpgw-runtime-base:compose-test -f compose/Docker
 # smaller, the code the same).
 context="$WORK/context"
 rm -rf "$context"
-mkdir -p "$context"
+mkdir -p "$context/rootfs/usr/local/bin"
 for binary in mcpgw mcpgw-bench; do
   [ -x "$BIN/$binary" ] || { say "missing $BIN/$binary: run cargo build first" >&2; exit 1; }
   objcopy --strip-debug "$BIN/$binary" "$context/$binary"
+  cp "$context/$binary" "$context/rootfs/usr/local/bin/"
 done
+compose/collect-libraries.sh "$context/rootfs" "$context/mcpgw" "$context/mcpgw-bench"
 cp compose/Dockerfile.host-binaries "$context/Dockerfile"
-build --build-arg RUNTIME_BASE=mcpgw-runtime-base:compose-test -t "$MCPGW_TEST_IMAGE" "$context"
+build --build-arg RUNTIME_BASE=mcpgw-runtime-base:compose-test --target runtime --label org.mcpgw.host-binaries=1 \
+  -t "$MCPGW_TEST_IMAGE" "$context"
+# The FROM scratch variant, checked to start: its loader, libraries and user work.
+build --build-arg RUNTIME_BASE=mcpgw-runtime-base:compose-test --target small --label org.mcpgw.host-binaries=1 \
+  -t "$MCPGW_TEST_IMAGE-small" "$context"
 rm -rf "$context"
-say "images ready in $(( $(date +%s) - started )) s: $MCPGW_TEST_IMAGE, $NGINX_IMAGE, $REDIS_IMAGE"
+# The images these replaced (every run brings new binaries) are of no further use.
+docker image prune -f --filter label=org.mcpgw.host-binaries=1 >/dev/null
+small_version=$(docker run --rm "$MCPGW_TEST_IMAGE-small" --version) || {
+  say "the small (FROM scratch) image does not start" >&2; exit 1; }
+docker run --rm "$MCPGW_TEST_IMAGE-small" certs init --dir /var/lib/mcpgw/ca >/dev/null || {
+  say "the small image cannot write its data directory" >&2; exit 1; }
+say "small image: $small_version runs as $(docker image inspect -f '{{.Config.User}}' "$MCPGW_TEST_IMAGE-small"), $(docker image inspect -f '{{.Size}}' "$MCPGW_TEST_IMAGE-small" | awk '{printf "%.0f MB", $1/1e6}')"
+say "images ready in $(( $(date +%s) - started )) s: $MCPGW_TEST_IMAGE (and -small), $NGINX_IMAGE, $REDIS_IMAGE"

@@ -19,8 +19,8 @@ require_docker() {
 }
 
 # Waits for a compose service's container to report healthy (compose v1 has no --wait).
-wait_healthy() { # compose-cmd project service seconds
-  local project=$2 service=$3 seconds=$4 id status
+wait_healthy() { # project service seconds
+  local project=$1 service=$2 seconds=$3 id status
   for _ in $(seq 1 $((seconds * 2))); do
     id=$(docker ps -aq --filter "label=com.docker.compose.project=$project" \
       --filter "label=com.docker.compose.service=$service" --filter "label=com.docker.compose.oneoff=False")
