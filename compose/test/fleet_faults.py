@@ -556,8 +556,8 @@ def judge_fault(step: Step, load: Load, fault: Fault, start: float, end: float,
     if held_until is not None:
         held = [a for a in step.answers if a.edge == victim and fault.issued <= a.sent < held_until]
         if held:
-            step.notes.append(f"{len(held)} requests reached frozen {victim} and waited for it: "
-                              f"{summary(held)}")
+            step.notes.append(f"{len(held)} requests reached {victim} during the fault and "
+                              f"waited for it: {summary(held)}")
     step.notes.append(f"its {len(fault.victims)} sessions, answers after the fault: " + "; ".join(
         " ".join(f"{a.cls}@{a.done - fault.issued:.1f}s" + (f"[{a.edge}]" if a.edge == victim else "")
                  for a in s.answers if a.done >= fault.issued)[:160] for s in fault.victims))
