@@ -48,7 +48,19 @@ teardown() {
   exit "$status"
 }
 trap teardown EXIT
-trap 'exit 130' INT TERM
 
-# The driver bounds every wait itself; this bounds the whole run in case it hangs.
-timeout 900 build/venv/bin/python -u compose/test/fleet_faults.py
+# The driver bounds every wait itself; `timeout` bounds the whole run in case it hangs.
+# It runs in the background so that an interrupt reaches it at once (and teardown
+# follows), also when the signal is sent to this script alone.
+timeout 900 build/venv/bin/python -u compose/test/fleet_faults.py &
+driver=$!
+interrupted=0
+trap 'interrupted=1; kill -TERM "$driver" 2>/dev/null || true' INT TERM
+status=0
+wait "$driver" || status=$?
+if [ "$interrupted" = 1 ]; then
+  wait "$driver" 2>/dev/null || true
+  echo "compose-test: interrupted" >&2
+  exit 130
+fi
+exit "$status"
