@@ -312,12 +312,14 @@ class Load:
         self.running = True
 
     def edge_of(self, headers: httpx2.Headers) -> str | None:
-        edge = self.workers.container(headers.get("mcpgw-edge-worker"))
-        if edge is None and headers.get("mcpgw-lb-upstream"):
-            # nginx's own answer: the last gateway it tried.
+        """The container that received the request: the last gateway nginx tried (also
+        known when nginx answered itself), else the one the edge worker runs on."""
+        if headers.get("mcpgw-lb-upstream"):
             address = headers["mcpgw-lb-upstream"].split(",")[-1].strip().rsplit(":", 1)[0]
             edge = next((name for name, ip in self.fleet.ip.items() if ip == address), None)
-        return edge
+            if edge is not None:
+                return edge
+        return self.workers.container(headers.get("mcpgw-edge-worker"))
 
     async def post(self, body: dict, session: LoadSession | None) -> tuple[Answer, httpx2.Response | None]:
         headers = {"Content-Type": "application/json", "Accept": JSON_AND_SSE}
