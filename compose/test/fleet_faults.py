@@ -671,8 +671,18 @@ async def pause_step(fleet: Fleet, load: Load, workers: Workers, victim: str) ->
     victims = load.live_on(victim)
     before = {w for w, host in (await workers.refresh()).items() if host == victim}
     container = await fleet.container(victim)
-    issued = now()
-    await sh("docker", "pause", container)
+    for attempt in range(1, 6):
+        issued = now()
+        try:
+            await sh("docker", "pause", container)
+            break
+        except TestFailure as e:
+            # The cgroup v1 freezer gives up when a process forks while it freezes;
+            # runc thaws the container again, and a second try finds it quiet.
+            if "unable to freeze" not in str(e) or attempt == 5:
+                raise
+            log(f"docker pause {victim}: the freezer gave up (attempt {attempt}); trying again")
+            await asyncio.sleep(0.5)
     fault = Fault(victim, victims, issued, now())
     log(f"paused {victim} ({len(victims)} sessions on it)")
     await asyncio.sleep(2 * LEASE_S + 1)
