@@ -752,10 +752,10 @@ async def rotation_step(fleet: Fleet, load: Load) -> Step:
     start = now()
     live = [s for s in load.sessions if not s.ended]
     for stage in ("begin", "reissue", "finish"):
-        _, out = await fleet.compose("run", "--rm", "--no-deps", "certs", "rotate", stage)
+        _, out = await fleet.compose("run", "--rm", "--no-deps", "-T", "certs", "rotate", stage)
         log(f"certs rotate {stage}: {out.strip().splitlines()[-1] if out.strip() else 'done'}")
         await asyncio.sleep(ROTATE_WAIT_S)
-    _, status_out = await fleet.compose("run", "--rm", "--no-deps", "certs", "rotate", "status",
+    _, status_out = await fleet.compose("run", "--rm", "--no-deps", "-T", "certs", "rotate", "status",
                                         check_status=False)
     step.notes.append(f"rotate status: {' '.join(status_out.split())[:200]}")
     step.answers = window(load, start, now())
