@@ -27,10 +27,13 @@ mkdir -p "$WORK"
 
 say() { echo "compose-images: $*"; }
 
-# docker build with its output in a log, shown only when the build fails.
-build() {
-  if ! docker build "$@" >"$WORK/build.log" 2>&1; then
-    cat "$WORK/build.log" >&2
+# docker build with its output in a log, shown only when the build fails. Builds may
+# run side by side, so each has its own log.
+build() { # log-name, docker build arguments...
+  local log="$WORK/build-$1.log"
+  shift
+  if ! docker build "$@" >"$log" 2>&1; then
+    cat "$log" >&2
     say "docker build $* failed" >&2
     exit 1
   fi
@@ -87,7 +90,7 @@ build_debian_base() {
 build_from_debian() { # image, packages, dockerfile tail
   local image=$1 packages=$2 tail=$3
   say "building $image from the Debian package(s) $packages"
-  build -t "$image" - <<DOCKERFILE
+  build "${image%%:*}" -t "$image" - <<DOCKERFILE
 FROM $DEBIAN_IMAGE
 RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $packages >/dev/null \
  && apt-get clean && rm -rf /var/lib/apt/lists/*
@@ -106,13 +109,20 @@ ensure_base() { # image, builder...
 
 started=$(date +%s)
 ensure_base "$DEBIAN_IMAGE" build_debian_base
+# The three images on top of Debian wait mostly on the package mirror: side by side.
+builds=()
 ensure_base "$NGINX_IMAGE" build_from_debian "$NGINX_IMAGE" "nginx" \
-  $'STOPSIGNAL SIGQUIT\nCMD ["nginx", "-g", "daemon off;"]'
+  $'STOPSIGNAL SIGQUIT\nCMD ["nginx", "-g", "daemon off;"]' &
+builds+=($!)
 ensure_base "$REDIS_IMAGE" build_from_debian "$REDIS_IMAGE" "redis-server" \
-  $'USER redis\nCMD ["redis-server"]'
-
+  $'USER redis\nCMD ["redis-server"]' &
+builds+=($!)
 # The runtime stage without binaries, exactly as a registry user's build makes it.
-build --target runtime-base -t mcpgw-runtime-base:compose-test -f compose/Dockerfile .
+build runtime-base --target runtime-base -t mcpgw-runtime-base:compose-test -f compose/Dockerfile . &
+builds+=($!)
+failed=0
+for pid in "${builds[@]}"; do wait "$pid" || failed=1; done
+[ "$failed" = 0 ] || exit 1
 
 # The binaries as the test runs them: debug information stripped (the image is
 # smaller, the code the same).
@@ -126,10 +136,10 @@ for binary in mcpgw mcpgw-bench; do
 done
 compose/collect-libraries.sh "$context/rootfs" "$context/mcpgw" "$context/mcpgw-bench"
 cp compose/Dockerfile.host-binaries "$context/Dockerfile"
-build --build-arg RUNTIME_BASE=mcpgw-runtime-base:compose-test --target runtime --label org.mcpgw.host-binaries=1 \
+build runtime --build-arg RUNTIME_BASE=mcpgw-runtime-base:compose-test --target runtime --label org.mcpgw.host-binaries=1 \
   -t "$MCPGW_TEST_IMAGE" "$context"
 # The FROM scratch variant, checked to start: its loader, libraries and user work.
-build --build-arg RUNTIME_BASE=mcpgw-runtime-base:compose-test --target small --label org.mcpgw.host-binaries=1 \
+build small --build-arg RUNTIME_BASE=mcpgw-runtime-base:compose-test --target small --label org.mcpgw.host-binaries=1 \
   -t "$MCPGW_TEST_IMAGE-small" "$context"
 rm -rf "$context"
 # The images these replaced (every run brings new binaries) are of no further use.
