@@ -5,7 +5,9 @@
 set -eu
 root=$1
 shift
-ldd "$@" | awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// { print $1 }' | sort -u |
+# One ldd per binary: given several, ldd also prints each binary's path as a header.
+for binary in "$@"; do ldd "$binary"; done |
+  awk '$2 == "=>" && $3 ~ /^\// { print $3 } NF == 2 && $1 ~ /^\// { print $1 }' | sort -u |
   while read -r library; do
     mkdir -p "$root$(dirname "$library")"
     cp -L "$library" "$root$library"
