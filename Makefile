@@ -3,7 +3,7 @@ CARGO ?= cargo
 JOBS ?= 2
 export CARGO_BUILD_JOBS := $(JOBS)
 
-.PHONY: run test deps build build-release bench fmt clippy clean
+.PHONY: run test deps build build-release bench fmt clippy clean compose-up compose-down compose-test
 
 deps:
 	@scripts/deps.sh
@@ -27,6 +27,21 @@ test: deps build
 ## about two minutes on 2 cores. Pass options with BENCH_ARGS="--duration 10s ...".
 bench: deps build-release
 	$(CARGO) run -j$(JOBS) --quiet --release -p mcpgw-perf --bin mcpgw-bench -- compare $(BENCH_ARGS)
+
+## The container fleet (compose/): Redis, the demo upstream, 3 gateway containers with
+## 2 workers each, nginx round-robin in front. Builds the image from compose/Dockerfile
+## (needs an image registry; MCPGW_HOST_BINARIES=1 builds without one). Prints the URL.
+compose-up:
+	@scripts/compose-up.sh
+
+compose-down:
+	@scripts/compose-down.sh
+
+## The container fleet under faults (kill, pause, network cut, certificate rotation),
+## end to end through nginx with the Python SDK. Works without an image registry:
+## base images are made locally when missing; binaries come from target/debug.
+compose-test: deps build
+	@scripts/compose-test.sh
 
 fmt:
 	$(CARGO) fmt --all
