@@ -1,6 +1,7 @@
 //! The admin listener: one per worker, separate from the public port and on loopback
 //! by default, for operators and their tools. `/healthz` (alive), `/readyz` (fit to
-//! take traffic, with the reasons when not), `/state` (this worker as JSON).
+//! take traffic, with the reasons when not), `/state` (this worker as JSON),
+//! `/metrics` (Prometheus).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -82,10 +83,11 @@ fn answer(worker: &Worker, request: &Request<Incoming>) -> Response<ReplyBody> {
             json(status, readiness.to_json())
         }
         "/state" => json(StatusCode::OK, state(worker)),
+        "/metrics" => metrics(worker),
         path => json(
             StatusCode::NOT_FOUND,
             serde_json::json!({
-                "error": format!("no admin endpoint at {path:?}: use /healthz, /readyz or /state"),
+                "error": format!("no admin endpoint at {path:?}: use /healthz, /readyz, /state or /metrics"),
             }),
         ),
     }
@@ -126,6 +128,33 @@ impl Readiness {
             "checks": { "serving": self.serving, "lease_valid": self.lease_valid },
             "reasons": reasons,
         })
+    }
+}
+
+/// The Prometheus scrape: gauges that mirror state are read now, then everything is
+/// encoded in the OpenMetrics text format.
+fn metrics(worker: &Worker) -> Response<ReplyBody> {
+    let metrics = &worker.metrics;
+    metrics
+        .sessions_owned
+        .set(i64::try_from(worker.sessions.len()).unwrap_or(i64::MAX));
+    metrics.draining.set(i64::from(worker.draining()));
+    metrics.lease_valid.set(i64::from(worker.lease_valid()));
+    match metrics.encode() {
+        Ok(text) => {
+            let mut response = Response::new(body::full(Bytes::from(text)));
+            response.headers_mut().insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
+            );
+            response
+        }
+        Err(e) => json(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            serde_json::json!({"error": format!("metrics could not be encoded: {e}")}),
+        ),
     }
 }
 

@@ -43,7 +43,10 @@ where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<BoxError>,
 {
-    let max = MAX_SSE_EVENT.get().copied().unwrap_or(DEFAULT_MAX_SSE_EVENT);
+    let max = MAX_SSE_EVENT
+        .get()
+        .copied()
+        .unwrap_or(DEFAULT_MAX_SSE_EVENT);
     sse_events_bounded(inner, max, overflow_event(max))
 }
 
@@ -93,6 +96,68 @@ pub fn hold<G: Send + Unpin + 'static>(body: ReplyBody, guard: G) -> ReplyBody {
         _guard: guard,
     }
     .boxed_unsync()
+}
+
+/// Passes `body` through unchanged and, when it has ended, hands `seen` its bytes,
+/// if they fit in `limit` (a larger answer is not handed over at all).
+pub fn observe_end<F>(body: ReplyBody, limit: usize, seen: F) -> ReplyBody
+where
+    F: FnOnce(Bytes) + Send + Unpin + 'static,
+{
+    Observed {
+        inner: body,
+        buffer: Some(Vec::new()),
+        limit,
+        seen: Some(seen),
+    }
+    .boxed_unsync()
+}
+
+struct Observed<F> {
+    inner: ReplyBody,
+    /// What passed so far; dropped once it outgrows `limit`.
+    buffer: Option<Vec<u8>>,
+    limit: usize,
+    seen: Option<F>,
+}
+
+impl<F: FnOnce(Bytes) + Send + Unpin + 'static> Body for Observed<F> {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                let limit = self.limit;
+                if let (Some(data), Some(buffer)) = (frame.data_ref(), self.buffer.as_mut()) {
+                    if buffer.len() + data.len() > limit {
+                        self.buffer = None;
+                    } else {
+                        buffer.extend_from_slice(data);
+                    }
+                }
+            }
+            Poll::Ready(None) => {
+                if let (Some(buffer), Some(seen)) = (self.buffer.take(), self.seen.take()) {
+                    seen(Bytes::from(buffer));
+                }
+            }
+            Poll::Ready(Some(Err(_))) | Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 struct Held<G> {

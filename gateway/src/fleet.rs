@@ -43,6 +43,8 @@ pub struct Fleet {
     /// Ids of forwarded requests, unique per caller.
     pub(crate) request_ids: AtomicU64,
     pub(crate) config: Arc<Config>,
+    /// The worker's metrics: proofs of death, reclaims, sweeps.
+    pub(crate) metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl Fleet {
@@ -52,6 +54,7 @@ impl Fleet {
         mesh: MeshClient,
         probe_mesh: MeshClient,
         config: Arc<Config>,
+        metrics: Arc<crate::metrics::Metrics>,
     ) -> Fleet {
         Fleet {
             directory,
@@ -62,6 +65,7 @@ impl Fleet {
             buried: parking_lot::Mutex::new(HashMap::new()),
             request_ids: AtomicU64::new(1),
             config,
+            metrics,
         }
     }
 
@@ -87,6 +91,15 @@ impl Fleet {
             .lock()
             .get(owner)
             .is_some_and(|at| at.elapsed() < keep)
+    }
+
+    /// The mesh transport's name as a metric label.
+    pub fn transport_label(&self) -> &'static str {
+        match self.mesh.kind() {
+            mcpgw_mesh::transport::TransportKind::Quic => "quic",
+            mcpgw_mesh::transport::TransportKind::Tcp => "tcp",
+            mcpgw_mesh::transport::TransportKind::Redis => "redis",
+        }
     }
 
     /// The status of "session gone: re-initialize" (404, or 409 when configured).
@@ -157,10 +170,34 @@ impl Fleet {
             }
             if let Some(sids) = self.directory.reclaim_worker(&id, None).await? {
                 info!(worker = %id, sessions = sids.len(), "swept a dead worker's keys");
+                self.metrics.workers_reclaimed.inc();
+                self.metrics.sessions_reclaimed.inc_by(sids.len() as u64);
                 freed += sids.len();
             }
         }
         Ok(freed)
+    }
+
+    /// After a claim whose outcome is unknown (Redis did not answer in time): keeps
+    /// releasing the session's record in the background until one release removes it
+    /// or two leases have passed, so a claim that lands late leaves nothing behind.
+    pub fn release_unclaimed(self: &Arc<Self>, session: Arc<Session>, owner: &str) {
+        let fleet = Arc::clone(self);
+        let owner = owner.to_owned();
+        tokio::spawn(async move {
+            let deadline = tokio::time::Instant::now() + fleet.config.fleet.lease * 2;
+            while tokio::time::Instant::now() < deadline {
+                if let Ok(true) = fleet
+                    .directory
+                    .release_session(&session.id, &owner, Some(&session.quota_key))
+                    .await
+                {
+                    info!(session = %session.tag, "took back the record of a session whose claim had timed out");
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        });
     }
 
     /// Removes the ownership record of an ended session.

@@ -183,7 +183,10 @@ async fn handle(
             .insert(HEADER_EDGE_WORKER, worker.id_header.clone());
         return response;
     }
-    let reply = match accept_call(&worker, parts, body, peer).await {
+    let arrived = tokio::time::Instant::now();
+    let route = worker.routes.resolve(&path);
+    let mut method_label = "none";
+    let reply = match accept_call(&worker, parts, body, peer, &mut method_label).await {
         Ok(reply) => reply,
         Err((error, method, path)) => {
             // The one log line for a refused request; the client gets the same words
@@ -197,6 +200,13 @@ async fn handle(
             Reply::from_error(&error)
         }
     };
+    let route_label = match route {
+        Some(index) => &worker.route_labels[index],
+        None => &worker.unrouted_label,
+    };
+    worker
+        .metrics
+        .request(route_label, method_label, reply.status, arrived.elapsed());
     let mut response = into_response(reply);
     let status = response.status();
     worker.auth.complete_challenge(
@@ -223,6 +233,7 @@ async fn accept_call(
     parts: Parts,
     body: Incoming,
     peer: SocketAddr,
+    method_label: &mut &'static str,
 ) -> Result<Reply, Refusal> {
     let path = parts.uri.path().to_owned();
     let refuse = |e: GatewayError| (e, parts.method.clone(), path.clone());
@@ -252,6 +263,8 @@ async fn accept_call(
         auth,
     )
     .map_err(refuse)?;
+    *method_label =
+        crate::metrics::method_label(call.message.as_ref().and_then(|m| m.method()), &call.method);
     call.client = Some(client_addr(
         peer,
         &parts.headers,

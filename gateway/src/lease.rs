@@ -91,6 +91,8 @@ pub struct LeaseHolder {
     renewing: tokio::sync::Mutex<()>,
     /// Count of finished renewal attempts and the last one's result.
     last_attempt: Mutex<(u64, LeaseCheck)>,
+    /// Set for good when the lease was lost (the worker was declared dead).
+    revoked: std::sync::atomic::AtomicBool,
 }
 
 impl LeaseHolder {
@@ -109,6 +111,7 @@ impl LeaseHolder {
             clock: Mutex::new(LeaseClock::new(lease_time, sent_at)),
             renewing: tokio::sync::Mutex::new(()),
             last_attempt: Mutex::new((0, LeaseCheck::Valid)),
+            revoked: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -124,7 +127,14 @@ impl LeaseHolder {
 
     /// Never act under this lease again.
     pub fn revoke(&self) {
+        self.revoked
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         self.clock.lock().revoke(Instant::now());
+    }
+
+    /// Whether the lease was lost for good (fenced).
+    pub fn revoked(&self) -> bool {
+        self.revoked.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Renews the lease (single-flight). With `only_if_invalid`, a lease that is still

@@ -27,6 +27,7 @@ mod forward;
 mod front;
 mod lease;
 mod mcp;
+mod metrics;
 mod process;
 mod reply;
 mod request;

@@ -330,6 +330,7 @@ impl GatewayError {
             "session not found: it ended or never existed; send initialize without \
              Mcp-Session-Id to start a new session",
         )
+        .with_data(json!({ "reason": "session_not_found", "retryable": false }))
     }
 
     pub fn gateway(status: StatusCode, reason: &str, message: impl Into<String>) -> Self {

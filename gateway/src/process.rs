@@ -6,8 +6,9 @@ use std::net::SocketAddr;
 
 use tracing::info;
 
-/// Set on a worker process started by a supervisor: its resolved configuration comes
-/// on stdin (never in the environment, where other tools would see the Redis password).
+/// Set on a worker process started by a supervisor, to the supervisor's pid: its
+/// resolved configuration comes on stdin (never in the environment, where other tools
+/// would see the Redis password).
 pub const ENV_WORKER_OF_SUPERVISOR: &str = "MCPGW_WORKER_OF_SUPERVISOR";
 /// The worker's slot (0..N): picks its mesh port.
 pub const ENV_WORKER_INDEX: &str = "MCPGW_WORKER_INDEX";

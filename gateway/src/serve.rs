@@ -42,7 +42,15 @@ pub fn run_worker_process() -> ExitCode {
     if let Err(e) = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM) {
         eprintln!("mcpgw worker: cannot follow the supervisor's lifetime: {e}");
     }
-    if nix::unistd::getppid() == nix::unistd::Pid::from_raw(1) {
+    // The supervisor may have died between our fork and the line above (then the
+    // death signal was never armed). Compare with the pid it gave us, not with 1: in a
+    // container the supervisor itself may be PID 1.
+    let supervisor = std::env::var(process::ENV_WORKER_OF_SUPERVISOR)
+        .ok()
+        .and_then(|pid| pid.parse::<i32>().ok());
+    if let Some(supervisor) = supervisor
+        && nix::unistd::getppid() != nix::unistd::Pid::from_raw(supervisor)
+    {
         eprintln!("mcpgw worker: the supervisor is already gone; exiting");
         return ExitCode::FAILURE;
     }
@@ -212,6 +220,7 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
     for id in worker.sessions.ids() {
         if let Some(session) = worker.sessions.get(&id) {
             worker.end_session(&session).await;
+            worker.metrics.session_ended("drained", 1);
         }
     }
     if let Some(fleet) = worker.fleet() {
@@ -411,6 +420,7 @@ async fn join_fleet(
         client,
         probe_client,
         Arc::clone(config),
+        Arc::clone(&worker.metrics),
     ));
     worker.join(fleet);
     info!(worker = %worker.id, mesh = %advertised, transport = %kind, "joined the fleet");

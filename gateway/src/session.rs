@@ -469,7 +469,10 @@ mod tests {
         tokio::time::advance(Duration::from_secs(59)).await;
         assert_eq!(ids(registry.take_idle(Duration::from_secs(60))), ["recent"]);
         assert!(registry.get("held").is_some());
-        assert!(registry.enter("recent").is_none(), "an expired session is gone");
+        assert!(
+            registry.enter("recent").is_none(),
+            "an expired session is gone"
+        );
     }
 
     #[test]

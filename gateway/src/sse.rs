@@ -84,6 +84,22 @@ impl SseSplitter {
     }
 }
 
+/// The `data` of each event in an SSE text (its `data:` lines joined by newlines).
+pub fn data_payloads(text: &[u8]) -> impl Iterator<Item = String> + '_ {
+    let text = String::from_utf8_lossy(text).replace("\r\n", "\n");
+    text.split("\n\n")
+        .filter_map(|event| {
+            let data: Vec<&str> = event
+                .lines()
+                .filter_map(|line| line.strip_prefix("data:"))
+                .map(|rest| rest.strip_prefix(' ').unwrap_or(rest))
+                .collect();
+            (!data.is_empty()).then(|| data.join("\n"))
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+}
+
 /// If a line terminator starts at `i`, returns the index just past it. A lone `\r`
 /// at the end of the buffer counts as a terminator only once more bytes show it is
 /// not followed by `\n`; callers handle that case.

@@ -193,7 +193,7 @@ fn spawn_worker(
     let mut command = Command::new(exe);
     command
         .arg("worker")
-        .env(ENV_WORKER_OF_SUPERVISOR, "1")
+        .env(ENV_WORKER_OF_SUPERVISOR, std::process::id().to_string())
         .env(ENV_WORKER_INDEX, slot.to_string());
     // A fixed id (tests, debugging) is passed on; otherwise each worker names itself
     // after its own pid, so a replacement always gets a new id.

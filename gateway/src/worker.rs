@@ -16,6 +16,7 @@ use crate::execute::upstream::Upstream;
 use crate::fleet::Fleet;
 use crate::lease::LeaseCheck;
 use crate::mcp::GatewayError;
+use crate::metrics::Metrics;
 use crate::request::Routes;
 use crate::session::{Session, SessionRegistry};
 
@@ -35,6 +36,12 @@ pub struct Worker {
     pub sessions: SessionRegistry,
     /// Decides who each client is, at the edge.
     pub auth: Authenticator,
+    /// This worker's Prometheus metrics (served by the admin listener).
+    pub metrics: Arc<Metrics>,
+    /// Route names as metric label values, indexed like `upstreams`.
+    pub route_labels: Vec<Arc<String>>,
+    /// The route label of a request for no configured route.
+    pub unrouted_label: Arc<String>,
     /// Set once a drain begins (or the worker is fenced): no new sessions.
     draining: AtomicBool,
     /// The fleet this worker belongs to; unset for a standalone worker.
@@ -64,6 +71,13 @@ impl Worker {
             id_header,
             auth,
             routes: Routes::new(&config),
+            metrics: Arc::new(Metrics::new(config.upstreams.len())),
+            route_labels: config
+                .upstreams
+                .iter()
+                .map(|u| Arc::new(u.name.clone()))
+                .collect(),
+            unrouted_label: Arc::new("none".to_owned()),
             upstreams,
             config,
             sessions: SessionRegistry::default(),
@@ -104,7 +118,10 @@ impl Worker {
             .await
         {
             LeaseCheck::Valid => true,
-            LeaseCheck::InDoubt => false,
+            LeaseCheck::InDoubt => {
+                self.metrics.leases_in_doubt.inc();
+                false
+            }
             LeaseCheck::Rebuilt { taken } => {
                 for sid in taken {
                     warn!(session = %crate::session::tag_of(&sid), "session now owned elsewhere; dropping it here");
@@ -135,6 +152,7 @@ impl Worker {
     pub async fn expire_idle_sessions(&self) -> usize {
         let idle = self.config.limits.session_idle_timeout;
         let expired = self.sessions.take_idle(idle);
+        self.metrics.session_ended("expired", expired.len() as u64);
         for session in &expired {
             if session.shared {
                 let why = format!("it was idle for longer than {}s", idle.as_secs());
@@ -167,6 +185,7 @@ impl Worker {
             fleet.lease.revoke();
         }
         let dropped = self.sessions.take_all().len();
+        self.metrics.session_ended("fenced", dropped as u64);
         if !self.fenced.send_replace(true) {
             error!(worker = %self.id, dropped, "fenced: declared dead by the fleet; sessions dropped, exiting for a fresh id");
         }

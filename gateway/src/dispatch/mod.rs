@@ -11,6 +11,8 @@ use std::sync::Arc;
 use http::StatusCode;
 
 use crate::execute::stateless::STATELESS_METHODS;
+use crate::fleet::Fleet;
+use crate::forward::caller::Unanswered;
 use crate::mcp::{Era, GatewayError};
 use crate::reply::Reply;
 use crate::request::Call;
@@ -61,19 +63,43 @@ impl Worker {
         });
         match (decide(&situation), self.fleet()) {
             (Decision::ExecuteHere, _) => self.execute_held(call, local).await,
-            (Decision::Forward, Some(fleet)) => fleet
-                .forward_to_owner(&self.id, &call)
-                .await
-                .map_err(|unanswered| {
-                    let error = self.refuse(&unanswered.situation, &unanswered.why, call.id());
-                    match unanswered.detail.is_empty() {
-                        true => error,
-                        false => error.with_log_detail(unanswered.detail),
-                    }
-                }),
+            (Decision::Forward, Some(fleet)) => {
+                self.forward_counted(fleet, &call)
+                    .await
+                    .map_err(|unanswered| {
+                        let error = self.refuse(&unanswered.situation, &unanswered.why, call.id());
+                        match unanswered.detail.is_empty() {
+                            true => error,
+                            false => error.with_log_detail(unanswered.detail),
+                        }
+                    })
+            }
             (Decision::Forward, None) => Err(GatewayError::session_not_found().with_id(call.id())),
             (Decision::Refuse(_), _) => Err(self.refuse(&situation, LEASE_IN_DOUBT_WHY, call.id())),
         }
+    }
+
+    /// Forwards `call` to its session's owner, counting the forward by transport and
+    /// outcome, and its time to the owner's answer head.
+    pub(crate) async fn forward_counted(
+        &self,
+        fleet: &Fleet,
+        call: &Call,
+    ) -> Result<Reply, Unanswered> {
+        let started = tokio::time::Instant::now();
+        let result = fleet.forward_to_owner(&self.id, call).await;
+        let outcome = match &result {
+            Ok(_) => "answered",
+            Err(unanswered) => match unanswered.situation {
+                Situation::OwnerGone => "owner_gone",
+                Situation::NoSuchSession => "no_such_session",
+                Situation::ForwardedThenLost => "outcome_unknown",
+                _ => "ownership_unknown",
+            },
+        };
+        self.metrics
+            .forward(fleet.transport_label(), outcome, started.elapsed());
+        result
     }
 
     /// Runs `call` here, holding its session (if any) until the answer is fully sent.

@@ -370,25 +370,16 @@ pub async fn liveness(
     }
 }
 
-/// The request was sent and then lost; `liveness` is what a probe found. If the owner
-/// is dead and had ended the session before (a drain releases the record first), the
-/// request cannot have run: the session is simply gone. Otherwise a dead owner means
-/// the outcome is unknown (502, never re-run), and a live or silent one means
-/// ownership is unknown (503, retry).
-pub async fn after_loss(
-    liveness: &Liveness,
-    session_record: impl AsyncFnOnce() -> Lookup<Option<String>>,
-) -> Verdict {
+/// The request was sent and then lost; `liveness` is what a probe found. A dead owner
+/// means the outcome is unknown (502, never re-run), whatever the directory says now:
+/// a missing record may be another worker's reclaim as well as the owner's own end,
+/// and the request may have run either way. A live or silent owner means ownership is
+/// unknown (503, retry).
+pub fn after_loss(liveness: &Liveness) -> Verdict {
     match liveness {
-        Liveness::Dead(_) => match session_record().await {
-            Ok(None) => Verdict::Answer {
-                situation: Situation::NoSuchSession,
-                bury: true,
-            },
-            _ => Verdict::Answer {
-                situation: Situation::ForwardedThenLost,
-                bury: true,
-            },
+        Liveness::Dead(_) => Verdict::Answer {
+            situation: Situation::ForwardedThenLost,
+            bury: true,
         },
         Liveness::Alive | Liveness::Unknown => Verdict::answer(Situation::Unknown),
     }
@@ -436,9 +427,11 @@ pub fn after_not_owner(
 }
 
 /// Where a session's owner comes from: the hint in its id, else the directory.
+/// `fenced`: this worker was declared dead, and dropped its sessions unended.
 pub async fn owner_from(
     hint: Option<&str>,
     this_worker: &str,
+    fenced: bool,
     recorded: impl AsyncFnOnce() -> Lookup<Option<String>>,
 ) -> Result<String, Situation> {
     let owner = match hint {
@@ -450,8 +443,13 @@ pub async fn owner_from(
         },
     };
     if owner == this_worker {
-        // Minted here, not held here: it ended.
-        return Err(Situation::NoSuchSession);
+        // Minted here, not held here: it ended, unless this worker was fenced (then it
+        // dropped the session when the fleet declared it dead: gone, not ended).
+        return Err(if fenced {
+            Situation::OwnerGone
+        } else {
+            Situation::NoSuchSession
+        });
     }
     Ok(owner)
 }
@@ -733,28 +731,18 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_request_lost_after_sending() {
-        let dead = Liveness::Dead("refused".into());
-        let lost = |situation| Verdict::Answer {
-            situation,
-            bury: true,
-        };
+    #[test]
+    fn a_request_lost_after_sending() {
+        // Dead: 502 whatever the directory says, and never re-run.
         assert_eq!(
-            after_loss(&dead, async || Ok(Some("w1".into()))).await,
-            lost(Situation::ForwardedThenLost)
+            after_loss(&Liveness::Dead("refused".into())),
+            Verdict::Answer {
+                situation: Situation::ForwardedThenLost,
+                bury: true,
+            }
         );
-        assert_eq!(
-            after_loss(&dead, async || Err("timeout".into())).await,
-            lost(Situation::ForwardedThenLost)
-        );
-        // Ended before the owner died (a drain releases records first): it never ran.
-        assert_eq!(
-            after_loss(&dead, async || Ok(None)).await,
-            lost(Situation::NoSuchSession)
-        );
-        assert_eq!(after_loss(&Liveness::Alive, unasked).await, unknown());
-        assert_eq!(after_loss(&Liveness::Unknown, unasked).await, unknown());
+        assert_eq!(after_loss(&Liveness::Alive), unknown());
+        assert_eq!(after_loss(&Liveness::Unknown), unknown());
     }
 
     #[test]
@@ -812,21 +800,29 @@ mod tests {
 
     #[tokio::test]
     async fn the_owner_comes_from_the_hint_else_the_directory() {
-        assert_eq!(owner_from(Some("w1"), "w0", unasked).await, Ok("w1".into()));
         assert_eq!(
-            owner_from(Some("w0"), "w0", unasked).await,
-            Err(Situation::NoSuchSession)
+            owner_from(Some("w1"), "w0", false, unasked).await,
+            Ok("w1".into())
         );
         assert_eq!(
-            owner_from(None, "w0", async || Ok(Some("w2".into()))).await,
+            owner_from(Some("w0"), "w0", false, unasked).await,
+            Err(Situation::NoSuchSession)
+        );
+        // A fenced worker dropped its sessions unended: they are gone.
+        assert_eq!(
+            owner_from(Some("w0"), "w0", true, unasked).await,
+            Err(Situation::OwnerGone)
+        );
+        assert_eq!(
+            owner_from(None, "w0", false, async || Ok(Some("w2".into()))).await,
             Ok("w2".into())
         );
         assert_eq!(
-            owner_from(None, "w0", async || Ok(None)).await,
+            owner_from(None, "w0", false, async || Ok(None)).await,
             Err(Situation::NoSuchSession)
         );
         assert_eq!(
-            owner_from(None, "w0", async || Err("timeout".into())).await,
+            owner_from(None, "w0", false, async || Err("timeout".into())).await,
             Err(Situation::Unknown)
         );
     }

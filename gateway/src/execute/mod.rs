@@ -30,6 +30,10 @@ use crate::worker::Worker;
 use streams::{EventId, SessionStreams};
 use upstream::{Upstream, UpstreamError, UpstreamLink, UpstreamReply, UpstreamRequest};
 
+/// Largest `tools/list` answer read for tool names (metric labels); larger ones pass
+/// through unread.
+const TOOL_LIST_OBSERVED_BYTES: usize = 1024 * 1024;
+
 /// What the gateway asks an upstream to answer in: JSON or a stream of events.
 pub(crate) const ACCEPT_BOTH: HeaderValue =
     HeaderValue::from_static("application/json, text/event-stream");
@@ -42,7 +46,24 @@ impl Worker {
         call: Call,
         session: Option<Arc<Session>>,
     ) -> Result<Reply, GatewayError> {
-        let mut reply = match (call.era, session) {
+        // A tools/call is counted where it runs (here), by upstream and tool name.
+        let tool = call
+            .message
+            .as_ref()
+            .filter(|m| m.method() == Some("tools/call"))
+            .and_then(|m| {
+                m.json
+                    .get("params")?
+                    .get("name")?
+                    .as_str()
+                    .map(str::to_owned)
+            });
+        let upstream = call.upstream;
+        let lists_tools = call
+            .message
+            .as_ref()
+            .is_some_and(|m| m.method() == Some("tools/list"));
+        let result = match (call.era, session) {
             // A 2026-07-28 call bound to its (principal, route) session (`shared.rs`).
             (Era::Modern, Some(session)) => self.run_shared(call, session).await,
             (Era::Modern, None) if call.session_id.is_some() => self.open_shared(call).await,
@@ -50,7 +71,22 @@ impl Worker {
             (Era::Legacy, None) if call.is_initialize() => self.open_session(call).await,
             (Era::Legacy, None) => Err(GatewayError::session_not_found().with_id(call.id())),
             (Era::Legacy, Some(session)) => self.run_in_session(call, session).await,
-        }?;
+        };
+        if let Some(tool) = tool {
+            let status = match &result {
+                Ok(reply) => reply.status,
+                Err(error) => error.status,
+            };
+            self.metrics
+                .tool_call(upstream, &self.route_labels[upstream], &tool, status);
+        }
+        let mut reply = result?;
+        if lists_tools && reply.status.is_success() {
+            let metrics = Arc::clone(&self.metrics);
+            reply.body = body::observe_end(reply.body, TOOL_LIST_OBSERVED_BYTES, move |answer| {
+                metrics.learn_tools_from_answer(upstream, &answer)
+            });
+        }
         reply
             .headers
             .insert(HEADER_OWNER_WORKER, self.id_header.clone());
@@ -132,11 +168,17 @@ impl Worker {
         )
         .with_quota_key(quota_key);
         if let Err(error) = self.claim_session(&session).await {
-            // Never hand out a session the fleet cannot route to: end it upstream.
+            // Never hand out a session the fleet cannot route to: end it upstream. A
+            // claim that timed out may still land when Redis answers again: take any
+            // such record back, so the directory holds no session nobody was given.
             self.close_link(upstream_index, &session.link).await;
+            if let Some(fleet) = self.fleet() {
+                fleet.release_unclaimed(Arc::new(session), &self.id);
+            }
             return Err(error.with_id(id));
         }
         let session = self.sessions.insert(session);
+        self.metrics.sessions_opened.inc();
         debug!(session = %session.tag, upstream = self.upstreams[upstream_index].name(), "session opened");
         let header = HeaderValue::from_str(&session_id).map_err(|_| {
             GatewayError::gateway(
@@ -200,6 +242,7 @@ impl Worker {
         match call.method {
             Method::DELETE => {
                 self.end_session(&session).await;
+                self.metrics.session_ended("deleted", 1);
                 Ok(Reply::json(StatusCode::OK, Bytes::new()))
             }
             Method::GET => self.open_stream(call, &session).await,
@@ -334,6 +377,7 @@ impl Worker {
             return;
         };
         warn!(session = %session.tag, upstream = self.upstreams[session.upstream].name(), "session ended: {why}");
+        self.metrics.session_ended("lost", 1);
         session.streams.close();
         if let Some(fleet) = self.fleet() {
             fleet.release(&session, &self.id).await;

@@ -66,7 +66,7 @@ impl Worker {
         let held = |worker: &Worker| {
             call.session_id
                 .as_deref()
-                .and_then(|id| worker.sessions.get(id))
+                .and_then(|id| worker.sessions.enter(id))
         };
         let mut local = held(self);
         if local.is_some() && !self.lease_valid() && !self.renew_lease(true).await {
@@ -81,9 +81,8 @@ impl Worker {
             in_fleet: self.fleet().is_some(),
         });
         match (table::decide(&situation), self.fleet()) {
-            (Decision::ExecuteHere, _) => self.execute_local(call, local).await,
-            (Decision::Forward, Some(fleet)) => match fleet.forward_to_owner(&self.id, &call).await
-            {
+            (Decision::ExecuteHere, _) => self.execute_held(call, local).await,
+            (Decision::Forward, Some(fleet)) => match self.forward_counted(fleet, &call).await {
                 Ok(reply) => Ok(reply),
                 Err(unanswered) if unanswered.situation == Situation::NoSuchSession => {
                     self.execute_local(call, None).await
@@ -208,8 +207,8 @@ impl Worker {
                     self.close_link(upstream, &link).await;
                     drop(guard);
                     debug!(session = %session::tag_of(&key), "shared session opened elsewhere first");
-                    return fleet
-                        .forward_to_owner(&self.id, &call)
+                    return self
+                        .forward_counted(fleet, &call)
                         .await
                         .map_err(|unanswered| {
                             self.refuse_shared(&unanswered.situation, &unanswered.why, &call)

@@ -30,6 +30,11 @@ use crate::session;
 /// between probes while the owner's fate is unknown.
 const SUSPECT_AFTER: Duration = Duration::from_secs(1);
 
+/// Probes after a connection broke under a sent request, and the time between them:
+/// about a second for a killed owner's sockets to close.
+const PROBES_AFTER_LOSS: usize = 4;
+const PROBE_AFTER_LOSS_SPACING: Duration = Duration::from_millis(300);
+
 /// Why a forward produced no reply: the situation the client is answered from, the
 /// cause in words fit for the client (no internal addresses), and the full detail for
 /// the log line.
@@ -104,7 +109,9 @@ impl Fleet {
         let Some(session_id) = call.session_id.as_deref() else {
             return Err(unanswered(Situation::NoSuchSession, "no session id"));
         };
-        let owner = table::owner_from(session::owner_hint(session_id), this_worker, async || {
+        let hint = session::owner_hint(session_id);
+        let fenced = self.lease.revoked();
+        let owner = table::owner_from(hint, this_worker, fenced, async || {
             self.session_record(session_id).await
         })
         .await
@@ -112,6 +119,10 @@ impl Fleet {
             Situation::Unknown => {
                 unanswered(situation, "the fleet directory did not answer in time")
             }
+            Situation::OwnerGone => unanswered(
+                situation,
+                "the worker that held it was declared dead and dropped it",
+            ),
             _ => unanswered(situation, "no owner recorded"),
         })?;
         match self.forward_to(&owner, call, session_id).await {
@@ -168,7 +179,9 @@ impl Fleet {
                     ),
                 };
                 let verdict = table::without_address(lease);
-                return self.act(verdict, owner, "", why, detail).await;
+                return self
+                    .act(verdict, owner, "", why, detail, "lease_expired")
+                    .await;
             }
             Err(e) => {
                 return refused(
@@ -201,11 +214,10 @@ impl Fleet {
                         outcome = &mut forward => break outcome,
                         liveness = &mut probe => match liveness {
                             Liveness::Dead(why) => {
-                                let verdict = table::after_loss(
-                                    &Liveness::Dead(why.clone()),
-                                    async || self.session_record(session).await,
-                                ).await;
-                                return self.act(verdict, owner, &addr, why, String::new()).await;
+                                let verdict = table::after_loss(&Liveness::Dead(why.clone()));
+                                return self
+                                    .act(verdict, owner, &addr, why, String::new(), "probe")
+                                    .await;
                             }
                             Liveness::Alive => probing = false,
                             Liveness::Unknown => {}
@@ -237,16 +249,22 @@ impl Fleet {
             Verdict::Probe => {
                 // Sent, then lost: a dead owner (502, never re-run) or an unreachable
                 // one (503).
-                let liveness = self.probe(owner, addr).await;
+                let liveness = self.probe_after_loss(owner, addr).await;
                 let why = match &liveness {
                     Liveness::Dead(why) => format!("{}; {why}", describe(&error)),
                     _ => describe(&error).to_owned(),
                 };
-                let verdict =
-                    table::after_loss(&liveness, async || self.session_record(session).await).await;
-                return self.act(verdict, owner, addr, why, error.to_string()).await;
+                let verdict = table::after_loss(&liveness);
+                return self
+                    .act(verdict, owner, addr, why, error.to_string(), "probe")
+                    .await;
             }
             verdict => verdict,
+        };
+        let proof = match &error {
+            MeshError::WrongWorker { .. } => "wrong_worker",
+            MeshError::Refused { .. } if self.mesh.kind() != TransportKind::Redis => "refused",
+            _ => "lease_expired",
         };
         self.act(
             verdict,
@@ -254,12 +272,13 @@ impl Fleet {
             addr,
             describe(&error).to_owned(),
             error.to_string(),
+            proof,
         )
         .await
     }
 
-    /// Carries out a verdict: buries a proven-dead owner, and turns the situation into
-    /// the attempt's result.
+    /// Carries out a verdict: buries a proven-dead owner (counted by `proof`), and turns
+    /// the situation into the attempt's result.
     async fn act(
         &self,
         verdict: Verdict,
@@ -267,10 +286,12 @@ impl Fleet {
         addr: &str,
         why: String,
         detail: String,
+        proof: &'static str,
     ) -> Attempt {
         match verdict {
             Verdict::Answer { situation, bury } => {
                 if bury {
+                    self.metrics.death_proven(proof);
                     self.bury(owner, addr).await;
                 }
                 let why = match situation {
@@ -284,6 +305,21 @@ impl Fleet {
             // honest answer for it is "unknown".
             Verdict::Probe => refused(Situation::Unknown, why, detail),
         }
+    }
+
+    /// A connection broke under a sent request. An owner killed a moment ago may still
+    /// be tearing down (its listener not yet closed), so a probe that proves nothing is
+    /// repeated a few times before the answer settles on "unknown".
+    async fn probe_after_loss(&self, owner: &str, addr: &str) -> Liveness {
+        let mut liveness = self.probe(owner, addr).await;
+        for _ in 1..PROBES_AFTER_LOSS {
+            if liveness != Liveness::Unknown {
+                break;
+            }
+            tokio::time::sleep(PROBE_AFTER_LOSS_SPACING).await;
+            liveness = self.probe(owner, addr).await;
+        }
+        liveness
     }
 
     /// Whether `owner` still lives at `addr`: a fresh connection (refused or another
@@ -353,11 +389,15 @@ impl Fleet {
         };
         self.remember_dead(owner);
         match self.directory.reclaim_worker(owner, token.as_deref()).await {
-            Ok(Some(sids)) => info!(
-                owner,
-                sessions = sids.len(),
-                "reclaimed a dead worker's sessions"
-            ),
+            Ok(Some(sids)) => {
+                self.metrics.workers_reclaimed.inc();
+                self.metrics.sessions_reclaimed.inc_by(sids.len() as u64);
+                info!(
+                    owner,
+                    sessions = sids.len(),
+                    "reclaimed a dead worker's sessions"
+                );
+            }
             Ok(None) => debug!(owner, "dead worker already reclaimed"),
             Err(e) => warn!(owner, error = %e, "reclaiming a dead worker failed"),
         }

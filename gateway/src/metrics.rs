@@ -1,0 +1,419 @@
+//! Prometheus metrics of one worker, served by the admin listener at `/metrics`.
+//!
+//! Naming follows Prometheus: one `mcpgw_` prefix, base units in the name (seconds),
+//! `_total` counters. Label values are bounded: routes and upstreams are configured,
+//! MCP methods come from a fixed list (anything else is `other`), tool names only
+//! from the upstream's own tool list (anything else is `other`), outcomes are
+//! classes. No session id, token or principal is ever a label.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::RwLock;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+
+/// MCP methods counted by name; any other method is counted as `other`.
+const KNOWN_METHODS: &[&str] = &[
+    "initialize",
+    "ping",
+    "tools/list",
+    "tools/call",
+    "resources/list",
+    "resources/templates/list",
+    "resources/read",
+    "resources/subscribe",
+    "resources/unsubscribe",
+    "prompts/list",
+    "prompts/get",
+    "completion/complete",
+    "logging/setLevel",
+    "notifications/initialized",
+    "notifications/cancelled",
+    "notifications/progress",
+    "notifications/roots/list_changed",
+];
+
+/// The `method` label of a request: a known MCP method, `response` (a client's answer
+/// to a server request), `stream` (GET), `delete` (DELETE), `none` (refused before the
+/// body was read) or `other`.
+pub fn method_label(method: Option<&str>, http_method: &http::Method) -> &'static str {
+    if *http_method == http::Method::GET {
+        return "stream";
+    }
+    if *http_method == http::Method::DELETE {
+        return "delete";
+    }
+    match method {
+        Some(m) => KNOWN_METHODS
+            .iter()
+            .find(|known| **known == m)
+            .copied()
+            .unwrap_or("other"),
+        None => "none",
+    }
+}
+
+/// The outcome class of an HTTP status.
+pub fn status_class(status: http::StatusCode) -> &'static str {
+    match status.as_u16() {
+        200..=299 => "2xx",
+        400..=499 => "4xx",
+        500..=599 => "5xx",
+        _ => "other",
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub route: Arc<String>,
+    pub method: &'static str,
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabels {
+    pub route: Arc<String>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ToolLabels {
+    pub upstream: Arc<String>,
+    pub tool: Arc<String>,
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ForwardLabels {
+    pub transport: &'static str,
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TransportLabels {
+    pub transport: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabels {
+    pub version: &'static str,
+}
+
+/// Every metric of a worker. Cheap to update from any task: counters and histograms
+/// are atomics behind `Arc`s.
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub request_seconds: Family<RouteLabels, Histogram>,
+    pub tool_calls: Family<ToolLabels, Counter>,
+    pub forwards: Family<ForwardLabels, Counter>,
+    pub forward_seconds: Family<TransportLabels, Histogram>,
+    pub sessions_opened: Counter,
+    pub sessions_ended: Family<ReasonLabels, Counter>,
+    pub sessions_owned: Gauge,
+    pub deaths_proven: Family<ReasonLabels, Counter>,
+    pub workers_reclaimed: Counter,
+    pub sessions_reclaimed: Counter,
+    pub leases_in_doubt: Counter,
+    pub lease_valid: Gauge,
+    pub draining: Gauge,
+    /// Tool names each upstream lists, by upstream index: the only tool names that
+    /// become label values.
+    known_tools: RwLock<Vec<Vec<Arc<String>>>>,
+    other: Arc<String>,
+}
+
+impl Metrics {
+    pub fn new(upstreams: usize) -> Metrics {
+        let mut registry = Registry::with_prefix("mcpgw");
+        let latency = || Histogram::new(exponential_buckets(0.000_1, 2.0, 20));
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "requests",
+            "Client requests answered, by route, MCP method and status class",
+            requests.clone(),
+        );
+        let request_seconds =
+            Family::<RouteLabels, Histogram>::new_with_constructor(latency as fn() -> Histogram);
+        registry.register_with_unit(
+            "request_duration",
+            "Time from a request's arrival to its answer's head",
+            Unit::Seconds,
+            request_seconds.clone(),
+        );
+        let tool_calls = Family::<ToolLabels, Counter>::default();
+        registry.register(
+            "tool_calls",
+            "tools/call executed on this worker, by upstream, tool and status class",
+            tool_calls.clone(),
+        );
+        let forwards = Family::<ForwardLabels, Counter>::default();
+        registry.register(
+            "forwards",
+            "Requests forwarded to a session's owner, by transport and outcome",
+            forwards.clone(),
+        );
+        let forward_seconds = Family::<TransportLabels, Histogram>::new_with_constructor(
+            latency as fn() -> Histogram,
+        );
+        registry.register_with_unit(
+            "forward_duration",
+            "Time from sending a forwarded request to the owner's answer head",
+            Unit::Seconds,
+            forward_seconds.clone(),
+        );
+        let sessions_opened = Counter::default();
+        registry.register(
+            "sessions_opened",
+            "Sessions opened on this worker",
+            sessions_opened.clone(),
+        );
+        let sessions_ended = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "sessions_ended",
+            "Sessions this worker ended, by reason (deleted, expired, drained, fenced, upstream_gone)",
+            sessions_ended.clone(),
+        );
+        let sessions_owned = Gauge::default();
+        registry.register(
+            "sessions_owned",
+            "Sessions this worker holds now",
+            sessions_owned.clone(),
+        );
+        let deaths_proven = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "owner_deaths_proven",
+            "Owners this worker proved dead, by proof (refused, wrong_worker, lease_expired)",
+            deaths_proven.clone(),
+        );
+        let workers_reclaimed = Counter::default();
+        registry.register(
+            "workers_reclaimed",
+            "Dead workers whose sessions this worker reclaimed (it proved the death first, or swept)",
+            workers_reclaimed.clone(),
+        );
+        let sessions_reclaimed = Counter::default();
+        registry.register(
+            "sessions_reclaimed",
+            "Sessions of dead workers this worker freed in the directory",
+            sessions_reclaimed.clone(),
+        );
+        let leases_in_doubt = Counter::default();
+        registry.register(
+            "leases_in_doubt",
+            "Renewals that could not confirm this worker's lease in time",
+            leases_in_doubt.clone(),
+        );
+        let lease_valid = Gauge::default();
+        registry.register(
+            "lease_valid",
+            "1 while this worker may act for its sessions (lease valid by its own clock)",
+            lease_valid.clone(),
+        );
+        let draining = Gauge::default();
+        registry.register(
+            "draining",
+            "1 once this worker drains (or was fenced)",
+            draining.clone(),
+        );
+        registry.register(
+            "build",
+            "mcpgw build information",
+            prometheus_client::metrics::info::Info::new(BuildLabels {
+                version: env!("CARGO_PKG_VERSION"),
+            }),
+        );
+        Metrics {
+            registry,
+            requests,
+            request_seconds,
+            tool_calls,
+            forwards,
+            forward_seconds,
+            sessions_opened,
+            sessions_ended,
+            sessions_owned,
+            deaths_proven,
+            workers_reclaimed,
+            sessions_reclaimed,
+            leases_in_doubt,
+            lease_valid,
+            draining,
+            known_tools: RwLock::new(vec![Vec::new(); upstreams]),
+            other: Arc::new("other".to_owned()),
+        }
+    }
+
+    /// The OpenMetrics text of every metric.
+    pub fn encode(&self) -> Result<String, std::fmt::Error> {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry)?;
+        Ok(text)
+    }
+
+    /// Counts an answered client request.
+    pub fn request(
+        &self,
+        route: &Arc<String>,
+        method: &'static str,
+        status: http::StatusCode,
+        elapsed: Duration,
+    ) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                route: Arc::clone(route),
+                method,
+                outcome: status_class(status),
+            })
+            .inc();
+        self.request_seconds
+            .get_or_create(&RouteLabels {
+                route: Arc::clone(route),
+            })
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// Counts a `tools/call` run on this worker; unknown tool names count as `other`.
+    pub fn tool_call(
+        &self,
+        upstream: usize,
+        upstream_name: &Arc<String>,
+        tool: &str,
+        status: http::StatusCode,
+    ) {
+        let tool = self
+            .known_tools
+            .read()
+            .get(upstream)
+            .and_then(|names| names.iter().find(|known| known.as_str() == tool).cloned())
+            .unwrap_or_else(|| Arc::clone(&self.other));
+        self.tool_calls
+            .get_or_create(&ToolLabels {
+                upstream: Arc::clone(upstream_name),
+                tool,
+                outcome: status_class(status),
+            })
+            .inc();
+    }
+
+    /// Adds the tool names upstream `upstream` listed (bounded: a misbehaving upstream
+    /// cannot make the label set grow past [`MAX_TOOLS_PER_UPSTREAM`]).
+    pub fn learn_tools(&self, upstream: usize, names: Vec<String>) {
+        let mut known = self.known_tools.write();
+        let Some(slot) = known.get_mut(upstream) else {
+            return;
+        };
+        for name in names {
+            if slot.len() >= MAX_TOOLS_PER_UPSTREAM {
+                break;
+            }
+            if !slot.iter().any(|known| **known == name) {
+                slot.push(Arc::new(name));
+            }
+        }
+    }
+
+    /// Learns tool names from a `tools/list` answer, JSON or SSE, as it passed to the
+    /// client: the only source of tool-name label values.
+    pub fn learn_tools_from_answer(&self, upstream: usize, answer: &[u8]) {
+        let messages: Vec<serde_json::Value> = match serde_json::from_slice(answer) {
+            Ok(json) => vec![json],
+            Err(_) => crate::sse::data_payloads(answer)
+                .filter_map(|data| serde_json::from_str(&data).ok())
+                .collect(),
+        };
+        let names = messages
+            .iter()
+            .filter_map(|m| m.get("result")?.get("tools")?.as_array())
+            .flatten()
+            .filter_map(|tool| Some(tool.get("name")?.as_str()?.to_owned()))
+            .collect();
+        self.learn_tools(upstream, names);
+    }
+
+    /// Counts a forward and, when the owner answered, its time to the head.
+    pub fn forward(&self, transport: &'static str, outcome: &'static str, elapsed: Duration) {
+        self.forwards
+            .get_or_create(&ForwardLabels { transport, outcome })
+            .inc();
+        if outcome == "answered" {
+            self.forward_seconds
+                .get_or_create(&TransportLabels { transport })
+                .observe(elapsed.as_secs_f64());
+        }
+    }
+
+    pub fn session_ended(&self, reason: &'static str, count: u64) {
+        self.sessions_ended
+            .get_or_create(&ReasonLabels { reason })
+            .inc_by(count);
+    }
+
+    pub fn death_proven(&self, proof: &'static str) {
+        self.deaths_proven
+            .get_or_create(&ReasonLabels { reason: proof })
+            .inc();
+    }
+}
+
+/// Tool names per upstream that may become label values.
+pub const MAX_TOOLS_PER_UPSTREAM: usize = 256;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn methods_and_statuses_map_to_bounded_labels() {
+        let post = http::Method::POST;
+        assert_eq!(method_label(Some("tools/call"), &post), "tools/call");
+        assert_eq!(method_label(Some("x/evil-unbounded-name"), &post), "other");
+        assert_eq!(method_label(None, &post), "none");
+        assert_eq!(method_label(None, &http::Method::GET), "stream");
+        assert_eq!(status_class(http::StatusCode::NOT_FOUND), "4xx");
+    }
+
+    #[test]
+    fn unknown_tool_names_never_become_labels() {
+        let metrics = Metrics::new(1);
+        let route = Arc::new("demo".to_owned());
+        metrics.learn_tools_from_answer(
+            0,
+            br#"{"jsonrpc":"2.0","id":1,"result":{"tools":[{"name":"echo"}]}}"#,
+        );
+        metrics.learn_tools_from_answer(
+            0,
+            b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":2,\"result\":{\"tools\":[{\"name\":\"echo\"},{\"name\":\"add\"}]}}\n\n",
+        );
+        metrics.tool_call(0, &route, "add", http::StatusCode::OK);
+        metrics.tool_call(0, &route, "echo", http::StatusCode::OK);
+        metrics.tool_call(0, &route, "made-up-1", http::StatusCode::OK);
+        metrics.tool_call(0, &route, "made-up-2", http::StatusCode::OK);
+        let text = metrics.encode().unwrap();
+        assert!(
+            text.contains(r#"mcpgw_tool_calls_total{upstream="demo",tool="echo",outcome="2xx"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"mcpgw_tool_calls_total{upstream="demo",tool="other",outcome="2xx"} 2"#
+            ),
+            "{text}"
+        );
+        assert!(!text.contains("made-up"));
+        assert!(
+            text.contains(r#"tool="add""#),
+            "learned from an SSE answer: {text}"
+        );
+        assert!(text.contains(r#"mcpgw_build_info{version="#), "{text}");
+    }
+}
