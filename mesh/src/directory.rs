@@ -12,12 +12,14 @@
 //! | `{p}workers` | ZSET of worker ids that hold a lease, scored by their last renewal (ms) | until reclaimed or deregistered |
 //! | `{p}principal_sessions:{sha1}` | SET of sids one principal (or client address) holds, for the session quota | PX twice the idle timeout, from its last new session |
 //! | `{p}sweeper` | worker id of the one worker sweeping dead workers' keys now | PX one sweep interval |
+//! | `{p}worker_reclaimed:{id}` | Redis time (ms) when the worker was proven dead and reclaimed | PX four leases |
 //! | `{p}generation` | random token `@` creation time (ms), created when absent | no TTL |
 //!
 //! A worker that never held a lease leaves no trace: a forged owner hint costs no
-//! write. A reclaimed worker leaves none either: its id leaves `workers`, which is also
-//! what keeps it from resuming its lease (fencing), and its keys are deleted in
-//! batches, by the worker that proved it dead or by the sweeper.
+//! write. A reclaimed worker leaves only a short-lived record of when it was reclaimed
+//! (so a request sent to it later is known not to have run): its id leaves `workers`,
+//! which is also what keeps it from resuming its lease (fencing), and its keys are
+//! deleted in batches, by the worker that proved it dead or by the sweeper.
 //!
 //! Every multi-key change is one Lua script, so it is atomic against other workers.
 //! The scripts touch keys they compute from the prefix (pool_owner keys of a reclaimed
@@ -350,6 +352,7 @@ struct Scripts {
     generation: Script,
     resume: Script,
     lease_state: Script,
+    reclaimed_at: Script,
 }
 
 /// Redis's clock in milliseconds, and get-or-create of the generation token (which
@@ -471,14 +474,15 @@ end
 return 0
 "#,
             ),
-            // KEYS: worker, addr, worker_sessions, workers.
-            // ARGV: dead id, stale token or '', pool_owner key prefix, batch size.
+            // KEYS: worker, addr, worker_sessions, workers, reclaimed.
+            // ARGV: dead id, stale token or '', pool_owner key prefix, batch size,
+            // reclaimed-record px.
             // false: nothing may be done (lease alive, or nothing known of this id: a
             // forged id costs no write). Else {won, remaining, freed sids...}: `won` is
             // 1 for the one call that proved the death first; later calls (the sweeper,
             // a reclaimer's next batches) free the rest, `remaining` at a time.
-            reclaim: Script::new(
-                r#"
+            reclaim: Script::new(&format!(
+                r#"{GEN_LUA}
 local lease = redis.call('GET', KEYS[1])
 if lease then
   if ARGV[2] == '' then return false end
@@ -489,7 +493,10 @@ end
 local won = redis.call('ZREM', KEYS[4], ARGV[1])
 if won == 0 and redis.call('EXISTS', KEYS[3]) == 0 then return false end
 redis.call('DEL', KEYS[2])
-local out = {won, 0}
+if won == 1 then
+  redis.call('SET', KEYS[5], string.format('%d', now_ms()), 'PX', ARGV[5])
+end
+local out = {{won, 0}}
 for _, sid in ipairs(redis.call('SPOP', KEYS[3], tonumber(ARGV[4]))) do
   local k = ARGV[3] .. sid
   if redis.call('GET', k) == ARGV[1] then
@@ -499,8 +506,15 @@ for _, sid in ipairs(redis.call('SPOP', KEYS[3], tonumber(ARGV[4]))) do
 end
 out[2] = redis.call('SCARD', KEYS[3])
 return out
-"#,
-            ),
+"#
+            )),
+            // KEYS: reclaimed. Returns {reclaimed ms or -1, now ms}.
+            reclaimed_at: Script::new(&format!(
+                r#"{GEN_LUA}
+local at = redis.call('GET', KEYS[1])
+return {{tonumber(at or '-1'), now_ms()}}
+"#
+            )),
             // KEYS: worker, generation. Returns {lease alive 0/1, generation or '',
             // generation age ms}.
             lease_state: Script::new(&format!(
@@ -956,10 +970,12 @@ impl Directory {
                             .key(self.key_addr(dead_id))
                             .key(self.key_sessions(dead_id))
                             .key(self.key_workers())
+                            .key(self.key_reclaimed(dead_id))
                             .arg(dead_id)
                             .arg(stale_token.unwrap_or(""))
                             .arg(pool_owner_prefix)
                             .arg(RECLAIM_BATCH)
+                            .arg(duration_px(self.inner.cfg.lease * 4))
                             .invoke_async(&mut c)
                             .await
                     }
@@ -1016,6 +1032,21 @@ impl Directory {
             generation,
             generation_age: Duration::from_millis(u64::try_from(age_ms).unwrap_or(0)),
         })
+    }
+
+    /// How long ago (by Redis's clock) worker `id` was proven dead and reclaimed, if it
+    /// was within the last four leases. A request sent to it after that cannot have run.
+    pub async fn reclaimed_ago(&self, id: &str) -> Result<Option<Duration>, DirectoryError> {
+        check_name("worker id", id)?;
+        let (at, now): (i64, i64) = self
+            .run("reclaimed_ago", |mut c, s| async move {
+                s.reclaimed_at
+                    .key(self.key_reclaimed(id))
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok((at >= 0).then(|| Duration::from_millis(u64::try_from(now - at).unwrap_or(0))))
     }
 
     /// Takes the fleet-wide sweeper turn for `period` if nobody holds it: one worker
@@ -1280,6 +1311,10 @@ impl Directory {
 
     fn key_sessions(&self, id: &str) -> String {
         format!("{}worker_sessions:{id}", self.inner.cfg.prefix)
+    }
+
+    fn key_reclaimed(&self, id: &str) -> String {
+        format!("{}worker_reclaimed:{id}", self.inner.cfg.prefix)
     }
 
     fn key_workers(&self) -> String {

@@ -596,8 +596,21 @@ async fn a_large_dead_worker_is_reclaimed_in_batches_and_leaves_no_key() {
         .query_async(&mut raw)
         .await
         .unwrap();
-    assert!(keys.is_empty(), "keys of the dead worker remain: {keys:?}");
-    assert!(key_count(&server).await <= baseline);
+    // Only the short-lived record of when it was reclaimed, and it expires.
+    assert_eq!(
+        keys,
+        ["t*st:worker_reclaimed:big"],
+        "keys of the dead worker remain"
+    );
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg("t*st:worker_reclaimed:big")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(ttl > 0, "the reclaim record expires: {ttl}");
+    assert!(other.reclaimed_ago("big").await.unwrap().is_some());
+    assert_eq!(other.reclaimed_ago("alive").await.unwrap(), None);
+    assert!(key_count(&server).await <= baseline + 1);
     // Reclaimed: its registration can never be resumed (fencing).
     assert_eq!(other.reclaim_worker("big", None).await.unwrap(), None);
 }

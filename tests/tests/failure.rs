@@ -386,11 +386,6 @@ fn an_owner_lost_mid_request_gets_502_and_the_call_is_never_rerun_quic() {
 }
 
 #[test]
-#[ignore = "claim false over TCP (race): the caller sees the connection close while the \
-            killed owner's process is still being torn down, its one liveness probe is \
-            accepted then reset (not proof), the lease is alive, so the client gets 503 \
-            ownership_unknown, retryable: true, for a call the upstream did execute \
-            (fleet.rs classify: may_have_executed -> probe -> Unknown)"]
 fn an_owner_lost_mid_request_gets_502_and_the_call_is_never_rerun_tcp() {
     owner_lost_mid_request("tcp");
 }
@@ -767,13 +762,6 @@ fn while_the_directory_is_unreachable_nothing_is_created_and_ownership_is_unknow
 /// README: "fleet directory unreachable at initialize: … no session was created" —
 /// in the directory too.
 #[test]
-#[ignore = "claim partly false: the worker's claim (a script doing SET NX + SADD) \
-            times out client-side after 500 ms but stays queued on its Redis connection; \
-            when Redis answers again it runs, and the directory records a session \
-            (pool_owner and the worker's session set) that was refused and never handed \
-            out. No client can use it (its id was never sent), but the record stays until \
-            the worker dies and is reclaimed (mesh directory.rs run(): a timed-out command \
-            is not withdrawn; the refused initialize does not release its claim)"]
 fn a_refused_initialize_leaves_no_record_in_the_directory() {
     let fleet = LocalFleet::start("quic", 1, &[]);
     // A first session, as on any running fleet (it also loads the claim script into
@@ -1058,13 +1046,6 @@ fn draining_the_supervisor_closes_the_port_and_ends_its_sessions() {
 /// worker Y still holds a pooled QUIC connection to the dead owner and sends the next
 /// request on it.
 #[test]
-#[ignore = "claim false (race): after another worker reclaimed the dead owner's \
-            sessions, a worker whose request went out on its pooled connection to the dead \
-            owner answers 404 session_not_found, not session_gone. fleet.rs \
-            lost_after_sending reads 'no directory record' as 'the owner ended the session \
-            before' (a drain), but a concurrent reclaim also removes the record; for a \
-            request sent before the owner died the same path answers 404 instead of \
-            502 outcome_unknown"]
 fn a_session_reclaimed_by_another_worker_is_gone_everywhere() {
     let never = ["--forward-timeout-ms", NEVER];
     let fleet = LocalFleet::start_hosts("quic", (2, &never), (1, &never));
@@ -1095,6 +1076,10 @@ fn a_session_reclaimed_by_another_worker_is_gone_everywhere() {
     );
     assert_eq!(proven.outcome(), "404 session_gone", "{}", proven.text());
     assert_eq!(recorded_owner(&fleet.redis, &session), None);
+    // A request that leaves within a millisecond or so of the reclaim cannot be told
+    // apart from one that was already on its way (then 502 outcome_unknown is the
+    // truth); this one leaves clearly after it.
+    std::thread::sleep(Duration::from_millis(100));
     let pooled = call_tool(
         &fleet.b.addr,
         "/mcp",
@@ -1245,10 +1230,6 @@ fn another_principal_cannot_use_a_session() {
 /// README: "session unknown or ended, or created by another principal: 404, -32001,
 /// data.reason: session_not_found".
 #[test]
-#[ignore = "claim false: another principal's use of a session is answered 404 -32001 \
-            with no error.data at all (exec.rs run_in_session returns \
-            GatewayError::session_not_found() without .with_data), on the owner and \
-            when forwarded"]
 fn another_principal_is_told_session_not_found_with_its_reason() {
     let dir = tempfile::tempdir().expect("temp dir");
     let tokens = dir.path().join("tokens");

@@ -371,18 +371,32 @@ pub async fn liveness(
 }
 
 /// The request was sent and then lost; `liveness` is what a probe found. A dead owner
-/// means the outcome is unknown (502, never re-run), whatever the directory says now:
-/// a missing record may be another worker's reclaim as well as the owner's own end,
-/// and the request may have run either way. A live or silent owner means ownership is
-/// unknown (503, retry).
-pub fn after_loss(liveness: &Liveness) -> Verdict {
+/// means the outcome is unknown (502, never re-run), unless the owner had been proven
+/// dead before the request was sent (`sent_after_proof`: another worker reclaimed it
+/// earlier, and this one still held a connection to it): then it cannot have run, and
+/// the session is simply gone. A missing session record proves neither way (a reclaim
+/// removes it as well as the owner's own end). A live or silent owner means ownership
+/// is unknown (503, retry).
+pub fn after_loss(liveness: &Liveness, sent_after_proof: bool) -> Verdict {
     match liveness {
+        Liveness::Dead(_) if sent_after_proof => Verdict::Answer {
+            situation: Situation::OwnerGone,
+            bury: true,
+        },
         Liveness::Dead(_) => Verdict::Answer {
             situation: Situation::ForwardedThenLost,
             bury: true,
         },
         Liveness::Alive | Liveness::Unknown => Verdict::answer(Situation::Unknown),
     }
+}
+
+/// Whether a request sent `sent_ago` ago went out after its owner was reclaimed
+/// `reclaimed_ago` ago (both measured when the reclaim record was read; the local
+/// time includes the read's round trip, which only makes this answer more cautious).
+pub fn sent_after_proof(sent_ago: Duration, reclaimed_ago: Option<Duration>) -> bool {
+    // Redis reports whole milliseconds: a millisecond of margin covers the rounding.
+    reclaimed_ago.is_some_and(|reclaimed| reclaimed > sent_ago + Duration::from_millis(1))
 }
 
 /// The directory has no mesh address for the owner: its lease expired (proof of
@@ -733,16 +747,34 @@ mod tests {
 
     #[test]
     fn a_request_lost_after_sending() {
-        // Dead: 502 whatever the directory says, and never re-run.
+        let dead = Liveness::Dead("refused".into());
+        // Dead: 502 whatever the directory says, and never re-run...
         assert_eq!(
-            after_loss(&Liveness::Dead("refused".into())),
+            after_loss(&dead, false),
             Verdict::Answer {
                 situation: Situation::ForwardedThenLost,
                 bury: true,
             }
         );
-        assert_eq!(after_loss(&Liveness::Alive), unknown());
-        assert_eq!(after_loss(&Liveness::Unknown), unknown());
+        // ...unless the owner was proven dead before the request went out.
+        assert_eq!(after_loss(&dead, true), gone(true));
+        assert_eq!(after_loss(&Liveness::Alive, true), unknown());
+        assert_eq!(after_loss(&Liveness::Unknown, false), unknown());
+    }
+
+    #[test]
+    fn a_request_sent_after_the_reclaim_cannot_have_run() {
+        let ms = Duration::from_millis;
+        assert!(sent_after_proof(ms(100), Some(ms(500))));
+        assert!(
+            !sent_after_proof(ms(500), Some(ms(100))),
+            "reclaimed after the send"
+        );
+        assert!(
+            !sent_after_proof(ms(100), Some(ms(101))),
+            "too close to tell"
+        );
+        assert!(!sent_after_proof(ms(100), None), "no reclaim on record");
     }
 
     #[test]

@@ -193,6 +193,7 @@ impl Fleet {
         };
         let request_id = self.request_ids.fetch_add(1, Ordering::Relaxed);
         let frame = to_frame(call, request_id, self.config.mesh.forward_timeout);
+        let sent_at = tokio::time::Instant::now();
         let forward = self.mesh.forward(&addr, owner, frame);
         tokio::pin!(forward);
         // A head normally comes within milliseconds. When it does not, find out in
@@ -214,7 +215,8 @@ impl Fleet {
                         outcome = &mut forward => break outcome,
                         liveness = &mut probe => match liveness {
                             Liveness::Dead(why) => {
-                                let verdict = table::after_loss(&Liveness::Dead(why.clone()));
+                                let after = self.sent_after_proof(owner, sent_at).await;
+                                let verdict = table::after_loss(&Liveness::Dead(why.clone()), after);
                                 return self
                                     .act(verdict, owner, &addr, why, String::new(), "probe")
                                     .await;
@@ -230,13 +232,20 @@ impl Fleet {
             Ok(response) => Attempt::Answered(from_forwarded(response)),
             Err(error) => {
                 debug!(owner, %addr, %error, "forward failed");
-                self.classify(owner, &addr, session, error).await
+                self.classify(owner, &addr, session, error, sent_at).await
             }
         }
     }
 
     /// What a failed forward proves, and acting on it.
-    async fn classify(&self, owner: &str, addr: &str, session: &str, error: MeshError) -> Attempt {
+    async fn classify(
+        &self,
+        owner: &str,
+        addr: &str,
+        session: &str,
+        error: MeshError,
+        sent_at: tokio::time::Instant,
+    ) -> Attempt {
         let via_pubsub = self.mesh.kind() == TransportKind::Redis;
         let verdict = table::after_failure(
             table::sign_of(&error),
@@ -254,7 +263,11 @@ impl Fleet {
                     Liveness::Dead(why) => format!("{}; {why}", describe(&error)),
                     _ => describe(&error).to_owned(),
                 };
-                let verdict = table::after_loss(&liveness);
+                let after = match liveness {
+                    Liveness::Dead(_) => self.sent_after_proof(owner, sent_at).await,
+                    _ => false,
+                };
+                let verdict = table::after_loss(&liveness, after);
                 return self
                     .act(verdict, owner, addr, why, error.to_string(), "probe")
                     .await;
@@ -304,6 +317,15 @@ impl Fleet {
             // Probing is resolved by the callers above; reaching here is a bug, and the
             // honest answer for it is "unknown".
             Verdict::Probe => refused(Situation::Unknown, why, detail),
+        }
+    }
+
+    /// Whether `owner` had been proven dead (and reclaimed, by any worker) before a
+    /// request sent at `sent_at` went out. Unknown counts as no.
+    async fn sent_after_proof(&self, owner: &str, sent_at: tokio::time::Instant) -> bool {
+        match self.directory.reclaimed_ago(owner).await {
+            Ok(reclaimed_ago) => table::sent_after_proof(sent_at.elapsed(), reclaimed_ago),
+            Err(_) => false,
         }
     }
 
