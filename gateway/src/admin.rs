@@ -15,7 +15,6 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
-use tokio::sync::watch;
 use tracing::{debug, warn};
 
 use crate::body::{self, ReplyBody};
@@ -27,40 +26,32 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr).await
 }
 
-/// Serves the admin endpoints until `stop` holds a grace period.
-pub async fn serve(
-    worker: Arc<Worker>,
-    listener: TcpListener,
-    mut stop: watch::Receiver<Option<Duration>>,
-) {
+/// Serves the admin endpoints for as long as the process runs: through a drain too,
+/// so `/readyz` says "draining" until the very end.
+pub async fn serve(worker: Arc<Worker>, listener: TcpListener) {
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(Duration::from_secs(10));
     loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let (stream, peer) = match accepted {
-                    Ok(conn) => conn,
-                    Err(e) => {
-                        warn!(error = %e, "admin accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let worker = Arc::clone(&worker);
-                let service = service_fn(move |request| {
-                    let worker = Arc::clone(&worker);
-                    async move { Ok::<_, Infallible>(answer(&worker, &request)) }
-                });
-                let connection = http.serve_connection(TokioIo::new(stream), service);
-                tokio::spawn(async move {
-                    if let Err(e) = connection.await {
-                        debug!(%peer, error = %e, "admin connection ended with an error");
-                    }
-                });
+        let (stream, peer) = match listener.accept().await {
+            Ok(conn) => conn,
+            Err(e) => {
+                warn!(error = %e, "admin accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
             }
-            () = crate::process::stop_requested(&mut stop) => return,
-        }
+        };
+        let worker = Arc::clone(&worker);
+        let service = service_fn(move |request| {
+            let worker = Arc::clone(&worker);
+            async move { Ok::<_, Infallible>(answer(&worker, &request)) }
+        });
+        let connection = http.serve_connection(TokioIo::new(stream), service);
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                debug!(%peer, error = %e, "admin connection ended with an error");
+            }
+        });
     }
 }
 

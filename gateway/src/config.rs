@@ -47,6 +47,8 @@ pub struct Config {
     /// load balancer in front) instead of the connection's peer. Only behind a proxy
     /// that sets it: a client could forge it otherwise.
     pub trust_forwarded_for: bool,
+    /// Log one line per successful request too (failed ones are always logged).
+    pub log_requests: bool,
 }
 
 /// One upstream MCP server: its route name, where it is, and how the gateway reaches it.
@@ -273,6 +275,7 @@ impl Default for Config {
             auth: AuthConfig::default(),
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             trust_forwarded_for: false,
+            log_requests: false,
         }
     }
 }
@@ -361,6 +364,9 @@ pub struct ServeArgs {
     /// Admin listener of worker 0 (worker i uses port + i; port 0 picks free ports).
     #[arg(long, env = "MCPGW_ADMIN_LISTEN")]
     pub admin_listen: Option<String>,
+    /// Log a line for every request, not only for failed ones.
+    #[arg(long, env = "MCPGW_LOG_REQUESTS")]
+    pub log_requests: bool,
     /// Take the client address from X-Forwarded-For (only behind a proxy that sets it).
     #[arg(long, env = "MCPGW_TRUST_FORWARDED_FOR")]
     pub trust_forwarded_for: bool,
@@ -620,6 +626,9 @@ impl Config {
         set_ms(&mut self.limits.body_timeout, a.body_timeout_ms);
         if a.trust_forwarded_for {
             self.trust_forwarded_for = true;
+        }
+        if a.log_requests {
+            self.log_requests = true;
         }
         if let Some(listen) = &a.admin_listen {
             self.admin_listen = parse_addr("--admin-listen", listen)?;

@@ -185,28 +185,35 @@ async fn handle(
     }
     let arrived = tokio::time::Instant::now();
     let route = worker.routes.resolve(&path);
+    let http_method = parts.method.clone();
+    let session = parts
+        .headers
+        .get(mcp::HEADER_SESSION_ID)
+        .and_then(|v| v.to_str().ok())
+        .map(crate::session::tag_of);
     let mut method_label = "none";
-    let reply = match accept_call(&worker, parts, body, peer, &mut method_label).await {
-        Ok(reply) => reply,
-        Err((error, method, path)) => {
-            // The one log line for a refused request; the client gets the same words
-            // (and the log, what only operators may see).
-            let detail = error.log_detail.as_deref().unwrap_or("");
-            if error.status.is_server_error() {
-                warn!(%method, path, status = error.status.as_u16(), code = error.code, detail, "{}", error.message);
-            } else {
-                info!(%method, path, status = error.status.as_u16(), code = error.code, detail, "{}", error.message);
-            }
-            Reply::from_error(&error)
-        }
+    let (reply, refusal) = match accept_call(&worker, parts, body, peer, &mut method_label).await {
+        Ok(reply) => (reply, None),
+        Err((error, _, _)) => (Reply::from_error(&error), Some(error)),
     };
     let route_label = match route {
         Some(index) => &worker.route_labels[index],
         None => &worker.unrouted_label,
     };
+    let elapsed = arrived.elapsed();
     worker
         .metrics
-        .request(route_label, method_label, reply.status, arrived.elapsed());
+        .request(route_label, method_label, reply.status, elapsed);
+    log_request(&RequestRecord {
+        worker: &worker,
+        http_method: &http_method,
+        route: route_label,
+        method: method_label,
+        session,
+        reply: &reply,
+        refusal: refusal.as_ref(),
+        elapsed,
+    });
     let mut response = into_response(reply);
     let status = response.status();
     worker.auth.complete_challenge(
@@ -220,6 +227,76 @@ async fn handle(
         .headers_mut()
         .insert(HEADER_EDGE_WORKER, worker.id_header.clone());
     response
+}
+
+/// What the one log line of a request says.
+struct RequestRecord<'a> {
+    worker: &'a Worker,
+    http_method: &'a http::Method,
+    route: &'a str,
+    /// The MCP method (a bounded label, see [`crate::metrics::method_label`]).
+    method: &'static str,
+    /// A short hash of the session id: the id itself is a credential.
+    session: Option<crate::session::SessionTag>,
+    reply: &'a Reply,
+    /// The gateway's own refusal, when it refused (its message and log detail).
+    refusal: Option<&'a GatewayError>,
+    elapsed: Duration,
+}
+
+/// One line per failed request (a successful one only with `--log-requests`): worker,
+/// route, method, session hash, whether it was forwarded and to whom, status, reason
+/// and duration. Never a token or a whole session id.
+fn log_request(record: &RequestRecord<'_>) {
+    let status = record.reply.status;
+    let failed = status.is_client_error() || status.is_server_error();
+    if !failed && !record.worker.config.log_requests {
+        return;
+    }
+    let owner = record
+        .reply
+        .headers
+        .get(crate::reply::HEADER_OWNER_WORKER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let forwarded = !owner.is_empty() && owner != record.worker.id;
+    let session = record
+        .session
+        .map(|tag| tag.to_string())
+        .unwrap_or_default();
+    let reason = record
+        .refusal
+        .and_then(|e| e.data.as_ref()?.get("reason")?.as_str())
+        .unwrap_or("");
+    let message = record.refusal.map_or("", |e| e.message.as_str());
+    let detail = record
+        .refusal
+        .and_then(|e| e.log_detail.as_deref())
+        .unwrap_or("");
+    let duration_ms = record.elapsed.as_secs_f64() * 1000.0;
+    macro_rules! line {
+        ($level:ident) => {
+            $level!(
+                worker = %record.worker.id,
+                http = %record.http_method,
+                route = record.route,
+                method = record.method,
+                session,
+                forwarded,
+                owner,
+                status = status.as_u16(),
+                reason,
+                duration_ms,
+                detail,
+                "{message}"
+            )
+        };
+    }
+    if status.is_server_error() {
+        line!(warn);
+    } else {
+        line!(info);
+    }
 }
 
 type Refusal = (GatewayError, http::Method, String);

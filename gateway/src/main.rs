@@ -51,8 +51,39 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Debug, Parser)]
 #[command(name = "mcpgw", version, about = "A horizontally scaled MCP gateway")]
 struct Cli {
+    /// Log lines as text (for people) or JSON (for log pipelines); workers inherit it.
+    #[arg(long, global = true, env = process::ENV_LOG_FORMAT, value_enum, default_value = "text")]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+/// How log lines are written (to stderr).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Logs go to stderr, filtered by `RUST_LOG` (default `info`). Every worker process
+/// logs under its own id (each line's fields name it where it matters).
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+    }
+    // Workers started by a supervisor log the way it does.
+    process::set_log_format(match format {
+        LogFormat::Json => "json",
+        LogFormat::Text => "text",
+    });
 }
 
 // Parsed once at start; the size difference between variants costs nothing.
@@ -76,15 +107,8 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let cli = Cli::parse();
+    init_logging(cli.log_format);
     match cli.command {
         Command::Serve(args) => {
             let config = match Config::load(&args) {

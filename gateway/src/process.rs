@@ -12,6 +12,20 @@ use tracing::info;
 pub const ENV_WORKER_OF_SUPERVISOR: &str = "MCPGW_WORKER_OF_SUPERVISOR";
 /// The worker's slot (0..N): picks its mesh port.
 pub const ENV_WORKER_INDEX: &str = "MCPGW_WORKER_INDEX";
+/// How log lines are written (`text` or `json`); passed on to workers.
+pub const ENV_LOG_FORMAT: &str = "MCPGW_LOG_FORMAT";
+
+/// The log format this process chose at start, for the workers it starts.
+static LOG_FORMAT: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+
+pub fn set_log_format(format: &'static str) {
+    let _ = LOG_FORMAT.set(format);
+}
+
+pub fn log_format() -> &'static str {
+    LOG_FORMAT.get().copied().unwrap_or("text")
+}
+
 /// A fixed worker id for the process (otherwise it generates its own).
 pub const ENV_WORKER_ID_ASSIGNED: &str = "MCPGW_WORKER_ID_ASSIGNED";
 
@@ -70,12 +84,6 @@ pub fn worker_info(admin: Option<String>) -> mcpgw_mesh::directory::WorkerInfo {
             .unwrap_or(0),
         version: env!("CARGO_PKG_VERSION").to_owned(),
     }
-}
-
-/// Resolves once the worker's stop signal holds a grace period (see `serve`).
-pub async fn stop_requested(stop: &mut tokio::sync::watch::Receiver<Option<std::time::Duration>>) {
-    // A closed channel means the worker is going away anyway.
-    let _ = stop.wait_for(Option::is_some).await;
 }
 
 /// Resolves when the process is asked to stop (SIGTERM or SIGINT).

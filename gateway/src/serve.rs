@@ -24,6 +24,10 @@ use crate::worker::Worker;
 /// How long open client exchanges may run on after a shutdown signal.
 const DRAIN_GRACE: Duration = Duration::from_secs(10);
 
+/// How long a drained worker's mesh endpoint stays up after its sessions ended, so
+/// peers that still send to it hear "not mine" instead of a closed connection.
+const NOT_MINE_GRACE: Duration = Duration::from_millis(500);
+
 /// How long a fenced worker lets answers already being written go out before it exits.
 const FENCED_GRACE: Duration = Duration::from_millis(500);
 
@@ -172,11 +176,7 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
         .as_ref()
         .map(|_| tokio::spawn(heartbeat(Arc::clone(&worker), stop_rx.clone())));
     tokio::spawn(expire_idle_sessions(Arc::clone(&worker), stop_rx.clone()));
-    tokio::spawn(crate::admin::serve(
-        Arc::clone(&worker),
-        admin,
-        stop_rx.clone(),
-    ));
+    tokio::spawn(crate::admin::serve(Arc::clone(&worker), admin));
     if mesh.is_some() {
         tokio::spawn(sweep_dead_workers(Arc::clone(&worker), stop_rx.clone()));
     }
@@ -227,6 +227,9 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
         fleet.lease.deregister().await;
     }
     if let Some(mesh) = mesh {
+        // Requests still arriving for the ended sessions are answered "not mine" (the
+        // caller then finds them ended) rather than cut by a closing endpoint.
+        tokio::time::sleep(NOT_MINE_GRACE).await;
         mesh.server.shutdown(Duration::from_secs(1)).await;
     }
     info!(worker = %worker.id, "worker stopped");

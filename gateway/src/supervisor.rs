@@ -194,7 +194,8 @@ fn spawn_worker(
     command
         .arg("worker")
         .env(ENV_WORKER_OF_SUPERVISOR, std::process::id().to_string())
-        .env(ENV_WORKER_INDEX, slot.to_string());
+        .env(ENV_WORKER_INDEX, slot.to_string())
+        .env(crate::process::ENV_LOG_FORMAT, crate::process::log_format());
     // A fixed id (tests, debugging) is passed on; otherwise each worker names itself
     // after its own pid, so a replacement always gets a new id.
     match &config.fleet.worker_id {

@@ -12,12 +12,13 @@
 //! | `{p}workers` | ZSET of worker ids that hold a lease, scored by their last renewal (ms) | until reclaimed or deregistered |
 //! | `{p}principal_sessions:{sha1}` | SET of sids one principal (or client address) holds, for the session quota | PX twice the idle timeout, from its last new session |
 //! | `{p}sweeper` | worker id of the one worker sweeping dead workers' keys now | PX one sweep interval |
-//! | `{p}worker_reclaimed:{id}` | Redis time (ms) when the worker was proven dead and reclaimed | PX four leases |
+//! | `{p}worker_gone:{id}` | `reclaimed@ms` (proven dead and reclaimed) or `deregistered@ms` (ended cleanly), Redis time | PX four leases |
 //! | `{p}generation` | random token `@` creation time (ms), created when absent | no TTL |
 //!
 //! A worker that never held a lease leaves no trace: a forged owner hint costs no
-//! write. A reclaimed worker leaves only a short-lived record of when it was reclaimed
-//! (so a request sent to it later is known not to have run): its id leaves `workers`,
+//! write. A reclaimed or cleanly deregistered worker leaves only a short-lived record
+//! of how and when it went (so a request sent to it later is known not to have run, and
+//! its sessions are known to be gone, even in a young directory): its id leaves `workers`,
 //! which is also what keeps it from resuming its lease (fencing), and its keys are
 //! deleted in batches, by the worker that proved it dead or by the sweeper.
 //!
@@ -262,6 +263,38 @@ pub struct LeaseState {
     pub generation: String,
     /// How long that generation has existed.
     pub generation_age: Duration,
+    /// How the worker went, if it was reclaimed or deregistered recently.
+    pub gone: Option<Gone>,
+}
+
+/// How a worker left the fleet, and how long ago.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gone {
+    pub how: GoneHow,
+    /// Time since, by Redis's clock (whole milliseconds).
+    pub ago: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GoneHow {
+    /// Proven dead by another worker, its sessions reclaimed.
+    Reclaimed,
+    /// Ended cleanly (drained): its sessions were ended before it deregistered.
+    Deregistered,
+}
+
+impl Gone {
+    fn parse(how: &str, ago_ms: i64) -> Option<Gone> {
+        let how = match how {
+            "reclaimed" => GoneHow::Reclaimed,
+            "deregistered" => GoneHow::Deregistered,
+            _ => return None,
+        };
+        Some(Gone {
+            how,
+            ago: Duration::from_millis(u64::try_from(ago_ms).ok()?),
+        })
+    }
 }
 
 /// Result of a renewal.
@@ -352,8 +385,19 @@ struct Scripts {
     generation: Script,
     resume: Script,
     lease_state: Script,
-    reclaimed_at: Script,
+    gone: Script,
 }
+
+/// Reads a `worker_gone` record: {how, ms ago}, or {'', -1} when there is none.
+const GONE_LUA: &str = r#"
+local function gone(key)
+  local record = redis.call('GET', key)
+  if not record then return {'', -1} end
+  local how, at = string.match(record, '^(%a+)@(%d+)$')
+  if not how then return {'', -1} end
+  return {how, now_ms() - tonumber(at)}
+end
+"#;
 
 /// Redis's clock in milliseconds, and get-or-create of the generation token (which
 /// records when it was created), shared by the scripts that need them.
@@ -419,17 +463,18 @@ redis.call('ZADD', KEYS[3], now_ms(), ARGV[5])
 return 1
 "#
             )),
-            // KEYS: worker, addr, workers. ARGV: value, id.
-            deregister: Script::new(
-                r#"
+            // KEYS: worker, addr, workers, gone. ARGV: value, id, gone px.
+            deregister: Script::new(&format!(
+                r#"{GEN_LUA}
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1], KEYS[2])
   redis.call('ZREM', KEYS[3], ARGV[2])
+  redis.call('SET', KEYS[4], 'deregistered@' .. string.format('%d', now_ms()), 'PX', ARGV[3])
   return 1
 end
 return 0
-"#,
-            ),
+"#
+            )),
             // KEYS: pool_owner, worker_sessions, worker.
             // ARGV: owner, sid, quota limit ('0': none), quota key, quota ttl px,
             // key prefix. 1 claimed, 0 owned already, -1 owner has no lease, -2 the
@@ -474,7 +519,7 @@ end
 return 0
 "#,
             ),
-            // KEYS: worker, addr, worker_sessions, workers, reclaimed.
+            // KEYS: worker, addr, worker_sessions, workers, gone.
             // ARGV: dead id, stale token or '', pool_owner key prefix, batch size,
             // reclaimed-record px.
             // false: nothing may be done (lease alive, or nothing known of this id: a
@@ -494,7 +539,7 @@ local won = redis.call('ZREM', KEYS[4], ARGV[1])
 if won == 0 and redis.call('EXISTS', KEYS[3]) == 0 then return false end
 redis.call('DEL', KEYS[2])
 if won == 1 then
-  redis.call('SET', KEYS[5], string.format('%d', now_ms()), 'PX', ARGV[5])
+  redis.call('SET', KEYS[5], 'reclaimed@' .. string.format('%d', now_ms()), 'PX', ARGV[5])
 end
 local out = {{won, 0}}
 for _, sid in ipairs(redis.call('SPOP', KEYS[3], tonumber(ARGV[4]))) do
@@ -508,21 +553,23 @@ out[2] = redis.call('SCARD', KEYS[3])
 return out
 "#
             )),
-            // KEYS: reclaimed. Returns {reclaimed ms or -1, now ms}.
-            reclaimed_at: Script::new(&format!(
+            // KEYS: gone. Returns {how or '', ms ago or -1}.
+            gone: Script::new(&format!(
                 r#"{GEN_LUA}
-local at = redis.call('GET', KEYS[1])
-return {{tonumber(at or '-1'), now_ms()}}
+{GONE_LUA}
+return gone(KEYS[1])
 "#
             )),
-            // KEYS: worker, generation. Returns {lease alive 0/1, generation or '',
-            // generation age ms}.
+            // KEYS: worker, generation, gone. Returns {lease alive 0/1, generation or
+            // '', generation age ms, gone how or '', gone ms ago or -1}.
             lease_state: Script::new(&format!(
                 r#"{GEN_LUA}
+{GONE_LUA}
 local alive = redis.call('EXISTS', KEYS[1])
+local went = gone(KEYS[3])
 local g = redis.call('GET', KEYS[2])
-if not g then return {{alive, '', 0}} end
-return {{alive, g, generation_age(g)}}
+if not g then return {{alive, '', 0, went[1], went[2]}} end
+return {{alive, g, generation_age(g), went[1], went[2]}}
 "#
             )),
             // KEYS: worker, worker_sessions. ARGV: owner, pool_owner key prefix, sids...
@@ -746,8 +793,10 @@ impl Directory {
                     .key(self.key_worker(&lease.id))
                     .key(self.key_addr(&lease.id))
                     .key(self.key_workers())
+                    .key(self.key_gone(&lease.id))
                     .arg(&lease.value)
                     .arg(&lease.id)
+                    .arg(duration_px(self.inner.cfg.lease * 4))
                     .invoke_async(&mut c)
                     .await
             })
@@ -970,7 +1019,7 @@ impl Directory {
                             .key(self.key_addr(dead_id))
                             .key(self.key_sessions(dead_id))
                             .key(self.key_workers())
-                            .key(self.key_reclaimed(dead_id))
+                            .key(self.key_gone(dead_id))
                             .arg(dead_id)
                             .arg(stale_token.unwrap_or(""))
                             .arg(pool_owner_prefix)
@@ -1018,11 +1067,12 @@ impl Directory {
     /// register again).
     pub async fn lease_state(&self, id: &str) -> Result<LeaseState, DirectoryError> {
         check_name("worker id", id)?;
-        let (alive, generation, age_ms): (i64, String, i64) = self
+        let (alive, generation, age_ms, how, ago): (i64, String, i64, String, i64) = self
             .run("lease_state", |mut c, s| async move {
                 s.lease_state
                     .key(self.key_worker(id))
                     .key(self.key_generation())
+                    .key(self.key_gone(id))
                     .invoke_async(&mut c)
                     .await
             })
@@ -1031,22 +1081,20 @@ impl Directory {
             alive: alive == 1,
             generation,
             generation_age: Duration::from_millis(u64::try_from(age_ms).unwrap_or(0)),
+            gone: Gone::parse(&how, ago),
         })
     }
 
-    /// How long ago (by Redis's clock) worker `id` was proven dead and reclaimed, if it
-    /// was within the last four leases. A request sent to it after that cannot have run.
-    pub async fn reclaimed_ago(&self, id: &str) -> Result<Option<Duration>, DirectoryError> {
+    /// How worker `id` went and how long ago (by Redis's clock), if it was reclaimed or
+    /// deregistered within the last four leases.
+    pub async fn gone_record(&self, id: &str) -> Result<Option<Gone>, DirectoryError> {
         check_name("worker id", id)?;
-        let (at, now): (i64, i64) = self
-            .run("reclaimed_ago", |mut c, s| async move {
-                s.reclaimed_at
-                    .key(self.key_reclaimed(id))
-                    .invoke_async(&mut c)
-                    .await
+        let (how, ago): (String, i64) = self
+            .run("gone_record", |mut c, s| async move {
+                s.gone.key(self.key_gone(id)).invoke_async(&mut c).await
             })
             .await?;
-        Ok((at >= 0).then(|| Duration::from_millis(u64::try_from(now - at).unwrap_or(0))))
+        Ok(Gone::parse(&how, ago))
     }
 
     /// Takes the fleet-wide sweeper turn for `period` if nobody holds it: one worker
@@ -1313,8 +1361,8 @@ impl Directory {
         format!("{}worker_sessions:{id}", self.inner.cfg.prefix)
     }
 
-    fn key_reclaimed(&self, id: &str) -> String {
-        format!("{}worker_reclaimed:{id}", self.inner.cfg.prefix)
+    fn key_gone(&self, id: &str) -> String {
+        format!("{}worker_gone:{id}", self.inner.cfg.prefix)
     }
 
     fn key_workers(&self) -> String {

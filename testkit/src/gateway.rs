@@ -39,6 +39,34 @@ impl Gateway {
         Gateway { child, addr }
     }
 
+    /// Like [`start`](Self::start), with the gateway's (and its workers') log lines
+    /// appended to `log` instead of the test's stderr.
+    #[track_caller]
+    pub fn start_logged(args: &[&str], log: &std::path::Path) -> Gateway {
+        let mut all = vec!["serve"];
+        if !args.contains(&"--listen") {
+            all.extend(["--listen", "127.0.0.1:0"]);
+        }
+        all.extend_from_slice(args);
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .unwrap_or_else(|e| panic!("log file {}: {e}", log.display()));
+        let mut command = std::process::Command::new(crate::bin("mcpgw"));
+        command.args(&all);
+        let mut child = Child::from_command_with_stderr("mcpgw", command, file.into())
+            .unwrap_or_else(|e| panic!("cannot start mcpgw: {e}"));
+        let line = child.wait_for_line("mcpgw listening on", READY_WITHIN);
+        let addr = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("http://"))
+            .unwrap_or_else(|| panic!("mcpgw's announcement names no address: {line:?}"))
+            .trim_end_matches('/')
+            .to_owned();
+        Gateway { child, addr }
+    }
+
     pub fn url(&self) -> String {
         format!("http://{}/mcp", self.addr)
     }

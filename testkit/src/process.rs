@@ -116,11 +116,21 @@ impl Child {
     }
 
     /// Starts `command` with stdin closed, stdout collected and stderr inherited.
-    pub fn from_command(name: &str, mut command: Command) -> io::Result<Child> {
+    pub fn from_command(name: &str, command: Command) -> io::Result<Child> {
+        Self::from_command_with_stderr(name, command, Stdio::inherit())
+    }
+
+    /// Like [`from_command`](Self::from_command), with stderr going to `stderr` (a
+    /// file, for tests that read what the child logged).
+    pub fn from_command_with_stderr(
+        name: &str,
+        mut command: Command,
+        stderr: Stdio,
+    ) -> io::Result<Child> {
         command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+            .stderr(stderr);
         let mut process = spawn(command)?;
         let stdout = process
             .stdout

@@ -1209,13 +1209,13 @@ fn another_principal_cannot_use_a_session() {
         );
         assert_eq!(
             anonymous.outcome(),
-            "401 unauthorized",
+            "401 missing_token",
             "{}",
             anonymous.text()
         );
         assert!(anonymous.header("www-authenticate").is_some());
         let wrong = send(addr, "not-a-valid-token-at-all", Some(&session), &call);
-        assert_eq!(wrong.outcome(), "401 unauthorized", "{}", wrong.text());
+        assert_eq!(wrong.outcome(), "401 invalid_token", "{}", wrong.text());
     }
     // Bob's attempts changed nothing: alice's counter went 1, 2, now 3.
     let third = send(

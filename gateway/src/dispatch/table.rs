@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use http::StatusCode;
 use mcpgw_mesh::MeshError;
-use mcpgw_mesh::directory::LeaseState;
+use mcpgw_mesh::directory::{Gone, GoneHow, LeaseState};
 use mcpgw_wire::ErrorKind;
 use serde_json::json;
 
@@ -229,9 +229,19 @@ pub enum LeaseProof {
     /// Its lease expired in a directory that has been stable for longer than one
     /// lease (same generation this worker registered under): proof of death.
     Expired,
+    /// It left recently, on record: reclaimed (proven dead) or deregistered (ended
+    /// cleanly), `ago` (by Redis's clock). Proof whatever the directory's age.
+    Left(Gone),
     /// Its lease is missing, but the directory was lost recently (Redis came back
     /// empty) and a live owner may still be registering again: nothing is proven.
     Unproven,
+}
+
+impl LeaseProof {
+    /// Whether this proves the owner is gone.
+    pub fn proves_gone(self) -> bool {
+        matches!(self, LeaseProof::Expired | LeaseProof::Left(_))
+    }
 }
 
 /// Judges a lease lookup. `ours`: the generation this worker registered under;
@@ -240,6 +250,8 @@ pub enum LeaseProof {
 pub fn judge_lease(state: &LeaseState, ours: &str, lease: Duration) -> LeaseProof {
     if state.alive {
         LeaseProof::Alive
+    } else if let Some(gone) = state.gone {
+        LeaseProof::Left(gone)
     } else if state.generation == ours && state.generation_age > lease {
         LeaseProof::Expired
     } else {
@@ -315,7 +327,9 @@ pub async fn after_failure(
     session_record: impl AsyncFnOnce() -> Lookup<Option<String>>,
 ) -> Verdict {
     match sign {
-        FailureSign::PeerGone if via_pubsub && lease().await != Ok(LeaseProof::Expired) => {
+        FailureSign::PeerGone
+            if via_pubsub && !lease().await.is_ok_and(LeaseProof::proves_gone) =>
+        {
             Verdict::answer(Situation::Unknown)
         }
         FailureSign::PeerGone => Verdict::Answer {
@@ -365,38 +379,52 @@ pub async fn liveness(
         ProbeSign::Refused(why) if refusal_proves => Liveness::Dead(why),
         ProbeSign::Refused(_) | ProbeSign::Silent => match lease().await {
             Ok(LeaseProof::Expired) => Liveness::Dead("its lease expired".into()),
+            Ok(LeaseProof::Left(gone)) => Liveness::Dead(left_why(gone.how).into()),
             Ok(LeaseProof::Alive | LeaseProof::Unproven) | Err(_) => Liveness::Unknown,
         },
     }
 }
 
-/// The request was sent and then lost; `liveness` is what a probe found. A dead owner
-/// means the outcome is unknown (502, never re-run), unless the owner had been proven
-/// dead before the request was sent (`sent_after_proof`: another worker reclaimed it
-/// earlier, and this one still held a connection to it): then it cannot have run, and
-/// the session is simply gone. A missing session record proves neither way (a reclaim
-/// removes it as well as the owner's own end). A live or silent owner means ownership
-/// is unknown (503, retry).
-pub fn after_loss(liveness: &Liveness, sent_after_proof: bool) -> Verdict {
-    match liveness {
-        Liveness::Dead(_) if sent_after_proof => Verdict::Answer {
-            situation: Situation::OwnerGone,
-            bury: true,
-        },
-        Liveness::Dead(_) => Verdict::Answer {
-            situation: Situation::ForwardedThenLost,
-            bury: true,
-        },
-        Liveness::Alive | Liveness::Unknown => Verdict::answer(Situation::Unknown),
+/// Why a worker that left on record is gone, in words for the client.
+fn left_why(how: GoneHow) -> &'static str {
+    match how {
+        GoneHow::Reclaimed => "it was proven dead and its sessions reclaimed",
+        GoneHow::Deregistered => "it drained and ended its sessions",
     }
 }
 
-/// Whether a request sent `sent_ago` ago went out after its owner was reclaimed
-/// `reclaimed_ago` ago (both measured when the reclaim record was read; the local
-/// time includes the read's round trip, which only makes this answer more cautious).
-pub fn sent_after_proof(sent_ago: Duration, reclaimed_ago: Option<Duration>) -> bool {
+/// The request was sent and then lost; `liveness` is what a probe found. A dead owner
+/// means the outcome is unknown (502, never re-run), unless the owner had already left
+/// before the request was sent (`left_before`: reclaimed by another worker, or drained,
+/// and this worker still held a connection to it): then the request cannot have run,
+/// and the session is gone (reclaimed) or ended (drained). A missing session record
+/// alone proves neither way (a reclaim removes it as well as the owner's own end). A
+/// live or silent owner means ownership is unknown (503, retry).
+pub fn after_loss(liveness: &Liveness, left_before: Option<GoneHow>) -> Verdict {
+    match (liveness, left_before) {
+        (Liveness::Dead(_), Some(GoneHow::Reclaimed)) => Verdict::Answer {
+            situation: Situation::OwnerGone,
+            bury: true,
+        },
+        (Liveness::Dead(_), Some(GoneHow::Deregistered)) => Verdict::Answer {
+            situation: Situation::NoSuchSession,
+            bury: false,
+        },
+        (Liveness::Dead(_), None) => Verdict::Answer {
+            situation: Situation::ForwardedThenLost,
+            bury: true,
+        },
+        (Liveness::Alive | Liveness::Unknown, _) => Verdict::answer(Situation::Unknown),
+    }
+}
+
+/// How the owner left, if it left before a request sent `sent_ago` ago went out
+/// (`gone` read just now; the local time includes the read's round trip, which only
+/// makes this answer more cautious).
+pub fn left_before_sending(sent_ago: Duration, gone: Option<Gone>) -> Option<GoneHow> {
     // Redis reports whole milliseconds: a millisecond of margin covers the rounding.
-    reclaimed_ago.is_some_and(|reclaimed| reclaimed > sent_ago + Duration::from_millis(1))
+    gone.filter(|gone| gone.ago > sent_ago + Duration::from_millis(1))
+        .map(|gone| gone.how)
 }
 
 /// The directory has no mesh address for the owner: its lease expired (proof of
@@ -405,10 +433,21 @@ pub fn sent_after_proof(sent_ago: Duration, reclaimed_ago: Option<Duration>) -> 
 /// (the address key lapsed a moment before a renewal) is not proof either.
 pub fn without_address(lease: Lookup<LeaseProof>) -> Verdict {
     match lease {
-        Ok(LeaseProof::Expired) => Verdict::Answer {
+        Ok(
+            LeaseProof::Expired
+            | LeaseProof::Left(Gone {
+                how: GoneHow::Reclaimed,
+                ..
+            }),
+        ) => Verdict::Answer {
             situation: Situation::OwnerGone,
             bury: true,
         },
+        // Drained: it ended its sessions before it left.
+        Ok(LeaseProof::Left(Gone {
+            how: GoneHow::Deregistered,
+            ..
+        })) => Verdict::answer(Situation::NoSuchSession),
         Ok(LeaseProof::Alive | LeaseProof::Unproven) | Err(_) => {
             Verdict::answer(Situation::Unknown)
         }
@@ -745,41 +784,78 @@ mod tests {
         }
     }
 
+    fn left(how: GoneHow, ago_ms: u64) -> Gone {
+        Gone {
+            how,
+            ago: Duration::from_millis(ago_ms),
+        }
+    }
+
     #[test]
     fn a_request_lost_after_sending() {
         let dead = Liveness::Dead("refused".into());
         // Dead: 502 whatever the directory says, and never re-run...
         assert_eq!(
-            after_loss(&dead, false),
+            after_loss(&dead, None),
             Verdict::Answer {
                 situation: Situation::ForwardedThenLost,
                 bury: true,
             }
         );
-        // ...unless the owner was proven dead before the request went out.
-        assert_eq!(after_loss(&dead, true), gone(true));
-        assert_eq!(after_loss(&Liveness::Alive, true), unknown());
-        assert_eq!(after_loss(&Liveness::Unknown, false), unknown());
+        // ...unless the owner had left before the request went out.
+        assert_eq!(after_loss(&dead, Some(GoneHow::Reclaimed)), gone(true));
+        assert_eq!(
+            after_loss(&dead, Some(GoneHow::Deregistered)),
+            Verdict::answer(Situation::NoSuchSession)
+        );
+        assert_eq!(
+            after_loss(&Liveness::Alive, Some(GoneHow::Reclaimed)),
+            unknown()
+        );
+        assert_eq!(after_loss(&Liveness::Unknown, None), unknown());
     }
 
     #[test]
-    fn a_request_sent_after_the_reclaim_cannot_have_run() {
+    fn a_request_sent_after_the_owner_left_cannot_have_run() {
         let ms = Duration::from_millis;
-        assert!(sent_after_proof(ms(100), Some(ms(500))));
-        assert!(
-            !sent_after_proof(ms(500), Some(ms(100))),
-            "reclaimed after the send"
+        let reclaimed = |ago| Some(left(GoneHow::Reclaimed, ago));
+        assert_eq!(
+            left_before_sending(ms(100), reclaimed(500)),
+            Some(GoneHow::Reclaimed)
         );
-        assert!(
-            !sent_after_proof(ms(100), Some(ms(101))),
+        assert_eq!(
+            left_before_sending(ms(500), reclaimed(100)),
+            None,
+            "left after the send"
+        );
+        assert_eq!(
+            left_before_sending(ms(100), reclaimed(101)),
+            None,
             "too close to tell"
         );
-        assert!(!sent_after_proof(ms(100), None), "no reclaim on record");
+        assert_eq!(
+            left_before_sending(ms(100), None),
+            None,
+            "nothing on record"
+        );
+        assert_eq!(
+            left_before_sending(ms(10), Some(left(GoneHow::Deregistered, 900))),
+            Some(GoneHow::Deregistered)
+        );
     }
 
     #[test]
     fn an_owner_without_an_address() {
         assert_eq!(without_address(Ok(LeaseProof::Expired)), gone(true));
+        assert_eq!(
+            without_address(Ok(LeaseProof::Left(left(GoneHow::Reclaimed, 5)))),
+            gone(true)
+        );
+        assert_eq!(
+            without_address(Ok(LeaseProof::Left(left(GoneHow::Deregistered, 5)))),
+            Verdict::answer(Situation::NoSuchSession),
+            "a drained owner ended its sessions"
+        );
         // Redis came back empty: the owner may be re-registering.
         assert_eq!(without_address(Ok(LeaseProof::Unproven)), unknown());
         assert_eq!(without_address(Ok(LeaseProof::Alive)), unknown());
@@ -793,6 +869,7 @@ mod tests {
             alive,
             generation: generation.into(),
             generation_age: Duration::from_secs(age_s),
+            gone: None,
         };
         let rows = [
             (state(true, "g1", 100), LeaseProof::Alive),
@@ -802,6 +879,14 @@ mod tests {
             // Redis came back empty after this worker registered.
             (state(false, "g2", 100), LeaseProof::Unproven),
             (state(false, "", 0), LeaseProof::Unproven),
+            // A record of how it left is proof even in a young directory.
+            (
+                LeaseState {
+                    gone: Some(left(GoneHow::Deregistered, 3)),
+                    ..state(false, "g1", 5)
+                },
+                LeaseProof::Left(left(GoneHow::Deregistered, 3)),
+            ),
         ];
         for (state, proof) in rows {
             assert_eq!(judge_lease(&state, "g1", lease), proof, "{state:?}");

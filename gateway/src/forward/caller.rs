@@ -69,11 +69,18 @@ fn unanswered(situation: Situation, why: &str) -> Unanswered {
 }
 
 /// What a mesh error means, in words fit for a client: never an address.
-fn describe(error: &MeshError) -> &'static str {
+fn describe(error: &MeshError) -> String {
+    if let MeshError::WrongWorker { found, .. } = error {
+        // Worker ids are not secret (every session id carries one); addresses are.
+        return format!("its mesh address answers as worker {found}");
+    }
+    describe_kind(error).to_owned()
+}
+
+fn describe_kind(error: &MeshError) -> &'static str {
     use mcpgw_wire::ErrorKind as K;
     match error {
         MeshError::Refused { .. } => "its mesh address refused the connection",
-        MeshError::WrongWorker { .. } => "another worker answers at its mesh address",
         MeshError::ConnectTimeout { .. } => "it did not accept a mesh connection in time",
         MeshError::Connect { .. } => "the mesh connection to it failed",
         MeshError::Tls { .. } => "the mesh TLS handshake with it failed",
@@ -166,6 +173,17 @@ impl Fleet {
                     Ok(LeaseProof::Expired) => {
                         (format!("worker {owner}'s lease expired"), String::new())
                     }
+                    Ok(LeaseProof::Left(gone)) => (
+                        match gone.how {
+                            mcpgw_mesh::directory::GoneHow::Reclaimed => {
+                                format!("worker {owner} was proven dead and its sessions reclaimed")
+                            }
+                            mcpgw_mesh::directory::GoneHow::Deregistered => {
+                                format!("worker {owner} drained and ended its sessions")
+                            }
+                        },
+                        String::new(),
+                    ),
                     Ok(LeaseProof::Alive) => {
                         ("its mesh address is being renewed".into(), String::new())
                     }
@@ -215,8 +233,8 @@ impl Fleet {
                         outcome = &mut forward => break outcome,
                         liveness = &mut probe => match liveness {
                             Liveness::Dead(why) => {
-                                let after = self.sent_after_proof(owner, sent_at).await;
-                                let verdict = table::after_loss(&Liveness::Dead(why.clone()), after);
+                                let left = self.left_before_sending(owner, sent_at).await;
+                                let verdict = table::after_loss(&Liveness::Dead(why.clone()), left);
                                 return self
                                     .act(verdict, owner, &addr, why, String::new(), "probe")
                                     .await;
@@ -261,13 +279,13 @@ impl Fleet {
                 let liveness = self.probe_after_loss(owner, addr).await;
                 let why = match &liveness {
                     Liveness::Dead(why) => format!("{}; {why}", describe(&error)),
-                    _ => describe(&error).to_owned(),
+                    _ => describe(&error),
                 };
-                let after = match liveness {
-                    Liveness::Dead(_) => self.sent_after_proof(owner, sent_at).await,
-                    _ => false,
+                let left = match liveness {
+                    Liveness::Dead(_) => self.left_before_sending(owner, sent_at).await,
+                    _ => None,
                 };
-                let verdict = table::after_loss(&liveness, after);
+                let verdict = table::after_loss(&liveness, left);
                 return self
                     .act(verdict, owner, addr, why, error.to_string(), "probe")
                     .await;
@@ -283,7 +301,7 @@ impl Fleet {
             verdict,
             owner,
             addr,
-            describe(&error).to_owned(),
+            describe(&error),
             error.to_string(),
             proof,
         )
@@ -320,12 +338,16 @@ impl Fleet {
         }
     }
 
-    /// Whether `owner` had been proven dead (and reclaimed, by any worker) before a
-    /// request sent at `sent_at` went out. Unknown counts as no.
-    async fn sent_after_proof(&self, owner: &str, sent_at: tokio::time::Instant) -> bool {
-        match self.directory.reclaimed_ago(owner).await {
-            Ok(reclaimed_ago) => table::sent_after_proof(sent_at.elapsed(), reclaimed_ago),
-            Err(_) => false,
+    /// How `owner` left (reclaimed by any worker, or drained), if it had left before
+    /// a request sent at `sent_at` went out. Unknown counts as no.
+    async fn left_before_sending(
+        &self,
+        owner: &str,
+        sent_at: tokio::time::Instant,
+    ) -> Option<mcpgw_mesh::directory::GoneHow> {
+        match self.directory.gone_record(owner).await {
+            Ok(gone) => table::left_before_sending(sent_at.elapsed(), gone),
+            Err(_) => None,
         }
     }
 
@@ -351,7 +373,7 @@ impl Fleet {
         let frame = probe_frame(self.config.mesh.connect_timeout);
         let sign = match self.probe_mesh.forward(addr, owner, frame).await {
             Ok(_) | Err(MeshError::Remote(_)) => ProbeSign::Answered,
-            Err(e) if e.proves_peer_gone() => ProbeSign::Refused(describe(&e).to_owned()),
+            Err(e) if e.proves_peer_gone() => ProbeSign::Refused(describe(&e)),
             Err(_) => ProbeSign::Silent,
         };
         let refusal_proves = self.mesh.kind() != TransportKind::Redis;

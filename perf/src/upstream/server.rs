@@ -95,6 +95,13 @@ impl Upstream {
     }
 
     async fn post(&self, era: Era, parts: &Parts, body: Incoming) -> Response<Body> {
+        if let Some(traceparent) = parts
+            .headers
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+        {
+            self.stats.record_traceparent(traceparent);
+        }
         if !protocol::is_json_content_type(header(&parts.headers, CONTENT_TYPE.as_str())) {
             return error_response(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,

@@ -18,6 +18,9 @@ pub struct Stats {
     requests: AtomicU64,
     /// The subset of `requests` whose method was `tools/call`.
     tool_calls: AtomicU64,
+    /// The W3C `traceparent` header of the last POST that carried one, so tests can
+    /// check that trace context reaches the upstream through the gateway.
+    last_traceparent: parking_lot::Mutex<Option<String>>,
 }
 
 impl Stats {
@@ -29,12 +32,18 @@ impl Stats {
         }
     }
 
+    /// Remembers the trace context a request came with.
+    pub fn record_traceparent(&self, traceparent: &str) {
+        *self.last_traceparent.lock() = Some(traceparent.to_owned());
+    }
+
     pub fn to_json(&self, sessions: &SessionStore) -> Value {
         json!({
             "requests": self.requests.load(Ordering::Relaxed),
             "tool_calls": self.tool_calls.load(Ordering::Relaxed),
             "sessions_open": sessions.open_count(),
             "sessions_created": sessions.created_count(),
+            "last_traceparent": *self.last_traceparent.lock(),
         })
     }
 }
@@ -52,7 +61,7 @@ mod tests {
         }
         assert_eq!(
             stats.to_json(&sessions),
-            json!({"requests": 4, "tool_calls": 2, "sessions_open": 0, "sessions_created": 0})
+            json!({"requests": 4, "tool_calls": 2, "sessions_open": 0, "sessions_created": 0, "last_traceparent": null})
         );
     }
 }
