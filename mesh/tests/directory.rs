@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use common::{RedisServer, eventually_async, redis_conn};
 use mcpgw_mesh::directory::{
-    Claim, Directory, DirectoryConfig, DirectoryError, Lease, LeaseRenewal, SessionQuota,
-    WorkerInfo,
+    Claim, Directory, DirectoryConfig, DirectoryError, GoneHow, Lease, LeaseRenewal,
+    SessionQuota, WorkerInfo,
 };
 
 fn config(server: &RedisServer, lease: Duration) -> DirectoryConfig {
@@ -608,8 +608,9 @@ async fn a_large_dead_worker_is_reclaimed_in_batches_and_leaves_no_key() {
         .await
         .unwrap();
     assert!(ttl > 0, "the reclaim record expires: {ttl}");
-    assert!(other.reclaimed_ago("big").await.unwrap().is_some());
-    assert_eq!(other.reclaimed_ago("alive").await.unwrap(), None);
+    let gone = other.gone_record("big").await.unwrap().expect("a record");
+    assert_eq!(gone.how, GoneHow::Reclaimed);
+    assert_eq!(other.gone_record("alive").await.unwrap(), None);
     assert!(key_count(&server).await <= baseline + 1);
     // Reclaimed: its registration can never be resumed (fencing).
     assert_eq!(other.reclaim_worker("big", None).await.unwrap(), None);
