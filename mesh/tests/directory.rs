@@ -599,11 +599,11 @@ async fn a_large_dead_worker_is_reclaimed_in_batches_and_leaves_no_key() {
     // Only the short-lived record of when it was reclaimed, and it expires.
     assert_eq!(
         keys,
-        ["t*st:worker_reclaimed:big"],
+        ["t*st:worker_gone:big"],
         "keys of the dead worker remain"
     );
     let ttl: i64 = redis::cmd("PTTL")
-        .arg("t*st:worker_reclaimed:big")
+        .arg("t*st:worker_gone:big")
         .query_async(&mut raw)
         .await
         .unwrap();
