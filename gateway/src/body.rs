@@ -140,6 +140,13 @@ impl<F: FnOnce(Bytes) + Send + Unpin + 'static> Body for Observed<F> {
                         buffer.extend_from_slice(data);
                     }
                 }
+                // The server stops polling a body that says it has ended, so the last
+                // frame may be the last call.
+                if self.inner.is_end_stream()
+                    && let (Some(buffer), Some(seen)) = (self.buffer.take(), self.seen.take())
+                {
+                    seen(Bytes::from(buffer));
+                }
             }
             Poll::Ready(None) => {
                 if let (Some(buffer), Some(seen)) = (self.buffer.take(), self.seen.take()) {

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use common::{RedisServer, eventually_async, redis_conn};
 use mcpgw_mesh::directory::{
-    Claim, Directory, DirectoryConfig, DirectoryError, GoneHow, Lease, LeaseRenewal,
-    SessionQuota, WorkerInfo,
+    Claim, Directory, DirectoryConfig, DirectoryError, GoneHow, Lease, LeaseRenewal, SessionQuota,
+    WorkerInfo,
 };
 
 fn config(server: &RedisServer, lease: Duration) -> DirectoryConfig {
