@@ -11,7 +11,7 @@ use wincode::{SchemaRead, SchemaWrite};
 
 /// The mesh protocol version carried in [`Frame::Hello`] and [`Frame::Welcome`].
 /// Peers refuse a connection whose version differs from their own.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// One mesh message.
 #[derive(Debug, Clone, PartialEq, Eq, SchemaWrite, SchemaRead)]
@@ -47,6 +47,12 @@ pub enum Frame {
     Error(ErrorFrame),
     /// Caller → owner: the caller gave up; the owner stops work for this request.
     Cancel,
+    /// Caller → owner, on a multiplexed (TCP) connection: the caller consumed this many
+    /// more body bytes of the exchange, so the owner may send that many more. Each
+    /// exchange starts with a window agreed by configuration; credit keeps one slow
+    /// reader from stalling the other exchanges on its connection (as HTTP/2's
+    /// `WINDOW_UPDATE` does). QUIC has stream flow control of its own and never sends it.
+    Credit(u32),
 }
 
 impl Frame {
@@ -65,6 +71,7 @@ impl Frame {
             Frame::End => "End",
             Frame::Error(_) => "Error",
             Frame::Cancel => "Cancel",
+            Frame::Credit(_) => "Credit",
         }
     }
 }

@@ -98,6 +98,7 @@ fn frame() -> impl Strategy<Value = Frame> {
         (error_kind(), any::<String>())
             .prop_map(|(kind, message)| Frame::Error(ErrorFrame { kind, message })),
         Just(Frame::Cancel),
+        any::<u32>().prop_map(Frame::Credit),
     ]
 }
 
@@ -276,7 +277,7 @@ fn wire_format_is_bincode_1() {
     };
     let mut want = vec![0, 0, 0, 27]; // 4 + 4 + (8 + 1) + (8 + 2)
     want.extend_from_slice(&0u32.to_le_bytes());
-    want.extend_from_slice(&1u32.to_le_bytes());
+    want.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
     want.extend_from_slice(&1u64.to_le_bytes());
     want.extend_from_slice(b"a");
     want.extend_from_slice(&2u64.to_le_bytes());

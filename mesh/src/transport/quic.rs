@@ -12,19 +12,20 @@ use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use mcpgw_certs::MESH_SERVER_NAME;
-use mcpgw_wire::Frame;
+use mcpgw_wire::{ErrorFrame, ErrorKind, Frame};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{Connection, Endpoint, IdleTimeout, RecvStream, SendStream, TransportConfig, VarInt};
 use rustls::pki_types::CertificateDer;
 use tokio::net::UdpSocket;
-use tokio::time::{Instant, timeout, timeout_at};
+use tokio::time::{Instant, timeout};
 use tracing::{debug, warn};
 
 use super::client::{ExState, greet as client_greet, resolve};
 use super::error::{LinkError, quic_tls_cause};
 use super::framed::{FrameReader, FrameWriter, SendError};
-use super::server::{ExchangeEnd, ServerShared, greet as server_greet, serve_next};
+use super::server::{ExchangeEnd, ServerShared, StreamLink, greet as server_greet, serve_next};
 use super::{MeshError, MeshLimits, PeerInfo, TransportKind};
 
 /// Application error code on a stream the caller abandons (reset and stop).
@@ -33,6 +34,10 @@ const CANCEL_CODE: VarInt = VarInt::from_u32(1);
 const ABORT_CODE: VarInt = VarInt::from_u32(2);
 /// Application error code closing a connection whose greeting failed.
 const GREETING_FAILED: VarInt = VarInt::from_u32(3);
+
+/// The most concurrent streams a server allows one peer: quinn keeps a table entry for
+/// every stream it allows, so absurd budgets must not turn into gigabytes.
+const MAX_STREAMS: u32 = 1 << 20;
 
 fn idle_timeout(limits: &MeshLimits) -> Result<IdleTimeout, MeshError> {
     IdleTimeout::try_from(limits.idle_timeout)
@@ -51,9 +56,16 @@ pub(crate) fn serve(
         MeshError::Config(format!("server TLS config cannot be used for QUIC: {e}"))
     })?;
     let mut transport = TransportConfig::default();
-    // +1: the greeting stream may still hold its credit while the first requests open.
-    let streams =
-        u32::try_from(shared.limits.max_in_flight_per_peer.saturating_add(1)).unwrap_or(u32::MAX);
+    // Both budgets, so that stream credit never runs out before a budget does (a
+    // caller then gets Busy at once instead of waiting for credit), plus room for the
+    // greeting stream and for streams whose close is still being acknowledged.
+    let budgets = shared
+        .limits
+        .max_in_flight_per_peer
+        .saturating_add(shared.limits.max_streams_per_peer);
+    let streams = u32::try_from(budgets.saturating_add(budgets / 16).saturating_add(16))
+        .unwrap_or(u32::MAX)
+        .min(MAX_STREAMS);
     transport
         .max_concurrent_bidi_streams(VarInt::from_u32(streams))
         .max_concurrent_uni_streams(VarInt::from_u32(0))
@@ -167,7 +179,7 @@ async fn connection(incoming: quinn::Incoming, shared: Arc<ServerShared>) {
         match stream {
             Ok((send, recv)) => {
                 shared
-                    .tracker
+                    .exchanges
                     .spawn(serve_stream(send, recv, peer.clone(), shared.clone()));
             }
             Err(e) => {
@@ -185,8 +197,10 @@ async fn serve_stream(
     peer: PeerInfo,
     shared: Arc<ServerShared>,
 ) {
-    let mut reader = FrameReader::new(recv, shared.limits.max_frame);
-    let mut writer = FrameWriter::new(send, shared.limits.max_frame);
+    let mut link = StreamLink {
+        reader: FrameReader::new(recv, shared.limits.max_frame),
+        writer: FrameWriter::new(send, shared.limits.max_frame),
+    };
     // A large request may take a while to arrive; a stream that sends nothing at all
     // must not hold a stream slot forever.
     let wait = shared
@@ -195,23 +209,29 @@ async fn serve_stream(
         .max(shared.limits.connect_timeout);
     let first = tokio::select! {
         () = shared.stop.cancelled() => return,
-        first = timeout(wait, reader.next()) => first,
+        first = timeout(wait, link.reader.next()) => first,
     };
     let Ok(first) = first else {
         warn!(peer = %peer.worker_id, "mesh QUIC stream sent no request in time; reset");
-        let _ = writer.get_mut().reset(ABORT_CODE);
+        let _ = link.writer.get_mut().reset(ABORT_CODE);
         return;
     };
-    match serve_next(&shared, &peer, first, &mut reader, &mut writer).await {
+    match serve_next(&shared, &peer, first, &mut link).await {
         Some(ExchangeEnd::Clean) => {
-            let _ = writer.get_mut().finish();
+            let _ = link.writer.get_mut().finish();
+            if shared.draining.load(std::sync::atomic::Ordering::Relaxed) {
+                // Shutdown closes the connection once every exchange task ended, which
+                // would discard data still unacknowledged: wait for the caller's ack.
+                let stopped = link.writer.get_mut().stopped();
+                let _ = timeout(Duration::from_secs(1), stopped).await;
+            }
         }
         Some(ExchangeEnd::Broken) | None => {
-            let _ = writer.get_mut().reset(ABORT_CODE);
+            let _ = link.writer.get_mut().reset(ABORT_CODE);
         }
     }
     // Whatever the caller still sends on this stream is not needed.
-    let _ = reader.get_mut().stop(VarInt::from_u32(0));
+    let _ = link.reader.get_mut().stop(VarInt::from_u32(0));
 }
 
 /// The mesh identity in the peer's certificate (already verified by the TLS layer).
@@ -432,7 +452,6 @@ impl QuicClient {
         peer_addr: &str,
         expect: &str,
         request: &[u8],
-        deadline: Instant,
     ) -> Result<QuicExchange, MeshError> {
         let mut retried = false;
         loop {
@@ -444,14 +463,20 @@ impl QuicClient {
                     found: pc.worker_id.clone(),
                 });
             }
-            // Waits for stream credit when the owner is at max_in_flight_per_peer.
-            let (send, recv) = match timeout_at(deadline, pc.conn.open_bi()).await {
-                Err(_) => {
-                    return Err(MeshError::Saturated {
-                        addr: peer_addr.to_owned(),
-                    });
+            // Never waits for stream credit: the owner allows more streams than both
+            // budgets together, so a lack of credit means the owner is over budget, and
+            // waiting for it would be the hang budgets exist to prevent.
+            let (send, recv) = match pc.conn.open_bi().now_or_never() {
+                None => {
+                    return Err(MeshError::Remote(ErrorFrame::new(
+                        ErrorKind::Busy,
+                        format!(
+                            "mesh peer {peer_addr} grants this worker no more QUIC streams \
+                             right now (its budgets are smaller than ours): retry shortly"
+                        ),
+                    )));
                 }
-                Ok(Err(e)) => {
+                Some(Err(e)) => {
                     // The connection died before the request left: safe to redial once.
                     self.invalidate(peer_addr, &pc);
                     if !retried {
@@ -460,7 +485,7 @@ impl QuicClient {
                     }
                     return Err(connection_error(peer_addr, &e));
                 }
-                Ok(Ok(pair)) => pair,
+                Some(Ok(pair)) => pair,
             };
             let mut exchange = QuicExchange {
                 writer: FrameWriter::new(send, self.limits.max_frame),
