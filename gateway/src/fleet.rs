@@ -141,6 +141,7 @@ impl Fleet {
         match forwarded {
             Ok(reply) => Ok(reply),
             Err(ForwardFailure::Refuse(situation, why)) => Err(refuse(situation, &why)),
+            Err(ForwardFailure::Busy(why)) => Err(mesh_busy(&why).with_id(id.clone())),
             Err(ForwardFailure::NotOwner) => {
                 // The hint named a worker that says "not mine": ask the directory.
                 match self.directory.session_owner(&session_id).await {
@@ -149,6 +150,9 @@ impl Fleet {
                             Ok(reply) => Ok(reply),
                             Err(ForwardFailure::Refuse(situation, why)) => {
                                 Err(refuse(situation, &why))
+                            }
+                            Err(ForwardFailure::Busy(why)) => {
+                                Err(mesh_busy(&why).with_id(id.clone()))
                             }
                             Err(ForwardFailure::NotOwner) => Err(refuse(
                                 Situation::OwnerGone,
@@ -222,6 +226,11 @@ impl Fleet {
         session: &str,
         error: MeshError,
     ) -> ForwardFailure {
+        if error.is_budget_exhausted() {
+            // A full mesh budget, here or at the owner: the owner is alive and the
+            // request did not run.
+            return ForwardFailure::Busy(error.to_string());
+        }
         if error.proves_peer_gone() {
             // Refused or answered as another worker before the request was sent. Over
             // the Redis baseline, "no subscriber" is also what a subscriber in the
@@ -247,9 +256,6 @@ impl Fleet {
                         ),
                         _ => ForwardFailure::Refuse(Situation::Unknown, frame.message.clone()),
                     };
-                }
-                ErrorKind::Busy => {
-                    return ForwardFailure::Refuse(Situation::Unknown, frame.message.clone());
                 }
                 _ => {}
             }
@@ -497,6 +503,30 @@ impl Fleet {
 enum ForwardFailure {
     Refuse(Situation, String),
     NotOwner,
+    /// A mesh budget to the owner is full (short requests or held streams): 503 at
+    /// once, retryable; the request did not run.
+    Busy(String),
+}
+
+/// `data.reason` when a mesh budget to the session's owner is full.
+pub const REASON_MESH_BUDGET_EXHAUSTED: &str = "mesh_budget_exhausted";
+
+/// The answer when the mesh refused at once because a budget to the owner is full.
+fn mesh_busy(why: &str) -> GatewayError {
+    GatewayError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        crate::mcp::code::GATEWAY_ERROR,
+        format!(
+            "too many requests and streams are in flight to this session's worker right now \
+             ({why}); the request did not run: retry the same request shortly"
+        ),
+    )
+    .with_data(serde_json::json!({
+        "reason": REASON_MESH_BUDGET_EXHAUSTED,
+        "detail": why,
+        "retryable": true,
+    }))
+    .with_retry_after(crate::affinity::RETRY_AFTER_SECONDS)
 }
 
 /// What a probe found out about an owner.
