@@ -154,8 +154,9 @@ pub struct MeshLimits {
     pub max_in_flight_per_peer: usize,
     /// Long-lived exchanges one peer may have in flight: `GET` streams, and answers
     /// that turned out to be SSE streams. Checked like `max_in_flight_per_peer`, from a
-    /// separate budget. QUIC raises the streams a peer may open to both budgets
-    /// together; quinn keeps a table entry per stream it allows (about 50 bytes).
+    /// separate budget. A QUIC owner lets a peer open up to both budgets together,
+    /// raising the limit as streams are used (quinn keeps a table entry, about 50
+    /// bytes, for every stream it allows).
     pub max_streams_per_peer: usize,
     /// Time to establish a connection: TCP or QUIC handshake, TLS, and `Hello` →
     /// `Welcome`. Shorter detects a silent peer sooner, but gives up on a slow one.

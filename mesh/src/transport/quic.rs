@@ -9,10 +9,10 @@
 use std::collections::HashMap;
 use std::future::pending;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures_util::FutureExt;
 use mcpgw_certs::MESH_SERVER_NAME;
 use mcpgw_wire::{ErrorFrame, ErrorKind, Frame};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
@@ -39,6 +39,27 @@ const GREETING_FAILED: VarInt = VarInt::from_u32(3);
 /// every stream it allows, so absurd budgets must not turn into gigabytes.
 const MAX_STREAMS: u32 = 1 << 20;
 
+/// Streams a new connection may open at first. quinn makes a table entry for every
+/// stream it allows when the connection starts (tens of thousands cost a noticeable
+/// part of a handshake), so the limit starts here and doubles whenever half of it is
+/// in use, up to what both budgets need.
+const INITIAL_STREAMS: u32 = 1024;
+
+/// How long a caller waits for stream credit the owner is about to raise before it
+/// calls the owner busy.
+const CREDIT_WAIT: Duration = Duration::from_secs(1);
+
+/// Streams the server may allow one peer: both budgets, plus room for the greeting
+/// stream and for streams whose close is still being acknowledged.
+fn stream_ceiling(limits: &MeshLimits) -> u32 {
+    let budgets = limits
+        .max_in_flight_per_peer
+        .saturating_add(limits.max_streams_per_peer);
+    u32::try_from(budgets.saturating_add(budgets / 16).saturating_add(16))
+        .unwrap_or(u32::MAX)
+        .min(MAX_STREAMS)
+}
+
 fn idle_timeout(limits: &MeshLimits) -> Result<IdleTimeout, MeshError> {
     IdleTimeout::try_from(limits.idle_timeout)
         .map_err(|_| MeshError::Config("mesh idle timeout is too large for QUIC".into()))
@@ -56,16 +77,9 @@ pub(crate) fn serve(
         MeshError::Config(format!("server TLS config cannot be used for QUIC: {e}"))
     })?;
     let mut transport = TransportConfig::default();
-    // Both budgets, so that stream credit never runs out before a budget does (a
-    // caller then gets Busy at once instead of waiting for credit), plus room for the
-    // greeting stream and for streams whose close is still being acknowledged.
-    let budgets = shared
-        .limits
-        .max_in_flight_per_peer
-        .saturating_add(shared.limits.max_streams_per_peer);
-    let streams = u32::try_from(budgets.saturating_add(budgets / 16).saturating_add(16))
-        .unwrap_or(u32::MAX)
-        .min(MAX_STREAMS);
+    // Raised per connection as streams open (see `StreamAllowance`), up to both
+    // budgets, so that stream credit never runs out before a budget does.
+    let streams = INITIAL_STREAMS.min(stream_ceiling(&shared.limits));
     transport
         .max_concurrent_bidi_streams(VarInt::from_u32(streams))
         .max_concurrent_uni_streams(VarInt::from_u32(0))
@@ -168,6 +182,11 @@ async fn connection(incoming: quinn::Incoming, shared: Arc<ServerShared>) {
         transport: TransportKind::Quic,
     };
     debug!(%remote, peer = %peer.worker_id, identity = %peer.identity, "mesh QUIC peer connected");
+    let allowance = Arc::new(StreamAllowance {
+        open: AtomicU32::new(0),
+        allowed: AtomicU32::new(INITIAL_STREAMS.min(stream_ceiling(limits))),
+        ceiling: stream_ceiling(limits),
+    });
     loop {
         let stream = tokio::select! {
             () = shared.stop.cancelled() => {
@@ -178,9 +197,14 @@ async fn connection(incoming: quinn::Incoming, shared: Arc<ServerShared>) {
         };
         match stream {
             Ok((send, recv)) => {
-                shared
-                    .exchanges
-                    .spawn(serve_stream(send, recv, peer.clone(), shared.clone()));
+                let held = allowance.opened(&conn);
+                shared.exchanges.spawn(serve_stream(
+                    send,
+                    recv,
+                    peer.clone(),
+                    shared.clone(),
+                    held,
+                ));
             }
             Err(e) => {
                 debug!(%remote, peer = %peer.worker_id, reason = %e, "mesh QUIC connection closed");
@@ -190,12 +214,52 @@ async fn connection(incoming: quinn::Incoming, shared: Arc<ServerShared>) {
     }
 }
 
+/// How many streams one connection may open, raised as they are used.
+struct StreamAllowance {
+    /// Streams being served.
+    open: AtomicU32,
+    /// The limit last given to quinn.
+    allowed: AtomicU32,
+    /// What both budgets need; the limit never goes past it.
+    ceiling: u32,
+}
+
+impl StreamAllowance {
+    /// Counts a stream that opened, doubling the connection's limit once half of it is
+    /// in use, so a caller finds credit before it needs it.
+    fn opened(self: &Arc<Self>, conn: &Connection) -> OpenStream {
+        let open = self.open.fetch_add(1, Ordering::Relaxed) + 1;
+        let allowed = self.allowed.load(Ordering::Relaxed);
+        if open.saturating_mul(2) >= allowed && allowed < self.ceiling {
+            let raised = allowed.saturating_mul(2).min(self.ceiling);
+            if self
+                .allowed
+                .compare_exchange(allowed, raised, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+            {
+                conn.set_max_concurrent_bi_streams(VarInt::from_u32(raised));
+            }
+        }
+        OpenStream(self.clone())
+    }
+}
+
+/// One open stream in a connection's allowance; counted down when dropped.
+struct OpenStream(Arc<StreamAllowance>);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Serves the one request a stream carries.
 async fn serve_stream(
     send: SendStream,
     recv: RecvStream,
     peer: PeerInfo,
     shared: Arc<ServerShared>,
+    _held: OpenStream,
 ) {
     let mut link = StreamLink {
         reader: FrameReader::new(recv, shared.limits.max_frame),
@@ -463,11 +527,11 @@ impl QuicClient {
                     found: pc.worker_id.clone(),
                 });
             }
-            // Never waits for stream credit: the owner allows more streams than both
-            // budgets together, so a lack of credit means the owner is over budget, and
-            // waiting for it would be the hang budgets exist to prevent.
-            let (send, recv) = match pc.conn.open_bi().now_or_never() {
-                None => {
+            // The owner raises its stream limit before it runs out, up to both budgets:
+            // a lack of credit is at most a moment's wait for that raise, or an owner
+            // whose budgets are smaller than ours, which is Busy, not a hang.
+            let (send, recv) = match timeout(CREDIT_WAIT, pc.conn.open_bi()).await {
+                Err(_) => {
                     return Err(MeshError::Remote(ErrorFrame::new(
                         ErrorKind::Busy,
                         format!(
@@ -476,7 +540,7 @@ impl QuicClient {
                         ),
                     )));
                 }
-                Some(Err(e)) => {
+                Ok(Err(e)) => {
                     // The connection died before the request left: safe to redial once.
                     self.invalidate(peer_addr, &pc);
                     if !retried {
@@ -485,7 +549,7 @@ impl QuicClient {
                     }
                     return Err(connection_error(peer_addr, &e));
                 }
-                Some(Ok(pair)) => pair,
+                Ok(Ok(pair)) => pair,
             };
             let mut exchange = QuicExchange {
                 writer: FrameWriter::new(send, self.limits.max_frame),
