@@ -43,6 +43,11 @@ enum Command {
     /// Open K idle sessions on one worker and report memory per session (owner
     /// RSS, Redis directory).
     Sessions(bench::sessions::SessionsArgs),
+    /// A fleet of N workers behind round-robin routing, thousands of legacy sessions
+    /// each holding its GET stream open through a random worker, and a closed-loop
+    /// tools/call load on top: requests/s, p50/p99 of forwarded calls, errors by class,
+    /// memory per session with a held stream.
+    Scale(bench::scale::ScaleArgs),
 }
 
 #[tokio::main]
@@ -59,6 +64,7 @@ async fn main() -> ExitCode {
         Command::Run(args) => bench::run::main(args).await,
         Command::Compare(args) => bench::compare::main(args).await,
         Command::Sessions(args) => bench::sessions::main(args).await,
+        Command::Scale(args) => bench::scale::main(args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,6 +1,7 @@
 //! The load side of `mcpgw-bench`: `run` (closed-loop load against gateway URLs),
 //! `compare` (every forwarding configuration side by side, in one run, on one
-//! machine) and `sessions` (memory per idle session).
+//! machine), `sessions` (memory per idle session) and `scale` (a fleet holding
+//! thousands of sessions' event streams under load).
 //!
 //! It talks to the gateway only over HTTP, as a user would, and reads the machine's
 //! own counters (/proc, Redis INFO) around each measured window.
@@ -16,6 +17,7 @@ mod redis;
 mod report;
 mod routing;
 pub mod run;
+pub mod scale;
 pub mod sessions;
 mod svg;
 mod targets;
