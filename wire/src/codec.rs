@@ -22,6 +22,9 @@ pub const MAX_FRAME_LIMIT: usize = 1 << 30;
 /// The smallest preallocation limit handed to wincode, as a power of two (64 KiB).
 const MIN_PREALLOC_SHIFT: u32 = 16;
 
+/// The bincode enum tag of [`Frame::Chunk`]: its index in the enum.
+const CHUNK_TAG: u32 = 4;
+
 /// Bytes in the length prefix.
 pub(crate) const PREFIX_LEN: usize = 4;
 
@@ -164,6 +167,23 @@ impl MeshCodec {
         self.decode_body(body)
     }
 
+    /// Parses one frame body that the caller owns. A `Chunk` (the frame that carries
+    /// response bodies, by far the most bytes) keeps its payload in `body`'s memory
+    /// instead of copying it out; every other frame is parsed by [`decode_body`].
+    /// Never panics, whatever the bytes.
+    ///
+    /// [`decode_body`]: Self::decode_body
+    pub(crate) fn decode_owned(&self, body: BytesMut) -> Result<Frame, WireError> {
+        if let Some((tag, rest)) = body.split_first_chunk::<4>()
+            && u32::from_le_bytes(*tag) == CHUNK_TAG
+            && let Some((len, payload)) = rest.split_first_chunk::<8>()
+            && u64::from_le_bytes(*len) == payload.len() as u64
+        {
+            return Ok(Frame::Chunk(body.freeze().slice(Frame::CHUNK_OVERHEAD..)));
+        }
+        self.decode_body(&body)
+    }
+
     /// Parses one frame body. Never panics, whatever the bytes.
     pub(crate) fn decode_body(&self, body: &[u8]) -> Result<Frame, WireError> {
         with_prealloc_config!(self.prealloc_shift, cfg => {
@@ -256,7 +276,7 @@ impl Decoder for MeshCodec {
         }
         src.advance(PREFIX_LEN);
         let body = src.split_to(len);
-        self.decode_body(&body).map(Some)
+        self.decode_owned(body).map(Some)
     }
 }
 

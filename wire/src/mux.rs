@@ -135,8 +135,8 @@ impl Decoder for MuxCodec {
             return Ok(None);
         }
         src.advance(PREFIX_LEN);
-        let body = src.split_to(len);
-        let Some((id, frame)) = body.split_first_chunk::<EXCHANGE_LEN>() else {
+        let mut body = src.split_to(len);
+        let Some(id) = body.first_chunk::<EXCHANGE_LEN>() else {
             return Err(MuxError {
                 exchange: None,
                 error: WireError::Malformed(format!(
@@ -145,7 +145,8 @@ impl Decoder for MuxCodec {
             });
         };
         let exchange = u64::from_le_bytes(*id);
-        match self.codec.decode_body(frame) {
+        body.advance(EXCHANGE_LEN);
+        match self.codec.decode_owned(body) {
             Ok(frame) => Ok(Some((exchange, frame))),
             Err(error) => Err(MuxError {
                 exchange: Some(exchange),
