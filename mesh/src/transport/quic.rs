@@ -25,7 +25,10 @@ use tracing::{debug, warn};
 use super::client::{ExState, greet as client_greet, resolve};
 use super::error::{LinkError, quic_tls_cause};
 use super::framed::{FrameReader, FrameWriter, SendError};
-use super::server::{ExchangeEnd, ServerShared, StreamLink, greet as server_greet, serve_next};
+use super::server::{
+    CallerEvent, ExchangeEnd, ExchangeLink, ServerShared, greet as server_greet, serve_next,
+    timed_out,
+};
 use super::{MeshError, MeshLimits, PeerInfo, TransportKind};
 
 /// Application error code on a stream the caller abandons (reset and stop).
@@ -261,7 +264,7 @@ async fn serve_stream(
     shared: Arc<ServerShared>,
     _held: OpenStream,
 ) {
-    let mut link = StreamLink {
+    let mut link = QuicLink {
         reader: FrameReader::new(recv, shared.limits.max_frame),
         writer: FrameWriter::new(send, shared.limits.max_frame),
     };
@@ -296,6 +299,63 @@ async fn serve_stream(
     }
     // Whatever the caller still sends on this stream is not needed.
     let _ = link.reader.get_mut().stop(VarInt::from_u32(0));
+}
+
+/// One exchange's stream pair, owner side.
+///
+/// The caller finishes its side right after the request (its FIN travels with it), so
+/// the end of the receive side means "nothing more to say", not "gone". A caller that
+/// gives up resets its side and stops ours (`STOP_SENDING`), and either is noticed at
+/// once, even while the response is quiet.
+struct QuicLink {
+    reader: FrameReader<RecvStream>,
+    writer: FrameWriter<SendStream>,
+}
+
+impl ExchangeLink for QuicLink {
+    fn queue(&mut self, frame: Frame) -> Result<(), mcpgw_wire::WireError> {
+        self.writer.queue(&frame)
+    }
+
+    fn queued_len(&self) -> usize {
+        self.writer.queued_len()
+    }
+
+    fn gather_limit(&self) -> usize {
+        self.writer.max_frame()
+    }
+
+    fn max_chunk(&self) -> usize {
+        self.writer
+            .max_frame()
+            .saturating_sub(Frame::CHUNK_OVERHEAD)
+            .max(1)
+    }
+
+    async fn flush(&mut self, by: Instant) -> Result<(), SendError> {
+        match tokio::time::timeout_at(by, self.writer.flush_queued()).await {
+            Ok(result) => result,
+            Err(_) => Err(timed_out()),
+        }
+    }
+
+    async fn caller_event(&mut self) -> CallerEvent {
+        let stopped = self.writer.get_mut().stopped();
+        let read = async {
+            match self.reader.next().await {
+                Ok(Some(Frame::Cancel)) => CallerEvent::Cancelled,
+                // The caller finished its side: it waits for the answer.
+                Ok(None) => pending().await,
+                Err(LinkError::Broken { .. }) => CallerEvent::Gone,
+                Ok(Some(other)) => CallerEvent::Unexpected(other.name()),
+                Err(e) => CallerEvent::Bad(e),
+            }
+        };
+        tokio::select! {
+            event = read => event,
+            _ = stopped => CallerEvent::Gone,
+        }
+    }
 }
 
 /// The mesh identity in the peer's certificate (already verified by the TLS layer).
@@ -558,7 +618,12 @@ impl QuicClient {
                 released: false,
             };
             match exchange.writer.send_encoded(request).await {
-                Ok(()) => return Ok(exchange),
+                Ok(()) => {
+                    // Nothing more goes this way (a cancel is a reset): the FIN leaves
+                    // with the request instead of in a packet of its own later.
+                    let _ = exchange.writer.get_mut().finish();
+                    return Ok(exchange);
+                }
                 // The owner stopped reading: it refused the request (too large,
                 // malformed) and its answer is on the receive side.
                 Err(SendError::Io(e)) if is_stopped(&e) => return Ok(exchange),
@@ -668,9 +733,10 @@ impl QuicExchange {
             return;
         }
         match self.state {
-            ExState::Clean => {
-                let _ = self.writer.get_mut().finish();
-            }
+            // Our side was finished with the request.
+            ExState::Clean => {}
+            // The reset reaches the owner if our side is still in flight; the stop
+            // always does, and tells it to stop answering.
             ExState::Open | ExState::Broken => {
                 let _ = self.writer.get_mut().reset(CANCEL_CODE);
                 let _ = self.reader.get_mut().stop(CANCEL_CODE);

@@ -11,7 +11,7 @@ use futures_util::{FutureExt, StreamExt};
 use mcpgw_wire::{ErrorFrame, ErrorKind, Frame, PROTOCOL_VERSION, RequestFrame, WireError};
 use rustls::ServerConfig;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::time::{Instant, sleep_until, timeout, timeout_at};
+use tokio::time::{Instant, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
@@ -392,59 +392,11 @@ pub(crate) trait ExchangeLink: Send {
     fn caller_event(&mut self) -> impl Future<Output = CallerEvent> + Send;
 }
 
-/// An exchange on its own byte stream pair (a QUIC stream): frames are written to the
-/// stream, and anything the caller sends on it is a caller event.
-pub(crate) struct StreamLink<R, W> {
-    pub(crate) reader: FrameReader<R>,
-    pub(crate) writer: FrameWriter<W>,
-}
-
-fn timed_out() -> SendError {
+pub(crate) fn timed_out() -> SendError {
     SendError::Io(std::io::Error::new(
         std::io::ErrorKind::TimedOut,
         "caller did not take the response before the deadline",
     ))
-}
-
-impl<R, W> ExchangeLink for StreamLink<R, W>
-where
-    R: AsyncRead + Unpin + Send,
-    W: AsyncWrite + Unpin + Send,
-{
-    fn queue(&mut self, frame: Frame) -> Result<(), WireError> {
-        self.writer.queue(&frame)
-    }
-
-    fn queued_len(&self) -> usize {
-        self.writer.queued_len()
-    }
-
-    fn gather_limit(&self) -> usize {
-        self.writer.max_frame()
-    }
-
-    fn max_chunk(&self) -> usize {
-        self.writer
-            .max_frame()
-            .saturating_sub(Frame::CHUNK_OVERHEAD)
-            .max(1)
-    }
-
-    async fn flush(&mut self, by: Instant) -> Result<(), SendError> {
-        match timeout_at(by, self.writer.flush_queued()).await {
-            Ok(result) => result,
-            Err(_) => Err(timed_out()),
-        }
-    }
-
-    async fn caller_event(&mut self) -> CallerEvent {
-        match self.reader.next().await {
-            Ok(Some(Frame::Cancel)) => CallerEvent::Cancelled,
-            Ok(None) | Err(LinkError::Broken { .. }) => CallerEvent::Gone,
-            Ok(Some(other)) => CallerEvent::Unexpected(other.name()),
-            Err(e) => CallerEvent::Bad(e),
-        }
-    }
 }
 
 /// Serves one request: admission, deadline, streaming the service's response, and
