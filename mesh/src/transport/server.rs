@@ -439,6 +439,9 @@ pub(crate) async fn serve_request<L: ExchangeLink>(
     // GET stream) runs as long as the service produces it and the caller reads it;
     // each send is bounded by `stall` so a caller that stops reading cannot hold it.
     let stall = shared.limits.idle_timeout;
+    // Made once: each `cancelled()` future takes the token's lock when first polled.
+    let stopped = shared.stop.cancelled();
+    tokio::pin!(stopped);
     loop {
         let head_deadline = async {
             if head_sent {
@@ -454,7 +457,7 @@ pub(crate) async fn serve_request<L: ExchangeLink>(
         };
         let part = tokio::select! {
             biased;
-            () = shared.stop.cancelled() => return ExchangeEnd::Broken,
+            () = &mut stopped => return ExchangeEnd::Broken,
             () = head_deadline => {
                 drop(response);
                 debug!(request_id, peer = %peer.worker_id, "mesh request deadline passed; stopped");

@@ -31,6 +31,8 @@ pub(crate) struct CallerConn {
     window: usize,
     /// Cancelled when the connection is unusable (read or write failed, closed).
     pub(super) dead: CancellationToken,
+    /// Set with `dead`, read on every pick without the token's lock.
+    closed: AtomicBool,
     /// Set when the pool let go of this connection: it closes once its last exchange
     /// ends.
     retiring: AtomicBool,
@@ -77,6 +79,7 @@ impl CallerConn {
             worker_id,
             window: window.max(1),
             dead: CancellationToken::new(),
+            closed: AtomicBool::new(false),
             retiring: AtomicBool::new(false),
         })
     }
@@ -88,7 +91,7 @@ impl CallerConn {
 
     /// Whether the connection can take a new exchange.
     pub(super) fn usable(&self) -> bool {
-        !self.dead.is_cancelled() && !self.retiring.load(Ordering::Relaxed)
+        !self.closed.load(Ordering::Relaxed) && !self.retiring.load(Ordering::Relaxed)
     }
 
     /// Lets the pool drop this connection: it closes as soon as nothing runs on it.
@@ -218,6 +221,7 @@ impl CallerConn {
             inbox.wake.notify_one();
         }
         self.outbox.close();
+        self.closed.store(true, Ordering::Relaxed);
         self.dead.cancel();
     }
 }
@@ -239,14 +243,17 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
     mut reader: MuxReader<R>,
     stop: CancellationToken,
 ) {
+    // Made once: each `cancelled()` future takes the token's lock when first polled.
+    let (dropped, dead) = (stop.cancelled(), conn.dead.cancelled());
+    tokio::pin!(dropped, dead);
     let error = loop {
         let read = tokio::select! {
             biased;
-            () = stop.cancelled() => break LinkError::Broken {
+            () = &mut dropped => break LinkError::Broken {
                 reason: "the mesh client was dropped".into(),
                 tls: None,
             },
-            () = conn.dead.cancelled() => break LinkError::Broken {
+            () = &mut dead => break LinkError::Broken {
                 reason: "the connection closed".into(),
                 tls: None,
             },

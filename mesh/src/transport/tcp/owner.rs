@@ -102,11 +102,14 @@ pub(super) async fn serve_connection<R, W>(
             }
         }
     });
+    // Made once: each `cancelled()` future takes the token's lock when first polled.
+    let (stopped, failed) = (shared.stop.cancelled(), write_failed.cancelled());
+    tokio::pin!(stopped, failed);
     loop {
         let read = tokio::select! {
             biased;
-            () = shared.stop.cancelled() => break,
-            () = write_failed.cancelled() => break,
+            () = &mut stopped => break,
+            () = &mut failed => break,
             read = reader.next() => read,
         };
         match read {
