@@ -229,7 +229,15 @@ pub struct MeshConfig {
     /// Connect deadline to a peer; past it the owner is unreachable (unknown, not dead).
     pub connect_timeout: Duration,
     pub max_frame_bytes: usize,
+    /// Short requests in flight to (and from) one peer; past it, 503 at once.
     pub max_in_flight_per_peer: usize,
+    /// Long-lived exchanges (GET streams, SSE answers) to (and from) one peer; a
+    /// separate budget, so held streams never make a short request wait.
+    pub max_streams_per_peer: usize,
+    /// TCP mesh: connections per peer, each multiplexing many exchanges.
+    pub tcp_connections_per_peer: usize,
+    /// TCP mesh: body bytes an owner may send on one exchange ahead of the caller.
+    pub stream_window_bytes: usize,
 }
 
 impl Default for Config {
@@ -271,6 +279,9 @@ impl Default for Config {
                 connect_timeout: Duration::from_secs(2),
                 max_frame_bytes: 8 * 1024 * 1024,
                 max_in_flight_per_peer: 1024,
+                max_streams_per_peer: 32_768,
+                tcp_connections_per_peer: 2,
+                stream_window_bytes: 256 * 1024,
             },
             auth: AuthConfig::default(),
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -468,6 +479,9 @@ struct FileMesh {
     connect_timeout_ms: Option<u64>,
     max_frame_bytes: Option<usize>,
     max_in_flight_per_peer: Option<usize>,
+    max_streams_per_peer: Option<usize>,
+    tcp_connections_per_peer: Option<usize>,
+    stream_window_bytes: Option<usize>,
 }
 
 impl Config {
@@ -563,6 +577,12 @@ impl Config {
             &mut self.mesh.max_in_flight_per_peer,
             m.max_in_flight_per_peer,
         );
+        set(&mut self.mesh.max_streams_per_peer, m.max_streams_per_peer);
+        set(
+            &mut self.mesh.tcp_connections_per_peer,
+            m.tcp_connections_per_peer,
+        );
+        set(&mut self.mesh.stream_window_bytes, m.stream_window_bytes);
         Ok(())
     }
 
@@ -787,6 +807,27 @@ impl Config {
                 "the redis mesh transport is a benchmark baseline whose trust boundary is \
                  Redis itself (any Redis client could forge a forwarded request's identity), \
                  so it cannot be combined with edge authentication: use quic or tcp",
+            ));
+        }
+        for (field, value) in [
+            (
+                "mesh.max_in_flight_per_peer",
+                self.mesh.max_in_flight_per_peer,
+            ),
+            ("mesh.max_streams_per_peer", self.mesh.max_streams_per_peer),
+            (
+                "mesh.tcp_connections_per_peer",
+                self.mesh.tcp_connections_per_peer,
+            ),
+        ] {
+            if value == 0 {
+                return Err(invalid(field, "must be at least 1"));
+            }
+        }
+        if self.mesh.stream_window_bytes < 16 * 1024 {
+            return Err(invalid(
+                "mesh.stream_window_bytes",
+                "must be at least 16 KiB (smaller windows cost a credit update every few events)",
             ));
         }
         // Builds the real authenticator: reads token files, keys and JWKS files.

@@ -300,6 +300,9 @@ async fn join_fleet(
     let limits = MeshLimits {
         max_frame: mesh.max_frame_bytes,
         max_in_flight_per_peer: mesh.max_in_flight_per_peer,
+        max_streams_per_peer: mesh.max_streams_per_peer,
+        tcp_pool_size: mesh.tcp_connections_per_peer,
+        stream_window: mesh.stream_window_bytes,
         connect_timeout: mesh.connect_timeout,
         ..MeshLimits::default()
     };

@@ -1,6 +1,7 @@
 //! The owner's server against a hand-driven peer that speaks raw frames: bad frames,
 //! wrong versions and misplaced frames get error frames, and never cost the
-//! connection's other work.
+//! connection's other work. On TCP, frames after the greeting are multiplexed: each
+//! names its exchange, and errors come back on the exchange they concern.
 
 mod common;
 
@@ -13,7 +14,7 @@ use bytes::{BufMut, BytesMut};
 use common::*;
 use mcpgw_certs::{MESH_SERVER_NAME, MeshTls};
 use mcpgw_mesh::transport::{MESH_ALPN, MeshLimits, TransportKind};
-use mcpgw_wire::{ErrorKind, Frame, MeshCodec, PROTOCOL_VERSION, WireError};
+use mcpgw_wire::{ErrorKind, Frame, MeshCodec, MuxCodec, PROTOCOL_VERSION, WireError};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_util::codec::Decoder;
 
@@ -88,6 +89,65 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Raw<R, W> {
     }
 }
 
+/// A TCP peer past its greeting, speaking multiplexed frames.
+struct Muxed<R, W> {
+    raw: Raw<R, W>,
+    mux: MuxCodec,
+}
+
+impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Muxed<R, W> {
+    async fn send(&mut self, exchange: u64, frame: &Frame) {
+        let mut bytes = BytesMut::new();
+        self.mux
+            .encode(exchange, frame, &mut bytes)
+            .expect("encode");
+        self.raw.send_raw(&bytes).await;
+    }
+
+    /// The next frame and its exchange.
+    async fn next(&mut self) -> (u64, Frame) {
+        let raw = &mut self.raw;
+        let mux = &mut self.mux;
+        let read = async {
+            loop {
+                match mux.decode(&mut raw.buf) {
+                    Ok(Some(pair)) => return pair,
+                    Err(e) => panic!("the owner sent a bad frame: {e}"),
+                    Ok(None) => {}
+                }
+                let n = raw.r.read_buf(&mut raw.buf).await.expect("read");
+                assert!(n > 0, "the owner closed the connection");
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), read)
+            .await
+            .expect("peer answered in time")
+    }
+
+    async fn expect_error(&mut self, exchange: u64, kind: ErrorKind) {
+        match self.next().await {
+            (id, Frame::Error(e)) if id == exchange && e.kind == kind => {}
+            other => panic!("expected Error({kind:?}) on exchange {exchange}, got {other:?}"),
+        }
+    }
+
+    /// Reads a whole response of `exchange`: head status, then body until End.
+    async fn expect_response(&mut self, exchange: u64) -> (u16, Vec<u8>) {
+        let status = match self.next().await {
+            (id, Frame::Head(head)) if id == exchange => head.status,
+            other => panic!("expected Head on exchange {exchange}, got {other:?}"),
+        };
+        let mut body = Vec::new();
+        loop {
+            match self.next().await {
+                (id, Frame::Chunk(c)) if id == exchange => body.extend_from_slice(&c),
+                (id, Frame::End) if id == exchange => return (status, body),
+                other => panic!("expected Chunk or End on exchange {exchange}, got {other:?}"),
+            }
+        }
+    }
+}
+
 fn hello(version: u32) -> Frame {
     Frame::Hello {
         version,
@@ -134,7 +194,12 @@ async fn tcp_raw(mesh: &Mesh) -> TcpRaw {
     Raw::new(r, w)
 }
 
-async fn greeted_tcp(mesh: &Mesh) -> TcpRaw {
+type TcpMuxed = Muxed<
+    tokio::io::ReadHalf<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>,
+    tokio::io::WriteHalf<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>,
+>;
+
+async fn greeted_tcp(mesh: &Mesh, max_frame: usize) -> TcpMuxed {
     let mut raw = tcp_raw(mesh).await;
     raw.send(&hello(PROTOCOL_VERSION)).await;
     match raw.next().await {
@@ -144,7 +209,10 @@ async fn greeted_tcp(mesh: &Mesh) -> TcpRaw {
         }
         other => panic!("expected Welcome, got {other:?}"),
     }
-    raw
+    Muxed {
+        raw,
+        mux: MuxCodec::new(max_frame),
+    }
 }
 
 async fn within_timeout(test: impl Future<Output = ()>) {
@@ -161,22 +229,72 @@ async fn tcp_malformed_frame_gets_an_error_and_the_connection_serves_on() {
             ..limits()
         };
         let mesh = Mesh::start_with(TransportKind::Tcp, small, limits()).await;
-        let mut raw = greeted_tcp(&mesh).await;
-        raw.send_raw(&garbage_frame()).await;
-        raw.expect_error(ErrorKind::Malformed).await;
+        let mut raw = greeted_tcp(&mesh, 1 << 20).await;
+        // Exchange 5's frame is no frame: answered on exchange 5.
+        let mut garbage = BytesMut::new();
+        garbage.put_u32(12);
+        garbage.extend_from_slice(&5u64.to_le_bytes());
+        garbage.extend_from_slice(&[0xFF, 0xFF, 0xFF, 0x7F]);
+        raw.raw.send_raw(&garbage).await;
+        raw.expect_error(5, ErrorKind::Malformed).await;
+        // Too short to name an exchange: answered on exchange 0, which no caller uses.
+        raw.raw.send_raw(&garbage_frame()).await;
+        raw.expect_error(0, ErrorKind::Malformed).await;
         // A frame that is not a request where a request belongs.
-        raw.send(&Frame::End).await;
-        raw.expect_error(ErrorKind::Malformed).await;
-        // An oversized frame: skipped whole, answered TooLarge.
+        raw.send(6, &Frame::End).await;
+        raw.expect_error(6, ErrorKind::Malformed).await;
+        // An oversized frame: skipped whole, answered TooLarge on its exchange.
         let mut big = BytesMut::new();
         big.put_u32(100 * 1024);
-        raw.send_raw(&big).await;
-        raw.expect_error(ErrorKind::TooLarge).await;
-        raw.send_raw(&vec![0u8; 100 * 1024]).await;
+        big.extend_from_slice(&7u64.to_le_bytes());
+        raw.raw.send_raw(&big).await;
+        raw.expect_error(7, ErrorKind::TooLarge).await;
+        raw.raw.send_raw(&vec![0u8; 100 * 1024 - 8]).await;
         // Still in sync: a real request is served on the same connection.
-        raw.send(&request_frame("/echo", "still here")).await;
-        assert_eq!(raw.expect_response().await, (200, b"still here".to_vec()));
+        raw.send(8, &request_frame("/echo", "still here")).await;
+        assert_eq!(raw.expect_response(8).await, (200, b"still here".to_vec()));
         assert_eq!(mesh.record.started.load(Ordering::SeqCst), 1);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn tcp_exchanges_of_one_connection_are_independent() {
+    within_timeout(async {
+        let mesh = Mesh::start(TransportKind::Tcp).await;
+        let mut raw = greeted_tcp(&mesh, 1 << 20).await;
+        // A request that never ends, then one that does, on the same connection.
+        raw.send(1, &request_frame("/hang", "")).await;
+        assert!(matches!(raw.next().await, (1, Frame::Head(_))));
+        raw.send(2, &request_frame("/echo", "beside it")).await;
+        assert_eq!(raw.expect_response(2).await, (200, b"beside it".to_vec()));
+        // A repeated running id is refused and does not run twice.
+        raw.send(1, &request_frame("/echo", "again")).await;
+        raw.expect_error(1, ErrorKind::Malformed).await;
+        assert_eq!(mesh.record.started.load(Ordering::SeqCst), 2);
+        // Cancelling the first ends it, and only it.
+        raw.send(1, &Frame::Cancel).await;
+        mesh.await_cancelled(1).await;
+        raw.send(3, &request_frame("/echo", "after")).await;
+        let (status, body) = loop {
+            // The cancelled exchange's last word may come first.
+            match raw.next().await {
+                (1, Frame::Error(_)) => continue,
+                (3, Frame::Head(head)) => {
+                    let mut body = Vec::new();
+                    loop {
+                        match raw.next().await {
+                            (3, Frame::Chunk(c)) => body.extend_from_slice(&c),
+                            (3, Frame::End) => break,
+                            other => panic!("expected exchange 3's body, got {other:?}"),
+                        }
+                    }
+                    break (head.status, body);
+                }
+                other => panic!("expected exchange 3's head, got {other:?}"),
+            }
+        };
+        assert_eq!((status, body), (200, b"after".to_vec()));
     })
     .await;
 }

@@ -47,6 +47,11 @@ enum Command {
     /// round, and report how long its clients wait for a truthful answer
     /// (p50/p90/max).
     Failover(bench::failover::FailoverArgs),
+    /// A fleet of N workers behind round-robin routing, thousands of legacy sessions
+    /// each holding its GET stream open through a random worker, and a closed-loop
+    /// tools/call load on top: requests/s, p50/p99 of forwarded calls, errors by class,
+    /// memory per session with a held stream.
+    Scale(bench::scale::ScaleArgs),
 }
 
 #[tokio::main]
@@ -64,6 +69,7 @@ async fn main() -> ExitCode {
         Command::Compare(args) => bench::compare::main(args).await,
         Command::Sessions(args) => bench::sessions::main(args).await,
         Command::Failover(args) => bench::failover::main(args).await,
+        Command::Scale(args) => bench::scale::main(args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -22,8 +22,11 @@ pub const MAX_FRAME_LIMIT: usize = 1 << 30;
 /// The smallest preallocation limit handed to wincode, as a power of two (64 KiB).
 const MIN_PREALLOC_SHIFT: u32 = 16;
 
+/// The bincode enum tag of [`Frame::Chunk`]: its index in the enum.
+const CHUNK_TAG: u32 = 4;
+
 /// Bytes in the length prefix.
-const PREFIX_LEN: usize = 4;
+pub(crate) const PREFIX_LEN: usize = 4;
 
 /// What went wrong while encoding or decoding a frame.
 #[derive(Debug, thiserror::Error)]
@@ -164,8 +167,25 @@ impl MeshCodec {
         self.decode_body(body)
     }
 
+    /// Parses one frame body that the caller owns. A `Chunk` (the frame that carries
+    /// response bodies, by far the most bytes) keeps its payload in `body`'s memory
+    /// instead of copying it out; every other frame is parsed by [`decode_body`].
+    /// Never panics, whatever the bytes.
+    ///
+    /// [`decode_body`]: Self::decode_body
+    pub(crate) fn decode_owned(&self, body: BytesMut) -> Result<Frame, WireError> {
+        if let Some((tag, rest)) = body.split_first_chunk::<4>()
+            && u32::from_le_bytes(*tag) == CHUNK_TAG
+            && let Some((len, payload)) = rest.split_first_chunk::<8>()
+            && u64::from_le_bytes(*len) == payload.len() as u64
+        {
+            return Ok(Frame::Chunk(body.freeze().slice(Frame::CHUNK_OVERHEAD..)));
+        }
+        self.decode_body(&body)
+    }
+
     /// Parses one frame body. Never panics, whatever the bytes.
-    fn decode_body(&self, body: &[u8]) -> Result<Frame, WireError> {
+    pub(crate) fn decode_body(&self, body: &[u8]) -> Result<Frame, WireError> {
         with_prealloc_config!(self.prealloc_shift, cfg => {
             wincode::config::deserialize_exact::<Frame, _>(body, cfg)
         })
@@ -174,16 +194,29 @@ impl MeshCodec {
 
     /// Appends `frame`, length prefix included, to `dst`. On error `dst` is unchanged.
     fn encode_into(&self, frame: &Frame, dst: &mut BytesMut) -> Result<(), WireError> {
+        self.encode_behind(&[], frame, dst)
+    }
+
+    /// Appends a length prefix, `header`, then `frame`'s body to `dst`; the prefix
+    /// counts the header, and the maximum frame size bounds header and body together.
+    /// On error `dst` is unchanged.
+    pub(crate) fn encode_behind(
+        &self,
+        header: &[u8],
+        frame: &Frame,
+        dst: &mut BytesMut,
+    ) -> Result<(), WireError> {
         let unencodable = |e: wincode::WriteError| WireError::Unencodable(e.to_string());
         let size = with_prealloc_config!(self.prealloc_shift, cfg => {
             wincode::config::serialized_size(frame, cfg)
         })
         .map_err(unencodable)?;
-        let len = usize::try_from(size)
-            .ok()
+        let body_len = usize::try_from(size).unwrap_or(usize::MAX);
+        let len = body_len
+            .checked_add(header.len())
             .filter(|len| *len <= self.max_frame)
             .ok_or(WireError::FrameTooLarge {
-                len: usize::try_from(size).unwrap_or(usize::MAX),
+                len: body_len.saturating_add(header.len()),
                 max: self.max_frame,
             })?;
         // `max_frame <= MAX_FRAME_LIMIT < u32::MAX`, so the prefix cannot overflow.
@@ -194,8 +227,9 @@ impl MeshCodec {
         let start = dst.len();
         dst.reserve(PREFIX_LEN + len);
         dst.put_u32(prefix);
+        dst.put_slice(header);
         let body_start = dst.len();
-        dst.resize(body_start + len, 0);
+        dst.resize(body_start + body_len, 0);
         let written = with_prealloc_config!(self.prealloc_shift, cfg => {
             wincode::config::serialize_into(&mut dst[body_start..], frame, cfg)
         });
@@ -242,7 +276,7 @@ impl Decoder for MeshCodec {
         }
         src.advance(PREFIX_LEN);
         let body = src.split_to(len);
-        self.decode_body(&body).map(Some)
+        self.decode_owned(body).map(Some)
     }
 }
 

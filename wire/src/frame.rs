@@ -13,8 +13,9 @@ use wincode::{SchemaRead, SchemaWrite};
 /// Peers refuse a connection whose version differs from their own.
 ///
 /// History: 2 reshaped [`AuthContext`] (mode, subject, scopes, expiry, route) for edge
-/// authentication with JWTs.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// authentication with JWTs, and (separately) added the TCP mesh's per-exchange credit
+/// frames; 3 is both together.
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// One mesh message.
 #[derive(Debug, Clone, PartialEq, Eq, SchemaWrite, SchemaRead)]
@@ -50,6 +51,12 @@ pub enum Frame {
     Error(ErrorFrame),
     /// Caller → owner: the caller gave up; the owner stops work for this request.
     Cancel,
+    /// Caller → owner, on a multiplexed (TCP) connection: the caller consumed this many
+    /// more body bytes of the exchange, so the owner may send that many more. Each
+    /// exchange starts with a window agreed by configuration; credit keeps one slow
+    /// reader from stalling the other exchanges on its connection (as HTTP/2's
+    /// `WINDOW_UPDATE` does). QUIC has stream flow control of its own and never sends it.
+    Credit(u32),
 }
 
 impl Frame {
@@ -68,6 +75,7 @@ impl Frame {
             Frame::End => "End",
             Frame::Error(_) => "Error",
             Frame::Cancel => "Cancel",
+            Frame::Credit(_) => "Credit",
         }
     }
 }

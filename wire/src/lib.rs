@@ -13,14 +13,20 @@
 //! [`Frame::Request`] from the caller; [`Frame::Head`], any number of
 //! [`Frame::Chunk`], then [`Frame::End`] or [`Frame::Error`] from the owner; the
 //! caller may send [`Frame::Cancel`] at any time before the end.
+//!
+//! A TCP connection carries many exchanges at once: after the greeting, each frame is
+//! preceded by its exchange id ([`MuxCodec`]), and the owner sends body bytes only
+//! against [`Frame::Credit`] from the caller, a window per exchange.
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
 mod codec;
 mod frame;
+mod mux;
 
 pub use codec::{DEFAULT_MAX_FRAME, MAX_FRAME_LIMIT, MeshCodec, WireError};
 pub use frame::{
     AuthContext, AuthMode, ErrorFrame, ErrorKind, Frame, PROTOCOL_VERSION, RequestFrame,
     ResponseHead,
 };
+pub use mux::{MuxCodec, MuxError};

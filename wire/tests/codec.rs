@@ -101,6 +101,7 @@ fn frame() -> impl Strategy<Value = Frame> {
         (error_kind(), any::<String>())
             .prop_map(|(kind, message)| Frame::Error(ErrorFrame { kind, message })),
         Just(Frame::Cancel),
+        any::<u32>().prop_map(Frame::Credit),
     ]
 }
 

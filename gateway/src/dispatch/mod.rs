@@ -94,6 +94,7 @@ impl Worker {
                 Situation::OwnerGone => "owner_gone",
                 Situation::NoSuchSession => "no_such_session",
                 Situation::ForwardedThenLost => "outcome_unknown",
+                Situation::MeshBusy => "mesh_busy",
                 _ => "ownership_unknown",
             },
         };

@@ -52,6 +52,9 @@ pub enum Situation {
     /// The request was forwarded and the owner died (or the link broke) before the
     /// answer completed: it may or may not have run.
     ForwardedThenLost,
+    /// A mesh budget to the owner (short requests, or held streams) is full, here or
+    /// at the owner: the owner lives, the request did not run.
+    MeshBusy,
 }
 
 /// Where the request goes, or what the client is told.
@@ -80,6 +83,8 @@ pub enum Refusal {
     LeaseInDoubt,
     /// 502: the owner died mid-request; the outcome is unknown; not re-executed.
     OutcomeUnknown,
+    /// 503 + Retry-After: the mesh to the owner is full right now; retry.
+    MeshBusy,
 }
 
 pub fn decide(situation: &Situation) -> Decision {
@@ -92,12 +97,15 @@ pub fn decide(situation: &Situation) -> Decision {
         Situation::NoSuchSession => Decision::Refuse(Refusal::NoSuchSession),
         Situation::Unknown => Decision::Refuse(Refusal::OwnershipUnknown),
         Situation::ForwardedThenLost => Decision::Refuse(Refusal::OutcomeUnknown),
+        Situation::MeshBusy => Decision::Refuse(Refusal::MeshBusy),
     }
 }
 
 /// `data.reason` of the two "unknown" answers.
 pub const REASON_OWNERSHIP_UNKNOWN: &str = "ownership_unknown";
 pub const REASON_LEASE_IN_DOUBT: &str = "lease_in_doubt";
+/// `data.reason` when a mesh budget to the session's owner is full.
+pub const REASON_MESH_BUDGET_EXHAUSTED: &str = "mesh_budget_exhausted";
 
 /// Whether `error` says that ownership could not be established right now (as
 /// opposed to a proven answer): the only case where a stateless answer may stand in.
@@ -168,6 +176,19 @@ impl Refusal {
                 ),
             )
             .with_data(json!({ "reason": "outcome_unknown", "detail": why, "retryable": false })),
+            Refusal::MeshBusy => GatewayError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                mcp::code::GATEWAY_ERROR,
+                format!(
+                    "too many requests and streams are in flight to this session's worker \
+                     right now ({why}); the request did not run: retry the same request \
+                     shortly"
+                ),
+            )
+            .with_data(
+                json!({ "reason": REASON_MESH_BUDGET_EXHAUSTED, "detail": why, "retryable": true }),
+            )
+            .with_retry_after(RETRY_AFTER_SECONDS),
         }
     }
 }
@@ -268,8 +289,9 @@ pub enum FailureSign {
     NotOwner,
     /// The owner is draining: it ends its sessions once its requests finish.
     OwnerDraining,
-    /// The owner answered, but had no room for the request.
-    OwnerBusy,
+    /// A mesh budget to the owner is full (here, or the owner said so): the owner
+    /// lives and the request did not run.
+    BudgetFull,
     /// Sent, then the connection or the owner was lost: it may have run.
     MayHaveRun,
     /// Not sent, and nothing proven (connect timeout, TLS, saturated, ...).
@@ -278,13 +300,15 @@ pub enum FailureSign {
 
 /// Reads what a mesh error shows on its face.
 pub fn sign_of(error: &MeshError) -> FailureSign {
+    if error.is_budget_exhausted() {
+        return FailureSign::BudgetFull;
+    }
     if error.proves_peer_gone() {
         return FailureSign::PeerGone;
     }
     match error.remote().map(|frame| frame.kind) {
         Some(ErrorKind::NotOwner) => return FailureSign::NotOwner,
         Some(ErrorKind::Draining) => return FailureSign::OwnerDraining,
-        Some(ErrorKind::Busy) => return FailureSign::OwnerBusy,
         _ => {}
     }
     if error.may_have_executed() {
@@ -341,7 +365,8 @@ pub async fn after_failure(
             Ok(None) => Verdict::answer(Situation::NoSuchSession),
             _ => Verdict::answer(Situation::Unknown),
         },
-        FailureSign::OwnerBusy | FailureSign::NotSent => Verdict::answer(Situation::Unknown),
+        FailureSign::BudgetFull => Verdict::answer(Situation::MeshBusy),
+        FailureSign::NotSent => Verdict::answer(Situation::Unknown),
         FailureSign::MayHaveRun => Verdict::Probe,
     }
 }
@@ -549,6 +574,11 @@ mod tests {
                 Some(400),
             ),
             (Situation::Modern, Decision::ExecuteHere, None),
+            (
+                Situation::MeshBusy,
+                Decision::Refuse(Refusal::MeshBusy),
+                Some(503),
+            ),
         ];
         for (situation, expected, status) in rows {
             let decision = decide(situation);
@@ -715,7 +745,13 @@ mod tests {
                 Err("timeout".into()),
                 unknown(),
             ),
-            (OwnerBusy, false, Ok(Alive), Ok(None), unknown()),
+            (
+                BudgetFull,
+                false,
+                Ok(Alive),
+                Ok(None),
+                Verdict::answer(Situation::MeshBusy),
+            ),
             (MayHaveRun, false, Ok(Alive), Ok(None), Verdict::Probe),
             (NotSent, false, Ok(Expired), Ok(None), unknown()),
         ];
@@ -733,7 +769,7 @@ mod tests {
             );
         }
         // Signs that decide alone never touch the directory.
-        for sign in [PeerGone, NotOwner, OwnerBusy, MayHaveRun, NotSent] {
+        for sign in [PeerGone, NotOwner, BudgetFull, MayHaveRun, NotSent] {
             after_failure(sign, false, unasked, unasked).await;
         }
     }
@@ -955,7 +991,7 @@ mod tests {
             ),
             (remote(ErrorKind::NotOwner), FailureSign::NotOwner),
             (remote(ErrorKind::Draining), FailureSign::OwnerDraining),
-            (remote(ErrorKind::Busy), FailureSign::OwnerBusy),
+            (remote(ErrorKind::Busy), FailureSign::BudgetFull),
             (remote(ErrorKind::Internal), FailureSign::MayHaveRun),
             (
                 MeshError::LostMidResponse("reset".into()),

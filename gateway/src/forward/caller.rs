@@ -87,10 +87,11 @@ fn describe_kind(error: &MeshError) -> &'static str {
         MeshError::VersionMismatch { .. } => "it speaks another mesh protocol version",
         MeshError::RequestTooLarge(_) => "the request does not fit in one mesh frame",
         MeshError::Saturated { .. } => "every mesh stream to it stayed busy",
+        MeshError::BudgetExhausted { .. } => "the mesh budget to it is full",
         MeshError::Remote(frame) => match frame.kind {
             K::NotOwner => "it does not hold the session",
             K::Draining => "it is draining or cannot confirm its lease",
-            K::Busy => "it has no room for more requests right now",
+            K::Busy => "its mesh budget for this peer is full",
             K::DeadlineExceeded => "it did not answer within the deadline",
             K::Cancelled => "the request was cancelled",
             K::Internal => "it failed while answering",
@@ -212,7 +213,8 @@ impl Fleet {
         let request_id = self.request_ids.fetch_add(1, Ordering::Relaxed);
         let frame = to_frame(call, request_id, self.config.mesh.forward_timeout);
         let sent_at = tokio::time::Instant::now();
-        let forward = self.mesh.forward(&addr, owner, frame);
+        let sent = std::sync::atomic::AtomicBool::new(false);
+        let forward = self.mesh.forward_tracked(&addr, owner, frame, &sent);
         tokio::pin!(forward);
         // A head normally comes within milliseconds. When it does not, find out in
         // parallel whether the owner still exists, and keep checking while the answer
@@ -233,7 +235,13 @@ impl Fleet {
                         outcome = &mut forward => break outcome,
                         liveness = &mut probe => match liveness {
                             Liveness::Dead(why) => {
-                                let left = self.left_before_sending(owner, sent_at).await;
+                                // Still connecting when the owner was proven dead: the
+                                // request never left, so it cannot have run.
+                                let left = if sent.load(std::sync::atomic::Ordering::Acquire) {
+                                    self.left_before_sending(owner, sent_at).await
+                                } else {
+                                    Some(mcpgw_mesh::directory::GoneHow::Reclaimed)
+                                };
                                 let verdict = table::after_loss(&Liveness::Dead(why.clone()), left);
                                 return self
                                     .act(verdict, owner, &addr, why, String::new(), "probe")

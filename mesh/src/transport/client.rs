@@ -4,6 +4,7 @@
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -13,6 +14,7 @@ use rustls::ClientConfig;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::{Instant, timeout, timeout_at};
 
+use super::budget::{Budgets, Permit, StreamClass, is_event_stream};
 use super::error::LinkError;
 use super::framed::{FrameReader, FrameWriter};
 use super::{MeshError, MeshLimits, RedisTransportConfig, TransportKind, quic, redis, tcp};
@@ -34,6 +36,13 @@ struct ClientInner {
     transport: Transport,
     /// Encodes requests before any I/O, so a request too large is refused locally.
     max_frame: usize,
+    /// Exchanges in flight per peer address, short and long, so that a full budget
+    /// fails at once and held streams never make a short request wait.
+    budgets: Arc<Budgets>,
+}
+
+fn budgets_for(limits: &MeshLimits) -> Arc<Budgets> {
+    Budgets::new(limits.max_in_flight_per_peer, limits.max_streams_per_peer)
 }
 
 #[expect(
@@ -69,6 +78,7 @@ impl MeshClient {
         let tls = Arc::new(tls);
         let worker_id = local_worker_id.into();
         let max_frame = limits.max_frame;
+        let budgets = budgets_for(&limits);
         let transport = match kind {
             TransportKind::Quic => Transport::Quic(quic::QuicClient::new(tls, worker_id, limits)?),
             TransportKind::Tcp => Transport::Tcp(tcp::TcpClient::new(tls, worker_id, limits)),
@@ -84,6 +94,7 @@ impl MeshClient {
             inner: Arc::new(ClientInner {
                 transport,
                 max_frame,
+                budgets,
             }),
         })
     }
@@ -100,11 +111,13 @@ impl MeshClient {
         limits: MeshLimits,
     ) -> Result<Self, MeshError> {
         let max_frame = limits.max_frame;
+        let budgets = budgets_for(&limits);
         let client = redis::RedisClient::new(redis, local_worker_id.into(), limits).await?;
         Ok(Self {
             inner: Arc::new(ClientInner {
                 transport: Transport::Redis(client),
                 max_frame,
+                budgets,
             }),
         })
     }
@@ -127,15 +140,47 @@ impl MeshClient {
     /// it at the owner. A stale pooled connection is replaced transparently, once, as
     /// long as the request cannot have reached the owner. The Redis transport needs no
     /// address: it publishes to the channel of `expect_worker_id`.
+    ///
+    /// The request draws from the peer's budget of its class (a `GET` from the
+    /// long-lived budget, anything else from the short one, moving to the long one when
+    /// its head says `text/event-stream`) until the response ends or is dropped; a full
+    /// budget fails at once with [`MeshError::BudgetExhausted`].
     pub async fn forward(
         &self,
         peer_addr: &str,
         expect_worker_id: &str,
         request: RequestFrame,
     ) -> Result<ForwardedResponse, MeshError> {
+        self.forward_tracked(
+            peer_addr,
+            expect_worker_id,
+            request,
+            &AtomicBool::new(false),
+        )
+        .await
+    }
+
+    /// [`forward`](Self::forward), setting `sent` once the request has left for the
+    /// owner (handed to an established connection). A caller that gives up while
+    /// `sent` is still false knows the request cannot have run.
+    pub async fn forward_tracked(
+        &self,
+        peer_addr: &str,
+        expect_worker_id: &str,
+        request: RequestFrame,
+        sent: &AtomicBool,
+    ) -> Result<ForwardedResponse, MeshError> {
         let deadline = Instant::now()
             + Duration::from_millis(u64::from(request.deadline_ms))
             + CALLER_DEADLINE_GRACE;
+        let class = StreamClass::of_request(&request.method);
+        let mut permit = self.inner.budgets.admit(peer_addr, class).map_err(|full| {
+            MeshError::BudgetExhausted {
+                addr: peer_addr.to_owned(),
+                class: full.class.name(),
+                limit: full.limit,
+            }
+        })?;
         let frame = Frame::Request(Box::new(request));
         let encode = || {
             MeshCodec::new(self.inner.max_frame)
@@ -144,23 +189,28 @@ impl MeshClient {
         };
         let mut exchange = match &self.inner.transport {
             Transport::Quic(q) => Exchange::Quic(
-                q.send_request(peer_addr, expect_worker_id, &encode()?, deadline)
+                q.send_request(peer_addr, expect_worker_id, &encode()?)
                     .await?,
             ),
-            Transport::Tcp(t) => Exchange::Tcp(
-                t.send_request(peer_addr, expect_worker_id, &encode()?, deadline)
-                    .await?,
-            ),
+            // Encoded with its exchange id straight into the connection's outbox.
+            Transport::Tcp(t) => {
+                Exchange::Tcp(t.send_request(peer_addr, expect_worker_id, &frame).await?)
+            }
             // Encoded behind its routing header by the transport, in one buffer.
             Transport::Redis(r) => {
                 Exchange::Redis(r.send_request(expect_worker_id, &frame, deadline).await?)
             }
         };
+        sent.store(true, std::sync::atomic::Ordering::Release);
         let head = read_head(&mut exchange, deadline).await?;
+        if is_event_stream(&head) {
+            permit.promote();
+        }
         Ok(ForwardedResponse {
             head,
             exchange,
             done: false,
+            permit: Some(permit),
         })
     }
 
@@ -187,6 +237,8 @@ pub struct ForwardedResponse {
     exchange: Exchange,
     /// Set once `End`, an error, or a failure ended the body.
     done: bool,
+    /// The exchange's place in the peer's budget; given back when the body ends.
+    permit: Option<Permit>,
 }
 
 impl fmt::Debug for ForwardedResponse {
@@ -250,6 +302,7 @@ impl ForwardedResponse {
         };
         self.done = true;
         self.exchange.release();
+        self.permit = None;
         outcome
     }
 

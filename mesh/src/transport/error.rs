@@ -83,6 +83,21 @@ pub enum MeshError {
         /// The address dialled.
         addr: String,
     },
+    /// This worker already has as many exchanges of this class in flight to the peer
+    /// as its budget allows (short requests and long-lived streams have separate
+    /// budgets). Not proof of anything; the request was not sent; retry shortly.
+    #[error(
+        "mesh budget exhausted: {limit} {class} exchanges already in flight to {addr}; \
+         the request was not sent, retry shortly"
+    )]
+    BudgetExhausted {
+        /// The address dialled.
+        addr: String,
+        /// Which budget: `short-request` or `long-lived-stream`.
+        class: &'static str,
+        /// The budget's limit per peer.
+        limit: usize,
+    },
     /// The owner answered with an error frame (for example `NotOwner`, `Busy`,
     /// `Draining`, `DeadlineExceeded`).
     #[error("mesh peer answered with an error: {0}")]
@@ -134,6 +149,17 @@ impl MeshError {
                 frame.kind,
                 ErrorKind::DeadlineExceeded | ErrorKind::Cancelled | ErrorKind::Internal
             ),
+            _ => false,
+        }
+    }
+
+    /// True when a budget refused the request, here ([`MeshError::BudgetExhausted`]) or
+    /// at the owner (`Error(Busy)`): the owner is alive and the request did not run, so
+    /// the answer is "busy, retry shortly", never "gone" or "unknown".
+    pub fn is_budget_exhausted(&self) -> bool {
+        match self {
+            MeshError::BudgetExhausted { .. } => true,
+            MeshError::Remote(frame) => frame.kind == ErrorKind::Busy,
             _ => false,
         }
     }

@@ -69,17 +69,10 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         }
     }
 
-    /// True when the stream has something to say right now (bytes, end, error)
-    /// without waiting. An idle pooled connection that does is unusable: the peer
-    /// closed it or broke the protocol.
-    pub(crate) fn has_news(&mut self) -> bool {
-        if !self.buf.is_empty() {
-            return true;
-        }
-        self.buf.reserve(READ_RESERVE);
-        // Polled once with a no-op waker: `Pending` means quiet, which is what an
-        // idle connection should be.
-        futures_util::FutureExt::now_or_never(self.io.read_buf(&mut self.buf)).is_some()
+    /// The stream and the bytes read past the last frame, for a protocol that goes
+    /// on in another framing (the multiplexed TCP mesh after its greeting).
+    pub(crate) fn into_parts(self) -> (R, BytesMut) {
+        (self.io, self.buf)
     }
 }
 
@@ -131,6 +124,11 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
 
     pub(crate) fn get_mut(&mut self) -> &mut W {
         &mut self.io
+    }
+
+    /// The stream, for a protocol that goes on in another framing.
+    pub(crate) fn into_inner(self) -> W {
+        self.io
     }
 
     pub(crate) fn max_frame(&self) -> usize {

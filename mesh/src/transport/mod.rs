@@ -5,8 +5,10 @@
 //!
 //! - **QUIC** (quinn): one connection per peer, reused for every request, one
 //!   bidirectional stream per request. Requests never queue behind each other.
-//! - **TCP** (tokio-rustls): a bounded pool of persistent connections per peer, one
-//!   request in flight per connection (like an HTTP/1 pool).
+//! - **TCP** (tokio-rustls): a few persistent connections per peer
+//!   ([`MeshLimits::tcp_pool_size`]), each multiplexing many exchanges by id, with a
+//!   credit window per exchange ([`MeshLimits::stream_window`]) so that one slow
+//!   reader never stalls the others (as HTTP/2 does).
 //! - **Redis** pub/sub: the established alternative, kept as a measured baseline and
 //!   never the default. Requests and response parts travel as messages through Redis;
 //!   Redis, not mTLS, is its trust boundary. Made with [`MeshServer::bind_redis`] and
@@ -25,12 +27,24 @@
 //! worker is proof that the expected worker is gone ([`MeshError::WrongWorker`]).
 //! Then, per request: `Request` → `Head`, `Chunk`*, `End` | `Error`. Chunks are
 //! written and flushed as the service produces them, so SSE events arrive one by one.
+//! On TCP every frame after the greeting carries its exchange id, and the owner sends
+//! body bytes only against the caller's `Credit`.
+//!
+//! # Budgets
+//!
+//! Each peer has two budgets, on the caller's side and on the owner's: short
+//! requests ([`MeshLimits::max_in_flight_per_peer`]) and long-lived exchanges
+//! ([`MeshLimits::max_streams_per_peer`]: a `GET` stream, or an answer whose head says
+//! `text/event-stream`, which moves over when the head is seen). Held streams never
+//! make a short request wait, and a full budget refuses at once
+//! ([`MeshError::BudgetExhausted`] here, `Error(Busy)` from the owner; see
+//! [`MeshError::is_budget_exhausted`]), never by waiting.
 //!
 //! # Cancellation and deadlines
 //!
 //! Dropping a [`ForwardedResponse`] (or the [`MeshClient::forward`] future) before the
 //! end cancels the request at the owner: QUIC resets and stops the stream; TCP sends
-//! `Cancel` and drains the connection back into the pool (or drops it). The owner
+//! `Cancel` for that exchange, and the connection carries on with the others. The owner
 //! drops the service's response stream, which is how a [`MeshService`] learns of a
 //! cancellation. The owner also stops a request when its `deadline_ms` passes and
 //! answers `Error(DeadlineExceeded)`; the caller gives up [`CALLER_DEADLINE_GRACE`]
@@ -58,6 +72,7 @@
 //!   ([`MeshError::Refused`]); an owner that stops answering mid-response is noticed
 //!   when its keep-alives stop for [`MeshLimits::idle_timeout`].
 
+mod budget;
 mod client;
 mod error;
 mod framed;
@@ -91,7 +106,7 @@ pub const MESH_ALPN: &[u8] = b"mcpgw-mesh/1";
 pub enum TransportKind {
     /// QUIC over UDP: one connection per peer, one stream per request.
     Quic,
-    /// TLS over TCP: a pool of connections per peer, one request per connection at a time.
+    /// TLS over TCP: a few connections per peer, each multiplexing many exchanges.
     Tcp,
     /// Redis pub/sub: the measured baseline; a request channel per worker, a reply
     /// channel per caller worker, no mTLS.
@@ -131,16 +146,30 @@ pub struct MeshLimits {
     /// frames are answered with `Error(TooLarge)`. Memory per in-flight request grows
     /// with it.
     pub max_frame: usize,
-    /// Requests one peer may have in flight at this server. QUIC enforces it with
-    /// stream credit (a caller waits for a free stream); TCP answers `Error(Busy)`.
+    /// Short requests one peer may have in flight: checked by the caller per peer
+    /// address ([`MeshError::BudgetExhausted`] at once) and by the owner per peer worker
+    /// (`Error(Busy)`). Held streams never count here, so they cannot make a short
+    /// request wait. Each costs an exchange's state on both ends (a few KiB) plus what
+    /// its request and response hold.
     pub max_in_flight_per_peer: usize,
+    /// Long-lived exchanges one peer may have in flight: `GET` streams, and answers
+    /// that turned out to be SSE streams. Checked like `max_in_flight_per_peer`, from a
+    /// separate budget. A QUIC owner lets a peer open up to both budgets together,
+    /// raising the limit as streams are used (quinn keeps a table entry, about 50
+    /// bytes, for every stream it allows).
+    pub max_streams_per_peer: usize,
     /// Time to establish a connection: TCP or QUIC handshake, TLS, and `Hello` →
     /// `Welcome`. Shorter detects a silent peer sooner, but gives up on a slow one.
     /// Redis: the time to connect to Redis and for Redis to answer one command.
     pub connect_timeout: Duration,
-    /// TCP only: connections kept per peer; also the most requests in flight to one
-    /// peer from this client. Each costs a socket and TLS state on both ends.
+    /// TCP only: connections kept per peer. Every connection carries many exchanges
+    /// at once, so a few are enough; more spread the TLS work over more cores. Each
+    /// costs a socket, TLS state and two tasks on both ends.
     pub tcp_pool_size: usize,
+    /// TCP only: body bytes the owner may send on one exchange before the caller has
+    /// read them (the exchange's credit window). Bounds the memory one unread response
+    /// holds at the caller; larger windows move large bodies with fewer credit updates.
+    pub stream_window: usize,
     /// How long a silent link is trusted. QUIC: the connection's idle timeout, with
     /// keep-alives every third of it, so only a dead or unreachable peer goes silent
     /// this long. TCP: keepalive probing starts after this much silence. Redis: an
@@ -154,8 +183,10 @@ impl Default for MeshLimits {
         Self {
             max_frame: mcpgw_wire::DEFAULT_MAX_FRAME,
             max_in_flight_per_peer: 256,
+            max_streams_per_peer: 32_768,
             connect_timeout: Duration::from_secs(2),
-            tcp_pool_size: 32,
+            tcp_pool_size: 2,
+            stream_window: 256 * 1024,
             idle_timeout: Duration::from_secs(15),
         }
     }

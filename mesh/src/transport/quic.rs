@@ -9,22 +9,26 @@
 use std::collections::HashMap;
 use std::future::pending;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use mcpgw_certs::MESH_SERVER_NAME;
-use mcpgw_wire::Frame;
+use mcpgw_wire::{ErrorFrame, ErrorKind, Frame};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{Connection, Endpoint, IdleTimeout, RecvStream, SendStream, TransportConfig, VarInt};
 use rustls::pki_types::CertificateDer;
 use tokio::net::UdpSocket;
-use tokio::time::{Instant, timeout, timeout_at};
+use tokio::time::{Instant, timeout};
 use tracing::{debug, warn};
 
 use super::client::{ExState, greet as client_greet, resolve};
 use super::error::{LinkError, quic_tls_cause};
 use super::framed::{FrameReader, FrameWriter, SendError};
-use super::server::{ExchangeEnd, ServerShared, greet as server_greet, serve_next};
+use super::server::{
+    CallerEvent, ExchangeEnd, ExchangeLink, ServerShared, greet as server_greet, serve_next,
+    timed_out,
+};
 use super::{MeshError, MeshLimits, PeerInfo, TransportKind};
 
 /// Application error code on a stream the caller abandons (reset and stop).
@@ -33,6 +37,45 @@ const CANCEL_CODE: VarInt = VarInt::from_u32(1);
 const ABORT_CODE: VarInt = VarInt::from_u32(2);
 /// Application error code closing a connection whose greeting failed.
 const GREETING_FAILED: VarInt = VarInt::from_u32(3);
+
+/// The most concurrent streams a server allows one peer: quinn keeps a table entry for
+/// every stream it allows, so absurd budgets must not turn into gigabytes.
+const MAX_STREAMS: u32 = 1 << 20;
+
+/// Streams a new connection may open at first. quinn makes a table entry for every
+/// stream it allows when the connection starts (tens of thousands cost a noticeable
+/// part of a handshake), so the limit starts here and doubles whenever half of it is
+/// in use, up to what both budgets need.
+const INITIAL_STREAMS: u32 = 1024;
+
+/// How long a caller waits for stream credit the owner is about to raise before it
+/// calls the owner busy.
+const CREDIT_WAIT: Duration = Duration::from_secs(1);
+
+/// Streams the server may allow one peer: both budgets, plus room for the greeting
+/// stream and for streams whose close is still being acknowledged.
+fn stream_ceiling(limits: &MeshLimits) -> u32 {
+    let budgets = limits
+        .max_in_flight_per_peer
+        .saturating_add(limits.max_streams_per_peer);
+    u32::try_from(budgets.saturating_add(budgets / 16).saturating_add(16))
+        .unwrap_or(u32::MAX)
+        .min(MAX_STREAMS)
+}
+
+/// Acknowledgement frequency each end asks of the other (the QUIC ACK frequency
+/// extension, which both ends here speak). Mesh traffic is request and answer: the
+/// answer carries the acknowledgement of the request, and the next request that of
+/// the answer, so a datagram that only acknowledges is mostly waste. Asking for an
+/// acknowledgement every ten packets, or after 5 ms, removes most of them; loss
+/// recovery on a data-centre link still sees an acknowledgement within a few
+/// milliseconds.
+fn sparse_acks() -> quinn::AckFrequencyConfig {
+    let mut acks = quinn::AckFrequencyConfig::default();
+    acks.ack_eliciting_threshold(VarInt::from_u32(10))
+        .max_ack_delay(Some(Duration::from_millis(5)));
+    acks
+}
 
 fn idle_timeout(limits: &MeshLimits) -> Result<IdleTimeout, MeshError> {
     IdleTimeout::try_from(limits.idle_timeout)
@@ -51,13 +94,14 @@ pub(crate) fn serve(
         MeshError::Config(format!("server TLS config cannot be used for QUIC: {e}"))
     })?;
     let mut transport = TransportConfig::default();
-    // +1: the greeting stream may still hold its credit while the first requests open.
-    let streams =
-        u32::try_from(shared.limits.max_in_flight_per_peer.saturating_add(1)).unwrap_or(u32::MAX);
+    // Raised per connection as streams open (see `StreamAllowance`), up to both
+    // budgets, so that stream credit never runs out before a budget does.
+    let streams = INITIAL_STREAMS.min(stream_ceiling(&shared.limits));
     transport
         .max_concurrent_bidi_streams(VarInt::from_u32(streams))
         .max_concurrent_uni_streams(VarInt::from_u32(0))
-        .max_idle_timeout(Some(idle_timeout(&shared.limits)?));
+        .max_idle_timeout(Some(idle_timeout(&shared.limits)?))
+        .ack_frequency_config(Some(sparse_acks()));
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     config.transport_config(Arc::new(transport));
     // Workers have fixed addresses; a peer's address changing mid-connection is not
@@ -156,9 +200,17 @@ async fn connection(incoming: quinn::Incoming, shared: Arc<ServerShared>) {
         transport: TransportKind::Quic,
     };
     debug!(%remote, peer = %peer.worker_id, identity = %peer.identity, "mesh QUIC peer connected");
+    let allowance = Arc::new(StreamAllowance {
+        open: AtomicU32::new(0),
+        allowed: AtomicU32::new(INITIAL_STREAMS.min(stream_ceiling(limits))),
+        ceiling: stream_ceiling(limits),
+    });
+    // Made once: each `cancelled()` future takes the token's lock when first polled.
+    let stopped = shared.stop.cancelled();
+    tokio::pin!(stopped);
     loop {
         let stream = tokio::select! {
-            () = shared.stop.cancelled() => {
+            () = &mut stopped => {
                 conn.close(VarInt::from_u32(0), b"mesh server stopped");
                 return;
             }
@@ -166,9 +218,14 @@ async fn connection(incoming: quinn::Incoming, shared: Arc<ServerShared>) {
         };
         match stream {
             Ok((send, recv)) => {
-                shared
-                    .tracker
-                    .spawn(serve_stream(send, recv, peer.clone(), shared.clone()));
+                let held = allowance.opened(&conn);
+                shared.exchanges.spawn(serve_stream(
+                    send,
+                    recv,
+                    peer.clone(),
+                    shared.clone(),
+                    held,
+                ));
             }
             Err(e) => {
                 debug!(%remote, peer = %peer.worker_id, reason = %e, "mesh QUIC connection closed");
@@ -178,15 +235,57 @@ async fn connection(incoming: quinn::Incoming, shared: Arc<ServerShared>) {
     }
 }
 
+/// How many streams one connection may open, raised as they are used.
+struct StreamAllowance {
+    /// Streams being served.
+    open: AtomicU32,
+    /// The limit last given to quinn.
+    allowed: AtomicU32,
+    /// What both budgets need; the limit never goes past it.
+    ceiling: u32,
+}
+
+impl StreamAllowance {
+    /// Counts a stream that opened, doubling the connection's limit once half of it is
+    /// in use, so a caller finds credit before it needs it.
+    fn opened(self: &Arc<Self>, conn: &Connection) -> OpenStream {
+        let open = self.open.fetch_add(1, Ordering::Relaxed) + 1;
+        let allowed = self.allowed.load(Ordering::Relaxed);
+        if open.saturating_mul(2) >= allowed && allowed < self.ceiling {
+            let raised = allowed.saturating_mul(2).min(self.ceiling);
+            if self
+                .allowed
+                .compare_exchange(allowed, raised, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+            {
+                conn.set_max_concurrent_bi_streams(VarInt::from_u32(raised));
+            }
+        }
+        OpenStream(self.clone())
+    }
+}
+
+/// One open stream in a connection's allowance; counted down when dropped.
+struct OpenStream(Arc<StreamAllowance>);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Serves the one request a stream carries.
 async fn serve_stream(
     send: SendStream,
     recv: RecvStream,
     peer: PeerInfo,
     shared: Arc<ServerShared>,
+    _held: OpenStream,
 ) {
-    let mut reader = FrameReader::new(recv, shared.limits.max_frame);
-    let mut writer = FrameWriter::new(send, shared.limits.max_frame);
+    let mut link = QuicLink {
+        reader: FrameReader::new(recv, shared.limits.max_frame),
+        writer: FrameWriter::new(send, shared.limits.max_frame),
+    };
     // A large request may take a while to arrive; a stream that sends nothing at all
     // must not hold a stream slot forever.
     let wait = shared
@@ -195,23 +294,86 @@ async fn serve_stream(
         .max(shared.limits.connect_timeout);
     let first = tokio::select! {
         () = shared.stop.cancelled() => return,
-        first = timeout(wait, reader.next()) => first,
+        first = timeout(wait, link.reader.next()) => first,
     };
     let Ok(first) = first else {
         warn!(peer = %peer.worker_id, "mesh QUIC stream sent no request in time; reset");
-        let _ = writer.get_mut().reset(ABORT_CODE);
+        let _ = link.writer.get_mut().reset(ABORT_CODE);
         return;
     };
-    match serve_next(&shared, &peer, first, &mut reader, &mut writer).await {
+    match serve_next(&shared, &peer, first, &mut link).await {
         Some(ExchangeEnd::Clean) => {
-            let _ = writer.get_mut().finish();
+            let _ = link.writer.get_mut().finish();
+            if shared.draining.load(std::sync::atomic::Ordering::Relaxed) {
+                // Shutdown closes the connection once every exchange task ended, which
+                // would discard data still unacknowledged: wait for the caller's ack.
+                let stopped = link.writer.get_mut().stopped();
+                let _ = timeout(Duration::from_secs(1), stopped).await;
+            }
         }
         Some(ExchangeEnd::Broken) | None => {
-            let _ = writer.get_mut().reset(ABORT_CODE);
+            let _ = link.writer.get_mut().reset(ABORT_CODE);
         }
     }
     // Whatever the caller still sends on this stream is not needed.
-    let _ = reader.get_mut().stop(VarInt::from_u32(0));
+    let _ = link.reader.get_mut().stop(VarInt::from_u32(0));
+}
+
+/// One exchange's stream pair, owner side.
+///
+/// The caller finishes its side right after the request (its FIN travels with it), so
+/// the end of the receive side means "nothing more to say", not "gone". A caller that
+/// gives up resets its side and stops ours (`STOP_SENDING`), and either is noticed at
+/// once, even while the response is quiet.
+struct QuicLink {
+    reader: FrameReader<RecvStream>,
+    writer: FrameWriter<SendStream>,
+}
+
+impl ExchangeLink for QuicLink {
+    fn queue(&mut self, frame: Frame) -> Result<(), mcpgw_wire::WireError> {
+        self.writer.queue(&frame)
+    }
+
+    fn queued_len(&self) -> usize {
+        self.writer.queued_len()
+    }
+
+    fn gather_limit(&self) -> usize {
+        self.writer.max_frame()
+    }
+
+    fn max_chunk(&self) -> usize {
+        self.writer
+            .max_frame()
+            .saturating_sub(Frame::CHUNK_OVERHEAD)
+            .max(1)
+    }
+
+    async fn flush(&mut self, by: Instant) -> Result<(), SendError> {
+        match tokio::time::timeout_at(by, self.writer.flush_queued()).await {
+            Ok(result) => result,
+            Err(_) => Err(timed_out()),
+        }
+    }
+
+    async fn caller_event(&mut self) -> CallerEvent {
+        let stopped = self.writer.get_mut().stopped();
+        let read = async {
+            match self.reader.next().await {
+                Ok(Some(Frame::Cancel)) => CallerEvent::Cancelled,
+                // The caller finished its side: it waits for the answer.
+                Ok(None) => pending().await,
+                Err(LinkError::Broken { .. }) => CallerEvent::Gone,
+                Ok(Some(other)) => CallerEvent::Unexpected(other.name()),
+                Err(e) => CallerEvent::Bad(e),
+            }
+        };
+        tokio::select! {
+            event = read => event,
+            _ = stopped => CallerEvent::Gone,
+        }
+    }
 }
 
 /// The mesh identity in the peer's certificate (already verified by the TLS layer).
@@ -281,7 +443,8 @@ impl QuicClient {
             .keep_alive_interval((!limits.idle_timeout.is_zero()).then(|| limits.idle_timeout / 3))
             // Owners never open streams towards callers.
             .max_concurrent_bidi_streams(VarInt::from_u32(0))
-            .max_concurrent_uni_streams(VarInt::from_u32(0));
+            .max_concurrent_uni_streams(VarInt::from_u32(0))
+            .ack_frequency_config(Some(sparse_acks()));
         let mut config = quinn::ClientConfig::new(Arc::new(crypto));
         config.transport_config(Arc::new(transport));
         Ok(Self {
@@ -432,7 +595,6 @@ impl QuicClient {
         peer_addr: &str,
         expect: &str,
         request: &[u8],
-        deadline: Instant,
     ) -> Result<QuicExchange, MeshError> {
         let mut retried = false;
         loop {
@@ -444,12 +606,18 @@ impl QuicClient {
                     found: pc.worker_id.clone(),
                 });
             }
-            // Waits for stream credit when the owner is at max_in_flight_per_peer.
-            let (send, recv) = match timeout_at(deadline, pc.conn.open_bi()).await {
+            // The owner raises its stream limit before it runs out, up to both budgets:
+            // a lack of credit is at most a moment's wait for that raise, or an owner
+            // whose budgets are smaller than ours, which is Busy, not a hang.
+            let (send, recv) = match timeout(CREDIT_WAIT, pc.conn.open_bi()).await {
                 Err(_) => {
-                    return Err(MeshError::Saturated {
-                        addr: peer_addr.to_owned(),
-                    });
+                    return Err(MeshError::Remote(ErrorFrame::new(
+                        ErrorKind::Busy,
+                        format!(
+                            "mesh peer {peer_addr} grants this worker no more QUIC streams \
+                             right now (its budgets are smaller than ours): retry shortly"
+                        ),
+                    )));
                 }
                 Ok(Err(e)) => {
                     // The connection died before the request left: safe to redial once.
@@ -469,7 +637,12 @@ impl QuicClient {
                 released: false,
             };
             match exchange.writer.send_encoded(request).await {
-                Ok(()) => return Ok(exchange),
+                Ok(()) => {
+                    // Nothing more goes this way (a cancel is a reset): the FIN leaves
+                    // with the request instead of in a packet of its own later.
+                    let _ = exchange.writer.get_mut().finish();
+                    return Ok(exchange);
+                }
                 // The owner stopped reading: it refused the request (too large,
                 // malformed) and its answer is on the receive side.
                 Err(SendError::Io(e)) if is_stopped(&e) => return Ok(exchange),
@@ -579,9 +752,10 @@ impl QuicExchange {
             return;
         }
         match self.state {
-            ExState::Clean => {
-                let _ = self.writer.get_mut().finish();
-            }
+            // Our side was finished with the request.
+            ExState::Clean => {}
+            // The reset reaches the owner if our side is still in flight; the stop
+            // always does, and tells it to stop answering.
             ExState::Open | ExState::Broken => {
                 let _ = self.writer.get_mut().reset(CANCEL_CODE);
                 let _ = self.reader.get_mut().stop(CANCEL_CODE);

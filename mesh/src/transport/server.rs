@@ -1,21 +1,22 @@
 //! The owner's side, shared by both transports: binding, the `Hello` → `Welcome`
 //! greeting, and serving one request exchange (deadline, cancellation, streaming).
 
-use std::collections::HashMap;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::{FutureExt, StreamExt};
-use mcpgw_wire::{ErrorFrame, ErrorKind, Frame, PROTOCOL_VERSION, RequestFrame};
+use mcpgw_wire::{ErrorFrame, ErrorKind, Frame, PROTOCOL_VERSION, RequestFrame, WireError};
 use rustls::ServerConfig;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::time::{Instant, sleep_until, timeout, timeout_at};
+use tokio::time::{Instant, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
+use super::budget::{Budgets, Permit, StreamClass, is_event_stream};
 use super::error::LinkError;
 use super::framed::{FrameReader, FrameWriter, SendError};
 use super::{MeshError, MeshLimits, MeshService, PeerInfo, ResponsePart, TransportKind};
@@ -140,12 +141,9 @@ impl MeshServerHandle {
     /// it stops listening. Returns whether everything finished in time.
     pub async fn wait_idle(&self, grace: Duration) -> bool {
         self.drain();
-        let settled = async {
-            while self.shared.total_in_flight() > 0 {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        };
-        timeout(grace, settled).await.is_ok()
+        timeout(grace, self.shared.budgets.wait_idle())
+            .await
+            .is_ok()
     }
 
     /// Drains, waits up to `grace` for in-flight requests to finish, then stops.
@@ -155,17 +153,19 @@ impl MeshServerHandle {
         let in_flight = self.shared.tracker.clone();
         // Connection tasks wait for their next request forever; only request tasks
         // are worth waiting for, so wait for the in-flight count to reach zero.
-        let settled = async {
-            while self.shared.total_in_flight() > 0 {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        };
-        if timeout(grace, settled).await.is_err() {
+        if timeout(grace, self.shared.budgets.wait_idle())
+            .await
+            .is_err()
+        {
             warn!(
-                in_flight = self.shared.total_in_flight(),
+                in_flight = self.shared.budgets.total(),
                 "mesh server shutdown: grace period over, cancelling requests still in flight"
             );
         }
+        // The last frames of the requests that just finished may still be on their
+        // way (a QUIC stream waits for its data to be acknowledged while draining).
+        self.shared.exchanges.close();
+        let _ = timeout(Duration::from_secs(1), self.shared.exchanges.wait()).await;
         self.stop();
         let _ = timeout(Duration::from_secs(1), in_flight.wait()).await;
         if let Some(endpoint) = &self.quic_endpoint {
@@ -204,8 +204,12 @@ pub(crate) struct ServerShared {
     pub(crate) stop: CancellationToken,
     /// Every task the server spawned, so shutdown can wait for them.
     pub(crate) tracker: TaskTracker,
-    /// Requests in flight per peer worker id, for `max_in_flight_per_peer`.
-    in_flight: Mutex<HashMap<String, usize>>,
+    /// The tasks that serve one exchange each, so shutdown can let their last frames
+    /// go out before it closes the connections.
+    pub(crate) exchanges: TaskTracker,
+    /// Exchanges in flight per peer worker id, short and long, for
+    /// `max_in_flight_per_peer` and `max_streams_per_peer`.
+    pub(crate) budgets: Arc<Budgets>,
 }
 
 impl std::fmt::Debug for ServerShared {
@@ -227,6 +231,8 @@ impl ServerShared {
     ) -> Arc<Self> {
         // Zero would refuse every request; one is the least that serves.
         limits.max_in_flight_per_peer = limits.max_in_flight_per_peer.max(1);
+        limits.max_streams_per_peer = limits.max_streams_per_peer.max(1);
+        let budgets = Budgets::new(limits.max_in_flight_per_peer, limits.max_streams_per_peer);
         Arc::new(ServerShared {
             kind,
             worker_id,
@@ -235,48 +241,25 @@ impl ServerShared {
             draining: AtomicBool::new(false),
             stop: CancellationToken::new(),
             tracker: TaskTracker::new(),
-            in_flight: Mutex::new(HashMap::new()),
+            exchanges: TaskTracker::new(),
+            budgets,
         })
     }
 
-    fn total_in_flight(&self) -> usize {
-        self.in_flight
-            .lock()
-            .map(|m| m.values().sum())
-            .unwrap_or_default()
-    }
-
-    /// Takes an in-flight slot for `peer`, or `None` when it is at its limit.
-    pub(crate) fn admit(self: &Arc<Self>, peer: &str) -> Option<InFlight> {
-        let mut map = self.in_flight.lock().ok()?;
-        let n = map.entry(peer.to_owned()).or_default();
-        if *n >= self.limits.max_in_flight_per_peer {
-            return None;
-        }
-        *n += 1;
-        Some(InFlight {
-            shared: self.clone(),
-            peer: peer.to_owned(),
+    /// Takes a slot of `class` for `peer`, or answers with the `Busy` error frame that
+    /// says which budget is full.
+    pub(crate) fn admit(self: &Arc<Self>, peer: &str, class: StreamClass) -> Result<Permit, Frame> {
+        self.budgets.admit(peer, class).map_err(|full| {
+            Frame::Error(ErrorFrame::new(
+                ErrorKind::Busy,
+                format!(
+                    "worker {} already runs {} {} exchanges for worker {peer}: retry shortly",
+                    self.worker_id,
+                    full.limit,
+                    full.class.name()
+                ),
+            ))
         })
-    }
-}
-
-/// One admitted request; frees its slot when dropped.
-pub(crate) struct InFlight {
-    shared: Arc<ServerShared>,
-    peer: String,
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        if let Ok(mut map) = self.shared.in_flight.lock()
-            && let Some(n) = map.get_mut(&self.peer)
-        {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                map.remove(&self.peer);
-            }
-        }
     }
 }
 
@@ -367,28 +350,63 @@ pub(crate) fn error_for(e: &LinkError) -> Frame {
     Frame::Error(ErrorFrame::new(kind, e.reason()))
 }
 
-/// How an exchange ended, for the connection that carried it.
+/// How an exchange ended, for the link that carried it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ExchangeEnd {
-    /// `End` or `Error` was sent; the connection can carry the next request.
+    /// `End` or `Error` was sent, or the caller cancelled: nothing more is owed.
     Clean,
-    /// The stream is unusable (caller gone, write failed, stopping).
+    /// The exchange was abandoned (caller gone, write failed or timed out, stopping).
     Broken,
+}
+
+/// What the owner hears from the caller while a response runs.
+#[derive(Debug)]
+pub(crate) enum CallerEvent {
+    /// `Cancel` (or a reset stream): the caller gave up on this exchange.
+    Cancelled,
+    /// The caller's link is gone (connection closed or broken).
+    Gone,
+    /// A frame that has no place during a response; its name.
+    Unexpected(&'static str),
+    /// A frame that did not decode (the link stays in sync).
+    Bad(LinkError),
+}
+
+/// The owner's end of one exchange: where its response frames go and where it hears
+/// from the caller. A QUIC stream pair, or one exchange of a multiplexed TCP
+/// connection (which sends body bytes only against the caller's credit).
+pub(crate) trait ExchangeLink: Send {
+    /// Queues `frame` behind those already queued, without sending.
+    fn queue(&mut self, frame: Frame) -> Result<(), WireError>;
+    /// Bytes queued and not yet sent, to bound how much is gathered into one write.
+    fn queued_len(&self) -> usize;
+    /// How many queued bytes are worth gathering before a send: a response that is
+    /// ready faster than it can leave is not pulled further ahead than this.
+    fn gather_limit(&self) -> usize;
+    /// The largest body chunk one frame may carry.
+    fn max_chunk(&self) -> usize;
+    /// Sends everything queued, giving up at `by` (a caller that stops reading cannot
+    /// hold the exchange forever).
+    fn flush(&mut self, by: Instant) -> impl Future<Output = Result<(), SendError>> + Send;
+    /// Resolves when the caller says something during the response.
+    fn caller_event(&mut self) -> impl Future<Output = CallerEvent> + Send;
+}
+
+pub(crate) fn timed_out() -> SendError {
+    SendError::Io(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        "caller did not take the response before the deadline",
+    ))
 }
 
 /// Serves one request: admission, deadline, streaming the service's response, and
 /// watching the caller for `Cancel` or disconnection while the response runs.
-pub(crate) async fn serve_request<R, W>(
+pub(crate) async fn serve_request<L: ExchangeLink>(
     shared: &Arc<ServerShared>,
     peer: &PeerInfo,
     request: RequestFrame,
-    reader: &mut FrameReader<R>,
-    writer: &mut FrameWriter<W>,
-) -> ExchangeEnd
-where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
-{
+    link: &mut L,
+) -> ExchangeEnd {
     let request_id = request.request_id;
     let deadline = Instant::now() + Duration::from_millis(u64::from(request.deadline_ms));
     let refuse = |kind, msg: String| Frame::Error(ErrorFrame::new(kind, msg));
@@ -397,24 +415,22 @@ where
             ErrorKind::Draining,
             format!("worker {} is shutting down", shared.worker_id),
         );
-        return finish(writer, &frame, deadline).await;
+        return finish(link, frame, deadline).await;
     }
     if request.deadline_ms == 0 {
         let frame = refuse(
             ErrorKind::DeadlineExceeded,
             "request arrived with no time left".into(),
         );
-        return finish(writer, &frame, deadline).await;
+        return finish(link, frame, deadline).await;
     }
-    let Some(_slot) = shared.admit(&peer.worker_id) else {
-        let frame = refuse(
-            ErrorKind::Busy,
-            format!(
-                "worker {} already runs {} requests for worker {}",
-                shared.worker_id, shared.limits.max_in_flight_per_peer, peer.worker_id
-            ),
-        );
-        return finish(writer, &frame, deadline).await;
+    let class = StreamClass::of_request(&request.method);
+    let mut slot = match shared.admit(&peer.worker_id, class) {
+        Ok(slot) => slot,
+        Err(busy) => {
+            debug!(request_id, peer = %peer.worker_id, class = class.name(), "mesh budget full; answered Busy");
+            return finish(link, busy, deadline).await;
+        }
     };
 
     let mut response = shared.service.serve(request, peer.clone());
@@ -423,6 +439,9 @@ where
     // GET stream) runs as long as the service produces it and the caller reads it;
     // each send is bounded by `stall` so a caller that stops reading cannot hold it.
     let stall = shared.limits.idle_timeout;
+    // Made once: each `cancelled()` future takes the token's lock when first polled.
+    let stopped = shared.stop.cancelled();
+    tokio::pin!(stopped);
     loop {
         let head_deadline = async {
             if head_sent {
@@ -436,153 +455,148 @@ where
         } else {
             deadline
         };
-        tokio::select! {
+        let part = tokio::select! {
             biased;
-            () = shared.stop.cancelled() => return ExchangeEnd::Broken,
+            () = &mut stopped => return ExchangeEnd::Broken,
             () = head_deadline => {
                 drop(response);
                 debug!(request_id, peer = %peer.worker_id, "mesh request deadline passed; stopped");
                 let frame = refuse(ErrorKind::DeadlineExceeded, "the request's deadline passed at the owner".into());
                 // The deadline is over: give the error frame a moment of its own.
-                return finish(writer, &frame, Instant::now() + shared.limits.connect_timeout).await;
+                return finish(link, frame, Instant::now() + shared.limits.connect_timeout).await;
             }
-            incoming = reader.next() => {
+            event = link.caller_event() => {
                 drop(response);
-                let frame = match incoming {
-                    Ok(Some(Frame::Cancel)) => {
+                let frame = match event {
+                    CallerEvent::Cancelled => {
                         debug!(request_id, peer = %peer.worker_id, "mesh request cancelled by caller");
                         refuse(ErrorKind::Cancelled, "cancelled by the caller".into())
                     }
-                    Ok(None) | Err(LinkError::Broken { .. }) => {
+                    CallerEvent::Gone => {
                         debug!(request_id, peer = %peer.worker_id, "mesh caller went away; request stopped");
                         return ExchangeEnd::Broken;
                     }
-                    Ok(Some(other)) => {
-                        warn!(request_id, peer = %peer.worker_id, frame = other.name(),
+                    CallerEvent::Unexpected(name) => {
+                        warn!(request_id, peer = %peer.worker_id, frame = name,
                             "mesh caller sent a frame during a response; request cancelled");
-                        refuse(ErrorKind::Malformed, format!("unexpected {} during a response", other.name()))
+                        refuse(ErrorKind::Malformed, format!("unexpected {name} during a response"))
                     }
-                    Err(e) => {
+                    CallerEvent::Bad(e) => {
                         warn!(request_id, peer = %peer.worker_id, error = %e.reason(),
                             "mesh caller sent a bad frame during a response; request cancelled");
                         error_for(&e)
                     }
                 };
-                return finish(writer, &frame, send_by).await;
+                return finish(link, frame, send_by).await;
             }
-            part = response.next() => {
-                // Queue this part and every part that is already ready behind it
-                // (a JSON answer is Head, Chunk and End at once), then write them in
-                // one go; a stream still gets each event out as it is produced.
-                let mut part = part;
-                let mut ending: Option<Frame> = None;
-                loop {
-                    let queued = match part {
-                        Some(ResponsePart::Head(head)) if !head_sent => {
-                            head_sent = true;
-                            writer.queue(&Frame::Head(head))
-                        }
-                        Some(ResponsePart::Chunk(bytes)) if head_sent => queue_chunk(writer, bytes),
-                        Some(ResponsePart::End) if head_sent => {
-                            ending = Some(Frame::End);
-                            break;
-                        }
-                        Some(ResponsePart::Error(e)) => {
-                            ending = Some(Frame::Error(e));
-                            break;
-                        }
-                        Some(other) => {
-                            warn!(request_id, part = other.name(), head_sent,
-                                "mesh service produced a response out of order (Head, Chunk*, End)");
-                            ending = Some(refuse(ErrorKind::Internal, "owner produced a malformed response".into()));
-                            break;
-                        }
-                        None => {
-                            warn!(request_id, "mesh service ended a response without End");
-                            ending = Some(refuse(ErrorKind::Internal, "owner ended the response without End".into()));
-                            break;
-                        }
-                    };
-                    if let Err(e) = queued {
-                        warn!(request_id, error = %e, "mesh response part cannot be encoded");
-                        ending = Some(refuse(ErrorKind::Internal, format!("owner cannot encode the response: {e}")));
-                        break;
+            part = response.next() => part,
+        };
+        // Queue this part and every part that is already ready behind it (a JSON
+        // answer is Head, Chunk and End at once), then send them in one go; a stream
+        // still gets each event out as it is produced.
+        let mut part = part;
+        let mut ending: Option<Frame> = None;
+        loop {
+            let queued = match part {
+                Some(ResponsePart::Head(head)) if !head_sent => {
+                    head_sent = true;
+                    if is_event_stream(&head) {
+                        slot.promote();
                     }
-                    if writer.queued_len() >= writer.max_frame() {
-                        break;
-                    }
-                    match response.next().now_or_never() {
-                        Some(next) => part = next,
-                        None => break,
-                    }
+                    link.queue(Frame::Head(head))
                 }
-                let end = match &ending {
-                    Some(frame) => writer.queue(frame).map(|()| true),
-                    None => Ok(false),
-                };
-                let written = match end {
-                    Ok(ending_queued) => {
-                        let by = if ending_queued { send_by.max(Instant::now() + Duration::from_secs(1)) } else { send_by };
-                        match timeout_at(by, writer.flush_queued()).await {
-                            Ok(result) => result.map(|()| ending_queued),
-                            Err(_) => Err(SendError::Io(std::io::Error::new(
-                                std::io::ErrorKind::TimedOut,
-                                "caller did not take the response before the deadline",
-                            ))),
-                        }
-                    }
-                    Err(e) => Err(SendError::Encode(e)),
-                };
-                match written {
-                    Ok(true) => return ExchangeEnd::Clean,
-                    Ok(false) => {}
-                    Err(SendError::Encode(e)) => {
-                        warn!(request_id, error = %e, "mesh response cannot be encoded");
-                        let frame = refuse(ErrorKind::Internal, format!("owner cannot encode the response: {e}"));
-                        return finish(writer, &frame, deadline).await;
-                    }
-                    Err(SendError::Io(e)) => {
-                        debug!(request_id, error = %e, "mesh caller stopped reading; request stopped");
-                        return ExchangeEnd::Broken;
-                    }
+                Some(ResponsePart::Chunk(bytes)) if head_sent => queue_chunk(link, bytes),
+                Some(ResponsePart::End) if head_sent => {
+                    ending = Some(Frame::End);
+                    break;
                 }
+                Some(ResponsePart::Error(e)) => {
+                    ending = Some(Frame::Error(e));
+                    break;
+                }
+                Some(other) => {
+                    warn!(
+                        request_id,
+                        part = other.name(),
+                        head_sent,
+                        "mesh service produced a response out of order (Head, Chunk*, End)"
+                    );
+                    ending = Some(refuse(
+                        ErrorKind::Internal,
+                        "owner produced a malformed response".into(),
+                    ));
+                    break;
+                }
+                None => {
+                    warn!(request_id, "mesh service ended a response without End");
+                    ending = Some(refuse(
+                        ErrorKind::Internal,
+                        "owner ended the response without End".into(),
+                    ));
+                    break;
+                }
+            };
+            if let Err(e) = queued {
+                warn!(request_id, error = %e, "mesh response part cannot be encoded");
+                ending = Some(refuse(
+                    ErrorKind::Internal,
+                    format!("owner cannot encode the response: {e}"),
+                ));
+                break;
+            }
+            if link.queued_len() >= link.gather_limit() {
+                break;
+            }
+            match response.next().now_or_never() {
+                Some(next) => part = next,
+                None => break,
+            }
+        }
+        let last = ending.is_some();
+        let queued = match ending {
+            Some(frame) => link.queue(frame),
+            None => Ok(()),
+        };
+        let written = match queued {
+            Ok(()) => {
+                let by = if last {
+                    send_by.max(Instant::now() + Duration::from_secs(1))
+                } else {
+                    send_by
+                };
+                link.flush(by).await
+            }
+            Err(e) => Err(SendError::Encode(e)),
+        };
+        match written {
+            Ok(()) if last => return ExchangeEnd::Clean,
+            Ok(()) => {}
+            Err(SendError::Encode(e)) => {
+                warn!(request_id, error = %e, "mesh response cannot be encoded");
+                let frame = refuse(
+                    ErrorKind::Internal,
+                    format!("owner cannot encode the response: {e}"),
+                );
+                return finish(link, frame, deadline).await;
+            }
+            Err(SendError::Io(e)) => {
+                debug!(request_id, error = %e, "mesh caller stopped reading; request stopped");
+                return ExchangeEnd::Broken;
             }
         }
     }
 }
 
-/// Sends a frame, giving up at `deadline` (a caller that stops reading cannot hold a
-/// request forever).
-async fn send<W: AsyncWrite + Unpin>(
-    writer: &mut FrameWriter<W>,
-    frame: &Frame,
-    deadline: Instant,
-) -> Result<(), SendError> {
-    match timeout_at(deadline, writer.send(frame)).await {
-        Ok(result) => result,
-        Err(_) => Err(SendError::Io(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            "caller did not take the response before the deadline",
-        ))),
-    }
-}
-
 /// Queues a body chunk, split so that each frame fits the maximum frame size.
-fn queue_chunk<W: AsyncWrite + Unpin>(
-    writer: &mut FrameWriter<W>,
-    mut bytes: bytes::Bytes,
-) -> Result<(), mcpgw_wire::WireError> {
-    let piece = writer
-        .max_frame()
-        .saturating_sub(Frame::CHUNK_OVERHEAD)
-        .max(1);
+fn queue_chunk<L: ExchangeLink>(link: &mut L, mut bytes: bytes::Bytes) -> Result<(), WireError> {
+    let piece = link.max_chunk();
     loop {
         let rest = if bytes.len() > piece {
             bytes.split_off(piece)
         } else {
             bytes::Bytes::new()
         };
-        writer.queue(&Frame::Chunk(bytes))?;
+        link.queue(Frame::Chunk(bytes))?;
         if rest.is_empty() {
             return Ok(());
         }
@@ -591,37 +605,31 @@ fn queue_chunk<W: AsyncWrite + Unpin>(
 }
 
 /// Sends the exchange's last frame and reports how the exchange ended.
-async fn finish<W: AsyncWrite + Unpin>(
-    writer: &mut FrameWriter<W>,
-    frame: &Frame,
-    deadline: Instant,
-) -> ExchangeEnd {
+async fn finish<L: ExchangeLink>(link: &mut L, frame: Frame, deadline: Instant) -> ExchangeEnd {
     // The last frame may go out a little after the request's own deadline (it *is*
     // the deadline answer); a minimum of one second keeps a stuck caller bounded.
     let deadline = deadline.max(Instant::now() + Duration::from_secs(1));
-    match send(writer, frame, deadline).await {
+    if link.queue(frame).is_err() {
+        return ExchangeEnd::Broken;
+    }
+    match link.flush(deadline).await {
         Ok(()) => ExchangeEnd::Clean,
         Err(_) => ExchangeEnd::Broken,
     }
 }
 
-/// Reads the request that opens an exchange and serves it. Anything but a request
-/// is answered with an error frame (and logged), keeping the stream in sync.
-pub(crate) async fn serve_next<R, W>(
+/// Reads the request that opens an exchange on a stream and serves it. Anything but a
+/// request is answered with an error frame (and logged).
+pub(crate) async fn serve_next<L: ExchangeLink>(
     shared: &Arc<ServerShared>,
     peer: &PeerInfo,
     incoming: Result<Option<Frame>, LinkError>,
-    reader: &mut FrameReader<R>,
-    writer: &mut FrameWriter<W>,
-) -> Option<ExchangeEnd>
-where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
-{
+    link: &mut L,
+) -> Option<ExchangeEnd> {
     let no_deadline = Instant::now() + shared.limits.connect_timeout;
     match incoming {
         Ok(Some(Frame::Request(request))) => {
-            Some(serve_request(shared, peer, *request, reader, writer).await)
+            Some(serve_request(shared, peer, *request, link).await)
         }
         // A Cancel that crossed the response's last frame: nothing left to cancel.
         Ok(Some(Frame::Cancel)) => Some(ExchangeEnd::Clean),
@@ -631,12 +639,12 @@ where
                 ErrorKind::Malformed,
                 format!("expected Request, got {}", other.name()),
             ));
-            Some(finish(writer, &frame, no_deadline).await)
+            Some(finish(link, frame, no_deadline).await)
         }
         Ok(None) => None,
         Err(e @ LinkError::BadFrame(_)) => {
             warn!(peer = %peer.worker_id, error = %e.reason(), "mesh peer sent a bad frame; answered with an error");
-            Some(finish(writer, &error_for(&e), no_deadline).await)
+            Some(finish(link, error_for(&e), no_deadline).await)
         }
         Err(LinkError::Broken { reason, .. }) => {
             debug!(peer = %peer.worker_id, %reason, "mesh connection closed");

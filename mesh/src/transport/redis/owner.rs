@@ -27,6 +27,7 @@ use super::conn::{
 };
 use super::message::{decode_to_owner, encode_to_caller, valid_worker_id, version_mismatch};
 use crate::redis_conn::redact_url;
+use crate::transport::budget::{StreamClass, is_event_stream};
 use crate::transport::server::ServerShared;
 use crate::transport::{MeshError, PeerInfo, ResponsePart, TransportKind};
 
@@ -254,12 +255,10 @@ impl Owner {
                 .finish(&refuse(ErrorKind::DeadlineExceeded, message))
                 .await;
         }
-        let Some(_slot) = shared.admit(caller) else {
-            let message = format!(
-                "worker {} already runs {} requests for worker {caller}",
-                shared.worker_id, shared.limits.max_in_flight_per_peer
-            );
-            return reply.finish(&refuse(ErrorKind::Busy, message)).await;
+        let class = StreamClass::of_request(&request.method);
+        let mut slot = match shared.admit(caller, class) {
+            Ok(slot) => slot,
+            Err(busy) => return reply.finish(&busy).await,
         };
         let peer = PeerInfo {
             // No socket and no certificate: Redis stands between the workers.
@@ -306,6 +305,9 @@ impl Owner {
                 part = response.next() => match part {
                     Some(ResponsePart::Head(head)) if !head_sent => {
                         head_sent = true;
+                        if is_event_stream(&head) {
+                            slot.promote();
+                        }
                         reply.send(Some(&Frame::Head(head))).await
                     }
                     Some(ResponsePart::Chunk(bytes)) if head_sent => reply.send_chunk(bytes).await,

@@ -1,0 +1,433 @@
+//! TCP transport (tokio-rustls): a few persistent TLS connections per peer, each
+//! carrying many exchanges at once.
+//!
+//! Each connection starts with `Hello` → `Welcome` in plain mesh framing; after that
+//! every frame names its exchange (`mcpgw_wire::MuxCodec`). One task per connection
+//! end reads and routes frames; one writes, sending everything that gathered while it
+//! was busy (frames of different exchanges) in one write.
+//!
+//! Backpressure is per exchange, as in HTTP/2: the owner sends body bytes only against
+//! credit, a window ([`MeshLimits::stream_window`]) the caller tops up with
+//! `Credit` frames as it reads. So one caller that stops reading a stream holds at
+//! most one window of memory and never stalls the other exchanges of its connection.
+//! A caller that gives up sends `Cancel` for that exchange only; the connection
+//! serves on.
+//!
+//! - `mux`: the outbox and writer task, and the frame reader, shared by both ends;
+//! - `owner`: serving a connection's exchanges;
+//! - `caller`: routing a connection's frames to the exchanges waiting for them.
+//!
+//! The rustls configs are applied in one place each: the server's acceptor per
+//! accepted connection ([`serve`]), the client's connector per dial
+//! ([`TcpClient::dial`]).
+
+mod caller;
+mod mux;
+mod owner;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use mcpgw_certs::MESH_SERVER_NAME;
+use mcpgw_wire::Frame;
+use parking_lot::Mutex;
+use rustls::pki_types::ServerName;
+use socket2::{SockRef, TcpKeepalive};
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::{Instant, timeout};
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+use tokio_util::sync::{CancellationToken, DropGuard};
+use tracing::{debug, warn};
+
+pub(crate) use caller::TcpExchange;
+
+use self::caller::{CallerConn, read_loop};
+use self::mux::{MuxReader, Outbox, write_loop};
+use super::client::{greet as client_greet, resolve};
+use super::error::tls_cause;
+use super::framed::{FrameReader, FrameWriter};
+use super::server::{ServerShared, greet as server_greet};
+use super::{MeshError, MeshLimits, PeerInfo, TransportKind};
+
+/// Sets the socket options every mesh TCP connection wants, on both ends.
+fn tune(stream: &TcpStream, limits: &MeshLimits) {
+    // A chunk is one small write that must leave now, not when Nagle decides.
+    if let Err(e) = stream.set_nodelay(true) {
+        debug!(error = %e, "cannot set TCP_NODELAY on a mesh connection");
+    }
+    // Keepalive finds a peer host that vanished without a FIN or RST.
+    let idle = limits.idle_timeout.max(Duration::from_secs(1));
+    let keepalive = TcpKeepalive::new()
+        .with_time(idle)
+        .with_interval((idle / 3).max(Duration::from_secs(1)));
+    if let Err(e) = SockRef::from(stream).set_tcp_keepalive(&keepalive) {
+        debug!(error = %e, "cannot enable TCP keepalive on a mesh connection");
+    }
+}
+
+// ---------------------------------------------------------------- server side
+
+/// Binds the TCP listener and spawns its accept loop.
+pub(crate) async fn serve(
+    listen: SocketAddr,
+    tls: Arc<rustls::ServerConfig>,
+    shared: Arc<ServerShared>,
+) -> Result<SocketAddr, MeshError> {
+    let listener = TcpListener::bind(listen).await?;
+    let addr = listener.local_addr()?;
+    shared
+        .tracker
+        .spawn(accept_loop(listener, tls, shared.clone()));
+    Ok(addr)
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    shared: Arc<ServerShared>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            () = shared.stop.cancelled() => return,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, remote)) => {
+                // The server's TLS config is taken per accepted connection.
+                let acceptor = TlsAcceptor::from(tls.clone());
+                shared
+                    .tracker
+                    .spawn(connection(stream, remote, acceptor, shared.clone()));
+            }
+            Err(e) => {
+                // Out of file descriptors and the like: wait instead of spinning.
+                warn!(error = %e, "mesh TCP accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn connection(
+    stream: TcpStream,
+    remote: SocketAddr,
+    acceptor: TlsAcceptor,
+    shared: Arc<ServerShared>,
+) {
+    let limits = &shared.limits;
+    tune(&stream, limits);
+    let tls = match timeout(limits.connect_timeout, acceptor.accept(stream)).await {
+        Err(_) => {
+            warn!(%remote, "mesh TLS handshake timed out");
+            return;
+        }
+        Ok(Err(e)) => {
+            let reason = tls_cause(&e).unwrap_or_else(|| e.to_string());
+            warn!(%remote, %reason, "mesh TLS handshake failed");
+            return;
+        }
+        Ok(Ok(tls)) => tls,
+    };
+    let identity = match tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|certs| certs.first())
+        .map(|leaf| mcpgw_certs::peer_identity(leaf))
+    {
+        Some(Ok(identity)) => identity,
+        Some(Err(e)) => {
+            warn!(%remote, error = %e, "mesh peer has no mesh identity; closing");
+            return;
+        }
+        None => {
+            warn!(%remote, "mesh peer presented no certificate; closing");
+            return;
+        }
+    };
+    let (read, write) = tokio::io::split(tls);
+    let mut reader = FrameReader::new(read, limits.max_frame);
+    let mut writer = FrameWriter::new(write, limits.max_frame);
+    let Some(worker_id) = server_greet(&shared, remote, &mut reader, &mut writer).await else {
+        let _ = writer.get_mut().shutdown().await;
+        return;
+    };
+    let peer = PeerInfo {
+        addr: remote,
+        identity,
+        worker_id,
+        transport: TransportKind::Tcp,
+    };
+    debug!(%remote, peer = %peer.worker_id, identity = %peer.identity, "mesh TCP peer connected");
+    let (read, leftover) = reader.into_parts();
+    let reader = MuxReader::new(read, leftover, limits.max_frame);
+    owner::serve_connection(shared.clone(), peer, reader, writer.into_inner()).await;
+}
+
+// ---------------------------------------------------------------- client side
+
+/// What it takes to open a connection to a peer; shared with background dials.
+struct Dialer {
+    /// TLS client (our leaf, mesh CA, ALPN), used for every dial.
+    connector: TlsConnector,
+    /// Announced in `Hello`.
+    worker_id: String,
+    /// Timeouts, frame size, window.
+    limits: MeshLimits,
+    /// Cancelled when the client is dropped: its connections' tasks end.
+    stop: CancellationToken,
+}
+
+/// The TCP peer pool: up to [`MeshLimits::tcp_pool_size`] multiplexed connections
+/// per peer address.
+pub(crate) struct TcpClient {
+    dialer: Arc<Dialer>,
+    /// Pool per peer address, as the directory spells it.
+    peers: Mutex<HashMap<String, Arc<TcpPeer>>>,
+    /// Ends every connection's tasks when the client goes.
+    _stop: DropGuard,
+}
+
+/// One peer's connections.
+#[derive(Default)]
+struct TcpPeer {
+    /// Live connections (a dead one is dropped when next seen).
+    conns: Mutex<Vec<Arc<CallerConn>>>,
+    /// One dial at a time per peer.
+    dialing: tokio::sync::Mutex<()>,
+    /// Set while a background dial adds a connection.
+    growing: AtomicBool,
+    /// The last failed dial: requests that were already waiting for it when it failed
+    /// get its error instead of each waiting out the connect timeout again.
+    last_failure: Mutex<Option<(Instant, MeshError)>>,
+}
+
+impl TcpPeer {
+    /// The least loaded usable connection, and whether the pool should grow (every
+    /// connection is busy and there is room for another).
+    fn pick(&self, pool_size: usize) -> (Option<Arc<CallerConn>>, bool) {
+        let mut conns = self.conns.lock();
+        conns.retain(|c| c.usable());
+        let best = conns.iter().min_by_key(|c| c.load()).cloned();
+        let grow = conns.len() < pool_size && best.as_ref().is_some_and(|c| c.load() > 0);
+        (best, grow)
+    }
+
+    fn failed_since(&self, asked: Instant) -> Option<MeshError> {
+        self.last_failure
+            .lock()
+            .as_ref()
+            .filter(|(at, _)| *at >= asked)
+            .map(|(_, e)| e.clone())
+    }
+
+    fn record_dial(&self, outcome: Result<&Arc<CallerConn>, &MeshError>) {
+        match outcome {
+            Ok(conn) => {
+                *self.last_failure.lock() = None;
+                self.conns.lock().push(conn.clone());
+            }
+            Err(e) => *self.last_failure.lock() = Some((Instant::now(), e.clone())),
+        }
+    }
+}
+
+impl TcpClient {
+    pub(crate) fn new(
+        tls: Arc<rustls::ClientConfig>,
+        worker_id: String,
+        limits: MeshLimits,
+    ) -> Self {
+        let stop = CancellationToken::new();
+        Self {
+            dialer: Arc::new(Dialer {
+                connector: TlsConnector::from(tls),
+                worker_id,
+                limits,
+                stop: stop.clone(),
+            }),
+            peers: Mutex::new(HashMap::new()),
+            _stop: stop.drop_guard(),
+        }
+    }
+
+    /// Lets go of the peer's connections: they close once their exchanges end.
+    pub(crate) fn forget_peer(&self, peer_addr: &str) {
+        let Some(peer) = self.peers.lock().remove(peer_addr) else {
+            return;
+        };
+        for conn in peer.conns.lock().drain(..) {
+            conn.retire();
+        }
+    }
+
+    fn peer(&self, peer_addr: &str) -> Arc<TcpPeer> {
+        if let Some(peer) = self.peers.lock().get(peer_addr) {
+            return peer.clone();
+        }
+        self.peers
+            .lock()
+            .entry(peer_addr.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    /// A usable connection to the peer: the least loaded one, dialling the first (and,
+    /// in the background, more while all are busy, up to the pool size).
+    async fn connection(
+        &self,
+        peer: &Arc<TcpPeer>,
+        peer_addr: &str,
+        expect: &str,
+    ) -> Result<Arc<CallerConn>, MeshError> {
+        let pool_size = self.dialer.limits.tcp_pool_size.max(1);
+        let (best, grow) = peer.pick(pool_size);
+        if let Some(conn) = best {
+            if grow && !peer.growing.swap(true, Ordering::AcqRel) {
+                let dialer = self.dialer.clone();
+                let peer = peer.clone();
+                let (addr, expect) = (peer_addr.to_owned(), expect.to_owned());
+                tokio::spawn(async move {
+                    let _one_at_a_time = peer.dialing.lock().await;
+                    let dialled = dialer.dial(&addr, &expect).await;
+                    if let Err(e) = &dialled {
+                        debug!(peer = %addr, error = %e, "adding a mesh connection failed");
+                    }
+                    peer.record_dial(dialled.as_ref());
+                    peer.growing.store(false, Ordering::Release);
+                });
+            }
+            return Ok(conn);
+        }
+        let asked = Instant::now();
+        let _one_at_a_time = peer.dialing.lock().await;
+        if let (Some(conn), _) = peer.pick(pool_size) {
+            return Ok(conn);
+        }
+        if let Some(e) = peer.failed_since(asked) {
+            return Err(e);
+        }
+        let dialled = self.dialer.dial(peer_addr, expect).await;
+        peer.record_dial(dialled.as_ref());
+        dialled
+    }
+
+    /// Starts an exchange for `request` on a connection to the peer.
+    pub(crate) async fn send_request(
+        &self,
+        peer_addr: &str,
+        expect: &str,
+        request: &Frame,
+    ) -> Result<TcpExchange, MeshError> {
+        let peer = self.peer(peer_addr);
+        let mut retried = false;
+        loop {
+            let conn = self.connection(&peer, peer_addr, expect).await?;
+            if conn.worker_id != expect {
+                // The connection is sound; it just leads to another worker.
+                return Err(MeshError::WrongWorker {
+                    addr: peer_addr.to_owned(),
+                    expected: expect.to_owned(),
+                    found: conn.worker_id.clone(),
+                });
+            }
+            match conn.start(request) {
+                Ok(exchange) => return Ok(exchange),
+                Err(Some(e)) => return Err(MeshError::RequestTooLarge(e.to_string())),
+                // The connection closed before the request was queued, so it cannot
+                // have reached the owner: try a fresh one, once.
+                Err(None) if !retried => {
+                    debug!(peer = %peer_addr, "pooled mesh connection was closed; retrying");
+                    retried = true;
+                }
+                Err(None) => {
+                    return Err(MeshError::Connect {
+                        addr: peer_addr.to_owned(),
+                        reason: "the connection closed before the request was sent".into(),
+                    });
+                }
+            }
+        }
+    }
+}
+
+impl Dialer {
+    /// Connects, handshakes and greets, all within the connect timeout, then starts the
+    /// connection's reader and writer tasks.
+    async fn dial(&self, peer_addr: &str, expect: &str) -> Result<Arc<CallerConn>, MeshError> {
+        let addr_str = || peer_addr.to_owned();
+        let limits = &self.limits;
+        let attempt = async {
+            let addr = resolve(peer_addr, limits.connect_timeout).await?;
+            let stream = TcpStream::connect(addr).await.map_err(|e| {
+                if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                    MeshError::Refused { addr: addr_str() }
+                } else {
+                    MeshError::Connect {
+                        addr: addr_str(),
+                        reason: e.to_string(),
+                    }
+                }
+            })?;
+            tune(&stream, limits);
+            let name = ServerName::try_from(MESH_SERVER_NAME)
+                .map_err(|e| MeshError::Config(format!("mesh server name: {e}")))?;
+            // The client's TLS config is taken per dial.
+            let tls =
+                self.connector
+                    .connect(name, stream)
+                    .await
+                    .map_err(|e| match tls_cause(&e) {
+                        Some(reason) => MeshError::Tls {
+                            addr: addr_str(),
+                            reason,
+                        },
+                        None => MeshError::Connect {
+                            addr: addr_str(),
+                            reason: format!("TLS handshake failed: {e}"),
+                        },
+                    })?;
+            let (read, write) = tokio::io::split(tls);
+            let mut reader = FrameReader::new(read, limits.max_frame);
+            let mut writer = FrameWriter::new(write, limits.max_frame);
+            let worker_id =
+                client_greet(peer_addr, &self.worker_id, expect, &mut reader, &mut writer).await?;
+            Ok::<_, MeshError>((reader, writer, worker_id))
+        };
+        let (reader, writer, worker_id) = timeout(limits.connect_timeout, attempt)
+            .await
+            .unwrap_or_else(|_| Err(MeshError::ConnectTimeout { addr: addr_str() }))?;
+        let outbox = Outbox::new(limits.max_frame);
+        let conn = CallerConn::new(outbox.clone(), worker_id, limits.stream_window);
+        let (read, leftover) = reader.into_parts();
+        let reader = MuxReader::new(read, leftover, limits.max_frame);
+        tokio::spawn(read_loop(conn.clone(), reader, self.stop.clone()));
+        let mut write = writer.into_inner();
+        let stall = limits.idle_timeout;
+        let writer_conn = conn.clone();
+        let stop = self.stop.clone();
+        tokio::spawn(async move {
+            let written = tokio::select! {
+                written = write_loop(&outbox, &mut write, stall) => written,
+                () = stop.cancelled() => Ok(()),
+            };
+            match written {
+                Ok(()) => {
+                    let _ = timeout(Duration::from_secs(1), write.shutdown()).await;
+                }
+                Err(e) => {
+                    debug!(error = %e, "mesh TCP connection: writing failed");
+                    writer_conn.fail_all(super::error::LinkError::Broken {
+                        reason: format!("writing to the owner failed: {e}"),
+                        tls: tls_cause(&e),
+                    });
+                }
+            }
+        });
+        Ok(conn)
+    }
+}
