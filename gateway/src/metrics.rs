@@ -104,6 +104,17 @@ pub struct ReasonLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DirectoryLabels {
+    pub op: &'static str,
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OpLabels {
+    pub op: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BuildLabels {
     pub version: &'static str,
 }
@@ -126,6 +137,8 @@ pub struct Metrics {
     pub leases_in_doubt: Counter,
     pub lease_valid: Gauge,
     pub draining: Gauge,
+    pub directory_calls: Family<DirectoryLabels, Counter>,
+    pub directory_seconds: Family<OpLabels, Histogram>,
     /// Tool names each upstream lists, by upstream index: the only tool names that
     /// become label values.
     known_tools: RwLock<Vec<Vec<Arc<String>>>>,
@@ -225,6 +238,20 @@ impl Metrics {
             "1 once this worker drains (or was fenced)",
             draining.clone(),
         );
+        let directory_calls = Family::<DirectoryLabels, Counter>::default();
+        registry.register(
+            "directory_calls",
+            "Fleet directory (Redis) calls, by operation and outcome (answered or failed: timed out, refused, unreachable)",
+            directory_calls.clone(),
+        );
+        let directory_seconds =
+            Family::<OpLabels, Histogram>::new_with_constructor(latency as fn() -> Histogram);
+        registry.register_with_unit(
+            "directory_call_duration",
+            "Time a fleet directory call took, answered or not",
+            Unit::Seconds,
+            directory_seconds.clone(),
+        );
         registry.register(
             "build",
             "mcpgw build information",
@@ -248,6 +275,8 @@ impl Metrics {
             leases_in_doubt,
             lease_valid,
             draining,
+            directory_calls,
+            directory_seconds,
             known_tools: RwLock::new(vec![Vec::new(); upstreams]),
             other: Arc::new("other".to_owned()),
         }
@@ -362,6 +391,18 @@ impl Metrics {
         self.deaths_proven
             .get_or_create(&ReasonLabels { reason: proof })
             .inc();
+    }
+}
+
+impl mcpgw_mesh::directory::DirectoryObserver for Metrics {
+    fn observe(&self, op: &'static str, elapsed: Duration, answered: bool) {
+        let outcome = if answered { "answered" } else { "failed" };
+        self.directory_calls
+            .get_or_create(&DirectoryLabels { op, outcome })
+            .inc();
+        self.directory_seconds
+            .get_or_create(&OpLabels { op })
+            .observe(elapsed.as_secs_f64());
     }
 }
 

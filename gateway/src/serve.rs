@@ -384,6 +384,7 @@ async fn join_fleet(
     })
     .await
     .map_err(|e| WorkerError::Failed(e.to_string()))?;
+    directory.observe_with(Arc::clone(&worker.metrics) as _);
     let registered_at = tokio::time::Instant::now();
     let info = process::worker_info(Some(admin_addr.to_string()));
     let lease = match directory

@@ -364,6 +364,14 @@ struct Inner {
     password: Option<String>,
     /// The Lua scripts, hashed once.
     scripts: Scripts,
+    /// Told about every call (for metrics), once someone watches.
+    observer: std::sync::OnceLock<Arc<dyn DirectoryObserver>>,
+}
+
+/// Watches the directory's calls: one report per call with its operation name (from
+/// a fixed set), how long it took, and whether Redis answered.
+pub trait DirectoryObserver: Send + Sync + 'static {
+    fn observe(&self, op: &'static str, elapsed: Duration, answered: bool);
 }
 
 impl fmt::Debug for Directory {
@@ -642,8 +650,14 @@ impl Directory {
                 url,
                 password,
                 scripts: Scripts::new(),
+                observer: std::sync::OnceLock::new(),
             }),
         })
+    }
+
+    /// Reports every later call to `observer` (the first one set stays).
+    pub fn observe_with(&self, observer: Arc<dyn DirectoryObserver>) {
+        let _ = self.inner.observer.set(observer);
     }
 
     /// The settings this directory was made with.
@@ -1256,8 +1270,12 @@ impl Directory {
         Fut: Future<Output = redis::RedisResult<T>>,
     {
         let timeout = self.inner.cfg.op_timeout;
+        let started = tokio::time::Instant::now();
         let fut = f(self.connection(), &self.inner.scripts);
         let result = tokio::time::timeout(timeout, fut).await;
+        if let Some(observer) = self.inner.observer.get() {
+            observer.observe(op, started.elapsed(), matches!(result, Ok(Ok(_))));
+        }
         let timed_out = match &result {
             Err(_) => true,
             Ok(Err(e)) => e.is_timeout(),
