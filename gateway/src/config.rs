@@ -150,9 +150,13 @@ pub struct Limits {
     pub upstream_request_timeout: Duration,
     /// Live sessions one worker holds at most; past it, initialize gets 503.
     pub max_sessions: usize,
-    /// Sessions one principal (in public mode: one client address) holds at most,
-    /// fleet-wide; past it initialize gets 429. 0: no quota.
+    /// Sessions one authenticated principal holds at most, fleet-wide; past it
+    /// initialize gets 429. 0: no quota.
     pub max_sessions_per_principal: usize,
+    /// Sessions one client address holds at most in public mode (no principal),
+    /// fleet-wide. Off (0) by default: behind a load balancer every client shares its
+    /// address unless `trust_forwarded_for` is set.
+    pub max_sessions_per_client_address: usize,
     /// A session no exchange has used for this long ends (upstream and in the
     /// directory); a held GET stream or a request in flight keeps it alive.
     pub session_idle_timeout: Duration,
@@ -251,6 +255,7 @@ impl Default for Config {
                 upstream_request_timeout: Duration::from_secs(60),
                 max_sessions: 100_000,
                 max_sessions_per_principal: 1_000,
+                max_sessions_per_client_address: 0,
                 session_idle_timeout: Duration::from_secs(30 * 60),
                 max_sse_event_bytes: 16 * 1024 * 1024,
                 max_connections: 10_000,
@@ -360,9 +365,12 @@ pub struct ServeArgs {
     /// Most live sessions per worker.
     #[arg(long, env = "MCPGW_MAX_SESSIONS")]
     pub max_sessions: Option<usize>,
-    /// Most sessions per principal (public mode: per client address), fleet-wide; 0: no quota.
+    /// Most sessions per authenticated principal, fleet-wide; 0: no quota.
     #[arg(long, env = "MCPGW_MAX_SESSIONS_PER_PRINCIPAL")]
     pub max_sessions_per_principal: Option<usize>,
+    /// Most sessions per client address in public mode, fleet-wide; 0 (default): no quota.
+    #[arg(long, env = "MCPGW_MAX_SESSIONS_PER_CLIENT_ADDRESS")]
+    pub max_sessions_per_client_address: Option<usize>,
     /// A session idle this long (no request, no held stream) ends, in milliseconds.
     #[arg(long, env = "MCPGW_SESSION_IDLE_TIMEOUT_MS")]
     pub session_idle_timeout_ms: Option<u64>,
@@ -446,6 +454,7 @@ struct FileLimits {
     upstream_request_timeout_ms: Option<u64>,
     max_sessions: Option<usize>,
     max_sessions_per_principal: Option<usize>,
+    max_sessions_per_client_address: Option<usize>,
     session_idle_timeout_ms: Option<u64>,
     max_sse_event_bytes: Option<usize>,
     max_connections: Option<usize>,
@@ -482,6 +491,20 @@ struct FileMesh {
     max_streams_per_peer: Option<usize>,
     tcp_connections_per_peer: Option<usize>,
     stream_window_bytes: Option<usize>,
+}
+
+impl Limits {
+    /// The session quota of a quota key (see [`crate::request::Call::quota_key`]): by
+    /// principal, or by client address in public mode; 0 means none.
+    pub fn session_quota(&self, quota_key: &str) -> usize {
+        if quota_key.starts_with("principal:") {
+            self.max_sessions_per_principal
+        } else if quota_key.starts_with("addr:") {
+            self.max_sessions_per_client_address
+        } else {
+            0
+        }
+    }
 }
 
 impl Config {
@@ -523,6 +546,10 @@ impl Config {
         set(
             &mut self.limits.max_sessions_per_principal,
             l.max_sessions_per_principal,
+        );
+        set(
+            &mut self.limits.max_sessions_per_client_address,
+            l.max_sessions_per_client_address,
         );
         set_ms(
             &mut self.limits.session_idle_timeout,
@@ -637,6 +664,10 @@ impl Config {
         set(
             &mut self.limits.max_sessions_per_principal,
             a.max_sessions_per_principal,
+        );
+        set(
+            &mut self.limits.max_sessions_per_client_address,
+            a.max_sessions_per_client_address,
         );
         set_ms(
             &mut self.limits.session_idle_timeout,

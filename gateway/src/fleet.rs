@@ -111,7 +111,7 @@ impl Fleet {
     /// directory that does not answer means the session could not be routed by the
     /// fleet, so it is not created.
     pub async fn claim(&self, session: &Session, owner: &str) -> Result<(), GatewayError> {
-        let quota = self.config.limits.max_sessions_per_principal;
+        let quota = self.config.limits.session_quota(&session.quota_key);
         let quota = (quota > 0).then_some(SessionQuota {
             key: &session.quota_key,
             limit: quota,
@@ -124,7 +124,7 @@ impl Fleet {
         {
             Ok(Claim::Claimed) => Ok(()),
             Ok(Claim::OverQuota) => Err(crate::execute::quota_exceeded(
-                self.config.limits.max_sessions_per_principal,
+                self.config.limits.session_quota(&session.quota_key),
                 &session.quota_key,
             )),
             Ok(Claim::Taken) => Err(GatewayError::gateway(

@@ -193,7 +193,7 @@ impl Worker {
     /// Standalone, this worker's count is the whole count of a principal's sessions;
     /// in a fleet the directory keeps the fleet-wide one when the session is claimed.
     fn check_local_quota(&self, quota_key: &str) -> Result<(), GatewayError> {
-        let quota = self.config.limits.max_sessions_per_principal;
+        let quota = self.config.limits.session_quota(quota_key);
         if self.fleet().is_none() && quota > 0 && self.sessions.count_for(quota_key) >= quota {
             return Err(quota_exceeded(quota, quota_key));
         }

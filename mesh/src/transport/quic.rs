@@ -599,6 +599,14 @@ impl QuicClient {
         let mut retried = false;
         loop {
             let pc = self.connection(peer_addr, expect).await?;
+            if pc.worker_id != expect && !retried {
+                // A pooled connection to a worker that lived at this address before
+                // (killed hosts close nothing) proves nothing about the one there now:
+                // only a fresh handshake does.
+                self.invalidate(peer_addr, &pc);
+                retried = true;
+                continue;
+            }
             if pc.worker_id != expect {
                 return Err(MeshError::WrongWorker {
                     addr: peer_addr.to_owned(),

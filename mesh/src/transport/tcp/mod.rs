@@ -327,8 +327,15 @@ impl TcpClient {
         let mut retried = false;
         loop {
             let conn = self.connection(&peer, peer_addr, expect).await?;
+            if conn.worker_id != expect && !retried {
+                // A pooled connection may lead to a worker that lived at this address
+                // before; only a fresh handshake proves who answers there now.
+                self.forget_peer(peer_addr);
+                retried = true;
+                continue;
+            }
             if conn.worker_id != expect {
-                // The connection is sound; it just leads to another worker.
+                // A fresh connection leads to another worker: the expected one is gone.
                 return Err(MeshError::WrongWorker {
                     addr: peer_addr.to_owned(),
                     expected: expect.to_owned(),
