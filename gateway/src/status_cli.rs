@@ -171,17 +171,18 @@ impl fmt::Display for Problem {
                     write!(
                         f,
                         "expired certificate: worker {worker} (host {host}) holds a mesh \
-                         certificate that expired {} ago ({date}); peers refuse it. Issue a new \
-                         leaf (`mcpgw certs issue --name {host}`) and install it on {host}",
+                         certificate that expired {} ago ({date}); peers refuse it. Issue its \
+                         leaf again (`mcpgw certs issue --name NAME`; `mcpgw certs inspect` on \
+                         {host} names it) and install it on {host}",
                         days(ms_left.unsigned_abs())
                     )
                 } else {
                     write!(
                         f,
                         "certificate close to expiry: worker {worker} (host {host}) holds a \
-                         mesh certificate that expires in {} ({date}). Issue a new leaf \
-                         (`mcpgw certs issue --name {host}`) and install it on {host}; the \
-                         workers reload it",
+                         mesh certificate that expires in {} ({date}). Issue its leaf again \
+                         (`mcpgw certs issue --name NAME`; `mcpgw certs inspect` on {host} \
+                         names it) and install it on {host}",
                         days(ms_left.unsigned_abs())
                     )
                 }
