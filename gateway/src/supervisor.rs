@@ -1,6 +1,7 @@
 //! The supervisor of `mcpgw serve --workers N`: starts N fresh worker processes (each
-//! with its own worker id), restarts one that dies under a new id, and passes SIGTERM
-//! on so every worker drains.
+//! with its own worker id), restarts one that dies under a new id (also one that exits
+//! 0 after a drain of its own: `mcpgw drain` replaces a worker), and passes SIGTERM on
+//! so every worker drains.
 
 use std::net::SocketAddr;
 use std::process::{ExitCode, Stdio};

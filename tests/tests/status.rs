@@ -612,3 +612,43 @@ fn drain_by_id_and_by_admin_request_drain_exactly_one_worker_each() {
     assert_eq!(code, Some(0), "{doc:#}");
     assert_eq!(doc["workers"].as_array().map(Vec::len), Some(4));
 }
+
+#[test]
+fn drain_by_host_drains_every_worker_of_that_host() {
+    let fleet = LocalFleet::start("quic", 1, &["--lease-ms", "3000"]);
+    let before = fleet.leases();
+    assert_eq!(before.len(), 2);
+    let id = before.keys().next().cloned().expect("a worker");
+    let lease: Value = serde_json::from_str(
+        &fleet
+            .redis
+            .get(&format!("{PREFIX}worker:{id}"))
+            .expect("a lease"),
+    )
+    .expect("lease JSON");
+    // Both supervisors run on this machine: one host name for every worker.
+    let host = lease["host"].as_str().expect("a host").to_owned();
+    let url = fleet.redis.url();
+    let output = mcpgw(&["drain", "--redis", &url, "--host", &host]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    for id in before.keys() {
+        assert!(
+            stdout(&output).contains(&format!("drain requested for worker {id}")),
+            "{}",
+            stdout(&output)
+        );
+    }
+    for (id, lease) in &before {
+        let supervisor = if signal::parent_of(lease.pid) == Some(fleet.a.pid()) {
+            &fleet.a
+        } else {
+            &fleet.b
+        };
+        signal::wait_until_gone(lease.pid, FLEET_CHANGE_WITHIN);
+        let replaced = eventually(FLEET_CHANGE_WITHIN, || {
+            let now = fleet.workers_of(supervisor);
+            if now.len() == 1 { Ok(now) } else { Err(now) }
+        });
+        assert!(!replaced.contains_key(id), "{replaced:?}");
+    }
+}
