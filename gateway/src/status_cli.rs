@@ -61,6 +61,8 @@ pub struct Policy {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Problem {
+    /// No worker holds a lease: the fleet is down, or the flags name another directory.
+    NoLiveWorker,
     /// Live workers registered at one mesh address: only one process answers there.
     DuplicateMeshAddress { addr: String, workers: Vec<String> },
     /// One process holds leases under several worker ids.
@@ -103,9 +105,14 @@ pub enum Problem {
 impl fmt::Display for Problem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            Problem::NoLiveWorker => write!(
+                f,
+                "no live worker: no worker holds a lease in this directory, so the fleet is \
+                 down or --redis / --key-prefix name another fleet's directory"
+            ),
             Problem::DuplicateMeshAddress { addr, workers } => write!(
                 f,
-                "duplicate identity: workers {} are all registered at mesh address {addr}, \
+                "duplicate identity: workers {} are registered at one mesh address, {addr}, \
                  where only one process can answer; requests for the others' sessions reach \
                  the wrong worker. Find the process that is not the worker it claims and stop \
                  it (check --mesh-advertise)",
@@ -126,18 +133,20 @@ impl fmt::Display for Problem {
             } => write!(
                 f,
                 "expired lease still owns sessions: worker {worker} holds no lease but its \
-                 session set lists {sessions} sessions ({records} session records name it); \
+                 session set lists {} ({} name it); \
                  clients of those sessions are told they are gone, yet the records were not \
                  freed. Live workers sweep them within about a lease plus two sweep \
                  intervals: if this persists, no live worker is sweeping (check the workers' \
-                 logs for sweep errors)"
+                 logs for sweep errors)",
+                count(*sessions, "session"),
+                count(*records, "session record")
             ),
             Problem::OrphanedSessionRecords { worker, records } => write!(
                 f,
-                "orphaned session records: {records} session records (pool_owner keys) name \
-                 worker {worker}, which holds no lease and has no session set, so no sweep \
-                 will free them; those sessions are gone. Delete the pool_owner keys whose \
-                 value is {worker}"
+                "orphaned session records: {} (pool_owner keys) name worker {worker}, which \
+                 holds no lease and has no session set, so no sweep will free them; those \
+                 sessions are gone. Delete the pool_owner keys whose value is {worker}",
+                count(*records, "session record")
             ),
             Problem::RequestChannelSubscribers {
                 worker,
@@ -221,6 +230,9 @@ pub fn find_problems(snapshot: &FleetSnapshot, policy: &Policy) -> Vec<Problem> 
             _ => None,
         })
         .collect();
+    if live.is_empty() {
+        problems.push(Problem::NoLiveWorker);
+    }
 
     let mut by_addr: BTreeMap<&str, Vec<String>> = BTreeMap::new();
     let mut by_process: BTreeMap<(&str, u32), Vec<String>> = BTreeMap::new();
@@ -538,6 +550,15 @@ fn to_json(snapshot: &FleetSnapshot, problems: &[Problem]) -> serde_json::Value 
     })
 }
 
+/// `n thing` or `n things`.
+fn count(n: u64, thing: &str) -> String {
+    if n == 1 {
+        format!("1 {thing}")
+    } else {
+        format!("{n} {thing}s")
+    }
+}
+
 fn list(ids: &[String]) -> String {
     ids.join(", ")
 }
@@ -636,6 +657,19 @@ mod tests {
     #[test]
     fn a_healthy_fleet_has_no_problem() {
         assert_eq!(find_problems(&healthy(), &policy()), []);
+    }
+
+    #[test]
+    fn an_empty_directory_is_a_fleet_that_is_down() {
+        assert_eq!(
+            find_problems(&fleet(vec![]), &policy()),
+            [Problem::NoLiveWorker]
+        );
+        // Only dead workers left.
+        assert_eq!(
+            find_problems(&fleet(vec![dead("gone", 0)]), &policy()),
+            [Problem::NoLiveWorker]
+        );
     }
 
     #[test]
