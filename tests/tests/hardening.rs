@@ -35,14 +35,7 @@ fn forged_session_ids_cost_no_redis_write_and_are_answered_404() {
     let forged = |n: usize| format!("{:032x}.made-up-worker-{n}", n + 1);
     // A missing lease proves death only once the directory is older than a lease.
     eventually(WITHIN, || {
-        let r = call_tool(
-            &fleet.a.addr,
-            "/mcp",
-            &forged(0),
-            1,
-            "echo",
-            json!({"text": "x"}),
-        );
+        let r = call_tool(&fleet.a.addr, "/mcp", &forged(0), 1, "echo", json!({"text": "x"}));
         match r.status {
             404 => Ok(()),
             other => Err(format!("still {other}: {}", r.text())),
@@ -50,22 +43,11 @@ fn forged_session_ids_cost_no_redis_write_and_are_answered_404() {
     });
     let before = keys(&fleet.redis);
     for n in 1..=1000 {
-        let r = call_tool(
-            &fleet.a.addr,
-            "/mcp",
-            &forged(n),
-            1,
-            "echo",
-            json!({"text": "x"}),
-        );
+        let r = call_tool(&fleet.a.addr, "/mcp", &forged(n), 1, "echo", json!({"text": "x"}));
         assert_eq!(r.status, 404, "forged id {n}: {}", r.text());
         assert_eq!(r.reason().as_deref(), Some("session_gone"));
     }
-    assert_eq!(
-        keys(&fleet.redis),
-        before,
-        "forged ids changed Redis's keys"
-    );
+    assert_eq!(keys(&fleet.redis), before, "forged ids changed Redis's keys");
 }
 
 #[test]
@@ -94,40 +76,17 @@ fn an_idle_session_expires_and_a_session_with_a_held_stream_does_not() {
     });
     // The idle session ends: 404, and its upstream session is gone too.
     eventually(WITHIN, || {
-        let r = call_tool(
-            &gateway.addr,
-            "/mcp",
-            &idle,
-            2,
-            "echo",
-            json!({"text": "x"}),
-        );
+        let r = call_tool(&gateway.addr, "/mcp", &idle, 2, "echo", json!({"text": "x"}));
         match r.outcome().as_str() {
             "404 session_not_found" => Ok(()),
             other => Err(other.to_owned()),
         }
     });
-    assert_eq!(
-        upstream.stats()["sessions_open"],
-        1,
-        "the idle session ended upstream"
-    );
+    assert_eq!(upstream.stats()["sessions_open"], 1, "the idle session ended upstream");
     holder.join().expect("the stream holder");
     // Held for 4 s against a 1.5 s timeout, and still alive right after.
-    let r = call_tool(
-        &gateway.addr,
-        "/mcp",
-        &held,
-        3,
-        "echo",
-        json!({"text": "still"}),
-    );
-    assert_eq!(
-        r.status,
-        200,
-        "a held stream keeps the session alive: {}",
-        r.text()
-    );
+    let r = call_tool(&gateway.addr, "/mcp", &held, 3, "echo", json!({"text": "still"}));
+    assert_eq!(r.status, 200, "a held stream keeps the session alive: {}", r.text());
 }
 
 #[test]
@@ -135,23 +94,13 @@ fn an_expired_session_leaves_no_directory_record() {
     let fleet = LocalFleet::start("quic", 1, &["--session-idle-timeout-ms", "1000"]);
     let session = initialize(&fleet.a.addr, "/mcp");
     let owner = owner_of(&session);
-    assert_eq!(
-        recorded_owner(&fleet.redis, &session).as_deref(),
-        Some(owner.as_str())
-    );
+    assert_eq!(recorded_owner(&fleet.redis, &session).as_deref(), Some(owner.as_str()));
     eventually(WITHIN, || match recorded_owner(&fleet.redis, &session) {
         None => Ok(()),
         Some(o) => Err(format!("still recorded for {o}")),
     });
     // Asked through the other host, the session is gone, not unknown.
-    let r = call_tool(
-        &fleet.b.addr,
-        "/mcp",
-        &session,
-        2,
-        "echo",
-        json!({"text": "x"}),
-    );
+    let r = call_tool(&fleet.b.addr, "/mcp", &session, 2, "echo", json!({"text": "x"}));
     assert_eq!(r.outcome(), "404 session_not_found", "{}", r.text());
 }
 
@@ -177,12 +126,7 @@ fn a_principal_at_its_quota_gets_429_fleet_wide_while_others_open_sessions() {
     let fleet = LocalFleet::start(
         "quic",
         1,
-        &[
-            "--auth-tokens-file",
-            &path,
-            "--max-sessions-per-principal",
-            "2",
-        ],
+        &["--auth-tokens-file", &path, "--max-sessions-per-principal", "2"],
     );
     let alice = "alice-token-0123456789abcdef";
     // One session on each host: the quota is counted fleet-wide, not per worker.
@@ -231,14 +175,7 @@ fn a_slow_body_is_cut_with_408_and_the_worker_keeps_serving() {
     assert!(answer.contains("body_timeout"), "{answer}");
     // Meanwhile and afterwards, others are served.
     let session = initialize(&gateway.addr, "/mcp");
-    let r = call_tool(
-        &gateway.addr,
-        "/mcp",
-        &session,
-        2,
-        "echo",
-        json!({"text": "ok"}),
-    );
+    let r = call_tool(&gateway.addr, "/mcp", &session, 2, "echo", json!({"text": "ok"}));
     assert_eq!(r.expect_tool_text(), "ok");
 }
 
@@ -264,13 +201,9 @@ fn past_the_connection_cap_new_connections_get_503_and_existing_ones_are_served(
     // A held connection is still served.
     let mut first = &held[0];
     let request = format!("GET /healthz HTTP/1.1\r\nHost: {}\r\n\r\n", gateway.addr);
-    first
-        .write_all(request.as_bytes())
-        .expect("write on a held connection");
+    first.write_all(request.as_bytes()).expect("write on a held connection");
     let mut head = [0u8; 12];
-    first
-        .read_exact(&mut head)
-        .expect("an answer on a held connection");
+    first.read_exact(&mut head).expect("an answer on a held connection");
     assert_eq!(&head, b"HTTP/1.1 200");
     drop(held);
     // Freed slots take new connections again.
@@ -318,10 +251,7 @@ fn a_dead_worker_with_thousands_of_sessions_leaves_no_key_behind() {
             .collect();
         match left.len() {
             0 => Ok(()),
-            n => Err(format!(
-                "{n} keys left, e.g. {:?}",
-                &left[..left.len().min(3)]
-            )),
+            n => Err(format!("{n} keys left, e.g. {:?}", &left[..left.len().min(3)])),
         }
     });
 }
@@ -332,10 +262,7 @@ fn a_crowd_of_requests_shares_one_lease_revalidation_while_redis_stalls() {
     let sessions: Vec<String> = (0..20).map(|_| initialize(&fleet.a.addr, "/mcp")).collect();
     let owner = owner_of(&sessions[0]);
     // Only sessions host-a owns are local to the requests below.
-    let local: Vec<String> = sessions
-        .into_iter()
-        .filter(|s| owner_of(s) == owner)
-        .collect();
+    let local: Vec<String> = sessions.into_iter().filter(|s| owner_of(s) == owner).collect();
     let renewals = || {
         fleet
             .redis
@@ -353,22 +280,12 @@ fn a_crowd_of_requests_shares_one_lease_revalidation_while_redis_stalls() {
     let answers: Vec<(u16, Duration)> = thread::scope(|scope| {
         let threads: Vec<_> = (0..crowd)
             .map(|i| {
-                let (barrier, session, addr) = (
-                    barrier.clone(),
-                    local[i % local.len()].clone(),
-                    fleet.a.addr.clone(),
-                );
+                let (barrier, session, addr) =
+                    (barrier.clone(), local[i % local.len()].clone(), fleet.a.addr.clone());
                 scope.spawn(move || {
                     barrier.wait();
                     let started = Instant::now();
-                    let r = call_tool(
-                        &addr,
-                        "/mcp",
-                        &session,
-                        i as u64,
-                        "echo",
-                        json!({"text": "x"}),
-                    );
+                    let r = call_tool(&addr, "/mcp", &session, i as u64, "echo", json!({"text": "x"}));
                     (r.status, started.elapsed())
                 })
             })
@@ -394,11 +311,7 @@ fn a_crowd_of_requests_shares_one_lease_revalidation_while_redis_stalls() {
     // one per request.
     let queued = eventually(WITHIN, || {
         let now = renewals();
-        if now > evalsha_before_resume {
-            Ok(now - evalsha_before_resume)
-        } else {
-            Err("none ran yet")
-        }
+        if now > evalsha_before_resume { Ok(now - evalsha_before_resume) } else { Err("none ran yet") }
     });
     assert!(
         queued < 50,
@@ -419,14 +332,7 @@ fn redis_restarted_empty_never_makes_a_live_owners_sessions_gone_on_a_cold_edge(
     while Instant::now() < until {
         for session in &sessions {
             id += 1;
-            let r = call_tool(
-                &fleet.b.addr,
-                "/mcp",
-                session,
-                id,
-                "echo",
-                json!({"text": "x"}),
-            );
+            let r = call_tool(&fleet.b.addr, "/mcp", session, id, "echo", json!({"text": "x"}));
             assert!(
                 matches!(r.status, 200 | 503),
                 "a live owner's session answered {}: {}",
@@ -437,10 +343,7 @@ fn redis_restarted_empty_never_makes_a_live_owners_sessions_gone_on_a_cold_edge(
         }
         thread::sleep(Duration::from_millis(50));
     }
-    assert!(
-        answered > 0,
-        "the owner re-registered and host-b reached it again"
-    );
+    assert!(answered > 0, "the owner re-registered and host-b reached it again");
 }
 
 #[test]
