@@ -1,7 +1,7 @@
 //! The admin listener: one per worker, separate from the public port and on loopback
 //! by default, for operators and their tools. `/healthz` (alive), `/readyz` (fit to
 //! take traffic, with the reasons when not), `/state` (this worker as JSON),
-//! `/metrics` (Prometheus).
+//! `/metrics` (Prometheus), and `POST /drain` (drain as on SIGTERM).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -56,6 +56,9 @@ pub async fn serve(worker: Arc<Worker>, listener: TcpListener) {
 }
 
 fn answer(worker: &Worker, request: &Request<Incoming>) -> Response<ReplyBody> {
+    if request.uri().path() == "/drain" {
+        return drain(worker, request.method());
+    }
     if request.method() != Method::GET {
         return json(
             StatusCode::METHOD_NOT_ALLOWED,
@@ -78,10 +81,32 @@ fn answer(worker: &Worker, request: &Request<Incoming>) -> Response<ReplyBody> {
         path => json(
             StatusCode::NOT_FOUND,
             serde_json::json!({
-                "error": format!("no admin endpoint at {path:?}: use /healthz, /readyz, /state or /metrics"),
+                "error": format!("no admin endpoint at {path:?}: use /healthz, /readyz, /state, /metrics or POST /drain"),
             }),
         ),
     }
+}
+
+/// `POST /drain`: the drain SIGTERM starts (the public port closes, exchanges in flight
+/// finish, sessions end, the lease is deleted, the process exits 0). Anyone who can
+/// reach the admin listener may ask, which is why it binds loopback by default.
+fn drain(worker: &Worker, method: &Method) -> Response<ReplyBody> {
+    if method != Method::POST {
+        return json(
+            StatusCode::METHOD_NOT_ALLOWED,
+            serde_json::json!({"error": "a drain is requested with POST /drain"}),
+        );
+    }
+    worker.request_drain("the admin listener (POST /drain)");
+    json(
+        StatusCode::ACCEPTED,
+        serde_json::json!({
+            "worker_id": worker.id,
+            "draining": true,
+            "message": "draining as on SIGTERM: no new requests; sessions end once the \
+                        exchanges in flight have finished, then the worker exits",
+        }),
+    )
 }
 
 /// Whether the worker is fit to take traffic, check by check.

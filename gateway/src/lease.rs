@@ -76,6 +76,9 @@ pub enum LeaseCheck {
     Rebuilt { taken: Vec<String> },
     /// Another worker declared this one dead (or took its id): fence.
     Lost,
+    /// Renewed, and an operator asked this worker to drain (`mcpgw drain`): stop as on
+    /// SIGTERM.
+    DrainRequested,
 }
 
 /// This worker's lease and the renewals that keep it.
@@ -132,6 +135,15 @@ impl LeaseHolder {
         self.clock.lock().revoke(Instant::now());
     }
 
+    /// Publishes `not_after` as this worker's mesh leaf expiry from the next renewal on
+    /// (for `mcpgw status`); a transport calls it after reloading its certificate.
+    // Unused until the transports reload their certificates (they load them once at
+    // start today, and the registration publishes that leaf's expiry).
+    #[allow(dead_code)]
+    pub fn set_cert_not_after(&self, not_after: Option<std::time::SystemTime>) {
+        self.lease.lock().set_cert_not_after(not_after);
+    }
+
     /// Whether the lease was lost for good (fenced).
     pub fn revoked(&self) -> bool {
         self.revoked.load(std::sync::atomic::Ordering::Relaxed)
@@ -172,6 +184,10 @@ impl LeaseHolder {
                 self.clock.lock().renewed(sent_at);
                 LeaseCheck::Valid
             }
+            Ok(LeaseRenewal::DrainRequested { .. }) => {
+                self.clock.lock().renewed(sent_at);
+                LeaseCheck::DrainRequested
+            }
             Ok(LeaseRenewal::DirectoryLost) => {
                 warn!(
                     worker = lease.id(),
@@ -196,7 +212,8 @@ impl LeaseHolder {
     ) -> LeaseCheck {
         let sent_at = Instant::now();
         match self.directory.resume_lease(lease).await {
-            Ok(LeaseRenewal::Renewed { .. }) => {
+            // A drain request is seen by the next renewal; resuming does not look.
+            Ok(LeaseRenewal::Renewed { .. } | LeaseRenewal::DrainRequested { .. }) => {
                 warn!(
                     worker = lease.id(),
                     "lease had expired in Redis and nobody reclaimed this worker; resumed it"
@@ -226,7 +243,7 @@ impl LeaseHolder {
         let sent_at = Instant::now();
         match self
             .directory
-            .register_worker(old.id(), &self.info, old.addr())
+            .register_worker_with_cert(old.id(), &self.info, old.addr(), old.cert_not_after())
             .await
         {
             Ok(lease) => {

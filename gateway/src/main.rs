@@ -21,6 +21,7 @@ mod body;
 mod certs_cli;
 mod config;
 mod dispatch;
+mod drain_cli;
 mod execute;
 mod fleet;
 mod forward;
@@ -34,6 +35,7 @@ mod request;
 mod serve;
 mod session;
 mod sse;
+mod status_cli;
 mod supervisor;
 mod worker;
 
@@ -95,6 +97,13 @@ enum Command {
     /// Mesh certificates: a private CA and leaves for mesh members.
     #[command(subcommand)]
     Certs(certs_cli::CertsCommand),
+    /// The fleet as the directory sees it (workers, sessions, certificate expiry) and the
+    /// problems an operator must see. Exits 1 when it finds one, 2 when Redis cannot
+    /// be read.
+    Status(status_cli::StatusArgs),
+    /// Drains a worker (by id) or every worker of a host, as SIGTERM would, through the
+    /// directory. Exits 1 when no live worker matches.
+    Drain(drain_cli::DrainArgs),
     /// One worker of a fleet, started by `mcpgw serve` (not for direct use).
     #[command(hide = true)]
     Worker,
@@ -122,6 +131,8 @@ fn main() -> ExitCode {
         }
         Command::Worker => serve::run_worker_process(),
         Command::Certs(command) => certs_cli::run(command),
+        Command::Status(args) => status_cli::run(args),
+        Command::Drain(args) => drain_cli::run(args),
         Command::StdioExec { command } => execute::upstream::stdio::exec_child(command),
     }
 }

@@ -160,14 +160,17 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
     let addr = listener
         .local_addr()
         .map_err(|e| WorkerError::Failed(format!("cannot read the bound address: {e}")))?;
-    // The one place that decides how this process ends: a signal drains it, a fence
-    // stops it at once for a replacement under a new id.
+    // The one place that decides how this process ends: a signal or an operator's
+    // drain request (`mcpgw drain`, `POST /drain`) drains it, a fence stops it at once
+    // for a replacement under a new id.
     // `Some(grace)`: stop taking requests and let open ones finish within `grace`.
     let (stop_tx, stop_rx) = watch::channel(None::<Duration>);
     let mut fenced = worker.fenced();
+    let mut drain_requested = worker.drain_requests();
     let stop = tokio::spawn(async move {
         let grace = tokio::select! {
             () = wait_for_signal() => DRAIN_GRACE,
+            _ = drain_requested.wait_for(|requested| *requested) => DRAIN_GRACE,
             _ = fenced.wait_for(|fenced| *fenced) => FENCED_GRACE,
         };
         let _ = stop_tx.send(Some(grace));
@@ -313,7 +316,9 @@ async fn join_fleet(
         Tls(Tls),
         Redis(mcpgw_mesh::transport::RedisTransportConfig),
     }
-    let (kind, server, advertised, dial) = match mesh.transport {
+    // The fourth: the mesh leaf's expiry, published with the lease for `mcpgw status`
+    // (none over the Redis transport, which has no certificates).
+    let (kind, server, advertised, dial, cert_not_after) = match mesh.transport {
         // The measured baseline: requests travel through the fleet's Redis, on
         // channels named by worker id. No socket to bind and no mTLS (Redis is the
         // trust boundary).
@@ -331,7 +336,13 @@ async fn join_fleet(
             // Callers derive the channel from the worker id; the directory records it
             // for operators.
             let advertised = server.redis_channel().unwrap_or_default().to_owned();
-            (TransportKind::Redis, server, advertised, Dial::Redis(redis))
+            (
+                TransportKind::Redis,
+                server,
+                advertised,
+                Dial::Redis(redis),
+                None,
+            )
         }
         MeshTransport::Quic | MeshTransport::Tcp => {
             let (Some(ca), Some(cert), Some(key)) = (&mesh.ca, &mesh.cert, &mesh.key) else {
@@ -344,10 +355,9 @@ async fn join_fleet(
                 cert: cert.clone(),
                 key: key.clone(),
             };
-            let server_tls = mcpgw_certs::server_config(&files)
+            let tls = mcpgw_certs::MeshTls::load(&files)
                 .map_err(|e| WorkerError::Fatal(e.to_string()))?;
-            let client_tls = mcpgw_certs::client_config(&files)
-                .map_err(|e| WorkerError::Fatal(e.to_string()))?;
+            let (server_tls, client_tls) = (tls.server_config(), tls.client_config());
             let kind = if mesh.transport == MeshTransport::Quic {
                 TransportKind::Quic
             } else {
@@ -371,7 +381,13 @@ async fn join_fleet(
             })?;
             let advertised = advertise_addr(mesh.advertise.as_deref(), server.local_addr(), index)
                 .map_err(WorkerError::Fatal)?;
-            (kind, server, advertised, Dial::Tls(client_tls))
+            (
+                kind,
+                server,
+                advertised,
+                Dial::Tls(client_tls),
+                Some(tls.leaf_not_after()),
+            )
         }
     };
     let redis_url = config.fleet.redis_url.clone().unwrap_or_default();
@@ -388,7 +404,7 @@ async fn join_fleet(
     let registered_at = tokio::time::Instant::now();
     let info = process::worker_info(Some(admin_addr.to_string()));
     let lease = match directory
-        .register_worker(&worker.id, &info, &advertised)
+        .register_worker_with_cert(&worker.id, &info, &advertised, cert_not_after)
         .await
     {
         Ok(lease) => lease,

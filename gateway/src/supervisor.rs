@@ -1,6 +1,7 @@
 //! The supervisor of `mcpgw serve --workers N`: starts N fresh worker processes (each
-//! with its own worker id), restarts one that dies under a new id, and passes SIGTERM
-//! on so every worker drains.
+//! with its own worker id), restarts one that dies under a new id (also one that exits
+//! 0 after a drain of its own: `mcpgw drain` replaces a worker), and passes SIGTERM on
+//! so every worker drains.
 
 use std::net::SocketAddr;
 use std::process::{ExitCode, Stdio};
@@ -131,7 +132,14 @@ async fn supervise(mut config: Config) -> ExitCode {
                         let delay = RESTART_BACKOFF_MIN
                             .saturating_mul(1 << failures[slot].min(6))
                             .min(RESTART_BACKOFF_MAX);
-                        warn!(slot, ?code, ?delay, "worker died; starting a replacement under a new id");
+                        // A worker that exits 0 was drained on its own (`mcpgw drain`,
+                        // `POST /drain`, a signal sent to it alone): the slot is refilled
+                        // like after a death, under a new id, so a drain replaces a worker.
+                        if code == Some(0) {
+                            info!(slot, ?delay, "worker drained and exited; starting a replacement under a new id");
+                        } else {
+                            warn!(slot, ?code, ?delay, "worker died; starting a replacement under a new id");
+                        }
                         let events = events_tx.clone();
                         tokio::spawn(async move {
                             tokio::time::sleep(delay).await;

@@ -8,7 +8,7 @@ use std::sync::{Arc, OnceLock};
 
 use http::StatusCode;
 use tokio::sync::watch;
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 
 use crate::auth::Authenticator;
 use crate::config::Config;
@@ -50,6 +50,10 @@ pub struct Worker {
     /// process must stop serving and exit so it is replaced under a new id. The
     /// worker's main loop ([`crate::serve`]) is the one place that acts on it.
     fenced: watch::Sender<bool>,
+    /// Turns true when an operator asks this worker to drain (`mcpgw drain` through
+    /// the directory, or `POST /drain` on the admin listener): the main loop drains
+    /// exactly as on SIGTERM.
+    drain_requested: watch::Sender<bool>,
 }
 
 impl Worker {
@@ -84,6 +88,7 @@ impl Worker {
             draining: AtomicBool::new(false),
             fleet: OnceLock::new(),
             fenced: watch::Sender::new(false),
+            drain_requested: watch::Sender::new(false),
         }))
     }
 
@@ -118,6 +123,10 @@ impl Worker {
             .await
         {
             LeaseCheck::Valid => true,
+            LeaseCheck::DrainRequested => {
+                self.request_drain("the fleet directory (mcpgw drain)");
+                true
+            }
             LeaseCheck::InDoubt => {
                 self.metrics.leases_in_doubt.inc();
                 false
@@ -194,6 +203,19 @@ impl Worker {
     /// Resolves once this worker is fenced.
     pub fn fenced(&self) -> watch::Receiver<bool> {
         self.fenced.subscribe()
+    }
+
+    /// Asks the main loop to drain this worker as SIGTERM does; `by` says who asked,
+    /// for the log. Asking again changes nothing.
+    pub fn request_drain(&self, by: &str) {
+        if !self.drain_requested.send_replace(true) {
+            info!(worker = %self.id, by, "drain requested: draining as on SIGTERM");
+        }
+    }
+
+    /// Resolves once a drain was requested (see [`Worker::request_drain`]).
+    pub fn drain_requests(&self) -> watch::Receiver<bool> {
+        self.drain_requested.subscribe()
     }
 
     pub fn draining(&self) -> bool {

@@ -14,6 +14,8 @@
 //! | `{p}sweeper` | worker id of the one worker sweeping dead workers' keys now | PX one sweep interval |
 //! | `{p}worker_gone:{id}` | `reclaimed@ms` (proven dead and reclaimed) or `deregistered@ms` (ended cleanly), Redis time | PX four leases |
 //! | `{p}generation` | random token `@` creation time (ms), created when absent | no TTL |
+//! | `{p}worker_cert:{id}` | not-after of the worker's mesh leaf, unix ms (only workers with a leaf) | PX lease, rewritten by every renewal |
+//! | `{p}drain:{id}` | an operator asked this worker to drain (`mcpgw drain`); its next renewal tells it | PX two to three leases; deleted when the worker registers or deregisters |
 //!
 //! A worker that never held a lease leaves no trace: a forged owner hint costs no
 //! write. A reclaimed or cleanly deregistered worker leaves only a short-lived record
@@ -31,11 +33,12 @@
 //! A write that timed out may still have been applied by Redis; callers treat its
 //! outcome as unknown and ask again.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script};
@@ -199,6 +202,9 @@ pub struct Lease {
     generation: String,
     /// Lease end by our own clock, measured from before the request was sent.
     valid_until: Instant,
+    /// Not-after of the worker's mesh leaf (unix ms), rewritten with every renewal so
+    /// operators see a reloaded certificate; `None` without a leaf.
+    cert_not_after_ms: Option<u64>,
 }
 
 impl Lease {
@@ -227,6 +233,18 @@ impl Lease {
     /// sessions past this instant (minus a margin) without a successful renewal.
     pub fn valid_until(&self) -> Instant {
         self.valid_until
+    }
+
+    /// Not-after of the mesh leaf published with this lease, if any.
+    pub fn cert_not_after(&self) -> Option<SystemTime> {
+        self.cert_not_after_ms
+            .map(|ms| UNIX_EPOCH + Duration::from_millis(ms))
+    }
+
+    /// Publishes `not_after` as the mesh leaf's expiry from the next renewal on (after a
+    /// certificate reload).
+    pub fn set_cert_not_after(&mut self, not_after: Option<SystemTime>) {
+        self.cert_not_after_ms = not_after.map(unix_ms);
     }
 }
 
@@ -308,6 +326,13 @@ pub enum LeaseRenewal {
     /// The lease key no longer holds our token (expired, reclaimed, or taken by another
     /// process). Fencing: drop every session and register again under a new id.
     Lost,
+    /// Renewed like [`LeaseRenewal::Renewed`], and an operator asked this worker to drain
+    /// (`{p}drain:{id}`, set by [`Directory::request_drain`]): it should stop exactly
+    /// as on SIGTERM.
+    DrainRequested {
+        /// New lease end.
+        valid_until: Instant,
+    },
     /// The lease key is gone because the whole directory was lost (the generation token
     /// changed or vanished: Redis came back empty). Register again under the same id and
     /// re-claim sessions with [`Directory::reclaim_sessions_after_loss`]; if that
@@ -326,6 +351,60 @@ pub struct WorkerEntry {
     pub lease_token: String,
     /// Mesh address; `None` if the key vanished between reads.
     pub addr: Option<String>,
+}
+
+/// The fleet as the directory holds it, for operators' tools (`mcpgw status`): what
+/// each key says, with no judgement of it. Read with SCAN and pipelined reads in
+/// several round trips, so it is not one atomic view: a worker that starts or stops
+/// while it is taken may be seen half.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FleetSnapshot {
+    /// Redis's clock (unix ms) at the end of the reads; ages are measured against it,
+    /// never against the clock of the machine reading.
+    pub redis_now_unix_ms: u64,
+    /// When the directory generation was created (unix ms, Redis's clock); `None` when
+    /// there is none (nothing registered since Redis came up empty).
+    pub generation_created_unix_ms: Option<u64>,
+    /// Every worker id that holds a lease, is in `{p}workers`, or has a session set,
+    /// each once, sorted by id.
+    pub workers: Vec<WorkerSnapshot>,
+    /// How many session records (`{p}pool_owner:{sid}`) name each owner id, including
+    /// ids found nowhere else in the directory.
+    pub session_records: BTreeMap<String, u64>,
+}
+
+/// What a worker's lease key holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseView {
+    /// A live lease and what the worker published with it.
+    Live(WorkerInfo),
+    /// A live lease whose value does not parse (written by another version?).
+    Unreadable,
+    /// No lease: expired, deregistered, or reclaimed.
+    Absent,
+}
+
+/// One worker id in a [`FleetSnapshot`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerSnapshot {
+    /// The worker id.
+    pub id: String,
+    /// Its lease.
+    pub lease: LeaseView,
+    /// Its mesh address (`host:port`, or the request channel of the Redis transport).
+    pub addr: Option<String>,
+    /// Its last renewal (unix ms, Redis's clock): its score in `{p}workers`.
+    pub last_renewal_unix_ms: Option<u64>,
+    /// Members of its session set (`SCARD {p}worker_sessions:{id}`).
+    pub sessions_owned: u64,
+    /// Not-after of its mesh leaf (unix ms), from `{p}worker_cert:{id}`; `None` when
+    /// unknown (no leaf, an older version, or the key expired with the lease).
+    pub cert_not_after_unix_ms: Option<u64>,
+    /// An operator asked it to drain and the request has not expired.
+    pub drain_requested: bool,
+    /// Subscribers of its request channel (`PUBSUB NUMSUB`), when its address is the
+    /// channel of the Redis transport; `None` for QUIC and TCP workers.
+    pub request_channel_subscribers: Option<u64>,
 }
 
 /// Most sids re-claimed or reclaimed per script call, so one call never blocks Redis
@@ -394,6 +473,7 @@ struct Scripts {
     resume: Script,
     lease_state: Script,
     gone: Script,
+    request_drain: Script,
 }
 
 /// Reads a `worker_gone` record: {how, ms ago}, or {'', -1} when there is none.
@@ -430,24 +510,31 @@ end
 impl Scripts {
     fn new() -> Self {
         Self {
-            // KEYS: worker, addr, workers, generation. ARGV: value, addr, px, fresh gen, id.
-            // Returns the generation, or false if the id is held.
+            // KEYS: worker, addr, workers, generation, cert, drain. ARGV: value, addr, px,
+            // fresh gen, id, leaf not-after ms or ''. Returns the generation, or false if
+            // the id is held. A drain request left for an earlier holder of the id is
+            // not this registration's.
             register: Script::new(&format!(
                 r#"{GEN_LUA}
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[3]) then return false end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 redis.call('ZADD', KEYS[3], now_ms(), ARGV[5])
+if ARGV[6] ~= '' then redis.call('SET', KEYS[5], ARGV[6], 'PX', ARGV[3]) end
+redis.call('DEL', KEYS[6])
 return generation(KEYS[4], ARGV[4])
 "#
             )),
-            // KEYS: worker, addr, generation, workers. ARGV: value, px, addr, lease
-            // generation, id. 1 renewed, 0 lost, 2 directory lost.
+            // KEYS: worker, addr, generation, workers, cert, drain. ARGV: value, px, addr,
+            // lease generation, id, leaf not-after ms or ''. 1 renewed, 3 renewed and
+            // asked to drain, 0 lost, 2 directory lost.
             renew: Script::new(&format!(
                 r#"{GEN_LUA}
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
   redis.call('ZADD', KEYS[4], now_ms(), ARGV[5])
+  if ARGV[6] ~= '' then redis.call('SET', KEYS[5], ARGV[6], 'PX', ARGV[2]) end
+  if redis.call('EXISTS', KEYS[6]) == 1 then return 3 end
   return 1
 end
 if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('GET', KEYS[3]) ~= ARGV[4] then
@@ -456,9 +543,10 @@ end
 return 0
 "#
             )),
-            // KEYS: worker, addr, workers, generation. ARGV: value, addr, px, lease
-            // generation, id. 1 resumed, 0 lost (reclaimed or taken), 2 directory lost.
-            // A reclaimed worker is no longer in `workers`: it can never resume.
+            // KEYS: worker, addr, workers, generation, cert. ARGV: value, addr, px, lease
+            // generation, id, leaf not-after ms or ''. 1 resumed, 0 lost (reclaimed or
+            // taken), 2 directory lost. A reclaimed worker is no longer in `workers`: it
+            // can never resume.
             resume: Script::new(&format!(
                 r#"{GEN_LUA}
 if redis.call('GET', KEYS[4]) ~= ARGV[4] then return 2 end
@@ -468,21 +556,34 @@ if cur and cur ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 redis.call('ZADD', KEYS[3], now_ms(), ARGV[5])
+if ARGV[6] ~= '' then redis.call('SET', KEYS[5], ARGV[6], 'PX', ARGV[3]) end
 return 1
 "#
             )),
-            // KEYS: worker, addr, workers, gone. ARGV: value, id, gone px.
+            // KEYS: worker, addr, workers, cert, drain, gone. ARGV: value, id, gone px.
             deregister: Script::new(&format!(
                 r#"{GEN_LUA}
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1], KEYS[2])
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[4], KEYS[5])
   redis.call('ZREM', KEYS[3], ARGV[2])
-  redis.call('SET', KEYS[4], 'deregistered@' .. string.format('%d', now_ms()), 'PX', ARGV[3])
+  redis.call('SET', KEYS[6], 'deregistered@' .. string.format('%d', now_ms()), 'PX', ARGV[3])
   return 1
 end
 return 0
 "#
             )),
+            // KEYS: worker, drain. Returns 1 if the worker holds a lease (the request is
+            // recorded for two to three leases: long enough for several renewals to see
+            // it, short enough not to outlive the worker by much), 0 if it holds none.
+            request_drain: Script::new(
+                r#"
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl == -2 then return 0 end
+if ttl < 0 then ttl = 10000 end
+redis.call('SET', KEYS[2], '1', 'PX', math.max(ttl * 3, 1000))
+return 1
+"#,
+            ),
             // KEYS: pool_owner, worker_sessions, worker.
             // ARGV: owner, sid, quota limit ('0': none), quota key, quota ttl px,
             // key prefix. 1 claimed, 0 owned already, -1 owner has no lease, -2 the
@@ -527,7 +628,7 @@ end
 return 0
 "#,
             ),
-            // KEYS: worker, addr, worker_sessions, workers, gone.
+            // KEYS: worker, addr, worker_sessions, workers, gone, cert, drain.
             // ARGV: dead id, stale token or '', pool_owner key prefix, batch size,
             // reclaimed-record px.
             // false: nothing may be done (lease alive, or nothing known of this id: a
@@ -545,7 +646,7 @@ if lease then
 end
 local won = redis.call('ZREM', KEYS[4], ARGV[1])
 if won == 0 and redis.call('EXISTS', KEYS[3]) == 0 then return false end
-redis.call('DEL', KEYS[2])
+redis.call('DEL', KEYS[2], KEYS[6], KEYS[7])
 if won == 1 then
   redis.call('SET', KEYS[5], 'reclaimed@' .. string.format('%d', now_ms()), 'PX', ARGV[5])
 end
@@ -673,7 +774,21 @@ impl Directory {
         info: &WorkerInfo,
         mesh_addr: &str,
     ) -> Result<Lease, DirectoryError> {
+        self.register_worker_with_cert(id, info, mesh_addr, None)
+            .await
+    }
+
+    /// [`register_worker`](Self::register_worker), publishing the not-after of the
+    /// worker's mesh leaf too (`{p}worker_cert:{id}`, kept fresh by every renewal).
+    pub async fn register_worker_with_cert(
+        &self,
+        id: &str,
+        info: &WorkerInfo,
+        mesh_addr: &str,
+        cert_not_after: Option<SystemTime>,
+    ) -> Result<Lease, DirectoryError> {
         check_name("worker id", id)?;
+        let cert_ms = cert_arg(cert_not_after.map(unix_ms));
         let token = random_token()?;
         let value = serde_json::to_string(&LeaseValue {
             info: info.clone(),
@@ -691,11 +806,14 @@ impl Directory {
                     .key(self.key_addr(id))
                     .key(self.key_workers())
                     .key(self.key_generation())
+                    .key(self.key_cert(id))
+                    .key(self.key_drain(id))
                     .arg(value_ref)
                     .arg(mesh_addr)
                     .arg(self.lease_px())
                     .arg(fresh_ref)
                     .arg(id)
+                    .arg(&cert_ms)
                     .invoke_async(&mut c)
                     .await
             })
@@ -710,6 +828,7 @@ impl Directory {
             addr: mesh_addr.to_owned(),
             generation,
             valid_until: sent + self.inner.cfg.lease,
+            cert_not_after_ms: cert_not_after.map(unix_ms),
         })
     }
 
@@ -724,17 +843,23 @@ impl Directory {
                     .key(self.key_addr(&lease.id))
                     .key(self.key_generation())
                     .key(self.key_workers())
+                    .key(self.key_cert(&lease.id))
+                    .key(self.key_drain(&lease.id))
                     .arg(&lease.value)
                     .arg(self.lease_px())
                     .arg(&lease.addr)
                     .arg(&lease.generation)
                     .arg(&lease.id)
+                    .arg(cert_arg(lease.cert_not_after_ms))
                     .invoke_async(&mut c)
                     .await
             })
             .await?;
         Ok(match outcome {
             1 => LeaseRenewal::Renewed {
+                valid_until: sent + self.inner.cfg.lease,
+            },
+            3 => LeaseRenewal::DrainRequested {
                 valid_until: sent + self.inner.cfg.lease,
             },
             2 => LeaseRenewal::DirectoryLost,
@@ -757,11 +882,13 @@ impl Directory {
                     .key(self.key_addr(&lease.id))
                     .key(self.key_workers())
                     .key(self.key_generation())
+                    .key(self.key_cert(&lease.id))
                     .arg(&lease.value)
                     .arg(&lease.addr)
                     .arg(self.lease_px())
                     .arg(&lease.generation)
                     .arg(&lease.id)
+                    .arg(cert_arg(lease.cert_not_after_ms))
                     .invoke_async(&mut c)
                     .await
             })
@@ -807,6 +934,8 @@ impl Directory {
                     .key(self.key_worker(&lease.id))
                     .key(self.key_addr(&lease.id))
                     .key(self.key_workers())
+                    .key(self.key_cert(&lease.id))
+                    .key(self.key_drain(&lease.id))
                     .key(self.key_gone(&lease.id))
                     .arg(&lease.value)
                     .arg(&lease.id)
@@ -902,6 +1031,239 @@ impl Directory {
             }
         }
         Ok(out)
+    }
+
+    /// The fleet as the directory holds it now (see [`FleetSnapshot`]). Uses SCAN,
+    /// never KEYS, and pipelines reads in batches, so a large directory neither blocks
+    /// Redis nor costs a round trip per key; each round trip is bounded by
+    /// `op_timeout`.
+    pub async fn fleet_snapshot(&self) -> Result<FleetSnapshot, DirectoryError> {
+        // Records first, leases after: a record is only written while its owner holds a
+        // lease, so a worker that registers during the reads is never seen as a
+        // record's lease-less owner.
+        let record_prefix = self.key_pool_owner("");
+        let sids: Vec<String> = self
+            .scan_suffixes("fleet_snapshot (SCAN records)", &record_prefix)
+            .await?
+            .into_iter()
+            .collect();
+        let mut session_records = BTreeMap::new();
+        for chunk in sids.chunks(RECLAIM_BATCH) {
+            let mut pipe = redis::pipe();
+            for sid in chunk {
+                pipe.cmd("GET").arg(self.key_pool_owner(sid));
+            }
+            let owners: Vec<Option<String>> = self
+                .run("fleet_snapshot (GET records)", |mut c, _| {
+                    let pipe = pipe.clone();
+                    async move { pipe.query_async(&mut c).await }
+                })
+                .await?;
+            for owner in owners.into_iter().flatten() {
+                *session_records.entry(owner).or_insert(0) += 1;
+            }
+        }
+        let mut ids = self
+            .scan_suffixes("fleet_snapshot (SCAN sessions)", &self.key_sessions(""))
+            .await?;
+        ids.extend(
+            self.scan_suffixes("fleet_snapshot (SCAN leases)", &self.key_worker(""))
+                .await?,
+        );
+        let renewals = self.renewal_scores().await?;
+        ids.extend(renewals.keys().cloned());
+
+        let channels = crate::transport::RedisTransportConfig {
+            prefix: self.inner.cfg.prefix.clone(),
+            ..Default::default()
+        };
+        let ids: Vec<String> = ids.into_iter().collect();
+        let mut workers = Vec::with_capacity(ids.len());
+        for chunk in ids.chunks(RECLAIM_BATCH) {
+            let mut pipe = redis::pipe();
+            for id in chunk {
+                pipe.cmd("GET").arg(self.key_worker(id));
+                pipe.cmd("GET").arg(self.key_addr(id));
+                pipe.cmd("SCARD").arg(self.key_sessions(id));
+                pipe.cmd("GET").arg(self.key_cert(id));
+                pipe.cmd("EXISTS").arg(self.key_drain(id));
+            }
+            let values: Vec<redis::Value> = self
+                .run("fleet_snapshot (GET workers)", |mut c, _| {
+                    let pipe = pipe.clone();
+                    async move { pipe.query_async(&mut c).await }
+                })
+                .await?;
+            let mut values = values.into_iter();
+            for id in chunk {
+                let mut next = || values.next().unwrap_or(redis::Value::Nil);
+                let lease: Option<String> = self.decode("fleet_snapshot", next())?;
+                let addr: Option<String> = self.decode("fleet_snapshot", next())?;
+                let sessions_owned: u64 = self.decode("fleet_snapshot", next())?;
+                let cert: Option<String> = self.decode("fleet_snapshot", next())?;
+                let drain: i64 = self.decode("fleet_snapshot", next())?;
+                let lease = match lease {
+                    None => LeaseView::Absent,
+                    Some(value) => match serde_json::from_str::<LeaseValue>(&value) {
+                        Ok(v) => LeaseView::Live(v.info),
+                        Err(_) => LeaseView::Unreadable,
+                    },
+                };
+                workers.push(WorkerSnapshot {
+                    id: id.clone(),
+                    lease,
+                    addr,
+                    last_renewal_unix_ms: renewals.get(id).copied(),
+                    sessions_owned,
+                    cert_not_after_unix_ms: cert.and_then(|ms| ms.parse().ok()),
+                    drain_requested: drain == 1,
+                    request_channel_subscribers: None,
+                });
+            }
+        }
+        // The Redis transport records its request channel as the address: how many
+        // listen on it is invariant 2's business.
+        let on_channels: Vec<usize> = workers
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.addr.as_deref() == Some(channels.request_channel(&w.id).as_str()))
+            .map(|(i, _)| i)
+            .collect();
+        for chunk in on_channels.chunks(RECLAIM_BATCH) {
+            let mut cmd = redis::cmd("PUBSUB");
+            cmd.arg("NUMSUB");
+            for &i in chunk {
+                cmd.arg(channels.request_channel(&workers[i].id));
+            }
+            let counts: Vec<redis::Value> = self
+                .run("fleet_snapshot (PUBSUB NUMSUB)", |mut c, _| {
+                    let cmd = cmd.clone();
+                    async move { cmd.query_async(&mut c).await }
+                })
+                .await?;
+            // Channel, count, channel, count...: in the order asked.
+            for (&i, count) in chunk.iter().zip(counts.into_iter().skip(1).step_by(2)) {
+                workers[i].request_channel_subscribers =
+                    Some(self.decode("fleet_snapshot (PUBSUB NUMSUB)", count)?);
+            }
+        }
+        let mut pipe = redis::pipe();
+        pipe.cmd("TIME");
+        pipe.cmd("GET").arg(self.key_generation());
+        let ((now_s, now_us), generation): ((u64, u64), Option<String>) = self
+            .run("fleet_snapshot (TIME)", |mut c, _| {
+                let pipe = pipe.clone();
+                async move { pipe.query_async(&mut c).await }
+            })
+            .await?;
+        Ok(FleetSnapshot {
+            redis_now_unix_ms: now_s * 1000 + now_us / 1000,
+            generation_created_unix_ms: generation
+                .as_deref()
+                .and_then(|g| g.rsplit_once('@'))
+                .and_then(|(_, ms)| ms.parse().ok()),
+            workers,
+            session_records,
+        })
+    }
+
+    /// Asks worker `id` to drain, as SIGTERM would: its next lease renewal (within a
+    /// third of the lease) reports [`LeaseRenewal::DrainRequested`]. `false` when the
+    /// id holds no lease (nothing was recorded).
+    pub async fn request_drain(&self, id: &str) -> Result<bool, DirectoryError> {
+        check_name("worker id", id)?;
+        let recorded: i64 = self
+            .run("request_drain", |mut c, s| async move {
+                s.request_drain
+                    .key(self.key_worker(id))
+                    .key(self.key_drain(id))
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(recorded == 1)
+    }
+
+    /// Every key suffix after `prefix` (SCAN in batches; each suffix once).
+    async fn scan_suffixes(
+        &self,
+        op: &'static str,
+        prefix: &str,
+    ) -> Result<BTreeSet<String>, DirectoryError> {
+        let pattern = format!("{}*", glob_escape(prefix));
+        let mut found = BTreeSet::new();
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, keys): (u64, Vec<String>) = self
+                .run(op, |mut c, _| {
+                    let pattern = pattern.clone();
+                    async move {
+                        redis::cmd("SCAN")
+                            .arg(cursor)
+                            .arg("MATCH")
+                            .arg(pattern)
+                            .arg("COUNT")
+                            .arg(1000)
+                            .query_async(&mut c)
+                            .await
+                    }
+                })
+                .await?;
+            found.extend(
+                keys.iter()
+                    .filter_map(|k| k.strip_prefix(prefix))
+                    .map(str::to_owned),
+            );
+            cursor = next;
+            if cursor == 0 {
+                return Ok(found);
+            }
+        }
+    }
+
+    /// `{p}workers`: id → last renewal (unix ms), read with ZSCAN.
+    async fn renewal_scores(&self) -> Result<BTreeMap<String, u64>, DirectoryError> {
+        let mut scores = BTreeMap::new();
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, pairs): (u64, Vec<String>) = self
+                .run("fleet_snapshot (ZSCAN)", |mut c, _| async move {
+                    redis::cmd("ZSCAN")
+                        .arg(self.key_workers())
+                        .arg(cursor)
+                        .arg("COUNT")
+                        .arg(1000)
+                        .query_async(&mut c)
+                        .await
+                })
+                .await?;
+            for pair in pairs.chunks(2) {
+                if let [id, score] = pair
+                    && let Ok(score) = score.parse::<f64>()
+                {
+                    // Scores are whole milliseconds, well inside f64's exact range.
+                    scores.insert(id.clone(), score.max(0.0) as u64);
+                }
+            }
+            cursor = next;
+            if cursor == 0 {
+                return Ok(scores);
+            }
+        }
+    }
+
+    /// Decodes one reply of a pipeline, naming the operation if Redis answered with
+    /// something else than expected.
+    fn decode<T: redis::FromRedisValue>(
+        &self,
+        op: &'static str,
+        value: redis::Value,
+    ) -> Result<T, DirectoryError> {
+        redis::from_redis_value(value).map_err(|e| DirectoryError::Rejected {
+            url: self.inner.url.clone(),
+            op,
+            detail: e.to_string(),
+        })
     }
 
     /// Records `owner_id` as the owner of new session `sid` (`SET NX`) and adds it to the
@@ -1034,6 +1396,8 @@ impl Directory {
                             .key(self.key_sessions(dead_id))
                             .key(self.key_workers())
                             .key(self.key_gone(dead_id))
+                            .key(self.key_cert(dead_id))
+                            .key(self.key_drain(dead_id))
                             .arg(dead_id)
                             .arg(stale_token.unwrap_or(""))
                             .arg(pool_owner_prefix)
@@ -1398,6 +1762,14 @@ impl Directory {
     fn key_generation(&self) -> String {
         format!("{}generation", self.inner.cfg.prefix)
     }
+
+    fn key_cert(&self, id: &str) -> String {
+        format!("{}worker_cert:{id}", self.inner.cfg.prefix)
+    }
+
+    fn key_drain(&self, id: &str) -> String {
+        format!("{}drain:{id}", self.inner.cfg.prefix)
+    }
 }
 
 /// The first connection: direct attempts until `connect_timeout`, so a Redis that is
@@ -1418,6 +1790,18 @@ async fn connect_first(
             ConnectFailure::Failed(reason) => reason,
             ConnectFailure::TimedOut => no_answer,
         })
+}
+
+/// Milliseconds since the unix epoch (0 for times before it).
+fn unix_ms(at: SystemTime) -> u64 {
+    at.duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+/// A leaf's not-after as a script argument: '' when the worker has no leaf.
+fn cert_arg(not_after_ms: Option<u64>) -> String {
+    not_after_ms.map(|ms| ms.to_string()).unwrap_or_default()
 }
 
 fn duration_px(d: Duration) -> u64 {

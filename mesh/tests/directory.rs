@@ -738,3 +738,172 @@ async fn one_sweeper_at_a_time_and_candidates_include_silent_set_holders() {
         .unwrap();
     assert_eq!(candidates, ["dead"]);
 }
+
+async fn raw_get(server: &RedisServer, key: &str) -> Option<String> {
+    let mut raw = redis_conn(server).await;
+    redis::cmd("GET")
+        .arg(key)
+        .query_async(&mut raw)
+        .await
+        .unwrap()
+}
+
+async fn raw_pttl(server: &RedisServer, key: &str) -> i64 {
+    let mut raw = redis_conn(server).await;
+    redis::cmd("PTTL")
+        .arg(key)
+        .query_async(&mut raw)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_fleet_snapshot_shows_every_worker_with_what_its_keys_say() {
+    use mcpgw_mesh::directory::LeaseView;
+    let server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    let not_after = std::time::UNIX_EPOCH + Duration::from_millis(4_000_000_000_000);
+    dir.register_worker_with_cert("w1", &info(), "a:1", Some(not_after))
+        .await
+        .unwrap();
+    dir.register_worker("w2", &info(), "b:1").await.unwrap();
+    // A worker of the Redis transport: its address is its request channel.
+    dir.register_worker("r1", &info(), "t*st:pool_rpc:r1")
+        .await
+        .unwrap();
+    dir.register_worker("dead", &info(), "c:1").await.unwrap();
+    for (sid, owner) in [("s1", "w1"), ("s2", "w1"), ("s3", "w2"), ("s4", "dead")] {
+        assert_eq!(
+            dir.claim_session(sid, owner, None).await.unwrap(),
+            Claim::Claimed
+        );
+    }
+    expire_lease(&server, "dead").await;
+    let mut raw = redis_conn(&server).await;
+    let _: () = redis::cmd("SET")
+        .arg("t*st:pool_owner:s5")
+        .arg("ghost")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    // One listener on r1's channel.
+    let mut listener = redis::Client::open(server.url())
+        .unwrap()
+        .get_async_pubsub()
+        .await
+        .unwrap();
+    listener.subscribe("t*st:pool_rpc:r1").await.unwrap();
+
+    let snapshot = dir.fleet_snapshot().await.unwrap();
+    let ids: Vec<&str> = snapshot.workers.iter().map(|w| w.id.as_str()).collect();
+    assert_eq!(ids, ["dead", "r1", "w1", "w2"], "each id once, sorted");
+    let worker = |id: &str| {
+        snapshot
+            .workers
+            .iter()
+            .find(|w| w.id == id)
+            .cloned()
+            .unwrap()
+    };
+    let w1 = worker("w1");
+    assert_eq!(w1.lease, LeaseView::Live(info()));
+    assert_eq!(w1.addr.as_deref(), Some("a:1"));
+    assert_eq!(w1.sessions_owned, 2);
+    assert_eq!(w1.cert_not_after_unix_ms, Some(4_000_000_000_000));
+    assert!(!w1.drain_requested);
+    assert_eq!(w1.request_channel_subscribers, None, "not a channel");
+    let renewed = w1.last_renewal_unix_ms.unwrap();
+    assert!(renewed <= snapshot.redis_now_unix_ms);
+    assert_eq!(worker("w2").cert_not_after_unix_ms, None);
+    assert_eq!(worker("r1").request_channel_subscribers, Some(1));
+    let dead = worker("dead");
+    assert_eq!(dead.lease, LeaseView::Absent);
+    assert_eq!(dead.sessions_owned, 1);
+    assert!(dead.last_renewal_unix_ms.is_some(), "not reclaimed yet");
+    let records: Vec<(&str, u64)> = snapshot
+        .session_records
+        .iter()
+        .map(|(owner, n)| (owner.as_str(), *n))
+        .collect();
+    assert_eq!(records, [("dead", 1), ("ghost", 1), ("w1", 2), ("w2", 1)]);
+    let created = snapshot.generation_created_unix_ms.unwrap();
+    assert!(created <= snapshot.redis_now_unix_ms);
+}
+
+#[tokio::test]
+async fn a_drain_request_reaches_the_worker_at_its_next_renewal_and_ends_with_it() {
+    let server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    let lease = dir.register_worker("w", &info(), "a:1").await.unwrap();
+    assert!(matches!(
+        dir.renew_lease(&lease).await.unwrap(),
+        LeaseRenewal::Renewed { .. }
+    ));
+    assert!(dir.request_drain("w").await.unwrap());
+    let ttl = raw_pttl(&server, "t*st:drain:w").await;
+    assert!(
+        ttl > LONG.as_millis() as i64 && ttl <= 3 * LONG.as_millis() as i64,
+        "the request lives two to three leases: {ttl} ms"
+    );
+    // Every renewal reports it until the worker is gone, so a lost answer costs nothing.
+    for _ in 0..2 {
+        assert!(matches!(
+            dir.renew_lease(&lease).await.unwrap(),
+            LeaseRenewal::DrainRequested { .. }
+        ));
+    }
+    let snapshot = dir.fleet_snapshot().await.unwrap();
+    assert!(snapshot.workers[0].drain_requested);
+    assert!(dir.deregister(&lease).await.unwrap());
+    assert_eq!(raw_get(&server, "t*st:drain:w").await, None);
+
+    // No lease, no request: nothing is written for an id nobody holds.
+    let before = key_count(&server).await;
+    assert!(!dir.request_drain("nobody").await.unwrap());
+    assert_eq!(key_count(&server).await, before);
+
+    // A request left for an earlier holder of an id is not the next holder's.
+    let mut raw = redis_conn(&server).await;
+    let _: () = redis::cmd("SET")
+        .arg("t*st:drain:w")
+        .arg("1")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let again = dir.register_worker("w", &info(), "a:2").await.unwrap();
+    assert!(matches!(
+        dir.renew_lease(&again).await.unwrap(),
+        LeaseRenewal::Renewed { .. }
+    ));
+}
+
+#[tokio::test]
+async fn renewals_publish_the_current_certificate_expiry() {
+    let server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    let first = std::time::UNIX_EPOCH + Duration::from_millis(2_000_000_000_000);
+    let mut lease = dir
+        .register_worker_with_cert("w", &info(), "a:1", Some(first))
+        .await
+        .unwrap();
+    assert_eq!(lease.cert_not_after(), Some(first));
+    assert_eq!(
+        raw_get(&server, "t*st:worker_cert:w").await.as_deref(),
+        Some("2000000000000")
+    );
+    let ttl = raw_pttl(&server, "t*st:worker_cert:w").await;
+    assert!(
+        ttl > 0 && ttl <= LONG.as_millis() as i64,
+        "lives one lease: {ttl}"
+    );
+    // A reloaded certificate shows from the next renewal on.
+    let reloaded = std::time::UNIX_EPOCH + Duration::from_millis(2_100_000_000_000);
+    lease.set_cert_not_after(Some(reloaded));
+    dir.renew_lease(&lease).await.unwrap();
+    assert_eq!(
+        raw_get(&server, "t*st:worker_cert:w").await.as_deref(),
+        Some("2100000000000")
+    );
+    assert!(dir.deregister(&lease).await.unwrap());
+    assert_eq!(raw_get(&server, "t*st:worker_cert:w").await, None);
+}
