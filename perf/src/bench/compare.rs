@@ -156,7 +156,9 @@ impl ConfigName {
             ConfigName::Redis => {
                 "every request to the other worker, forwarded over Redis pub/sub (baseline)"
             }
-            ConfigName::RoundRobin => "requests alternate over both workers (TCP mesh, the default)",
+            ConfigName::RoundRobin => {
+                "requests alternate over both workers (TCP mesh, the default)"
+            }
             ConfigName::Modern => "2026-07-28 stateless requests alternating over both workers",
         }
     }
