@@ -25,8 +25,11 @@ test: deps build
 ## Every forwarding configuration side by side (direct, sticky, QUIC, TCP, Redis
 ## pub/sub, round-robin) at several concurrency levels, plus idle-session memory:
 ## about two minutes on 2 cores. Pass options with BENCH_ARGS="--duration 10s ...".
+## Then the scale scenario: 4 workers, 10,000 sessions holding GET streams, a
+## round-robin tools/call load on top (about 30 s; options in SCALE_ARGS).
 bench: deps build-release
 	$(CARGO) run -j$(JOBS) --quiet --release -p mcpgw-perf --bin mcpgw-bench -- compare $(BENCH_ARGS)
+	$(CARGO) run -j$(JOBS) --quiet --release -p mcpgw-perf --bin mcpgw-bench -- scale --duration 5s $(SCALE_ARGS)
 
 ## The container fleet (compose/): Redis, the demo upstream, 3 gateway containers with
 ## 2 workers each, nginx round-robin in front. Builds the image from compose/Dockerfile

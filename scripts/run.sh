@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release}
 RUN=build/run
 WORKERS=${WORKERS:-4}
-TRANSPORT=${TRANSPORT:-quic}
+TRANSPORT=${TRANSPORT:-tcp}
 mkdir -p "$RUN"
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }

@@ -36,10 +36,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use parking_lot::RwLock;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script};
 use serde::{Deserialize, Serialize};
@@ -1663,12 +1664,7 @@ impl Directory {
     }
 
     fn connection(&self) -> ConnectionManager {
-        // A poisoned lock still holds a usable manager; the panic was elsewhere.
-        self.inner
-            .conn
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.inner.conn.read().clone()
     }
 
     /// Counts a timeout and swaps in a fresh (lazily connecting) manager once they
@@ -1684,7 +1680,7 @@ impl Directory {
             self.inner.manager_cfg.clone(),
         ) {
             Ok(fresh) => {
-                *self.inner.conn.write().unwrap_or_else(|e| e.into_inner()) = fresh;
+                *self.inner.conn.write() = fresh;
                 tracing::warn!(
                     redis = %self.inner.url,
                     "Redis timed out {STALE_AFTER_TIMEOUTS} times in a row; opening a new connection"

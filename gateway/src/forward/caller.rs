@@ -86,7 +86,6 @@ fn describe_kind(error: &MeshError) -> &'static str {
         MeshError::Tls { .. } => "the mesh TLS handshake with it failed",
         MeshError::VersionMismatch { .. } => "it speaks another mesh protocol version",
         MeshError::RequestTooLarge(_) => "the request does not fit in one mesh frame",
-        MeshError::Saturated { .. } => "every mesh stream to it stayed busy",
         MeshError::BudgetExhausted { .. } => "the mesh budget to it is full",
         MeshError::Remote(frame) => match frame.kind {
             K::NotOwner => "it does not hold the session",

@@ -76,13 +76,6 @@ pub enum MeshError {
     /// The request does not fit in one mesh frame. It was not sent.
     #[error("request cannot be forwarded: {0}")]
     RequestTooLarge(String),
-    /// Every stream or connection to the peer stayed busy until the request's
-    /// deadline. The request was not sent; retry later.
-    #[error("mesh peer {addr} had no free connection or stream before the deadline")]
-    Saturated {
-        /// The address dialled.
-        addr: String,
-    },
     /// This worker already has as many exchanges of this class in flight to the peer
     /// as its budget allows (short requests and long-lived streams have separate
     /// budgets). Not proof of anything; the request was not sent; retry shortly.

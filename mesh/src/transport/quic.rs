@@ -9,12 +9,13 @@
 use std::collections::HashMap;
 use std::future::pending;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use mcpgw_certs::MESH_SERVER_NAME;
 use mcpgw_wire::{ErrorFrame, ErrorKind, Frame};
+use parking_lot::Mutex;
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{Connection, Endpoint, IdleTimeout, RecvStream, SendStream, TransportConfig, VarInt};
 use rustls::pki_types::CertificateDer;
@@ -407,16 +408,26 @@ pub(crate) struct QuicClient {
 /// One peer's connection, made by one task at a time.
 #[derive(Default)]
 struct PeerSlot {
-    state: tokio::sync::Mutex<SlotState>,
+    /// The live connection, if any: read by every forward without waiting.
+    live: Mutex<Option<PeerConn>>,
+    /// Held while dialling. The last failed attempt: callers that were already
+    /// waiting for it get its error instead of dialling again one after another.
+    dialling: tokio::sync::Mutex<Option<(Instant, MeshError)>>,
 }
 
-#[derive(Default)]
-struct SlotState {
-    /// The live connection, if any.
-    conn: Option<PeerConn>,
-    /// The last failed attempt: callers that were already waiting for it get its
-    /// error instead of dialling again one after another.
-    last_failure: Option<(Instant, MeshError)>,
+impl PeerSlot {
+    /// The live connection, unless it closed.
+    fn current(&self) -> Option<PeerConn> {
+        let mut live = self.live.lock();
+        match &*live {
+            Some(pc) if pc.conn.close_reason().is_none() => Some(pc.clone()),
+            Some(_) => {
+                *live = None;
+                None
+            }
+            None => None,
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -457,23 +468,19 @@ impl QuicClient {
     }
 
     pub(crate) fn forget_peer(&self, peer_addr: &str) {
-        if let Ok(mut peers) = self.peers.lock() {
-            peers.remove(peer_addr);
-        }
+        self.peers.lock().remove(peer_addr);
     }
 
     fn slot(&self, peer_addr: &str) -> Arc<PeerSlot> {
-        let Ok(mut peers) = self.peers.lock() else {
-            return Arc::default();
-        };
+        let mut peers = self.peers.lock();
+        if let Some(slot) = peers.get(peer_addr) {
+            return slot.clone();
+        }
         peers.entry(peer_addr.to_owned()).or_default().clone()
     }
 
     fn endpoint_for(&self, addr: SocketAddr) -> Result<Endpoint, MeshError> {
-        let mut endpoints = self
-            .endpoints
-            .lock()
-            .map_err(|_| MeshError::Io("QUIC endpoint table poisoned".into()))?;
+        let mut endpoints = self.endpoints.lock();
         let (index, bind): (usize, SocketAddr) = if addr.is_ipv4() {
             (0, (Ipv4Addr::UNSPECIFIED, 0).into())
         } else {
@@ -490,27 +497,27 @@ impl QuicClient {
     /// The peer's live connection, dialling it if needed.
     async fn connection(&self, peer_addr: &str, expect: &str) -> Result<PeerConn, MeshError> {
         let slot = self.slot(peer_addr);
-        let asked = Instant::now();
-        let mut state = slot.state.lock().await;
-        if let Some(pc) = &state.conn {
-            if pc.conn.close_reason().is_none() {
-                return Ok(pc.clone());
-            }
-            state.conn = None;
+        if let Some(pc) = slot.current() {
+            return Ok(pc);
         }
-        if let Some((at, err)) = &state.last_failure
+        let asked = Instant::now();
+        let mut last_failure = slot.dialling.lock().await;
+        if let Some(pc) = slot.current() {
+            return Ok(pc);
+        }
+        if let Some((at, err)) = &*last_failure
             && *at >= asked
         {
             return Err(err.clone());
         }
         match self.dial(peer_addr, expect).await {
             Ok(pc) => {
-                state.conn = Some(pc.clone());
-                state.last_failure = None;
+                *slot.live.lock() = Some(pc.clone());
+                *last_failure = None;
                 Ok(pc)
             }
             Err(e) => {
-                state.last_failure = Some((Instant::now(), e.clone()));
+                *last_failure = Some((Instant::now(), e.clone()));
                 Err(e)
             }
         }
@@ -519,13 +526,12 @@ impl QuicClient {
     /// Forgets `pc` if it is still the peer's current connection.
     fn invalidate(&self, peer_addr: &str, pc: &PeerConn) {
         let slot = self.slot(peer_addr);
-        if let Ok(mut state) = slot.state.try_lock()
-            && state
-                .conn
-                .as_ref()
-                .is_some_and(|c| c.conn.stable_id() == pc.conn.stable_id())
+        let mut live = slot.live.lock();
+        if live
+            .as_ref()
+            .is_some_and(|c| c.conn.stable_id() == pc.conn.stable_id())
         {
-            state.conn = None;
+            *live = None;
         }
     }
 

@@ -123,10 +123,11 @@ impl ConfigName {
     pub fn transport(self) -> Option<&'static str> {
         match self {
             ConfigName::Direct => None,
-            ConfigName::Sticky | ConfigName::Quic | ConfigName::RoundRobin | ConfigName::Modern => {
-                Some("quic")
+            ConfigName::Quic => Some("quic"),
+            // The default transport, as a user's fleet would run.
+            ConfigName::Sticky | ConfigName::Tcp | ConfigName::RoundRobin | ConfigName::Modern => {
+                Some("tcp")
             }
-            ConfigName::Tcp => Some("tcp"),
             ConfigName::Redis => Some("redis"),
         }
     }
@@ -155,7 +156,9 @@ impl ConfigName {
             ConfigName::Redis => {
                 "every request to the other worker, forwarded over Redis pub/sub (baseline)"
             }
-            ConfigName::RoundRobin => "requests alternate over both workers (QUIC mesh)",
+            ConfigName::RoundRobin => {
+                "requests alternate over both workers (TCP mesh, the default)"
+            }
             ConfigName::Modern => "2026-07-28 stateless requests alternating over both workers",
         }
     }

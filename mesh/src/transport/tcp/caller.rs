@@ -123,6 +123,7 @@ impl CallerConn {
             id
         };
         self.open.fetch_add(1, Ordering::Relaxed);
+        self.outbox.exchange_started();
         let exchange = TcpExchange {
             conn: self.clone(),
             id,
@@ -158,6 +159,7 @@ impl CallerConn {
     /// Counts an exchange whose route was removed; a retiring connection closes with
     /// its last one.
     fn one_less(&self) {
+        self.outbox.exchange_ended();
         let left = self.open.fetch_sub(1, Ordering::Relaxed).saturating_sub(1);
         if left == 0 && self.retiring.load(Ordering::Relaxed) {
             self.fail_all(LinkError::Broken {

@@ -4,6 +4,7 @@
 
 use std::io;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -34,6 +35,9 @@ pub(crate) struct Outbox {
     state: Mutex<OutboxState>,
     /// Wakes the writer when frames arrive in an empty outbox, or on close.
     wake: Notify,
+    /// Exchanges running on the connection: the writer gathers frames only when
+    /// there is more than one to gather from.
+    running: AtomicUsize,
 }
 
 #[derive(Debug, Default)]
@@ -59,7 +63,18 @@ impl Outbox {
             codec: MuxCodec::new(max_frame),
             state: Mutex::new(OutboxState::default()),
             wake: Notify::new(),
+            running: AtomicUsize::new(0),
         })
+    }
+
+    /// Counts an exchange that started on the connection.
+    pub(crate) fn exchange_started(&self) {
+        self.running.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts an exchange that ended on the connection.
+    pub(crate) fn exchange_ended(&self) {
+        self.running.fetch_sub(1, Ordering::Relaxed);
     }
 
     /// The largest body chunk one frame may carry.
@@ -131,10 +146,12 @@ pub(crate) async fn write_loop<W: AsyncWrite + Unpin>(
         };
         if !took {
             notified.await;
-            // Let the tasks that are ready to run go first: under load many of them
-            // push a frame, and all those frames then leave in one write instead of
-            // one write each. With nothing else ready this costs one task switch.
-            tokio::task::yield_now().await;
+            if outbox.running.load(Ordering::Relaxed) > 1 {
+                // Let the tasks that are ready to run go first: under load many of
+                // them push a frame, and all those frames then leave in one write
+                // instead of one write each. A lone exchange does not wait for this.
+                tokio::task::yield_now().await;
+            }
             continue;
         }
         let write = async {

@@ -205,6 +205,7 @@ fn start_exchange(
             slot.insert(ctl.clone());
         }
     }
+    conn.outbox.exchange_started();
     let shared_for_task = shared.clone();
     let conn = conn.clone();
     let peer = peer.clone();
@@ -222,6 +223,7 @@ fn start_exchange(
         };
         let end = serve_request(&shared, &peer, request, &mut link).await;
         conn.exchanges.lock().remove(&id);
+        conn.outbox.exchange_ended();
         if end == ExchangeEnd::Broken
             && ctl.state.load(Ordering::Acquire) == RUNNING
             && !shared.stop.is_cancelled()
