@@ -220,12 +220,7 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
     {
         warn!(worker = %worker.id, "forwarded requests still running at the drain deadline");
     }
-    for id in worker.sessions.ids() {
-        if let Some(session) = worker.sessions.get(&id) {
-            worker.end_session(&session).await;
-            worker.metrics.session_ended("drained", 1);
-        }
-    }
+    end_sessions(&worker).await;
     if let Some(fleet) = worker.fleet() {
         fleet.lease.deregister().await;
     }
@@ -238,6 +233,31 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
     info!(worker = %worker.id, "worker stopped");
     Ok(())
 }
+
+/// Ends every session of a draining worker, upstream and in the directory: many at a
+/// time, and within the drain's grace. A session not ended by then (Redis or the
+/// upstream not answering) is left to expire upstream and to the fleet's sweeper.
+async fn end_sessions(worker: &Arc<Worker>) {
+    use futures_util::StreamExt;
+    let ids = worker.sessions.ids();
+    let total = ids.len();
+    let ending = futures_util::stream::iter(ids).for_each_concurrent(ENDING_AT_ONCE, |id| {
+        let worker = Arc::clone(worker);
+        async move {
+            if let Some(session) = worker.sessions.get(&id) {
+                worker.end_session(&session).await;
+                worker.metrics.session_ended("drained", 1);
+            }
+        }
+    });
+    if tokio::time::timeout(DRAIN_GRACE, ending).await.is_err() {
+        let left = worker.sessions.len();
+        warn!(worker = %worker.id, total, left, "sessions still ending at the drain deadline; the sweeper takes their records");
+    }
+}
+
+/// Sessions a drain ends at once: each may wait on Redis and the upstream.
+const ENDING_AT_ONCE: usize = 64;
 
 /// Ends idle sessions until the worker stops, checking a few times per idle timeout.
 async fn expire_idle_sessions(worker: Arc<Worker>, mut stop: watch::Receiver<Option<Duration>>) {
