@@ -967,36 +967,8 @@ impl Directory {
     /// Lease values that do not parse are skipped with a warning.
     pub async fn workers(&self) -> Result<Vec<WorkerEntry>, DirectoryError> {
         let worker_prefix = self.key_worker("");
-        let pattern = format!("{}*", glob_escape(&worker_prefix));
-        let mut ids = std::collections::BTreeSet::new();
-        let mut cursor: u64 = 0;
-        loop {
-            let (next, keys): (u64, Vec<String>) = self
-                .run("workers (SCAN)", |mut c, _| {
-                    let pattern = pattern.clone();
-                    async move {
-                        redis::cmd("SCAN")
-                            .arg(cursor)
-                            .arg("MATCH")
-                            .arg(pattern)
-                            .arg("COUNT")
-                            .arg(1000)
-                            .query_async(&mut c)
-                            .await
-                    }
-                })
-                .await?;
-            // SCAN may return a key more than once; the set keeps each id once.
-            ids.extend(
-                keys.iter()
-                    .filter_map(|k| k.strip_prefix(&worker_prefix))
-                    .map(str::to_owned),
-            );
-            cursor = next;
-            if cursor == 0 {
-                break;
-            }
-        }
+        // SCAN may return a key more than once; the set keeps each id once.
+        let ids = self.scan_suffixes("workers (SCAN)", &worker_prefix).await?;
         let mut out = Vec::with_capacity(ids.len());
         let ids: Vec<String> = ids.into_iter().collect();
         for chunk in ids.chunks(RECLAIM_BATCH) {
@@ -1507,35 +1479,9 @@ impl Directory {
         stale_after: Duration,
     ) -> Result<Vec<String>, DirectoryError> {
         let sessions_prefix = self.key_sessions("");
-        let pattern = format!("{}*", glob_escape(&sessions_prefix));
-        let mut ids = std::collections::BTreeSet::new();
-        let mut cursor: u64 = 0;
-        loop {
-            let (next, keys): (u64, Vec<String>) = self
-                .run("reclaim_candidates (SCAN)", |mut c, _| {
-                    let pattern = pattern.clone();
-                    async move {
-                        redis::cmd("SCAN")
-                            .arg(cursor)
-                            .arg("MATCH")
-                            .arg(pattern)
-                            .arg("COUNT")
-                            .arg(RECLAIM_BATCH)
-                            .query_async(&mut c)
-                            .await
-                    }
-                })
-                .await?;
-            ids.extend(
-                keys.iter()
-                    .filter_map(|k| k.strip_prefix(&sessions_prefix))
-                    .map(str::to_owned),
-            );
-            cursor = next;
-            if cursor == 0 {
-                break;
-            }
-        }
+        let mut ids = self
+            .scan_suffixes("reclaim_candidates (SCAN)", &sessions_prefix)
+            .await?;
         let (now_s, now_us): (u64, u64) = self
             .run("reclaim_candidates (TIME)", |mut c, _| async move {
                 redis::cmd("TIME").query_async(&mut c).await

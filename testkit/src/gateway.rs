@@ -14,6 +14,16 @@ pub struct Gateway {
     pub addr: String,
 }
 
+/// `serve` and `args`, with `--listen 127.0.0.1:0` unless `args` name one.
+fn serve_args<'a>(args: &[&'a str]) -> Vec<&'a str> {
+    let mut all = vec!["serve"];
+    if !args.contains(&"--listen") {
+        all.extend(["--listen", "127.0.0.1:0"]);
+    }
+    all.extend_from_slice(args);
+    all
+}
+
 impl Gateway {
     /// Starts `mcpgw serve` with `args` (plus `--listen 127.0.0.1:0` unless given) and
     /// waits until it serves.
@@ -23,40 +33,35 @@ impl Gateway {
 
     #[track_caller]
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Gateway {
-        let mut all = vec!["serve"];
-        if !args.contains(&"--listen") {
-            all.extend(["--listen", "127.0.0.1:0"]);
+        let mut command = std::process::Command::new(crate::bin("mcpgw"));
+        command.args(serve_args(args));
+        for (key, value) in env {
+            command.env(key, value);
         }
-        all.extend_from_slice(args);
-        let mut child = Child::spawn_with_env("mcpgw", &crate::bin("mcpgw"), &all, env);
-        let line = child.wait_for_line("mcpgw listening on", READY_WITHIN);
-        let addr = line
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("http://"))
-            .unwrap_or_else(|| panic!("mcpgw's announcement names no address: {line:?}"))
-            .trim_end_matches('/')
-            .to_owned();
-        Gateway { child, addr }
+        let child = Child::from_command("mcpgw", command)
+            .unwrap_or_else(|e| panic!("cannot start mcpgw: {e}"));
+        Self::when_ready(child)
     }
 
     /// Like [`start`](Self::start), with the gateway's (and its workers') log lines
     /// appended to `log` instead of the test's stderr.
     #[track_caller]
     pub fn start_logged(args: &[&str], log: &std::path::Path) -> Gateway {
-        let mut all = vec!["serve"];
-        if !args.contains(&"--listen") {
-            all.extend(["--listen", "127.0.0.1:0"]);
-        }
-        all.extend_from_slice(args);
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(log)
             .unwrap_or_else(|e| panic!("log file {}: {e}", log.display()));
         let mut command = std::process::Command::new(crate::bin("mcpgw"));
-        command.args(&all);
-        let mut child = Child::from_command_with_stderr("mcpgw", command, file.into())
+        command.args(serve_args(args));
+        let child = Child::from_command_with_stderr("mcpgw", command, file.into())
             .unwrap_or_else(|e| panic!("cannot start mcpgw: {e}"));
+        Self::when_ready(child)
+    }
+
+    /// Waits for the announcement and reads the public address from it.
+    #[track_caller]
+    fn when_ready(mut child: Child) -> Gateway {
         let line = child.wait_for_line("mcpgw listening on", READY_WITHIN);
         let addr = line
             .split_whitespace()

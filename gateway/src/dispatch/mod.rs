@@ -43,16 +43,7 @@ impl Worker {
     }
 
     async fn decide_and_run(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
-        let held = |worker: &Worker| {
-            call.session_id
-                .as_deref()
-                .and_then(|id| worker.sessions.enter(id))
-        };
-        let mut local = held(self);
-        if local.is_some() && !self.lease_valid() && !self.renew_lease(true).await {
-            // Fenced meanwhile? Then the session is gone, and is answered as such.
-            local = held(self);
-        }
+        let local = self.hold_session(&call).await;
         let situation = table::situation(&Known {
             modern: call.era == Era::Modern,
             has_session_id: call.session_id.is_some(),
@@ -101,6 +92,22 @@ impl Worker {
         self.metrics
             .forward(fleet.transport_label(), outcome, started.elapsed());
         result
+    }
+
+    /// The session `call` names, if this worker holds it, held for the exchange. A
+    /// lease past its own deadline is revalidated first (one attempt shared by every
+    /// request that waits for it); if that fenced the worker, the session is gone.
+    pub(crate) async fn hold_session(&self, call: &Call) -> Option<SessionUse> {
+        let held = || {
+            call.session_id
+                .as_deref()
+                .and_then(|id| self.sessions.enter(id))
+        };
+        let local = held();
+        if local.is_some() && !self.lease_valid() && !self.renew_lease(true).await {
+            return held();
+        }
+        local
     }
 
     /// Runs `call` here, holding its session (if any) until the answer is fully sent.

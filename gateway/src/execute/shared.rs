@@ -63,15 +63,7 @@ impl Worker {
     /// Where a bound call runs: the decision table, as for a legacy session, except
     /// that where the table finds no session the first call opens it here.
     pub async fn dispatch_shared(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
-        let held = |worker: &Worker| {
-            call.session_id
-                .as_deref()
-                .and_then(|id| worker.sessions.enter(id))
-        };
-        let mut local = held(self);
-        if local.is_some() && !self.lease_valid() && !self.renew_lease(true).await {
-            local = held(self);
-        }
+        let local = self.hold_session(&call).await;
         let situation = table::situation(&Known {
             modern: false,
             has_session_id: true,
