@@ -1,7 +1,8 @@
 //! A scattering load balancer for tests: every HTTP request it receives goes out on a
-//! fresh connection to a randomly chosen backend, and the answer streams back as it
-//! arrives. Behind it, a client's session requests land on every worker, the way an
-//! L4 balancer plus SO_REUSEPORT scatter them in production.
+//! fresh connection to a randomly chosen backend (or to the one a test's routing
+//! function picks), and the answer streams back as it arrives. Behind it, a client's
+//! session requests land on every worker, the way an L4 balancer plus SO_REUSEPORT
+//! scatter them in production.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -18,9 +19,20 @@ pub struct ScatterProxy {
     pub sent: Arc<Vec<AtomicU64>>,
 }
 
+/// Picks the backend of a request from its HTTP method and body (taken modulo the
+/// number of backends): a test decides which worker sees what.
+pub type Route = fn(method: &str, body: &[u8]) -> usize;
+
 impl ScatterProxy {
+    /// Each request to a random backend.
     #[track_caller]
     pub fn start(backends: Vec<String>) -> ScatterProxy {
+        Self::start_routed(backends, |_, _| random_index(usize::MAX))
+    }
+
+    /// Each request to the backend `route` picks.
+    #[track_caller]
+    pub fn start_routed(backends: Vec<String>, route: Route) -> ScatterProxy {
         assert!(!backends.is_empty(), "a scatter proxy needs a backend");
         let listener = TcpListener::bind("127.0.0.1:0")
             .unwrap_or_else(|e| panic!("cannot bind the scatter proxy: {e}"));
@@ -43,7 +55,7 @@ impl ScatterProxy {
                     let Ok(client) = client else { continue };
                     let backends = Arc::clone(&backends);
                     let sent = Arc::clone(&sent);
-                    thread::spawn(move || serve_client(client, &backends, &sent));
+                    thread::spawn(move || serve_client(client, &backends, &sent, route));
                 }
             });
         }
@@ -83,7 +95,7 @@ fn getrandom_fill(buf: &mut [u8]) -> std::io::Result<()> {
 
 /// Serves the one request of a client connection on a fresh backend connection, then
 /// closes both (the backend's answer says `Connection: close`).
-fn serve_client(client: TcpStream, backends: &[String], sent: &[AtomicU64]) {
+fn serve_client(client: TcpStream, backends: &[String], sent: &[AtomicU64], route: Route) {
     let _ = client.set_nodelay(true);
     let Ok(mut writer) = client.try_clone() else {
         return;
@@ -91,12 +103,16 @@ fn serve_client(client: TcpStream, backends: &[String], sent: &[AtomicU64]) {
     let mut reader = BufReader::new(client);
     // Read one request head.
     let mut head = Vec::new();
+    let mut method = String::new();
     let mut content_length = 0usize;
     loop {
         let mut line = String::new();
         match reader.read_line(&mut line) {
             Ok(0) | Err(_) => return,
             Ok(_) => {}
+        }
+        if head.is_empty() {
+            method = line.split_whitespace().next().unwrap_or("").to_owned();
         }
         let lower = line.to_ascii_lowercase();
         if let Some(v) = lower.strip_prefix("content-length:") {
@@ -115,7 +131,7 @@ fn serve_client(client: TcpStream, backends: &[String], sent: &[AtomicU64]) {
     if reader.read_exact(&mut body).is_err() {
         return;
     }
-    let index = random_index(backends.len());
+    let index = route(&method, &body) % backends.len();
     sent[index].fetch_add(1, Ordering::Relaxed);
     let Ok(mut backend) = TcpStream::connect(&backends[index]) else {
         let _ = writer.write_all(

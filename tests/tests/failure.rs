@@ -1074,7 +1074,18 @@ fn a_session_reclaimed_by_another_worker_is_gone_everywhere() {
         "counter_increment",
         json!({}),
     );
-    assert_eq!(proven.outcome(), "404 session_gone", "{}", proven.text());
+    // Gone, proven by the refusal; or, when this worker still held a pooled connection
+    // to the owner (initialize's notification went through it) and sent the request
+    // on it before anyone knew, outcome unknown: it cannot tell whether the owner died
+    // before or after the request reached it. Either way the owner is now reclaimed.
+    assert!(
+        matches!(
+            proven.outcome().as_str(),
+            "404 session_gone" | "502 outcome_unknown"
+        ),
+        "{}",
+        proven.text()
+    );
     assert_eq!(recorded_owner(&fleet.redis, &session), None);
     // A request that leaves within a millisecond or so of the reclaim cannot be told
     // apart from one that was already on its way (then 502 outcome_unknown is the

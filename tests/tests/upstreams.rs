@@ -13,11 +13,10 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use mcpgw_testkit::http::{self, call_tool, initialize, mcp_headers};
-use mcpgw_testkit::{Child, Gateway, Upstream, python, python_script, run_python};
+use mcpgw_testkit::{Child, Gateway, ScatterProxy, Upstream, python, python_script, run_python};
 use serde_json::{Value, json};
 use support::{
-    Fleet, RoutingProxy, TestCa, TlsTerminator, children_of, read_events, running, wait_stopped,
-    worker_at,
+    Fleet, TestCa, TlsTerminator, children_of, read_events, running, wait_stopped, worker_at,
 };
 
 const INIT: &[u8] = br#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-11-25","capabilities":{},"clientInfo":{"name":"mcpgw-tests","version":"0"}}}"#;
@@ -199,7 +198,7 @@ fn mcp_server_time_over_stdio_serves_sessions_scattered_over_four_workers() {
         venv_bin("mcp-server-time")
     );
     let fleet = Fleet::start(4, &["--upstream".into(), upstream]);
-    let proxy = RoutingProxy::start(fleet.addrs(), round_robin);
+    let proxy = ScatterProxy::start_routed(fleet.addrs(), round_robin);
     for mode in ["legacy", "2026-07-28"] {
         let out = run_python("upstream_client.py", &[&proxy.url(), mode, "time"]);
         assert_eq!(
@@ -221,7 +220,7 @@ fn mcp_server_time_over_stdio_serves_sessions_scattered_over_four_workers() {
             out["converted"]
         );
     }
-    let sent = proxy.sent();
+    let sent = proxy.sent_counts();
     assert!(
         sent.iter().all(|&n| n >= 2),
         "every worker took requests: {sent:?}"
@@ -397,13 +396,13 @@ fn an_elicitation_mid_call_is_answered_through_a_third_worker() {
         ],
     );
     for route in ["web", "st"] {
-        let proxy = RoutingProxy::start(fleet.addrs(), by_role);
+        let proxy = ScatterProxy::start_routed(fleet.addrs(), by_role);
         let url = format!("http://{}/servers/{route}/mcp", proxy.addr);
         let out = run_python("upstream_client.py", &[&url, "legacy", "elicit"]);
         assert_eq!(out["asked"], json!(["What is the answer?"]), "{route}");
         assert_eq!(out["text"], "answered: forty-two", "{route}");
         assert_eq!(out["is_error"], false, "{route}");
-        let sent = proxy.sent();
+        let sent = proxy.sent_counts();
         assert!(
             sent[1] >= 1 && sent[2] >= 1,
             "{route}: the call went to worker 1, the answer to worker 2: {sent:?}"
@@ -427,7 +426,7 @@ fn modern_clients_keep_state_per_principal_on_a_session_based_upstream() {
         ),
     );
     let fleet = Fleet::start(4, &["--config".into(), config.display().to_string()]);
-    let proxy = RoutingProxy::start(fleet.addrs(), round_robin);
+    let proxy = ScatterProxy::start_routed(fleet.addrs(), round_robin);
     let counter = |token: &str| {
         run_python(
             "upstream_client.py",
@@ -446,7 +445,11 @@ fn modern_clients_keep_state_per_principal_on_a_session_based_upstream() {
         json!(["4", "5", "6"]),
         "a principal's state outlives one client"
     );
-    assert!(proxy.sent().iter().all(|&n| n >= 2), "{:?}", proxy.sent());
+    assert!(
+        proxy.sent_counts().iter().all(|&n| n >= 2),
+        "{:?}",
+        proxy.sent_counts()
+    );
 
     // When the worker holding alice's upstream session dies, she is told once that
     // her state is lost, then starts afresh; she never silently sees a fresh counter

@@ -7,10 +7,10 @@
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::{Shutdown, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+
 use std::time::{Duration, Instant};
 
 use mcpgw_testkit::fleet::MeshCerts;
@@ -125,112 +125,6 @@ pub fn children_of(parent: u32) -> Vec<u32> {
         })
         .filter(|pid| running(*pid))
         .collect()
-}
-
-/// A proxy that sends each request (on a fresh connection) to the backend `route`
-/// picks from its method and body: a test decides which worker sees what.
-pub struct RoutingProxy {
-    pub addr: String,
-    /// Requests sent to each backend.
-    pub sent: Arc<Vec<AtomicU64>>,
-}
-
-pub type Route = fn(method: &str, body: &[u8]) -> usize;
-
-impl RoutingProxy {
-    pub fn start(backends: Vec<String>, route: Route) -> RoutingProxy {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind routing proxy");
-        let addr = listener.local_addr().expect("addr").to_string();
-        let sent: Arc<Vec<AtomicU64>> =
-            Arc::new(backends.iter().map(|_| AtomicU64::new(0)).collect());
-        let backends = Arc::new(backends);
-        let counts = Arc::clone(&sent);
-        std::thread::spawn(move || {
-            for client in listener.incoming().flatten() {
-                let backends = Arc::clone(&backends);
-                let counts = Arc::clone(&counts);
-                std::thread::spawn(move || relay(client, &backends, &counts, route));
-            }
-        });
-        RoutingProxy { addr, sent }
-    }
-
-    pub fn url(&self) -> String {
-        format!("http://{}/mcp", self.addr)
-    }
-
-    pub fn sent(&self) -> Vec<u64> {
-        self.sent
-            .iter()
-            .map(|n| n.load(Ordering::Relaxed))
-            .collect()
-    }
-}
-
-fn relay(client: TcpStream, backends: &[String], sent: &[AtomicU64], route: Route) {
-    let _ = client.set_nodelay(true);
-    let Ok(mut writer) = client.try_clone() else {
-        return;
-    };
-    let mut reader = BufReader::new(client);
-    let mut head = Vec::new();
-    let mut method = String::new();
-    let mut content_length = 0usize;
-    loop {
-        let mut line = String::new();
-        match reader.read_line(&mut line) {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {}
-        }
-        if method.is_empty() {
-            method = line.split_whitespace().next().unwrap_or("").to_owned();
-        }
-        let lower = line.to_ascii_lowercase();
-        if let Some(v) = lower.strip_prefix("content-length:") {
-            content_length = v.trim().parse().unwrap_or(0);
-        }
-        if lower.starts_with("connection:") {
-            continue;
-        }
-        if line == "\r\n" || line == "\n" {
-            head.extend_from_slice(b"Connection: close\r\n\r\n");
-            break;
-        }
-        head.extend_from_slice(line.as_bytes());
-    }
-    let mut body = vec![0u8; content_length];
-    if reader.read_exact(&mut body).is_err() {
-        return;
-    }
-    let index = route(&method, &body) % backends.len();
-    sent[index].fetch_add(1, Ordering::Relaxed);
-    let Ok(mut backend) = TcpStream::connect(&backends[index]) else {
-        let _ = writer.write_all(
-            b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
-        );
-        return;
-    };
-    let _ = backend.set_nodelay(true);
-    if backend
-        .write_all(&head)
-        .and_then(|_| backend.write_all(&body))
-        .is_err()
-    {
-        return;
-    }
-    let mut buf = [0u8; 16384];
-    loop {
-        match backend.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                if writer.write_all(&buf[..n]).is_err() {
-                    let _ = backend.shutdown(Shutdown::Both);
-                    return;
-                }
-            }
-        }
-    }
-    let _ = writer.shutdown(Shutdown::Both);
 }
 
 /// A CA made for one test, and the certificates it issues, as PEM files.
