@@ -156,6 +156,10 @@ fn metrics(worker: &Worker) -> Response<ReplyBody> {
         .set(i64::try_from(worker.sessions.len()).unwrap_or(i64::MAX));
     metrics.draining.set(i64::from(worker.draining()));
     metrics.lease_valid.set(i64::from(worker.lease_valid()));
+    if let Some((caller, owner)) = worker.mesh_streams.get() {
+        metrics.set_mesh_streams("caller", caller.counts());
+        metrics.set_mesh_streams("owner", owner.counts());
+    }
     match metrics.encode() {
         Ok(text) => {
             let mut response = Response::new(body::full(Bytes::from(text)));

@@ -104,6 +104,19 @@ pub struct ReasonLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StreamLabels {
+    /// `caller` (this worker forwarding) or `owner` (serving forwarded requests).
+    pub side: &'static str,
+    /// `short` (requests) or `long` (held GET streams, SSE answers).
+    pub budget: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SideLabels {
+    pub side: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DirectoryLabels {
     pub op: &'static str,
     pub outcome: &'static str,
@@ -137,6 +150,8 @@ pub struct Metrics {
     pub leases_in_doubt: Counter,
     pub lease_valid: Gauge,
     pub draining: Gauge,
+    pub mesh_streams: Family<StreamLabels, Gauge>,
+    pub mesh_peers: Family<SideLabels, Gauge>,
     pub directory_calls: Family<DirectoryLabels, Counter>,
     pub directory_seconds: Family<OpLabels, Histogram>,
     /// Tool names each upstream lists, by upstream index: the only tool names that
@@ -238,6 +253,18 @@ impl Metrics {
             "1 once this worker drains (or was fenced)",
             draining.clone(),
         );
+        let mesh_streams = Family::<StreamLabels, Gauge>::default();
+        registry.register(
+            "mesh_streams",
+            "Mesh exchanges in flight now, by side and budget",
+            mesh_streams.clone(),
+        );
+        let mesh_peers = Family::<SideLabels, Gauge>::default();
+        registry.register(
+            "mesh_peers",
+            "Peers with mesh exchanges in flight now, by side",
+            mesh_peers.clone(),
+        );
         let directory_calls = Family::<DirectoryLabels, Counter>::default();
         registry.register(
             "directory_calls",
@@ -275,6 +302,8 @@ impl Metrics {
             leases_in_doubt,
             lease_valid,
             draining,
+            mesh_streams,
+            mesh_peers,
             directory_calls,
             directory_seconds,
             known_tools: RwLock::new(vec![Vec::new(); upstreams]),
@@ -403,6 +432,25 @@ impl mcpgw_mesh::directory::DirectoryObserver for Metrics {
         self.directory_seconds
             .get_or_create(&OpLabels { op })
             .observe(elapsed.as_secs_f64());
+    }
+}
+
+impl Metrics {
+    /// Sets the mesh gauges from one side's counts (at scrape time).
+    pub fn set_mesh_streams(
+        &self,
+        side: &'static str,
+        counts: mcpgw_mesh::transport::StreamCounts,
+    ) {
+        let gauge = |budget| {
+            self.mesh_streams
+                .get_or_create(&StreamLabels { side, budget })
+        };
+        gauge("short").set(i64::try_from(counts.short).unwrap_or(i64::MAX));
+        gauge("long").set(i64::try_from(counts.long).unwrap_or(i64::MAX));
+        self.mesh_peers
+            .get_or_create(&SideLabels { side })
+            .set(i64::try_from(counts.peers).unwrap_or(i64::MAX));
     }
 }
 

@@ -465,6 +465,9 @@ async fn join_fleet(
         Arc::clone(config),
         Arc::clone(&worker.metrics),
     ));
+    let _ = worker
+        .mesh_streams
+        .set((fleet.mesh.stream_counter(), server.stream_counter()));
     worker.join(fleet);
     info!(worker = %worker.id, mesh = %advertised, transport = %kind, "joined the fleet");
     Ok(MeshMembership { server, advertised })

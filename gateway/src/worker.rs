@@ -19,6 +19,7 @@ use crate::mcp::GatewayError;
 use crate::metrics::Metrics;
 use crate::request::Routes;
 use crate::session::{Session, SessionRegistry};
+use mcpgw_mesh::transport::StreamCounter;
 
 pub struct Worker {
     /// This process's worker id: unique in the fleet, embedded in the session ids it
@@ -42,6 +43,8 @@ pub struct Worker {
     pub route_labels: Vec<Arc<String>>,
     /// The route label of a request for no configured route.
     pub unrouted_label: Arc<String>,
+    /// What the mesh has in flight, as caller and as owner (set when joining a fleet).
+    pub mesh_streams: OnceLock<(StreamCounter, StreamCounter)>,
     /// Set once a drain begins (or the worker is fenced): no new sessions.
     draining: AtomicBool,
     /// The fleet this worker belongs to; unset for a standalone worker.
@@ -82,6 +85,7 @@ impl Worker {
                 .map(|u| Arc::new(u.name.clone()))
                 .collect(),
             unrouted_label: Arc::new("none".to_owned()),
+            mesh_streams: OnceLock::new(),
             upstreams,
             config,
             sessions: SessionRegistry::default(),

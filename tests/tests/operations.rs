@@ -140,6 +140,31 @@ fn local_forwarded_failed_expired_and_refused_requests_move_exactly_their_metric
     );
     assert!(owner_after.contains_key(r#"mcpgw_build_info{version="0.1.0"}"#));
 
+    // A GET stream held through the edge is one long-lived exchange on each side.
+    let mut stream = std::net::TcpStream::connect(&fleet.b.addr).expect("connect");
+    let get = format!(
+        "GET /mcp HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n\
+         Mcp-Session-Id: {session}\r\nMCP-Protocol-Version: 2025-11-25\r\n\r\n"
+    );
+    stream.write_all(get.as_bytes()).expect("send GET");
+    let long = |admin: &str, side: &str| {
+        scrape(admin)
+            .get(&format!(
+                r#"mcpgw_mesh_streams{{side="{side}",budget="long"}}"#
+            ))
+            .copied()
+    };
+    eventually(WITHIN, || {
+        match (long(&edge_admin, "caller"), long(&owner_admin, "owner")) {
+            (Some(1.0), Some(1.0)) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    drop(stream);
+    eventually(WITHIN, || match long(&edge_admin, "caller") {
+        Some(0.0) => Ok(()),
+        other => Err(format!("{other:?}")),
+    });
     // Expired: the idle session ends on the owner, counted once.
     eventually(WITHIN, || {
         let now = scrape(&owner_admin);

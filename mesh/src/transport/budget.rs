@@ -84,6 +84,27 @@ pub(crate) struct Budgets {
     idle: Notify,
 }
 
+/// What one side of the mesh has in flight now.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct StreamCounts {
+    /// Short requests in flight.
+    pub short: usize,
+    /// Long-lived exchanges (GET streams, SSE answers) in flight.
+    pub long: usize,
+    /// Peers with anything in flight.
+    pub peers: usize,
+}
+
+/// Reads a mesh endpoint's in-flight counts whenever asked (for metrics).
+#[derive(Clone)]
+pub struct StreamCounter(pub(crate) Arc<Budgets>);
+
+impl StreamCounter {
+    pub fn counts(&self) -> StreamCounts {
+        self.0.counts()
+    }
+}
+
 #[derive(Debug, Default)]
 struct Books {
     peers: HashMap<Arc<str>, Counts>,
@@ -136,6 +157,20 @@ impl Budgets {
             peer: key,
             class,
         })
+    }
+
+    /// Exchanges in flight now, by budget, and the peers they go to (or come from).
+    pub(crate) fn counts(&self) -> StreamCounts {
+        let books = self.books.lock();
+        let (short, long) = books
+            .peers
+            .values()
+            .fold((0, 0), |(s, l), c| (s + c.short, l + c.long));
+        StreamCounts {
+            short,
+            long,
+            peers: books.peers.len(),
+        }
     }
 
     /// Exchanges in flight over all peers.

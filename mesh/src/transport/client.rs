@@ -122,6 +122,11 @@ impl MeshClient {
         })
     }
 
+    /// What this client has in flight, by budget, for metrics.
+    pub fn stream_counter(&self) -> super::budget::StreamCounter {
+        super::budget::StreamCounter(Arc::clone(&self.inner.budgets))
+    }
+
     /// The transport this client uses.
     pub fn kind(&self) -> TransportKind {
         match self.inner.transport {

@@ -92,6 +92,7 @@ use futures_util::stream::BoxStream;
 use mcpgw_wire::{ErrorFrame, RequestFrame, ResponseHead};
 
 pub use self::redis::RedisTransportConfig;
+pub use budget::{StreamCounter, StreamCounts};
 pub use client::{CALLER_DEADLINE_GRACE, ForwardedResponse, MeshClient};
 pub use error::MeshError;
 pub use server::{MeshServer, MeshServerHandle};

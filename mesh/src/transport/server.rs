@@ -118,6 +118,11 @@ pub struct MeshServerHandle {
 }
 
 impl MeshServerHandle {
+    /// What this server has in flight, by budget, for metrics.
+    pub fn stream_counter(&self) -> super::budget::StreamCounter {
+        super::budget::StreamCounter(Arc::clone(&self.shared.budgets))
+    }
+
     /// The address the server listens on (`0.0.0.0:0` for the Redis transport, which
     /// listens on no socket).
     pub fn local_addr(&self) -> SocketAddr {
