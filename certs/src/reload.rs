@@ -260,6 +260,18 @@ impl Reloader {
         let built =
             tokio::task::spawn_blocking(move || MeshTls::build(&files, &settings, &contents)).await;
         match built {
+            Ok(Ok(tls)) if tls.leaf().uri != self.sender.borrow().leaf().uri => {
+                // The identity is what peers check this worker against (it is
+                // registered with its lease): it may not change under a running worker.
+                let reason = format!(
+                    "{}: the new leaf names {}, but this worker runs as {}; a leaf for \
+                     another member needs a restart",
+                    self.files.cert.display(),
+                    tls.leaf().uri,
+                    self.sender.borrow().leaf().uri
+                );
+                self.refuse(&mut state, digest, reason)
+            }
             Ok(Ok(tls)) => {
                 info!(
                     cert = %self.files.cert.display(),

@@ -116,6 +116,9 @@ struct Readiness {
     /// Its lease is valid by its own clock: Redis answered recently enough. Always
     /// true for a standalone worker.
     lease_valid: bool,
+    /// The mesh leaf in use has not expired (true without mesh certificates): an
+    /// expired leaf can neither dial nor be dialled.
+    mesh_cert_valid: bool,
 }
 
 impl Readiness {
@@ -123,11 +126,15 @@ impl Readiness {
         Readiness {
             serving: !worker.draining(),
             lease_valid: worker.lease_valid(),
+            mesh_cert_valid: worker
+                .mesh_tls
+                .get()
+                .is_none_or(|tls| tls.current().leaf_not_after() > std::time::SystemTime::now()),
         }
     }
 
     fn ready(&self) -> bool {
-        self.serving && self.lease_valid
+        self.serving && self.lease_valid && self.mesh_cert_valid
     }
 
     fn to_json(&self) -> serde_json::Value {
@@ -139,9 +146,19 @@ impl Readiness {
             reasons
                 .push("lease not confirmed: the fleet directory (Redis) has not answered in time");
         }
+        if !self.mesh_cert_valid {
+            reasons.push(
+                "mesh certificate expired: issue a new leaf (`mcpgw certs issue` or `certs rotate \
+                 reissue`); the worker picks it up without a restart",
+            );
+        }
         serde_json::json!({
             "ready": self.ready(),
-            "checks": { "serving": self.serving, "lease_valid": self.lease_valid },
+            "checks": {
+                "serving": self.serving,
+                "lease_valid": self.lease_valid,
+                "mesh_cert_valid": self.mesh_cert_valid,
+            },
             "reasons": reasons,
         })
     }
@@ -156,6 +173,9 @@ fn metrics(worker: &Worker) -> Response<ReplyBody> {
         .set(i64::try_from(worker.sessions.len()).unwrap_or(i64::MAX));
     metrics.draining.set(i64::from(worker.draining()));
     metrics.lease_valid.set(i64::from(worker.lease_valid()));
+    if let Some(tls) = worker.mesh_tls.get() {
+        metrics.set_mesh_certs(tls);
+    }
     if let Some((caller, owner)) = worker.mesh_streams.get() {
         metrics.set_mesh_streams("caller", caller.counts());
         metrics.set_mesh_streams("owner", owner.counts());
@@ -188,6 +208,20 @@ fn state(worker: &Worker) -> serde_json::Value {
         "draining": worker.draining(),
         "fleet": worker.fleet().is_some(),
         "lease_valid": worker.lease_valid(),
+        "mesh_cert": worker.mesh_tls.get().map(|tls| {
+            let material = tls.current();
+            let stats = tls.stats();
+            serde_json::json!({
+                "identity": material.leaf().uri,
+                "leaf_fingerprint": material.leaf_fingerprint(),
+                "leaf_not_after": mcpgw_certs::inspect::rfc3339(
+                    material.leaf_not_after().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)),
+                "ca_fingerprints": material.ca_fingerprints(),
+                "reloads": stats.reloaded,
+                "refused": stats.refused,
+                "pending_refusal": stats.pending_refusal,
+            })
+        }),
     })
 }
 

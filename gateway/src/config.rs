@@ -242,6 +242,16 @@ pub struct MeshConfig {
     pub tcp_connections_per_peer: usize,
     /// TCP mesh: body bytes an owner may send on one exchange ahead of the caller.
     pub stream_window_bytes: usize,
+    /// The trust domain of mesh identities (`spiffe://{domain}/mesh/{member}`), as
+    /// `mcpgw certs init --trust-domain` set it.
+    pub trust_domain: String,
+    /// How long a mesh connection takes new requests before a fresh one (with the
+    /// certificates in use then) replaces it; an owner closes one still open at 1.5×
+    /// this. Bounds how long removed credentials stay in use after a rotation.
+    pub max_connection_age: Duration,
+    /// Period of the fallback check of the certificate files (a file watcher sees
+    /// most changes at once).
+    pub cert_reload_interval: Duration,
 }
 
 impl Default for Config {
@@ -287,6 +297,9 @@ impl Default for Config {
                 max_streams_per_peer: 32_768,
                 tcp_connections_per_peer: 2,
                 stream_window_bytes: 256 * 1024,
+                trust_domain: mcpgw_certs::DEFAULT_TRUST_DOMAIN.to_owned(),
+                max_connection_age: Duration::from_secs(3600),
+                cert_reload_interval: Duration::from_secs(10),
             },
             auth: AuthConfig::default(),
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -357,6 +370,17 @@ pub struct ServeArgs {
     /// This host's mesh leaf key (PEM).
     #[arg(long, env = "MCPGW_MESH_KEY")]
     pub mesh_key: Option<PathBuf>,
+    /// Trust domain of mesh identities (default mcpgw), as `mcpgw certs init` set it.
+    #[arg(long, env = "MCPGW_MESH_TRUST_DOMAIN")]
+    pub mesh_trust_domain: Option<String>,
+    /// Milliseconds a mesh connection takes new requests before a fresh one replaces
+    /// it (default 3600000, one hour); owners close one still open at 1.5× this.
+    #[arg(long, env = "MCPGW_MESH_MAX_CONNECTION_AGE_MS")]
+    pub mesh_max_connection_age_ms: Option<u64>,
+    /// Milliseconds between fallback checks of the mesh certificate files (default
+    /// 10000; a file watcher sees most changes at once).
+    #[arg(long, env = "MCPGW_MESH_CERT_RELOAD_INTERVAL_MS")]
+    pub mesh_cert_reload_interval_ms: Option<u64>,
     /// Largest request body in bytes.
     #[arg(long, env = "MCPGW_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
@@ -492,6 +516,9 @@ struct FileMesh {
     max_streams_per_peer: Option<usize>,
     tcp_connections_per_peer: Option<usize>,
     stream_window_bytes: Option<usize>,
+    trust_domain: Option<String>,
+    max_connection_age_ms: Option<u64>,
+    cert_reload_interval_ms: Option<u64>,
 }
 
 impl Limits {
@@ -611,6 +638,12 @@ impl Config {
             m.tcp_connections_per_peer,
         );
         set(&mut self.mesh.stream_window_bytes, m.stream_window_bytes);
+        set(&mut self.mesh.trust_domain, m.trust_domain);
+        set_ms(&mut self.mesh.max_connection_age, m.max_connection_age_ms);
+        set_ms(
+            &mut self.mesh.cert_reload_interval,
+            m.cert_reload_interval_ms,
+        );
         Ok(())
     }
 
@@ -656,6 +689,15 @@ impl Config {
                 *slot = value.clone();
             }
         }
+        set(&mut self.mesh.trust_domain, a.mesh_trust_domain.clone());
+        set_ms(
+            &mut self.mesh.max_connection_age,
+            a.mesh_max_connection_age_ms,
+        );
+        set_ms(
+            &mut self.mesh.cert_reload_interval,
+            a.mesh_cert_reload_interval_ms,
+        );
         set(&mut self.limits.max_body_bytes, a.max_body_bytes);
         set_ms(
             &mut self.limits.upstream_request_timeout,
@@ -855,6 +897,15 @@ impl Config {
             if value == 0 {
                 return Err(invalid(field, "must be at least 1"));
             }
+        }
+        if let Err(e) = mcpgw_certs::TrustDomain::new(&self.mesh.trust_domain) {
+            return Err(invalid("mesh.trust_domain", e.to_string()));
+        }
+        if self.mesh.cert_reload_interval < Duration::from_millis(100) {
+            return Err(invalid(
+                "mesh.cert_reload_interval_ms",
+                "must be at least 100 ms: each check reads and hashes the certificate files",
+            ));
         }
         if self.mesh.stream_window_bytes < 16 * 1024 {
             return Err(invalid(

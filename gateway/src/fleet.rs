@@ -28,7 +28,7 @@ pub struct Fleet {
     /// Workers, their mesh addresses, and who owns which session.
     pub directory: Directory,
     /// This worker's lease: whether it may act for its sessions now.
-    pub lease: LeaseHolder,
+    pub lease: Arc<LeaseHolder>,
     /// Forwards requests to the owners of other workers' sessions.
     pub(crate) mesh: MeshClient,
     /// A separate pool for liveness probes, so a probe always dials afresh instead of
@@ -50,7 +50,7 @@ pub struct Fleet {
 impl Fleet {
     pub fn new(
         directory: Directory,
-        lease: LeaseHolder,
+        lease: Arc<LeaseHolder>,
         mesh: MeshClient,
         probe_mesh: MeshClient,
         config: Arc<Config>,

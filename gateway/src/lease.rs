@@ -118,6 +118,11 @@ impl LeaseHolder {
         }
     }
 
+    /// Publishes a reloaded mesh leaf's expiry with the next renewal.
+    pub fn publish_cert_not_after(&self, not_after: std::time::SystemTime) {
+        self.lease.lock().set_cert_not_after(Some(not_after));
+    }
+
     /// Whether this worker may act for its sessions right now.
     pub fn valid(&self) -> bool {
         self.clock.lock().valid_at(Instant::now())

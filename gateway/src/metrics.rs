@@ -128,6 +128,11 @@ pub struct OpLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BuildLabels {
     pub version: &'static str,
 }
@@ -154,6 +159,9 @@ pub struct Metrics {
     pub mesh_peers: Family<SideLabels, Gauge>,
     pub directory_calls: Family<DirectoryLabels, Counter>,
     pub directory_seconds: Family<OpLabels, Histogram>,
+    pub mesh_cert_expiration: Gauge,
+    pub mesh_cert_reloads: Family<ResultLabels, Counter>,
+    pub mesh_cert_refused_pending: Gauge,
     /// Tool names each upstream lists, by upstream index: the only tool names that
     /// become label values.
     known_tools: RwLock<Vec<Vec<Arc<String>>>>,
@@ -279,6 +287,24 @@ impl Metrics {
             Unit::Seconds,
             directory_seconds.clone(),
         );
+        let mesh_cert_expiration = Gauge::default();
+        registry.register(
+            "mesh_cert_expiration_timestamp_seconds",
+            "When the mesh leaf in use expires (unix seconds); 0 without mesh certificates",
+            mesh_cert_expiration.clone(),
+        );
+        let mesh_cert_reloads = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "mesh_cert_reloads",
+            "Changes of the mesh certificate files, by result: reloaded (new handshakes use them) or refused (the material in use stays)",
+            mesh_cert_reloads.clone(),
+        );
+        let mesh_cert_refused_pending = Gauge::default();
+        registry.register(
+            "mesh_cert_refused_pending",
+            "1 while the mesh certificate files hold content that was refused, so the material in use is older than the files",
+            mesh_cert_refused_pending.clone(),
+        );
         registry.register(
             "build",
             "mcpgw build information",
@@ -306,6 +332,9 @@ impl Metrics {
             mesh_peers,
             directory_calls,
             directory_seconds,
+            mesh_cert_expiration,
+            mesh_cert_reloads,
+            mesh_cert_refused_pending,
             known_tools: RwLock::new(vec![Vec::new(); upstreams]),
             other: Arc::new("other".to_owned()),
         }
@@ -436,6 +465,28 @@ impl mcpgw_mesh::directory::DirectoryObserver for Metrics {
 }
 
 impl Metrics {
+    /// Sets the certificate metrics from the material in use and the reload counts (at
+    /// scrape time; the counters only ever move up to the reloader's own counts).
+    pub fn set_mesh_certs(&self, tls: &mcpgw_certs::MeshTlsSource) {
+        let not_after = tls
+            .current()
+            .leaf_not_after()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        self.mesh_cert_expiration
+            .set(i64::try_from(not_after).unwrap_or(i64::MAX));
+        let stats = tls.stats();
+        for (result, total) in [("reloaded", stats.reloaded), ("refused", stats.refused)] {
+            let counter = self
+                .mesh_cert_reloads
+                .get_or_create(&ResultLabels { result });
+            counter.inc_by(total.saturating_sub(counter.get()));
+        }
+        self.mesh_cert_refused_pending
+            .set(i64::from(stats.pending_refusal.is_some()));
+    }
+
     /// Sets the mesh gauges from one side's counts (at scrape time).
     pub fn set_mesh_streams(
         &self,

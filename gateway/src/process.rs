@@ -83,6 +83,7 @@ pub fn worker_info(admin: Option<String>) -> mcpgw_mesh::directory::WorkerInfo {
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0),
         version: env!("CARGO_PKG_VERSION").to_owned(),
+        mesh_identity: None,
     }
 }
 

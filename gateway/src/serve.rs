@@ -327,6 +327,7 @@ async fn join_fleet(
         tcp_pool_size: mesh.tcp_connections_per_peer,
         stream_window: mesh.stream_window_bytes,
         connect_timeout: mesh.connect_timeout,
+        max_connection_age: mesh.max_connection_age,
         ..MeshLimits::default()
     };
     let service = Arc::new(OwnerService(Arc::clone(worker)));
@@ -336,9 +337,9 @@ async fn join_fleet(
         Tls(Tls),
         Redis(mcpgw_mesh::transport::RedisTransportConfig),
     }
-    // The fourth: the mesh leaf's expiry, published with the lease for `mcpgw status`
-    // (none over the Redis transport, which has no certificates).
-    let (kind, server, advertised, dial, cert_not_after) = match mesh.transport {
+    // The fifth: the mesh TLS material, whose identity and leaf expiry are published
+    // with the lease (none over the Redis transport, which has no certificates).
+    let (kind, server, advertised, dial, tls) = match mesh.transport {
         // The measured baseline: requests travel through the fleet's Redis, on
         // channels named by worker id. No socket to bind and no mTLS (Redis is the
         // trust boundary).
@@ -375,9 +376,19 @@ async fn join_fleet(
                 cert: cert.clone(),
                 key: key.clone(),
             };
-            let tls = mcpgw_certs::MeshTls::load(&files)
+            let trust_domain = mcpgw_certs::TrustDomain::new(&mesh.trust_domain)
                 .map_err(|e| WorkerError::Fatal(e.to_string()))?;
-            let (server_tls, client_tls) = (tls.server_config(), tls.client_config());
+            // Followed from now on: new handshakes take reloaded material, a bad file is
+            // refused and the material in use stays.
+            let tls = mcpgw_certs::MeshTlsSource::watch(
+                &files,
+                &mcpgw_mesh::transport::mesh_tls_settings(trust_domain),
+                mcpgw_certs::ReloadOptions {
+                    poll_interval: mesh.cert_reload_interval,
+                    ..mcpgw_certs::ReloadOptions::default()
+                },
+            )
+            .map_err(|e| WorkerError::Fatal(e.to_string()))?;
             let kind = if mesh.transport == MeshTransport::Quic {
                 TransportKind::Quic
             } else {
@@ -390,7 +401,7 @@ async fn join_fleet(
             let server = MeshServer::bind(
                 kind,
                 listen,
-                server_tls,
+                tls.clone(),
                 worker.id.clone(),
                 service,
                 limits.clone(),
@@ -401,13 +412,7 @@ async fn join_fleet(
             })?;
             let advertised = advertise_addr(mesh.advertise.as_deref(), server.local_addr(), index)
                 .map_err(WorkerError::Fatal)?;
-            (
-                kind,
-                server,
-                advertised,
-                Dial::Tls(client_tls),
-                Some(tls.leaf_not_after()),
-            )
+            (kind, server, advertised, Dial::Tls(tls.clone()), Some(tls))
         }
     };
     let redis_url = config.fleet.redis_url.clone().unwrap_or_default();
@@ -422,7 +427,9 @@ async fn join_fleet(
     .map_err(|e| WorkerError::Failed(e.to_string()))?;
     directory.observe_with(Arc::clone(&worker.metrics) as _);
     let registered_at = tokio::time::Instant::now();
-    let info = process::worker_info(Some(admin_addr.to_string()));
+    let mut info = process::worker_info(Some(admin_addr.to_string()));
+    info.mesh_identity = tls.as_ref().map(|tls| tls.current().leaf().uri.clone());
+    let cert_not_after = tls.as_ref().map(|tls| tls.current().leaf_not_after());
     let lease = match directory
         .register_worker_with_cert(&worker.id, &info, &advertised, cert_not_after)
         .await
@@ -433,13 +440,17 @@ async fn join_fleet(
         }
         Err(e) => return Err(WorkerError::Failed(e.to_string())),
     };
-    let lease = LeaseHolder::new(
+    let lease = Arc::new(LeaseHolder::new(
         directory.clone(),
         info,
         lease,
         config.fleet.lease,
         registered_at,
-    );
+    ));
+    if let Some(tls) = &tls {
+        follow_reloads(tls, &lease);
+        let _ = worker.mesh_tls.set(tls.clone());
+    }
     let (client, probe_client) = match dial {
         Dial::Tls(client_tls) => (
             MeshClient::new(kind, client_tls.clone(), worker.id.clone(), limits.clone())
@@ -471,6 +482,20 @@ async fn join_fleet(
     worker.join(fleet);
     info!(worker = %worker.id, mesh = %advertised, transport = %kind, "joined the fleet");
     Ok(MeshMembership { server, advertised })
+}
+
+/// Keeps the lease's published leaf expiry in step with reloads of the mesh material,
+/// for as long as the material is followed.
+fn follow_reloads(tls: &mcpgw_certs::MeshTlsSource, lease: &Arc<LeaseHolder>) {
+    let mut changes = tls.subscribe();
+    let lease = Arc::downgrade(lease);
+    tokio::spawn(async move {
+        while changes.changed().await.is_ok() {
+            let Some(lease) = lease.upgrade() else { return };
+            let not_after = changes.borrow_and_update().leaf_not_after();
+            lease.publish_cert_not_after(not_after);
+        }
+    });
 }
 
 /// Worker `index`'s address: the configured port + index (port 0 stays 0: free port).

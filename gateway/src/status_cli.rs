@@ -609,6 +609,7 @@ mod tests {
                 started_unix_ms: NOW - 60_000,
                 version: "0.1.0".into(),
                 admin: Some("127.0.0.1:9000".into()),
+                mesh_identity: None,
             }),
             addr: Some(addr.into()),
             last_renewal_unix_ms: Some(NOW - 1_000),

@@ -45,6 +45,9 @@ pub struct Worker {
     pub unrouted_label: Arc<String>,
     /// What the mesh has in flight, as caller and as owner (set when joining a fleet).
     pub mesh_streams: OnceLock<(StreamCounter, StreamCounter)>,
+    /// The mesh TLS material this worker follows (fleet workers on QUIC or TCP), for
+    /// the certificate metrics and `/readyz`.
+    pub mesh_tls: OnceLock<mcpgw_certs::MeshTlsSource>,
     /// Set once a drain begins (or the worker is fenced): no new sessions.
     draining: AtomicBool,
     /// The fleet this worker belongs to; unset for a standalone worker.
@@ -86,6 +89,7 @@ impl Worker {
                 .collect(),
             unrouted_label: Arc::new("none".to_owned()),
             mesh_streams: OnceLock::new(),
+            mesh_tls: OnceLock::new(),
             upstreams,
             config,
             sessions: SessionRegistry::default(),

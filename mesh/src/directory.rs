@@ -174,6 +174,20 @@ pub struct WorkerInfo {
     /// leases written by versions without one.
     #[serde(default)]
     pub admin: Option<String>,
+    /// The mesh identity (URI SAN) of the worker's leaf: a caller believes a `Welcome`
+    /// for this worker only from a certificate with this identity. Absent over the
+    /// Redis transport, and in leases written by versions without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mesh_identity: Option<String>,
+}
+
+/// Where a live worker's mesh endpoint is and who answers there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerEndpoint {
+    /// The mesh address `host:port` (or the Redis channel).
+    pub addr: String,
+    /// The mesh identity the worker registered, if it registered one.
+    pub identity: Option<String>,
 }
 
 /// The JSON stored in `{p}worker:{id}`.
@@ -946,6 +960,31 @@ impl Directory {
             })
             .await?;
         Ok(n == 1)
+    }
+
+    /// The mesh address of a live worker and the identity it registered (one round
+    /// trip), or `None` if it has no registration.
+    pub async fn worker_endpoint(
+        &self,
+        id: &str,
+    ) -> Result<Option<WorkerEndpoint>, DirectoryError> {
+        if check_name("worker id", id).is_err() {
+            return Ok(None);
+        }
+        let mut pipe = redis::pipe();
+        pipe.cmd("GET").arg(self.key_addr(id));
+        pipe.cmd("GET").arg(self.key_worker(id));
+        let (addr, lease): (Option<String>, Option<String>) = self
+            .run("worker_endpoint", |mut c, _| {
+                let pipe = pipe.clone();
+                async move { pipe.query_async(&mut c).await }
+            })
+            .await?;
+        let Some(addr) = addr else { return Ok(None) };
+        let identity = lease
+            .and_then(|lease| serde_json::from_str::<LeaseValue>(&lease).ok())
+            .and_then(|lease| lease.info.mesh_identity);
+        Ok(Some(WorkerEndpoint { addr, identity }))
     }
 
     /// The mesh address of a live worker, or `None` if it has no registration.

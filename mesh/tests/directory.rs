@@ -36,6 +36,7 @@ fn info() -> WorkerInfo {
         started_unix_ms: 1,
         version: "0.1.0".into(),
         admin: None,
+        mesh_identity: None,
     }
 }
 

@@ -84,6 +84,9 @@ fn describe_kind(error: &MeshError) -> &'static str {
         MeshError::ConnectTimeout { .. } => "it did not accept a mesh connection in time",
         MeshError::Connect { .. } => "the mesh connection to it failed",
         MeshError::Tls { .. } => "the mesh TLS handshake with it failed",
+        MeshError::IdentityMismatch { .. } => {
+            "its mesh address answers with another member's certificate"
+        }
         MeshError::VersionMismatch { .. } => "it speaks another mesh protocol version",
         MeshError::RequestTooLarge(_) => "the request does not fit in one mesh frame",
         MeshError::BudgetExhausted { .. } => "the mesh budget to it is full",
@@ -412,11 +415,18 @@ impl Fleet {
         if let Some(addr) = self.peers.read().get(owner) {
             return Ok(Some(addr.clone()));
         }
-        let addr = self.directory.worker_addr(owner).await?;
-        if let Some(addr) = &addr {
-            self.peers.write().insert(owner.to_owned(), addr.clone());
+        let Some(endpoint) = self.directory.worker_endpoint(owner).await? else {
+            return Ok(None);
+        };
+        // Before the address is used: every connection that claims to lead to `owner`
+        // must carry the identity it registered.
+        for mesh in [&self.mesh, &self.probe_mesh] {
+            mesh.expect_identity(owner, endpoint.identity.as_deref());
         }
-        Ok(addr)
+        self.peers
+            .write()
+            .insert(owner.to_owned(), endpoint.addr.clone());
+        Ok(Some(endpoint.addr))
     }
 
     /// Acts on proof that `owner` is dead: forget it, and reclaim its sessions in the

@@ -10,14 +10,16 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::stream::{self, BoxStream, StreamExt};
 use mcpgw_wire::{Frame, MeshCodec, PROTOCOL_VERSION, RequestFrame, ResponseHead};
-use rustls::ClientConfig;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::{Instant, timeout, timeout_at};
 
 use super::budget::{Budgets, Permit, StreamClass, is_event_stream};
 use super::error::LinkError;
 use super::framed::{FrameReader, FrameWriter};
-use super::{MeshError, MeshLimits, RedisTransportConfig, TransportKind, quic, redis, tcp};
+use super::tls::IdentityBook;
+use super::{
+    ClientTls, MeshError, MeshLimits, RedisTransportConfig, TransportKind, quic, redis, tcp,
+};
 
 /// How long after a request's own deadline the caller still waits for the owner's
 /// answer. The owner stops the request at the deadline and says so; if that answer
@@ -39,6 +41,9 @@ struct ClientInner {
     /// Exchanges in flight per peer address, short and long, so that a full budget
     /// fails at once and held streams never make a short request wait.
     budgets: Arc<Budgets>,
+    /// The identity each expected worker registered, checked against the certificate
+    /// of every connection that claims to lead to it.
+    identities: Arc<IdentityBook>,
 }
 
 fn budgets_for(limits: &MeshLimits) -> Arc<Budgets> {
@@ -64,24 +69,34 @@ impl fmt::Debug for MeshClient {
 }
 
 impl MeshClient {
-    /// A client for `kind`. `tls` comes from `mcpgw-certs` (our leaf, mesh CA); the
-    /// mesh ALPN is added here. `local_worker_id` is announced in every `Hello`.
+    /// A client for `kind`. `tls` comes from `mcpgw-certs` (our leaf, mesh CA): a fixed
+    /// config, or a `MeshTlsSource` whose new material every new dial uses; the mesh
+    /// ALPN is added here when it is missing. `local_worker_id` is announced in every `Hello`.
     /// Sockets are opened on first use, so this needs no runtime.
     pub fn new(
         kind: TransportKind,
-        tls: Arc<ClientConfig>,
+        tls: impl Into<ClientTls>,
         local_worker_id: impl Into<String>,
         limits: MeshLimits,
     ) -> Result<Self, MeshError> {
-        let mut tls = (*tls).clone();
-        tls.alpn_protocols = vec![super::MESH_ALPN.to_vec()];
-        let tls = Arc::new(tls);
+        let tls = tls.into();
         let worker_id = local_worker_id.into();
         let max_frame = limits.max_frame;
         let budgets = budgets_for(&limits);
+        let identities = Arc::new(IdentityBook::default());
         let transport = match kind {
-            TransportKind::Quic => Transport::Quic(quic::QuicClient::new(tls, worker_id, limits)?),
-            TransportKind::Tcp => Transport::Tcp(tcp::TcpClient::new(tls, worker_id, limits)),
+            TransportKind::Quic => Transport::Quic(quic::QuicClient::new(
+                tls,
+                worker_id,
+                limits,
+                identities.clone(),
+            )?),
+            TransportKind::Tcp => Transport::Tcp(tcp::TcpClient::new(
+                tls,
+                worker_id,
+                limits,
+                identities.clone(),
+            )),
             TransportKind::Redis => {
                 return Err(MeshError::Config(
                     "the Redis transport takes no TLS config: make its client with \
@@ -95,6 +110,7 @@ impl MeshClient {
                 transport,
                 max_frame,
                 budgets,
+                identities,
             }),
         })
     }
@@ -118,6 +134,7 @@ impl MeshClient {
                 transport: Transport::Redis(client),
                 max_frame,
                 budgets,
+                identities: Arc::default(),
             }),
         })
     }
@@ -217,6 +234,18 @@ impl MeshClient {
             done: false,
             permit: Some(permit),
         })
+    }
+
+    /// Records the mesh identity (URI SAN) that worker `worker_id` registered with its
+    /// lease: from then on a connection that claims to lead to that worker is used only
+    /// if its certificate carries that identity ([`MeshError::IdentityMismatch`]
+    /// otherwise, which proves nothing). `None` forgets it: any mesh member's
+    /// certificate is accepted, as for a worker never recorded.
+    pub fn expect_identity(&self, worker_id: &str, identity: Option<&str>) {
+        match identity {
+            Some(identity) => self.inner.identities.record(worker_id, identity),
+            None => self.inner.identities.forget(worker_id),
+        }
     }
 
     /// Drops pooled connections to `peer_addr`, for when the directory says the worker

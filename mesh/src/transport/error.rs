@@ -32,6 +32,25 @@ pub enum MeshError {
         /// The worker id that answered.
         found: String,
     },
+    /// The peer's certificate is a valid mesh leaf, but not of the member registered
+    /// for the worker expected there: it may not speak for that worker, nor tell that
+    /// the worker left. Not proof of anything (the expected worker may be alive
+    /// elsewhere, or its address was taken by another host); the request was not sent.
+    #[error(
+        "mesh peer {addr} presents identity {presented}, but worker {expected:?} registered \
+         {registered}: refusing to treat it as that worker (check that every host's leaf \
+         names its own member, and that no address is shared by two hosts)"
+    )]
+    IdentityMismatch {
+        /// The address dialled.
+        addr: String,
+        /// The worker id the directory gave.
+        expected: String,
+        /// The identity registered with that worker's lease.
+        registered: String,
+        /// The identity in the peer's certificate.
+        presented: String,
+    },
     /// The peer did not complete the connection in time. Not proof of anything: the
     /// owner may be alive behind a slow or partitioned network. The request was not sent.
     #[error(

@@ -80,6 +80,7 @@ mod quic;
 mod redis;
 mod server;
 mod tcp;
+mod tls;
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -96,6 +97,7 @@ pub use budget::{StreamCounter, StreamCounts};
 pub use client::{CALLER_DEADLINE_GRACE, ForwardedResponse, MeshClient};
 pub use error::MeshError;
 pub use server::{MeshServer, MeshServerHandle};
+pub use tls::{ClientTls, ServerTls, hard_age, mesh_tls_settings};
 
 /// ALPN protocol id of the mesh. Both transports require it, so a mesh port never
 /// talks to an HTTP client by accident, and a future incompatible protocol can
@@ -177,6 +179,12 @@ pub struct MeshLimits {
     /// owner sends a keep-alive message every third of it while a response is quiet,
     /// and a caller gives up on an owner silent this long. Zero: never time out.
     pub idle_timeout: Duration,
+    /// QUIC and TCP: how long a connection takes new exchanges. A caller then opens a
+    /// new one (with the TLS material in use by then) and lets the old one close when
+    /// its exchanges end, so no request fails; an owner closes a connection still open
+    /// at [`hard_age`] of this. Bounds how long credentials removed by a rotation stay
+    /// in use. Zero: connections live until their peer's certificate expires.
+    pub max_connection_age: Duration,
 }
 
 impl Default for MeshLimits {
@@ -189,6 +197,7 @@ impl Default for MeshLimits {
             tcp_pool_size: 2,
             stream_window: 256 * 1024,
             idle_timeout: Duration::from_secs(15),
+            max_connection_age: Duration::from_secs(3600),
         }
     }
 }

@@ -30,7 +30,8 @@ use super::server::{
     CallerEvent, ExchangeEnd, ExchangeLink, ServerShared, greet as server_greet, serve_next,
     timed_out,
 };
-use super::{MeshError, MeshLimits, PeerInfo, TransportKind};
+use super::tls::{ConnectionLife, IdentityBook};
+use super::{ClientTls, MeshError, MeshLimits, PeerInfo, ServerTls, TransportKind};
 
 /// Application error code on a stream the caller abandons (reset and stop).
 const CANCEL_CODE: VarInt = VarInt::from_u32(1);
@@ -38,6 +39,16 @@ const CANCEL_CODE: VarInt = VarInt::from_u32(1);
 const ABORT_CODE: VarInt = VarInt::from_u32(2);
 /// Application error code closing a connection whose greeting failed.
 const GREETING_FAILED: VarInt = VarInt::from_u32(3);
+/// Application error code closing a connection that outlived its maximum age or its
+/// peer's certificate.
+const CONNECTION_TOO_OLD: VarInt = VarInt::from_u32(4);
+
+/// rustls client config, as quinn takes it.
+fn quic_client_crypto(tls: Arc<rustls::ClientConfig>) -> Result<Arc<QuicClientConfig>, MeshError> {
+    QuicClientConfig::try_from(tls)
+        .map(Arc::new)
+        .map_err(|e| MeshError::Config(format!("client TLS config cannot be used for QUIC: {e}")))
+}
 
 /// The most concurrent streams a server allows one peer: quinn keeps a table entry for
 /// every stream it allows, so absurd budgets must not turn into gigabytes.
@@ -85,34 +96,64 @@ fn idle_timeout(limits: &MeshLimits) -> Result<IdleTimeout, MeshError> {
 
 // ---------------------------------------------------------------- server side
 
-/// Binds the QUIC endpoint and spawns its accept loop.
+/// Binds the QUIC endpoint and spawns its accept loop, and, for material that follows
+/// its files, the task that hands each new server config to the endpoint (quinn uses it
+/// for new connections only; established ones keep theirs).
 pub(crate) fn serve(
     listen: SocketAddr,
-    tls: Arc<rustls::ServerConfig>,
+    tls: ServerTls,
     shared: Arc<ServerShared>,
 ) -> Result<Endpoint, MeshError> {
+    let config = server_config(tls.config(), &shared.limits)?;
+    let endpoint = endpoint_on(listen, Some(config))?;
+    if let Some(source) = tls.source() {
+        let mut changes = source.subscribe();
+        let (endpoint, tls, shared) = (endpoint.clone(), tls.clone(), shared.clone());
+        shared.tracker.clone().spawn(async move {
+            loop {
+                tokio::select! {
+                    () = shared.stop.cancelled() => return,
+                    changed = changes.changed() => if changed.is_err() { return },
+                }
+                match server_config(tls.config(), &shared.limits) {
+                    Ok(config) => {
+                        endpoint.set_server_config(Some(config));
+                        debug!("mesh QUIC endpoint: new connections use the reloaded TLS material");
+                    }
+                    Err(e) => warn!(error = %e, "mesh QUIC endpoint keeps its TLS material: the reloaded one does not suit QUIC"),
+                }
+            }
+        });
+    }
+    shared
+        .tracker
+        .spawn(accept_loop(endpoint.clone(), tls, shared.clone()));
+    Ok(endpoint)
+}
+
+/// The quinn server config: TLS, stream limits, idle timeout, sparse acknowledgements.
+fn server_config(
+    tls: Arc<rustls::ServerConfig>,
+    limits: &MeshLimits,
+) -> Result<quinn::ServerConfig, MeshError> {
     let crypto = QuicServerConfig::try_from(tls).map_err(|e| {
         MeshError::Config(format!("server TLS config cannot be used for QUIC: {e}"))
     })?;
     let mut transport = TransportConfig::default();
     // Raised per connection as streams open (see `StreamAllowance`), up to both
     // budgets, so that stream credit never runs out before a budget does.
-    let streams = INITIAL_STREAMS.min(stream_ceiling(&shared.limits));
+    let streams = INITIAL_STREAMS.min(stream_ceiling(limits));
     transport
         .max_concurrent_bidi_streams(VarInt::from_u32(streams))
         .max_concurrent_uni_streams(VarInt::from_u32(0))
-        .max_idle_timeout(Some(idle_timeout(&shared.limits)?))
+        .max_idle_timeout(Some(idle_timeout(limits)?))
         .ack_frequency_config(Some(sparse_acks()));
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     config.transport_config(Arc::new(transport));
     // Workers have fixed addresses; a peer's address changing mid-connection is not
     // something the mesh needs to support.
     config.migration(false);
-    let endpoint = endpoint_on(listen, Some(config))?;
-    shared
-        .tracker
-        .spawn(accept_loop(endpoint.clone(), shared.clone()));
-    Ok(endpoint)
+    Ok(config)
 }
 
 /// Kernel buffer asked for each mesh UDP socket. Bursts of datagrams from many
@@ -139,18 +180,20 @@ fn endpoint_on(bind: SocketAddr, server: Option<quinn::ServerConfig>) -> std::io
     )
 }
 
-async fn accept_loop(endpoint: Endpoint, shared: Arc<ServerShared>) {
+async fn accept_loop(endpoint: Endpoint, tls: ServerTls, shared: Arc<ServerShared>) {
     loop {
         let incoming = tokio::select! {
             () = shared.stop.cancelled() => return,
             incoming = endpoint.accept() => incoming,
         };
         let Some(incoming) = incoming else { return };
-        shared.tracker.spawn(connection(incoming, shared.clone()));
+        shared
+            .tracker
+            .spawn(connection(incoming, tls.clone(), shared.clone()));
     }
 }
 
-async fn connection(incoming: quinn::Incoming, shared: Arc<ServerShared>) {
+async fn connection(incoming: quinn::Incoming, tls: ServerTls, shared: Arc<ServerShared>) {
     let remote = incoming.remote_address();
     let limits = &shared.limits;
     let conn = match timeout(limits.connect_timeout, incoming).await {
@@ -165,14 +208,15 @@ async fn connection(incoming: quinn::Incoming, shared: Arc<ServerShared>) {
         }
         Ok(Ok(conn)) => conn,
     };
-    let identity = match peer_identity(&conn) {
-        Ok(identity) => identity,
-        Err(reason) => {
-            warn!(%remote, %reason, "mesh peer has no mesh identity; closing");
-            conn.close(GREETING_FAILED, b"no mesh identity");
-            return;
-        }
-    };
+    let identity =
+        match peer_chain(&conn).and_then(|chain| tls.peer(&chain).map_err(|e| e.to_string())) {
+            Ok(identity) => identity,
+            Err(reason) => {
+                warn!(%remote, %reason, "mesh peer has no mesh identity; closing");
+                conn.close(GREETING_FAILED, b"no mesh identity");
+                return;
+            }
+        };
     let greeting = tokio::select! {
         () = shared.stop.cancelled() => return,
         stream = timeout(limits.connect_timeout, conn.accept_bi()) => stream,
@@ -194,9 +238,10 @@ async fn connection(incoming: quinn::Incoming, shared: Arc<ServerShared>) {
     };
     let _ = writer.get_mut().finish();
     drop((reader, writer));
+    let close_at = ConnectionLife::owner_close_at(limits.max_connection_age, identity.not_after);
     let peer = PeerInfo {
         addr: remote,
-        identity,
+        identity: identity.member,
         worker_id,
         transport: TransportKind::Quic,
     };
@@ -208,11 +253,19 @@ async fn connection(incoming: quinn::Incoming, shared: Arc<ServerShared>) {
     });
     // Made once: each `cancelled()` future takes the token's lock when first polled.
     let stopped = shared.stop.cancelled();
-    tokio::pin!(stopped);
+    let too_old = tokio::time::sleep_until(close_at);
+    tokio::pin!(stopped, too_old);
     loop {
         let stream = tokio::select! {
             () = &mut stopped => {
                 conn.close(VarInt::from_u32(0), b"mesh server stopped");
+                return;
+            }
+            () = &mut too_old => {
+                // The caller should have moved on at the maximum age; one that did not,
+                // or whose certificate just expired, is cut off here.
+                warn!(%remote, peer = %peer.worker_id, identity = %peer.identity, "mesh QUIC connection closed: it outlived its maximum age or its peer's certificate");
+                conn.close(CONNECTION_TOO_OLD, b"connection outlived its age or certificate");
                 return;
             }
             stream = conn.accept_bi() => stream,
@@ -377,22 +430,24 @@ impl ExchangeLink for QuicLink {
     }
 }
 
-/// The mesh identity in the peer's certificate (already verified by the TLS layer).
-fn peer_identity(conn: &Connection) -> Result<String, String> {
-    let certs = conn
-        .peer_identity()
+/// The peer's certificate chain (already verified by the TLS layer).
+fn peer_chain(conn: &Connection) -> Result<Vec<CertificateDer<'static>>, String> {
+    conn.peer_identity()
         .and_then(|any| any.downcast::<Vec<CertificateDer<'static>>>().ok())
-        .ok_or("no client certificate")?;
-    let leaf = certs.first().ok_or("empty certificate chain")?;
-    mcpgw_certs::peer_identity(leaf).map_err(|e| e.to_string())
+        .map(|chain| *chain)
+        .ok_or_else(|| "no peer certificate".to_owned())
 }
 
 // ---------------------------------------------------------------- client side
 
 /// The QUIC peer pool: one connection per peer address.
 pub(crate) struct QuicClient {
-    /// quinn client config (TLS with ALPN, transport limits).
-    config: quinn::ClientConfig,
+    /// TLS material, read at every dial.
+    tls: ClientTls,
+    /// quinn transport limits, the same for every dial.
+    transport: Arc<TransportConfig>,
+    /// Identities registered for the workers we expect.
+    identities: Arc<IdentityBook>,
     /// Announced in `Hello`.
     worker_id: String,
     /// Timeouts and frame size.
@@ -420,7 +475,11 @@ impl PeerSlot {
     fn current(&self) -> Option<PeerConn> {
         let mut live = self.live.lock();
         match &*live {
-            Some(pc) if pc.conn.close_reason().is_none() => Some(pc.clone()),
+            // Old enough: new requests go to a new connection (with the material in use
+            // now). Streams still open keep this one alive until they end.
+            Some(pc) if pc.conn.close_reason().is_none() && !pc.life.retire_due() => {
+                Some(pc.clone())
+            }
             Some(_) => {
                 *live = None;
                 None
@@ -435,17 +494,21 @@ struct PeerConn {
     conn: Connection,
     /// The worker id this connection's `Welcome` named.
     worker_id: String,
+    /// The mesh identity (URI) in the owner's certificate.
+    identity: String,
+    /// When it stops taking new streams, and when it closes.
+    life: ConnectionLife,
 }
 
 impl QuicClient {
     pub(crate) fn new(
-        tls: Arc<rustls::ClientConfig>,
+        tls: ClientTls,
         worker_id: String,
         limits: MeshLimits,
+        identities: Arc<IdentityBook>,
     ) -> Result<Self, MeshError> {
-        let crypto = QuicClientConfig::try_from(tls).map_err(|e| {
-            MeshError::Config(format!("client TLS config cannot be used for QUIC: {e}"))
-        })?;
+        // Checked once here, so a config that cannot work fails at start, not at a dial.
+        quic_client_crypto(tls.config())?;
         let mut transport = TransportConfig::default();
         transport
             .max_idle_timeout(Some(idle_timeout(&limits)?))
@@ -456,10 +519,10 @@ impl QuicClient {
             .max_concurrent_bidi_streams(VarInt::from_u32(0))
             .max_concurrent_uni_streams(VarInt::from_u32(0))
             .ack_frequency_config(Some(sparse_acks()));
-        let mut config = quinn::ClientConfig::new(Arc::new(crypto));
-        config.transport_config(Arc::new(transport));
         Ok(Self {
-            config,
+            tls,
+            transport: Arc::new(transport),
+            identities,
             worker_id,
             limits,
             endpoints: Mutex::new([None, None]),
@@ -541,8 +604,12 @@ impl QuicClient {
         let addr = resolve(peer_addr, self.limits.connect_timeout).await?;
         let endpoint = self.endpoint_for(addr)?;
         let attempt = async {
+            // The TLS material is taken per dial, so new material reaches the next
+            // connection.
+            let mut config = quinn::ClientConfig::new(quic_client_crypto(self.tls.config())?);
+            config.transport_config(self.transport.clone());
             let connecting = endpoint
-                .connect_with(self.config.clone(), addr, MESH_SERVER_NAME)
+                .connect_with(config, addr, MESH_SERVER_NAME)
                 .map_err(|e| MeshError::Connect {
                     addr: peer_addr.to_owned(),
                     reason: e.to_string(),
@@ -550,8 +617,35 @@ impl QuicClient {
             let conn = connecting
                 .await
                 .map_err(|e| connection_error(peer_addr, &e))?;
+            let identity = peer_chain(&conn)
+                .and_then(|chain| self.tls.peer(&chain).map_err(|e| e.to_string()))
+                .map_err(|reason| MeshError::Tls {
+                    addr: peer_addr.to_owned(),
+                    reason,
+                })?;
             match self.greet(&conn, peer_addr, expect).await {
-                Ok(worker_id) => Ok(PeerConn { conn, worker_id }),
+                Ok(worker_id) => {
+                    let life = ConnectionLife::starting_now(
+                        self.limits.max_connection_age,
+                        identity.not_after,
+                    );
+                    // A connection never outlives its peer's certificate, busy or not.
+                    let expiring = conn.clone();
+                    tokio::spawn(async move {
+                        tokio::select! {
+                            () = tokio::time::sleep_until(life.close_at) => {
+                                expiring.close(CONNECTION_TOO_OLD, b"the peer's certificate expired");
+                            }
+                            _ = expiring.closed() => {}
+                        }
+                    });
+                    Ok(PeerConn {
+                        conn,
+                        worker_id,
+                        identity: identity.uri,
+                        life,
+                    })
+                }
                 Err(e) => {
                     // A TLS 1.3 server rejects our certificate after our side of the
                     // handshake is done; the close reason says so.
@@ -605,7 +699,8 @@ impl QuicClient {
         let mut retried = false;
         loop {
             let pc = self.connection(peer_addr, expect).await?;
-            if pc.worker_id != expect && !retried {
+            let trusted = self.identities.check(peer_addr, expect, &pc.identity);
+            if (trusted.is_err() || pc.worker_id != expect) && !retried {
                 // A pooled connection to a worker that lived at this address before
                 // (killed hosts close nothing) proves nothing about the one there now:
                 // only a fresh handshake does.
@@ -613,6 +708,9 @@ impl QuicClient {
                 retried = true;
                 continue;
             }
+            // A fresh connection from another member than the expected worker's proves
+            // nothing, whichever worker it names.
+            trusted?;
             if pc.worker_id != expect {
                 return Err(MeshError::WrongWorker {
                     addr: peer_addr.to_owned(),

@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use futures_util::{FutureExt, StreamExt};
 use mcpgw_wire::{ErrorFrame, ErrorKind, Frame, PROTOCOL_VERSION, RequestFrame, WireError};
-use rustls::ServerConfig;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::{Instant, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
@@ -20,7 +19,7 @@ use super::budget::{Budgets, Permit, StreamClass, is_event_stream};
 use super::error::LinkError;
 use super::framed::{FrameReader, FrameWriter, SendError};
 use super::{MeshError, MeshLimits, MeshService, PeerInfo, ResponsePart, TransportKind};
-use super::{RedisTransportConfig, quic, redis, tcp};
+use super::{RedisTransportConfig, ServerTls, quic, redis, tcp};
 
 /// Starts mesh servers. See [`MeshServer::bind`].
 #[derive(Debug)]
@@ -30,31 +29,28 @@ impl MeshServer {
     /// Binds the worker's mesh endpoint on `listen` and starts serving forwarded
     /// requests with `service`.
     ///
-    /// `tls` comes from `mcpgw-certs` (client certificates from the mesh CA required);
-    /// the mesh ALPN is added here. `local_worker_id` is what `Welcome` answers, so that
+    /// `tls` comes from `mcpgw-certs` (client certificates from the mesh CA required):
+    /// a fixed config, or a `MeshTlsSource` whose new material every new handshake uses
+    /// (see the `tls` module); the mesh ALPN is added here when it is missing. `local_worker_id` is what `Welcome` answers, so that
     /// callers can tell this worker from a successor on the same address. QUIC binds
     /// its own UDP socket (never `SO_REUSEPORT`: one consumer per worker endpoint).
     pub async fn bind(
         kind: TransportKind,
         listen: SocketAddr,
-        tls: Arc<ServerConfig>,
+        tls: impl Into<ServerTls>,
         local_worker_id: impl Into<String>,
         service: Arc<dyn MeshService>,
         limits: MeshLimits,
     ) -> Result<MeshServerHandle, MeshError> {
-        let mut tls = (*tls).clone();
-        tls.alpn_protocols = vec![super::MESH_ALPN.to_vec()];
+        let tls = tls.into();
         let shared = ServerShared::new(kind, local_worker_id.into(), service, limits);
         let (local_addr, endpoint) = match kind {
             TransportKind::Quic => {
-                let endpoint = quic::serve(listen, Arc::new(tls), shared.clone())?;
+                let endpoint = quic::serve(listen, tls, shared.clone())?;
                 let addr = endpoint.local_addr()?;
                 (addr, Some(endpoint))
             }
-            TransportKind::Tcp => (
-                tcp::serve(listen, Arc::new(tls), shared.clone()).await?,
-                None,
-            ),
+            TransportKind::Tcp => (tcp::serve(listen, tls, shared.clone()).await?, None),
             TransportKind::Redis => {
                 return Err(MeshError::Config(
                     "the Redis transport takes no TLS config and binds no socket: start it \

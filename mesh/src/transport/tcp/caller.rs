@@ -16,6 +16,7 @@ use tracing::{debug, warn};
 use super::mux::{MuxRead, MuxReader, Outbox, PushError};
 use crate::transport::client::ExState;
 use crate::transport::error::LinkError;
+use crate::transport::tls::ConnectionLife;
 
 /// One greeted connection, caller side.
 pub(crate) struct CallerConn {
@@ -27,6 +28,10 @@ pub(crate) struct CallerConn {
     open: AtomicUsize,
     /// The worker id this connection's `Welcome` named.
     pub(super) worker_id: String,
+    /// The mesh identity (URI) in the owner's certificate.
+    pub(super) identity: String,
+    /// When the pool stops using it, and when it closes.
+    pub(super) life: ConnectionLife,
     /// Credit each exchange starts with; the caller credits back as it reads.
     window: usize,
     /// Cancelled when the connection is unusable (read or write failed, closed).
@@ -68,7 +73,13 @@ struct InboxState {
 }
 
 impl CallerConn {
-    pub(super) fn new(outbox: Arc<Outbox>, worker_id: String, window: usize) -> Arc<Self> {
+    pub(super) fn new(
+        outbox: Arc<Outbox>,
+        worker_id: String,
+        identity: String,
+        life: ConnectionLife,
+        window: usize,
+    ) -> Arc<Self> {
         Arc::new(Self {
             outbox,
             routes: Mutex::new(Routes {
@@ -77,6 +88,8 @@ impl CallerConn {
             }),
             open: AtomicUsize::new(0),
             worker_id,
+            identity,
+            life,
             window: window.max(1),
             dead: CancellationToken::new(),
             closed: AtomicBool::new(false),

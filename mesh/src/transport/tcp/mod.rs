@@ -51,7 +51,8 @@ use super::client::{greet as client_greet, resolve};
 use super::error::tls_cause;
 use super::framed::{FrameReader, FrameWriter};
 use super::server::{ServerShared, greet as server_greet};
-use super::{MeshError, MeshLimits, PeerInfo, TransportKind};
+use super::tls::{ConnectionLife, IdentityBook};
+use super::{ClientTls, MeshError, MeshLimits, PeerInfo, ServerTls, TransportKind};
 
 /// Sets the socket options every mesh TCP connection wants, on both ends.
 fn tune(stream: &TcpStream, limits: &MeshLimits) {
@@ -74,7 +75,7 @@ fn tune(stream: &TcpStream, limits: &MeshLimits) {
 /// Binds the TCP listener and spawns its accept loop.
 pub(crate) async fn serve(
     listen: SocketAddr,
-    tls: Arc<rustls::ServerConfig>,
+    tls: ServerTls,
     shared: Arc<ServerShared>,
 ) -> Result<SocketAddr, MeshError> {
     let listener = TcpListener::bind(listen).await?;
@@ -85,11 +86,7 @@ pub(crate) async fn serve(
     Ok(addr)
 }
 
-async fn accept_loop(
-    listener: TcpListener,
-    tls: Arc<rustls::ServerConfig>,
-    shared: Arc<ServerShared>,
-) {
+async fn accept_loop(listener: TcpListener, tls: ServerTls, shared: Arc<ServerShared>) {
     loop {
         let accepted = tokio::select! {
             () = shared.stop.cancelled() => return,
@@ -97,11 +94,11 @@ async fn accept_loop(
         };
         match accepted {
             Ok((stream, remote)) => {
-                // The server's TLS config is taken per accepted connection.
-                let acceptor = TlsAcceptor::from(tls.clone());
+                // The server's TLS config is taken per accepted connection, so new
+                // material reaches the next handshake.
                 shared
                     .tracker
-                    .spawn(connection(stream, remote, acceptor, shared.clone()));
+                    .spawn(connection(stream, remote, tls.clone(), shared.clone()));
             }
             Err(e) => {
                 // Out of file descriptors and the like: wait instead of spinning.
@@ -115,11 +112,12 @@ async fn accept_loop(
 async fn connection(
     stream: TcpStream,
     remote: SocketAddr,
-    acceptor: TlsAcceptor,
+    material: ServerTls,
     shared: Arc<ServerShared>,
 ) {
     let limits = &shared.limits;
     tune(&stream, limits);
+    let acceptor = TlsAcceptor::from(material.config());
     let tls = match timeout(limits.connect_timeout, acceptor.accept(stream)).await {
         Err(_) => {
             warn!(%remote, "mesh TLS handshake timed out");
@@ -136,8 +134,7 @@ async fn connection(
         .get_ref()
         .1
         .peer_certificates()
-        .and_then(|certs| certs.first())
-        .map(|leaf| mcpgw_certs::peer_identity(leaf))
+        .map(|chain| material.peer(chain))
     {
         Some(Ok(identity)) => identity,
         Some(Err(e)) => {
@@ -156,24 +153,35 @@ async fn connection(
         let _ = writer.get_mut().shutdown().await;
         return;
     };
+    let close_at = ConnectionLife::owner_close_at(limits.max_connection_age, identity.not_after);
     let peer = PeerInfo {
         addr: remote,
-        identity,
+        identity: identity.member,
         worker_id,
         transport: TransportKind::Tcp,
     };
     debug!(%remote, peer = %peer.worker_id, identity = %peer.identity, "mesh TCP peer connected");
     let (read, leftover) = reader.into_parts();
     let reader = MuxReader::new(read, leftover, limits.max_frame);
-    owner::serve_connection(shared.clone(), peer, reader, writer.into_inner()).await;
+    let (worker, member) = (peer.worker_id.clone(), peer.identity.clone());
+    tokio::select! {
+        () = owner::serve_connection(shared.clone(), peer, reader, writer.into_inner()) => {}
+        () = tokio::time::sleep_until(close_at) => {
+            // The caller should have moved on at the maximum age; one that did not, or
+            // whose certificate just expired, is cut off here.
+            warn!(%remote, peer = %worker, identity = %member, "mesh TCP connection closed: it outlived its maximum age or its peer's certificate");
+        }
+    }
 }
 
 // ---------------------------------------------------------------- client side
 
 /// What it takes to open a connection to a peer; shared with background dials.
 struct Dialer {
-    /// TLS client (our leaf, mesh CA, ALPN), used for every dial.
-    connector: TlsConnector,
+    /// TLS client material (our leaf, mesh CA, ALPN), read at every dial.
+    tls: ClientTls,
+    /// Identities registered for the workers we expect.
+    identities: Arc<IdentityBook>,
     /// Announced in `Hello`.
     worker_id: String,
     /// Timeouts, frame size, window.
@@ -211,7 +219,14 @@ impl TcpPeer {
     /// connection is busy and there is room for another).
     fn pick(&self, pool_size: usize) -> (Option<Arc<CallerConn>>, bool) {
         let mut conns = self.conns.lock();
-        conns.retain(|c| c.usable());
+        conns.retain(|c| {
+            if c.usable() && c.life.retire_due() {
+                // Old enough: new requests go to a new connection (with the material in
+                // use now); this one closes when its exchanges end.
+                c.retire();
+            }
+            c.usable()
+        });
         let best = conns.iter().min_by_key(|c| c.load()).cloned();
         let grow = conns.len() < pool_size && best.as_ref().is_some_and(|c| c.load() > 0);
         (best, grow)
@@ -238,14 +253,16 @@ impl TcpPeer {
 
 impl TcpClient {
     pub(crate) fn new(
-        tls: Arc<rustls::ClientConfig>,
+        tls: ClientTls,
         worker_id: String,
         limits: MeshLimits,
+        identities: Arc<IdentityBook>,
     ) -> Self {
         let stop = CancellationToken::new();
         Self {
             dialer: Arc::new(Dialer {
-                connector: TlsConnector::from(tls),
+                tls,
+                identities,
                 worker_id,
                 limits,
                 stop: stop.clone(),
@@ -327,13 +344,20 @@ impl TcpClient {
         let mut retried = false;
         loop {
             let conn = self.connection(&peer, peer_addr, expect).await?;
-            if conn.worker_id != expect && !retried {
+            let trusted = self
+                .dialer
+                .identities
+                .check(peer_addr, expect, &conn.identity);
+            if (trusted.is_err() || conn.worker_id != expect) && !retried {
                 // A pooled connection may lead to a worker that lived at this address
                 // before; only a fresh handshake proves who answers there now.
                 self.forget_peer(peer_addr);
                 retried = true;
                 continue;
             }
+            // A fresh connection from another member than the expected worker's proves
+            // nothing, whichever worker it names.
+            trusted?;
             if conn.worker_id != expect {
                 // A fresh connection leads to another worker: the expected one is gone.
                 return Err(MeshError::WrongWorker {
@@ -383,33 +407,70 @@ impl Dialer {
             tune(&stream, limits);
             let name = ServerName::try_from(MESH_SERVER_NAME)
                 .map_err(|e| MeshError::Config(format!("mesh server name: {e}")))?;
-            // The client's TLS config is taken per dial.
-            let tls =
-                self.connector
-                    .connect(name, stream)
-                    .await
-                    .map_err(|e| match tls_cause(&e) {
-                        Some(reason) => MeshError::Tls {
-                            addr: addr_str(),
-                            reason,
-                        },
-                        None => MeshError::Connect {
-                            addr: addr_str(),
-                            reason: format!("TLS handshake failed: {e}"),
-                        },
-                    })?;
+            // The client's TLS config is taken per dial, so new material reaches the
+            // next connection.
+            let tls = TlsConnector::from(self.tls.config())
+                .connect(name, stream)
+                .await
+                .map_err(|e| match tls_cause(&e) {
+                    Some(reason) => MeshError::Tls {
+                        addr: addr_str(),
+                        reason,
+                    },
+                    None => MeshError::Connect {
+                        addr: addr_str(),
+                        reason: format!("TLS handshake failed: {e}"),
+                    },
+                })?;
+            let identity = tls
+                .get_ref()
+                .1
+                .peer_certificates()
+                .map(|chain| self.tls.peer(chain))
+                .unwrap_or_else(|| {
+                    Err(mcpgw_certs::CertError::Parse(
+                        "the peer presented no certificate".into(),
+                    ))
+                })
+                .map_err(|e| MeshError::Tls {
+                    addr: addr_str(),
+                    reason: e.to_string(),
+                })?;
             let (read, write) = tokio::io::split(tls);
             let mut reader = FrameReader::new(read, limits.max_frame);
             let mut writer = FrameWriter::new(write, limits.max_frame);
             let worker_id =
                 client_greet(peer_addr, &self.worker_id, expect, &mut reader, &mut writer).await?;
-            Ok::<_, MeshError>((reader, writer, worker_id))
+            Ok::<_, MeshError>((reader, writer, worker_id, identity))
         };
-        let (reader, writer, worker_id) = timeout(limits.connect_timeout, attempt)
+        let (reader, writer, worker_id, identity) = timeout(limits.connect_timeout, attempt)
             .await
             .unwrap_or_else(|_| Err(MeshError::ConnectTimeout { addr: addr_str() }))?;
+        let life = ConnectionLife::starting_now(limits.max_connection_age, identity.not_after);
         let outbox = Outbox::new(limits.max_frame);
-        let conn = CallerConn::new(outbox.clone(), worker_id, limits.stream_window);
+        let conn = CallerConn::new(
+            outbox.clone(),
+            worker_id,
+            identity.uri,
+            life,
+            limits.stream_window,
+        );
+        // A connection never outlives its peer's certificate, busy or not.
+        let expiring = conn.clone();
+        let stop = self.stop.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = tokio::time::sleep_until(life.close_at) => {
+                    debug!(peer = %expiring.worker_id, "mesh TCP connection closed: the peer's certificate expired");
+                    expiring.fail_all(super::error::LinkError::Broken {
+                        reason: "the peer's certificate expired".into(),
+                        tls: None,
+                    });
+                }
+                () = expiring.dead.cancelled() => {}
+                () = stop.cancelled() => {}
+            }
+        });
         let (read, leftover) = reader.into_parts();
         let reader = MuxReader::new(read, leftover, limits.max_frame);
         tokio::spawn(read_loop(conn.clone(), reader, self.stop.clone()));

@@ -1,0 +1,249 @@
+//! Where the mesh transports take their TLS material, how long a connection may live on
+//! it, and whose identity a peer must present.
+//!
+//! Configs are read per handshake ([`ServerTls::config`], [`ClientTls::config`]), so a
+//! worker following its certificate files (`mcpgw_certs::MeshTlsSource`) uses new
+//! material for every new connection the moment it is published, while connections
+//! already up keep theirs. Old material still leaves the fleet within a known time:
+//!
+//! - a caller stops opening exchanges on a connection older than
+//!   [`MeshLimits::max_connection_age`](super::MeshLimits::max_connection_age) and
+//!   lets it close once its exchanges end (a new connection takes the new requests), so
+//!   no request fails because its connection was replaced;
+//! - an owner closes a connection that is still open at
+//!   [`hard_age`] (held streams then end; clients reconnect them);
+//! - both ends close a connection when the peer's certificate expires.
+//!
+//! A caller that knows the identity registered for the worker it expects
+//! ([`IdentityBook`]) believes a `Welcome` only from that identity: a valid leaf of
+//! another mesh member can neither stand in for the worker nor, by answering as another
+//! worker, prove it gone.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use mcpgw_certs::{CertError, MeshTlsSource, PeerIdentity, TrustDomain};
+use parking_lot::RwLock;
+use rustls::pki_types::CertificateDer;
+use rustls::{ClientConfig, ServerConfig};
+use tokio::time::Instant;
+
+use super::MESH_ALPN;
+
+/// The ALPN list every mesh config carries.
+pub(crate) fn mesh_alpn() -> Vec<Vec<u8>> {
+    vec![MESH_ALPN.to_vec()]
+}
+
+/// Settings to build a `MeshTlsSource` with, so that its configs carry the mesh ALPN
+/// already and a transport hands them to rustls or quinn without a copy.
+pub fn mesh_tls_settings(trust_domain: TrustDomain) -> mcpgw_certs::MeshTlsSettings {
+    mcpgw_certs::MeshTlsSettings {
+        trust_domain,
+        alpn_protocols: mesh_alpn(),
+    }
+}
+
+/// The material a mesh server accepts connections with.
+#[derive(Clone, Debug)]
+pub struct ServerTls(Material<ServerConfig>);
+
+/// The material a mesh client dials with.
+#[derive(Clone, Debug)]
+pub struct ClientTls(Material<ClientConfig>);
+
+#[derive(Clone, Debug)]
+enum Material<C> {
+    /// A config that never changes (tools, tests); identities of the default trust
+    /// domain.
+    Fixed(Arc<C>),
+    /// Material that follows its files.
+    Following(MeshTlsSource),
+}
+
+impl From<Arc<ServerConfig>> for ServerTls {
+    fn from(config: Arc<ServerConfig>) -> Self {
+        Self(Material::Fixed(server_with_alpn(config)))
+    }
+}
+
+impl From<MeshTlsSource> for ServerTls {
+    fn from(source: MeshTlsSource) -> Self {
+        Self(Material::Following(source))
+    }
+}
+
+impl From<Arc<ClientConfig>> for ClientTls {
+    fn from(config: Arc<ClientConfig>) -> Self {
+        Self(Material::Fixed(client_with_alpn(config)))
+    }
+}
+
+impl From<MeshTlsSource> for ClientTls {
+    fn from(source: MeshTlsSource) -> Self {
+        Self(Material::Following(source))
+    }
+}
+
+impl ServerTls {
+    /// The config for the next accepted handshake.
+    pub(crate) fn config(&self) -> Arc<ServerConfig> {
+        match &self.0 {
+            Material::Fixed(config) => config.clone(),
+            Material::Following(source) => server_with_alpn(source.server_config()),
+        }
+    }
+
+    /// Identity and expiry of a peer whose chain this material's verifier accepted.
+    pub(crate) fn peer(&self, chain: &[CertificateDer<'_>]) -> Result<PeerIdentity, CertError> {
+        self.0.peer(chain)
+    }
+
+    /// The source, for a transport that must push new material somewhere (quinn).
+    pub(crate) fn source(&self) -> Option<&MeshTlsSource> {
+        match &self.0 {
+            Material::Fixed(_) => None,
+            Material::Following(source) => Some(source),
+        }
+    }
+}
+
+impl ClientTls {
+    /// The config for the next dial.
+    pub(crate) fn config(&self) -> Arc<ClientConfig> {
+        match &self.0 {
+            Material::Fixed(config) => config.clone(),
+            Material::Following(source) => client_with_alpn(source.client_config()),
+        }
+    }
+
+    /// Identity and expiry of a peer whose chain this material's verifier accepted.
+    pub(crate) fn peer(&self, chain: &[CertificateDer<'_>]) -> Result<PeerIdentity, CertError> {
+        self.0.peer(chain)
+    }
+}
+
+impl<C> Material<C> {
+    fn peer(&self, chain: &[CertificateDer<'_>]) -> Result<PeerIdentity, CertError> {
+        match self {
+            Material::Fixed(_) => PeerIdentity::from_chain(chain, &TrustDomain::default()),
+            Material::Following(source) => source.peer(chain),
+        }
+    }
+}
+
+fn server_with_alpn(config: Arc<ServerConfig>) -> Arc<ServerConfig> {
+    if config.alpn_protocols == mesh_alpn() {
+        return config;
+    }
+    let mut config = (*config).clone();
+    config.alpn_protocols = mesh_alpn();
+    Arc::new(config)
+}
+
+fn client_with_alpn(config: Arc<ClientConfig>) -> Arc<ClientConfig> {
+    if config.alpn_protocols == mesh_alpn() {
+        return config;
+    }
+    let mut config = (*config).clone();
+    config.alpn_protocols = mesh_alpn();
+    Arc::new(config)
+}
+
+/// The mesh identity (URI) registered for each worker id this caller forwards to, as
+/// the directory published it with the worker's lease. A worker with no entry is
+/// checked by mTLS alone (any member of the mesh).
+#[derive(Debug, Default)]
+pub(crate) struct IdentityBook {
+    by_worker: RwLock<HashMap<String, String>>,
+}
+
+impl IdentityBook {
+    pub(crate) fn record(&self, worker_id: &str, identity: &str) {
+        let mut book = self.by_worker.write();
+        if book.get(worker_id).map(String::as_str) != Some(identity) {
+            book.insert(worker_id.to_owned(), identity.to_owned());
+        }
+    }
+
+    pub(crate) fn forget(&self, worker_id: &str) {
+        self.by_worker.write().remove(worker_id);
+    }
+
+    /// Whether a connection whose certificate says `presented` may speak for
+    /// `expect_worker_id`: it must be the identity registered for that worker (when one
+    /// is). The answer covers a `Welcome` naming another worker too: only the member
+    /// the expected worker registered can tell that the expected worker left its
+    /// address (its host restarted it under a new id).
+    pub(crate) fn check(
+        &self,
+        peer_addr: &str,
+        expect_worker_id: &str,
+        presented: &str,
+    ) -> Result<(), super::MeshError> {
+        match self.by_worker.read().get(expect_worker_id) {
+            Some(registered) if registered != presented => {
+                Err(super::MeshError::IdentityMismatch {
+                    addr: peer_addr.to_owned(),
+                    expected: expect_worker_id.to_owned(),
+                    registered: registered.clone(),
+                    presented: presented.to_owned(),
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// When a connection made now should stop taking new exchanges (its age reached
+/// `max_age`, or the peer's certificate expires) and when it must close (the peer's
+/// certificate expired). `max_age` zero: no age limit.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ConnectionLife {
+    /// No new exchange from then on; the connection closes when its last one ends.
+    pub(crate) retire_at: Instant,
+    /// Closed then, exchanges or not.
+    pub(crate) close_at: Instant,
+}
+
+/// Far enough to mean "never" and still add to an `Instant` without overflow.
+const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+impl ConnectionLife {
+    pub(crate) fn starting_now(max_age: Duration, peer_not_after: SystemTime) -> Self {
+        let now = Instant::now();
+        let cert_left = peer_not_after
+            .duration_since(SystemTime::now())
+            .unwrap_or(Duration::ZERO)
+            .min(FOREVER);
+        let close_at = now + cert_left;
+        let retire_at = if max_age.is_zero() {
+            close_at
+        } else {
+            close_at.min(now + max_age)
+        };
+        Self {
+            retire_at,
+            close_at,
+        }
+    }
+
+    /// The owner's bound: the peer's certificate, and [`hard_age`] after it connected.
+    pub(crate) fn owner_close_at(max_age: Duration, peer_not_after: SystemTime) -> Instant {
+        let life = Self::starting_now(hard_age(max_age), peer_not_after);
+        life.retire_at
+    }
+
+    pub(crate) fn retire_due(&self) -> bool {
+        Instant::now() >= self.retire_at
+    }
+}
+
+/// How long an owner lets a connection live: one and a half maximum ages, so a caller
+/// that retired it at the maximum age had half an age for its exchanges to end, and a
+/// peer that never retires its connections (an old version, a stolen key) is cut off
+/// anyway. Zero: no limit.
+pub fn hard_age(max_age: Duration) -> Duration {
+    max_age + max_age / 2
+}
