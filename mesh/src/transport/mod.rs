@@ -216,6 +216,10 @@ pub struct PeerInfo {
     pub worker_id: String,
     /// The transport the request came over.
     pub transport: TransportKind,
+    /// Which of this server's connections carried the request (numbered from 1 as
+    /// they are accepted; 0 over Redis), for logs: a caller replacing its connections
+    /// shows up as new numbers.
+    pub connection: u64,
 }
 
 /// One piece of a response produced by a [`MeshService`].

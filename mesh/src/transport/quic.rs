@@ -244,6 +244,7 @@ async fn connection(incoming: quinn::Incoming, tls: ServerTls, shared: Arc<Serve
         identity: identity.member,
         worker_id,
         transport: TransportKind::Quic,
+        connection: shared.next_connection(),
     };
     debug!(%remote, peer = %peer.worker_id, identity = %peer.identity, "mesh QUIC peer connected");
     let allowance = Arc::new(StreamAllowance {

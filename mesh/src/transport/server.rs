@@ -211,6 +211,8 @@ pub(crate) struct ServerShared {
     /// Exchanges in flight per peer worker id, short and long, for
     /// `max_in_flight_per_peer` and `max_streams_per_peer`.
     pub(crate) budgets: Arc<Budgets>,
+    /// Connections accepted so far, to number them.
+    pub(crate) connections: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for ServerShared {
@@ -244,7 +246,13 @@ impl ServerShared {
             tracker: TaskTracker::new(),
             exchanges: TaskTracker::new(),
             budgets,
+            connections: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// A number for the next accepted connection (1, 2, …), unique in this server.
+    pub(crate) fn next_connection(&self) -> u64 {
+        self.connections.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     /// Takes a slot of `class` for `peer`, or answers with the `Busy` error frame that

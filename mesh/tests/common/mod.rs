@@ -80,6 +80,7 @@ pub fn head(peer: &PeerInfo) -> ResponsePart {
             ("x-peer-worker".into(), peer.worker_id.clone()),
             ("x-peer-identity".into(), peer.identity.clone()),
             ("x-peer-addr".into(), peer.addr.to_string()),
+            ("x-peer-connection".into(), peer.connection.to_string()),
         ],
     })
 }

@@ -266,6 +266,7 @@ impl Owner {
             identity: String::new(),
             worker_id: caller.to_owned(),
             transport: TransportKind::Redis,
+            connection: 0,
         };
         let mut response = shared.service.serve(request, peer);
         let keepalive = keepalive_interval(&shared.limits);

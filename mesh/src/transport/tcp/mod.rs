@@ -159,19 +159,12 @@ async fn connection(
         identity: identity.member,
         worker_id,
         transport: TransportKind::Tcp,
+        connection: shared.next_connection(),
     };
     debug!(%remote, peer = %peer.worker_id, identity = %peer.identity, "mesh TCP peer connected");
     let (read, leftover) = reader.into_parts();
     let reader = MuxReader::new(read, leftover, limits.max_frame);
-    let (worker, member) = (peer.worker_id.clone(), peer.identity.clone());
-    tokio::select! {
-        () = owner::serve_connection(shared.clone(), peer, reader, writer.into_inner()) => {}
-        () = tokio::time::sleep_until(close_at) => {
-            // The caller should have moved on at the maximum age; one that did not, or
-            // whose certificate just expired, is cut off here.
-            warn!(%remote, peer = %worker, identity = %member, "mesh TCP connection closed: it outlived its maximum age or its peer's certificate");
-        }
-    }
+    owner::serve_connection(shared.clone(), peer, reader, writer.into_inner(), close_at).await;
 }
 
 // ---------------------------------------------------------------- client side

@@ -72,6 +72,7 @@ pub(super) async fn serve_connection<R, W>(
     peer: PeerInfo,
     mut reader: MuxReader<R>,
     mut write: W,
+    close_at: tokio::time::Instant,
 ) where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
@@ -104,12 +105,20 @@ pub(super) async fn serve_connection<R, W>(
     });
     // Made once: each `cancelled()` future takes the token's lock when first polled.
     let (stopped, failed) = (shared.stop.cancelled(), write_failed.cancelled());
-    tokio::pin!(stopped, failed);
+    let too_old = tokio::time::sleep_until(close_at);
+    tokio::pin!(stopped, failed, too_old);
     loop {
         let read = tokio::select! {
             biased;
             () = &mut stopped => break,
             () = &mut failed => break,
+            () = &mut too_old => {
+                // The caller should have moved on at the maximum age; one that did not,
+                // or whose certificate just expired, is cut off here.
+                warn!(peer = %peer.worker_id, identity = %peer.identity, addr = %peer.addr,
+                    "mesh TCP connection closed: it outlived its maximum age or its peer's certificate");
+                break;
+            }
             read = reader.next() => read,
         };
         match read {

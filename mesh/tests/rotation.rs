@@ -1,0 +1,389 @@
+//! Mesh TLS that changes while connections live: material reloaded from files reaches
+//! new handshakes on both transports, connections are replaced at their maximum age
+//! without failing a request, a peer's expired leaf closes its connection and is
+//! refused afterwards, and a `Welcome` is believed only from the identity registered
+//! for the worker it speaks for.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use mcpgw_certs::{
+    MeshTls, MeshTlsFiles, MeshTlsSource, Pem, ReloadOptions, ReloadOutcome, TrustDomain,
+    generate_ca, issue_leaf, write_file_atomically, write_pem_files,
+};
+use mcpgw_mesh::transport::{
+    MeshClient, MeshError, MeshLimits, MeshServer, TransportKind, mesh_tls_settings,
+};
+use mcpgw_testkit::pki::{Pki, YEAR};
+
+const KINDS: [TransportKind; 2] = [TransportKind::Quic, TransportKind::Tcp];
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// Runs `test` for both transports, each bounded by [`TEST_TIMEOUT`].
+fn on_both<F, Fut>(test: F)
+where
+    F: Fn(TransportKind) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    for kind in KINDS {
+        runtime().block_on(async {
+            tokio::time::timeout(TEST_TIMEOUT, test(kind))
+                .await
+                .unwrap_or_else(|_| panic!("{kind}: timed out"))
+        });
+    }
+}
+
+fn source(dir: &Path, member: &str) -> MeshTlsSource {
+    MeshTlsSource::watch(
+        &MeshTlsFiles::in_dir(dir, member),
+        &mesh_tls_settings(TrustDomain::default()),
+        ReloadOptions {
+            poll_interval: Duration::from_secs(3600),
+            settle: Duration::from_millis(20),
+        },
+    )
+    .expect("load mesh material")
+}
+
+fn write_bundle(dir: &Path, cas: &[&Pem]) {
+    let bundle: String = cas.iter().map(|ca| ca.cert.as_str()).collect();
+    write_file_atomically(&dir.join("ca.crt"), bundle.as_bytes(), false).expect("bundle");
+}
+
+fn write_leaf(dir: &Path, ca: &Pem, member: &str, validity: Duration) {
+    let leaf = issue_leaf(ca, member, validity).expect("leaf");
+    write_pem_files(dir, member, &leaf).expect("write leaf");
+}
+
+async fn reload(source: &MeshTlsSource) {
+    match source.reload_now().await {
+        ReloadOutcome::Reloaded | ReloadOutcome::Unchanged => {}
+        ReloadOutcome::Refused(reason) => panic!("reload refused: {reason}"),
+    }
+}
+
+async fn echo(client: &MeshClient, addr: &str, worker: &str) -> Result<String, MeshError> {
+    let response = client
+        .forward(addr, worker, request("/echo", "ping"))
+        .await?;
+    let peer = header(response.head(), "x-peer-connection")
+        .unwrap_or_default()
+        .to_owned();
+    let (body, _) = body_of(response).await?;
+    assert_eq!(body, b"ping");
+    Ok(peer)
+}
+
+/// The staged rollover of a CA, with owner and caller following their files, and a
+/// caller that kept only old-CA material refused once the old CA is gone.
+#[test]
+fn a_staged_ca_rollover_reaches_new_connections_and_shuts_out_old_material() {
+    init_tracing();
+    on_both(|kind| async move {
+        let old_ca = generate_ca("old CA", YEAR).expect("CA");
+        let new_ca = generate_ca("new CA", YEAR).expect("CA");
+        let owner_dir = tempfile::tempdir().expect("dir");
+        let caller_dir = tempfile::tempdir().expect("dir");
+        let stale_dir = tempfile::tempdir().expect("dir");
+        for (dir, member) in [
+            (&owner_dir, "owner"),
+            (&caller_dir, "caller"),
+            (&stale_dir, "stale"),
+        ] {
+            write_bundle(dir.path(), &[&old_ca]);
+            write_leaf(dir.path(), &old_ca, member, YEAR);
+        }
+        let owner_tls = source(owner_dir.path(), "owner");
+        let caller_tls = source(caller_dir.path(), "caller");
+        let record = Arc::new(Record::default());
+        let limits = MeshLimits {
+            max_connection_age: Duration::from_millis(200),
+            ..limits()
+        };
+        let server = MeshServer::bind(
+            kind,
+            "127.0.0.1:0".parse().expect("addr"),
+            owner_tls.clone(),
+            OWNER,
+            Arc::new(TestService {
+                record: record.clone(),
+            }),
+            limits.clone(),
+        )
+        .await
+        .expect("bind");
+        let addr = server.local_addr().to_string();
+        let client =
+            MeshClient::new(kind, caller_tls.clone(), CALLER, limits.clone()).expect("client");
+        let stale_tls = MeshTls::load(&MeshTlsFiles::in_dir(stale_dir.path(), "stale"))
+            .expect("stale material");
+        let stale = MeshClient::new(kind, stale_tls.client_config(), "stale-1", limits.clone())
+            .expect("client");
+        echo(&client, &addr, OWNER).await.expect("before");
+        echo(&stale, &addr, OWNER).await.expect("stale before");
+
+        // begin: both CAs trusted everywhere.
+        for (dir, tls) in [(&owner_dir, &owner_tls), (&caller_dir, &caller_tls)] {
+            write_bundle(dir.path(), &[&old_ca, &new_ca]);
+            reload(tls).await;
+        }
+        echo(&client, &addr, OWNER).await.expect("after begin");
+        // reissue: leaves from the new CA.
+        for (dir, tls, member) in [
+            (&owner_dir, &owner_tls, "owner"),
+            (&caller_dir, &caller_tls, "caller"),
+        ] {
+            write_leaf(dir.path(), &new_ca, member, YEAR);
+            reload(tls).await;
+        }
+        // Past the maximum age: the caller dials a new connection for the next request.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        echo(&client, &addr, OWNER).await.expect("after reissue");
+        // finish: only the new CA.
+        for (dir, tls) in [(&owner_dir, &owner_tls), (&caller_dir, &caller_tls)] {
+            write_bundle(dir.path(), &[&new_ca]);
+            reload(tls).await;
+        }
+        assert_eq!(owner_tls.current().ca_fingerprints().len(), 1);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        echo(&client, &addr, OWNER).await.expect("after finish");
+
+        // The stale caller's connection outlives nothing: the owner closes it at 1.5
+        // maximum ages, and a new handshake with old-CA material is refused.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let refused = echo(&stale, &addr, OWNER)
+            .await
+            .expect_err("old-CA material after finish");
+        assert!(
+            matches!(refused, MeshError::Tls { .. } | MeshError::Connect { .. }),
+            "{kind}: expected a TLS refusal, got {refused:?}"
+        );
+        assert!(!refused.proves_peer_gone(), "{kind}: {refused:?}");
+        eprintln!("{kind}: old-CA material refused: {refused}");
+    });
+}
+
+/// Connections are replaced at their maximum age while requests keep flowing: none
+/// fails, and more than one connection carried them.
+#[test]
+fn connections_are_replaced_at_their_maximum_age_without_failing_a_request() {
+    init_tracing();
+    on_both(|kind| async move {
+        let limits = MeshLimits {
+            max_connection_age: Duration::from_millis(150),
+            tcp_pool_size: 1,
+            ..limits()
+        };
+        let mesh = Mesh::start_with(kind, limits.clone(), limits).await;
+        let addr = mesh.addr();
+        let mut tasks = Vec::new();
+        for _ in 0..8 {
+            let client = mesh.client.clone();
+            let addr = addr.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut peers = std::collections::BTreeSet::new();
+                let until = tokio::time::Instant::now() + Duration::from_millis(1500);
+                while tokio::time::Instant::now() < until {
+                    peers.insert(echo(&client, &addr, OWNER).await?);
+                }
+                Ok::<_, MeshError>(peers)
+            }));
+        }
+        let mut connections = std::collections::BTreeSet::new();
+        for task in tasks {
+            connections.extend(task.await.expect("task").expect("no request may fail"));
+        }
+        assert!(
+            connections.len() >= 3,
+            "{kind}: requests over 1.5 s with a 150 ms maximum age used only {connections:?}"
+        );
+    });
+}
+
+/// A peer leaf that expires closes the connection it authenticated, and a new
+/// handshake with it is refused (no session resumption could carry it further).
+#[test]
+fn an_expired_leaf_closes_its_connection_and_is_refused() {
+    init_tracing();
+    on_both(|kind| async move {
+        let pki = Pki::new("expiry CA");
+        let owner = pki.member("owner");
+        let record = Arc::new(Record::default());
+        let server = MeshServer::bind(
+            kind,
+            "127.0.0.1:0".parse().expect("addr"),
+            owner.server_config(),
+            OWNER,
+            Arc::new(TestService {
+                record: record.clone(),
+            }),
+            limits(),
+        )
+        .await
+        .expect("bind");
+        let addr = server.local_addr().to_string();
+        // x509 validity has whole seconds: a leaf valid for about 3 s.
+        write_leaf(pki.dir.path(), &pki.ca, "brief", Duration::from_secs(3));
+        let brief = MeshTls::load(&MeshTlsFiles::in_dir(pki.dir.path(), "brief"))
+            .expect("brief leaf loads while valid");
+        let client =
+            MeshClient::new(kind, brief.client_config(), "brief-1", limits()).expect("client");
+        let first = echo(&client, &addr, OWNER).await.expect("while valid");
+        let wait = brief
+            .leaf_not_after()
+            .duration_since(std::time::SystemTime::now())
+            .unwrap_or_default();
+        tokio::time::sleep(wait + Duration::from_millis(1500)).await;
+        let refused = echo(&client, &addr, OWNER)
+            .await
+            .expect_err("an expired leaf");
+        assert!(
+            matches!(refused, MeshError::Tls { .. } | MeshError::Connect { .. }),
+            "{kind}: expected a TLS refusal, got {refused:?} (first request came from {first})"
+        );
+        assert!(!refused.proves_peer_gone());
+    });
+}
+
+/// A mesh member's valid leaf does not make it the worker that registered another
+/// identity: it cannot stand in for it, nor prove it gone by answering as another.
+#[test]
+fn a_welcome_counts_only_from_the_identity_registered_for_the_worker() {
+    init_tracing();
+    on_both(|kind| async move {
+        let mesh = Mesh::start(kind).await;
+        let rogue = mesh.pki.member("host-c");
+        let owner_uri = TrustDomain::default().member_uri("owner").expect("uri");
+        let rogue_uri = TrustDomain::default().member_uri("host-c").expect("uri");
+        for claims in [OWNER, "successor-9"] {
+            let record = Arc::new(Record::default());
+            let rogue_server = MeshServer::bind(
+                kind,
+                "127.0.0.1:0".parse().expect("addr"),
+                rogue.server_config(),
+                claims,
+                Arc::new(TestService {
+                    record: record.clone(),
+                }),
+                limits(),
+            )
+            .await
+            .expect("bind");
+            let client = MeshClient::new(
+                kind,
+                mesh.pki.member("caller").client_config(),
+                CALLER,
+                limits(),
+            )
+            .expect("client");
+            let rogue_addr = rogue_server.local_addr().to_string();
+            client.expect_identity(OWNER, Some(&owner_uri));
+            let err = client
+                .forward(&rogue_addr, OWNER, request("/echo", "x"))
+                .await
+                .expect_err("an identity other than the registered one");
+            match &err {
+                MeshError::IdentityMismatch {
+                    registered,
+                    presented,
+                    ..
+                } => {
+                    assert_eq!(registered, &owner_uri);
+                    assert_eq!(presented, &rogue_uri);
+                }
+                other => panic!("{kind}/{claims}: expected IdentityMismatch, got {other:?}"),
+            }
+            assert!(!err.proves_peer_gone(), "{kind}/{claims}: {err:?}");
+            assert_eq!(record.started.load(std::sync::atomic::Ordering::SeqCst), 0);
+            // The registered member may say its worker left (a successor answers).
+            client.expect_identity(OWNER, Some(&rogue_uri));
+            let answer = client
+                .forward(&rogue_addr, OWNER, request("/echo", "x"))
+                .await;
+            if claims == OWNER {
+                answer.expect("the registered identity is served");
+            } else {
+                let err = answer.expect_err("another worker answers");
+                assert!(
+                    matches!(err, MeshError::WrongWorker { .. }) && err.proves_peer_gone(),
+                    "{kind}: {err:?}"
+                );
+            }
+        }
+    });
+}
+
+/// A bad file is refused while the material in use keeps serving; the fixed file is
+/// then taken.
+#[test]
+fn a_bad_file_keeps_the_old_material_and_a_fixed_one_is_taken() {
+    init_tracing();
+    on_both(|kind| async move {
+        let ca = generate_ca("reload CA", YEAR).expect("CA");
+        let dir = tempfile::tempdir().expect("dir");
+        write_bundle(dir.path(), &[&ca]);
+        write_leaf(dir.path(), &ca, "owner", YEAR);
+        let owner_tls = source(dir.path(), "owner");
+        let server = MeshServer::bind(
+            kind,
+            "127.0.0.1:0".parse().expect("addr"),
+            owner_tls.clone(),
+            OWNER,
+            Arc::new(TestService {
+                record: Arc::new(Record::default()),
+            }),
+            limits(),
+        )
+        .await
+        .expect("bind");
+        let addr = server.local_addr().to_string();
+        write_leaf(dir.path(), &ca, "caller", YEAR);
+        let caller = MeshTls::load(&MeshTlsFiles::in_dir(dir.path(), "caller")).expect("caller");
+        let fingerprint = owner_tls.current().leaf_fingerprint().to_owned();
+
+        write_file_atomically(&dir.path().join("owner.crt"), b"not a certificate", false)
+            .expect("write");
+        assert!(matches!(
+            owner_tls.reload_now().await,
+            ReloadOutcome::Refused(_)
+        ));
+        assert_eq!(owner_tls.current().leaf_fingerprint(), fingerprint);
+        // New connections still get the old material.
+        let client =
+            MeshClient::new(kind, caller.client_config(), CALLER, limits()).expect("client");
+        echo(&client, &addr, OWNER)
+            .await
+            .expect("served with the old material");
+
+        write_leaf(dir.path(), &ca, "owner", YEAR);
+        // Taken by this check, or already by the watcher.
+        let outcome = owner_tls.reload_now().await;
+        assert!(
+            matches!(outcome, ReloadOutcome::Reloaded | ReloadOutcome::Unchanged),
+            "{kind}: {outcome:?}"
+        );
+        assert!(matches!(
+            owner_tls.reload_now().await,
+            ReloadOutcome::Unchanged
+        ));
+        assert_ne!(owner_tls.current().leaf_fingerprint(), fingerprint);
+        let fresh =
+            MeshClient::new(kind, caller.client_config(), CALLER, limits()).expect("client");
+        echo(&fresh, &addr, OWNER)
+            .await
+            .expect("served with the new material");
+        assert_eq!(owner_tls.stats().refused, 1);
+    });
+}

@@ -1,0 +1,362 @@
+//! Mesh certificate rotation on a live fleet: `mcpgw certs rotate begin`, `reissue` and
+//! `finish` while two supervisors of two workers each serve a continuous forwarded
+//! load, on QUIC and on TCP. No request may fail and no session may be lost; afterwards
+//! old-CA material is refused by every worker and `certs inspect` shows only leaves of
+//! the new CA. And a bad file during a reload leaves the worker serving.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread;
+use std::time::Duration;
+
+use mcpgw_testkit::fleet::{FLEET_CHANGE_WITHIN, LocalFleet, PREFIX};
+use mcpgw_testkit::http::{self, initialize, try_call_tool};
+use mcpgw_testkit::{RedisServer, eventually};
+use serde_json::{Value, json};
+
+/// Short enough that the test sees connections replaced, long enough that a request
+/// never races it on a slow machine.
+const MAX_AGE_MS: u64 = 2000;
+
+fn mcpgw(args: &[&str]) -> String {
+    let output = Command::new(mcpgw_testkit::bin("mcpgw"))
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("mcpgw {args:?}: {e}"));
+    assert!(
+        output.status.success(),
+        "mcpgw {args:?} failed: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// Every worker's admin `/state`, by worker id, from the admin address in its lease.
+fn states(redis: &RedisServer) -> HashMap<String, Value> {
+    redis
+        .keys(&format!("{PREFIX}worker:*"))
+        .into_iter()
+        .filter_map(|key| {
+            let id = key.strip_prefix(&format!("{PREFIX}worker:"))?.to_owned();
+            let lease: Value = serde_json::from_str(&redis.get(&key)?).ok()?;
+            let admin = lease["admin"].as_str()?.to_owned();
+            let state = http::try_request(&admin, "GET", "/state", &[], b"").ok()?;
+            Some((id, state.json()))
+        })
+        .collect()
+}
+
+/// Waits until all four workers' mesh material satisfies `done`.
+fn until_every_worker(redis: &RedisServer, what: &str, done: impl Fn(&Value) -> bool) {
+    eventually(FLEET_CHANGE_WITHIN, || {
+        let states = states(redis);
+        let behind: Vec<&String> = states
+            .iter()
+            .filter(|(_, state)| !done(&state["mesh_cert"]))
+            .map(|(id, _)| id)
+            .collect();
+        if states.len() == 4 && behind.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{what}: {} workers answer, not yet: {behind:?}",
+                states.len()
+            ))
+        }
+    });
+}
+
+/// Requests that failed, with what was answered.
+type Failures = Arc<parking_lot::Mutex<Vec<String>>>;
+
+/// Calls `echo` on each session through the supervisor that did not create it (so
+/// most calls cross the mesh), in a loop, until stopped.
+fn start_load(
+    sessions: Vec<(String, String)>,
+    stop: Arc<AtomicBool>,
+    failures: Failures,
+) -> Vec<thread::JoinHandle<u64>> {
+    sessions
+        .into_iter()
+        .map(|(addr, session)| {
+            let (stop, failures) = (stop.clone(), failures.clone());
+            thread::spawn(move || {
+                let mut calls = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    calls += 1;
+                    let text = format!("call {calls}");
+                    match try_call_tool(&addr, &session, calls, "echo", json!({"text": text})) {
+                        Ok(r) if r.status == 200 && r.tool_text().as_deref() == Some(&text) => {}
+                        Ok(r) => {
+                            failures
+                                .lock()
+                                .push(format!("{session}: {} {}", r.status, r.text()))
+                        }
+                        Err(e) => failures.lock().push(format!("{session}: {e}")),
+                    }
+                }
+                calls
+            })
+        })
+        .collect()
+}
+
+/// Sends one request over the mesh to every worker with `tls`; the outcomes.
+fn dial_every_worker(
+    redis: &RedisServer,
+    transport: &str,
+    tls: Arc<rustls::ClientConfig>,
+) -> Vec<Result<u16, String>> {
+    use mcpgw_mesh::transport::{MeshClient, MeshLimits, TransportKind};
+    let kind: TransportKind = transport.parse().expect("transport");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let workers = mcpgw_testkit::fleet::leases(redis);
+    runtime.block_on(async {
+        let client =
+            MeshClient::new(kind, tls, "old-material", MeshLimits::default()).expect("client");
+        let mut outcomes = Vec::new();
+        for (id, lease) in workers {
+            let frame = mcpgw_wire::RequestFrame {
+                request_id: 1,
+                session_id: None,
+                method: "GET".into(),
+                path: "/healthz".into(),
+                headers: Vec::new(),
+                body: Default::default(),
+                auth: mcpgw_wire::AuthContext {
+                    mode: mcpgw_wire::AuthMode::Public,
+                    subject: String::new(),
+                    scopes: Vec::new(),
+                    expires_at_ms: None,
+                    route: "demo".into(),
+                },
+                deadline_ms: 5000,
+            };
+            let outcome = tokio::time::timeout(
+                Duration::from_secs(15),
+                client.forward(&lease.addr, &id, frame),
+            )
+            .await
+            .map_err(|_| "timed out".to_owned())
+            .and_then(|r| r.map(|r| r.head().status).map_err(|e| e.to_string()));
+            outcomes.push(outcome);
+        }
+        outcomes
+    })
+}
+
+fn copy_material(from: &Path, to: &Path, member: &str) {
+    for name in [
+        "ca.crt".to_owned(),
+        format!("{member}.crt"),
+        format!("{member}.key"),
+    ] {
+        std::fs::copy(from.join(&name), to.join(&name))
+            .unwrap_or_else(|e| panic!("copy {name}: {e}"));
+    }
+}
+
+fn full_rotation_under_load(transport: &str) {
+    let age = MAX_AGE_MS.to_string();
+    let fleet = LocalFleet::start(
+        transport,
+        2,
+        &[
+            "--mesh-max-connection-age-ms",
+            &age,
+            "--mesh-cert-reload-interval-ms",
+            "500",
+        ],
+    );
+    let dir = fleet.certs.dir();
+    let dir_arg = dir.display().to_string();
+    let stale = tempfile::tempdir().expect("dir");
+    copy_material(&dir, stale.path(), "host-a");
+    until_every_worker(&fleet.redis, "material loaded", |cert| {
+        cert["ca_fingerprints"].as_array().map(Vec::len) == Some(1)
+    });
+    let first_leaves: HashMap<String, Value> = states(&fleet.redis)
+        .into_iter()
+        .map(|(id, state)| (id, state["mesh_cert"]["leaf_fingerprint"].clone()))
+        .collect();
+
+    // Sessions made on one host, called through the other: the mesh carries them.
+    let mut sessions = Vec::new();
+    for _ in 0..4 {
+        sessions.push((fleet.b.addr.clone(), initialize(&fleet.a.addr, "/mcp")));
+        sessions.push((fleet.a.addr.clone(), initialize(&fleet.b.addr, "/mcp")));
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let failures = Failures::default();
+    let load = start_load(sessions.clone(), stop.clone(), failures.clone());
+
+    thread::sleep(Duration::from_millis(500));
+    mcpgw(&["certs", "rotate", "begin", "--dir", &dir_arg]);
+    until_every_worker(&fleet.redis, "both CAs trusted", |cert| {
+        cert["ca_fingerprints"].as_array().map(Vec::len) == Some(2)
+    });
+    mcpgw(&["certs", "rotate", "reissue", "--dir", &dir_arg]);
+    eventually(FLEET_CHANGE_WITHIN, || {
+        let states = states(&fleet.redis);
+        let old: Vec<&String> = states
+            .iter()
+            .filter(|(id, state)| {
+                first_leaves.get(*id) == Some(&state["mesh_cert"]["leaf_fingerprint"])
+            })
+            .map(|(id, _)| id)
+            .collect();
+        if states.len() == 4 && old.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("workers still on their first leaf: {old:?}"))
+        }
+    });
+    // Connections made with old leaves retire within a maximum age.
+    thread::sleep(Duration::from_millis(MAX_AGE_MS));
+    mcpgw(&["certs", "rotate", "finish", "--dir", &dir_arg]);
+    until_every_worker(&fleet.redis, "only the new CA trusted", |cert| {
+        cert["ca_fingerprints"].as_array().map(Vec::len) == Some(1)
+    });
+    // Past 1.5 maximum ages every connection was made with the new material.
+    thread::sleep(Duration::from_millis(MAX_AGE_MS * 2));
+    stop.store(true, Ordering::Relaxed);
+    let calls: u64 = load
+        .into_iter()
+        .map(|t| t.join().expect("load thread"))
+        .sum();
+    let failed = failures.lock().clone();
+    eprintln!(
+        "{transport}: {calls} calls during the rotation, {} failed",
+        failed.len()
+    );
+    assert!(calls > 50, "{transport}: the load ran ({calls} calls)");
+    assert!(
+        failed.is_empty(),
+        "{transport}: requests failed: {failed:?}"
+    );
+    // No session lost: each still answers, through the other host.
+    for (addr, session) in &sessions {
+        let r =
+            try_call_tool(addr, session, 1, "echo", json!({"text": "after"})).expect("answered");
+        assert_eq!(r.status, 200, "{transport}: {session}: {}", r.text());
+    }
+
+    // A peer holding only old-CA material can no longer connect to any worker.
+    let old =
+        mcpgw_certs::MeshTls::load(&mcpgw_certs::MeshTlsFiles::in_dir(stale.path(), "host-a"))
+            .expect("old material still loads by itself");
+    let outcomes = dial_every_worker(&fleet.redis, transport, old.client_config());
+    assert_eq!(outcomes.len(), 4);
+    for outcome in &outcomes {
+        let refusal = outcome
+            .as_ref()
+            .expect_err("old-CA material must be refused");
+        eprintln!("{transport}: old material refused: {refusal}");
+    }
+    // Current material is served.
+    let current = mcpgw_certs::MeshTls::load(&mcpgw_certs::MeshTlsFiles::in_dir(&dir, "host-b"))
+        .expect("current material");
+    for outcome in dial_every_worker(&fleet.redis, transport, current.client_config()) {
+        assert_eq!(outcome, Ok(200), "{transport}: current material");
+    }
+
+    // `certs inspect`: only new-CA leaves, signed by the one CA in the bundle.
+    let report: Value =
+        serde_json::from_str(&mcpgw(&["certs", "inspect", "--dir", &dir_arg, "--json"]))
+            .expect("inspect JSON");
+    let cas = report["cas"].as_array().expect("cas");
+    assert_eq!(cas.len(), 1, "{report}");
+    let ca = cas[0]["cert"]["fingerprint_sha256"].clone();
+    let leaves = report["leaves"].as_array().expect("leaves");
+    assert!(leaves.len() >= 2, "{report}");
+    for leaf in leaves {
+        assert_eq!(leaf["signed_by"], ca, "{transport}: {leaf}");
+    }
+}
+
+#[test]
+fn a_full_rotation_under_forwarded_load_over_quic_fails_no_request() {
+    full_rotation_under_load("quic");
+}
+
+#[test]
+fn a_full_rotation_under_forwarded_load_over_tcp_fails_no_request() {
+    full_rotation_under_load("tcp");
+}
+
+/// A leaf file that does not parse is refused with the old material kept: the
+/// worker keeps forwarding, its metrics say so, and the fixed file is then taken.
+#[test]
+fn a_bad_certificate_file_keeps_the_worker_serving_until_it_is_fixed() {
+    let fleet = LocalFleet::start("tcp", 1, &["--mesh-cert-reload-interval-ms", "300"]);
+    let dir = fleet.certs.dir();
+    let session = initialize(&fleet.a.addr, "/mcp");
+    let leaf = dir.join("host-a.crt");
+    let good = std::fs::read(&leaf).expect("leaf");
+    let admin_of_a = fleet
+        .redis
+        .keys(&format!("{PREFIX}worker:*"))
+        .into_iter()
+        .filter_map(|key| {
+            let lease: Value = serde_json::from_str(&fleet.redis.get(&key)?).ok()?;
+            (lease["mesh_identity"].as_str()?.ends_with("/host-a"))
+                .then(|| lease["admin"].as_str().map(str::to_owned))?
+        })
+        .next()
+        .expect("host-a's worker");
+    mcpgw_certs::write_file_atomically(&leaf, b"-----BEGIN CERTIFICATE-----\nbroken\n", false)
+        .expect("write");
+    eventually(FLEET_CHANGE_WITHIN, || {
+        let metrics = http::try_request(&admin_of_a, "GET", "/metrics", &[], b"")?.text();
+        if metrics.contains("mcpgw_mesh_cert_refused_pending 1") {
+            Ok(())
+        } else {
+            Err("the bad file is not refused yet".into())
+        }
+    });
+    // Still serving, across the mesh, with the old material.
+    let r = try_call_tool(&fleet.b.addr, &session, 1, "echo", json!({"text": "still"}))
+        .expect("answered");
+    assert_eq!(r.status, 200, "{}", r.text());
+    let ready = http::try_request(&admin_of_a, "GET", "/readyz", &[], b"").expect("readyz");
+    assert_eq!(ready.status, 200, "{}", ready.text());
+
+    // A new leaf is picked up.
+    mcpgw(&[
+        "certs",
+        "issue",
+        "--dir",
+        &dir.display().to_string(),
+        "--name",
+        "host-a",
+    ]);
+    let fresh = std::fs::read(&leaf).expect("leaf");
+    assert_ne!(fresh, good);
+    eventually(FLEET_CHANGE_WITHIN, || {
+        let metrics = http::try_request(&admin_of_a, "GET", "/metrics", &[], b"")?.text();
+        if metrics.contains("mcpgw_mesh_cert_refused_pending 0")
+            && metrics.contains("mcpgw_mesh_cert_reloads_total{result=\"reloaded\"} 1")
+        {
+            Ok(())
+        } else {
+            Err(format!(
+                "not reloaded yet: {}",
+                metrics
+                    .lines()
+                    .filter(|l| l.contains("mesh_cert"))
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            ))
+        }
+    });
+    let r = try_call_tool(&fleet.b.addr, &session, 2, "echo", json!({"text": "fixed"}))
+        .expect("answered");
+    assert_eq!(r.status, 200, "{}", r.text());
+}
