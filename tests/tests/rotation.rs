@@ -260,11 +260,11 @@ fn full_rotation_under_load(transport: &str) {
             .expect_err("old-CA material must be refused");
         eprintln!("{transport}: old material refused: {refusal}");
     }
-    // Current material is served.
+    // Current material is served (any HTTP answer: the mesh let the request in).
     let current = mcpgw_certs::MeshTls::load(&mcpgw_certs::MeshTlsFiles::in_dir(&dir, "host-b"))
         .expect("current material");
     for outcome in dial_every_worker(&fleet.redis, transport, current.client_config()) {
-        assert_eq!(outcome, Ok(200), "{transport}: current material");
+        assert!(outcome.is_ok(), "{transport}: current material: {outcome:?}");
     }
 
     // `certs inspect`: only new-CA leaves, signed by the one CA in the bundle.
@@ -273,7 +273,8 @@ fn full_rotation_under_load(transport: &str) {
             .expect("inspect JSON");
     let cas = report["cas"].as_array().expect("cas");
     assert_eq!(cas.len(), 1, "{report}");
-    let ca = cas[0]["cert"]["fingerprint_sha256"].clone();
+    let ca = cas[0]["fingerprint_sha256"].clone();
+    assert!(ca.is_string(), "{report}");
     let leaves = report["leaves"].as_array().expect("leaves");
     assert!(leaves.len() >= 2, "{report}");
     for leaf in leaves {
@@ -318,7 +319,7 @@ fn a_bad_certificate_file_keeps_the_worker_serving_until_it_is_fixed() {
         if metrics.contains("mcpgw_mesh_cert_refused_pending 1") {
             Ok(())
         } else {
-            Err("the bad file is not refused yet".into())
+            Err("the bad file is not refused yet".to_owned())
         }
     });
     // Still serving, across the mesh, with the old material.
