@@ -64,6 +64,9 @@ REQUEST_TIMEOUT_S = 60.0
 # How long a worker may take to pick up rotated certificate files (watch, with a
 # periodic check as the fallback).
 ROTATE_WAIT_S = float(os.environ.get("MCPGW_TEST_ROTATE_WAIT_S", "5"))
+# The gateways' maximum mesh connection age here: short, so the rotation sees
+# connections replaced with the new material while the load runs.
+MAX_CONNECTION_AGE_S = float(os.environ.get("MCPGW_TEST_MAX_CONNECTION_AGE_MS", "4000")) / 1000
 PROTOCOL = "2025-11-25"
 JSON_AND_SSE = "application/json, text/event-stream"
 
@@ -153,6 +156,7 @@ class Fleet:
         self.env = {
             "MCPGW_IMAGE": IMAGE,
             "MCPGW_LEASE_MS": str(int(LEASE_S * 1000)),
+            "MCPGW_MESH_MAX_CONNECTION_AGE_MS": str(int(MAX_CONNECTION_AGE_S * 1000)),
             "MCPGW_LB_PORT": str(lb_port),
             "MCPGW_LB_BIND": "127.0.0.1",
             "MCPGW_SUBNET_PREFIX": subnet_prefix,
@@ -758,10 +762,18 @@ async def rotation_step(fleet: Fleet, load: Load) -> Step:
     await load.ensure_spread()
     start = now()
     live = [s for s in load.sessions if not s.ended]
+    reloads_before = {g: (await fleet.logs(g)).count("mesh TLS material reloaded") for g in GATEWAYS}
     for stage in ("begin", "reissue", "finish"):
         _, out = await fleet.compose("run", "--rm", "--no-deps", "-T", "certs", "rotate", stage)
         log(f"certs rotate {stage}: {out.strip().splitlines()[-1] if out.strip() else 'done'}")
-        await asyncio.sleep(ROTATE_WAIT_S)
+        # New material is taken at once; connections made with the old one are
+        # replaced within a maximum age, and must not fail a request meanwhile.
+        await asyncio.sleep(max(ROTATE_WAIT_S, MAX_CONNECTION_AGE_S * 1.5))
+    # Every worker took each stage's files: the bundle twice, its leaf once at least.
+    for g in GATEWAYS:
+        reloads = (await fleet.logs(g)).count("mesh TLS material reloaded") - reloads_before[g]
+        step.notes.append(f"{g}: {reloads} reloads")
+        check(reloads >= 3 * 2, f"rotation: {g}'s two workers reloaded {reloads} times, expected 3 each")
     _, status_out = await fleet.compose("run", "--rm", "--no-deps", "-T", "certs", "rotate", "status",
                                         check_status=False)
     step.notes.append(f"rotate status: {' '.join(status_out.split())[:200]}")
