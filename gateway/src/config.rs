@@ -298,7 +298,7 @@ impl Default for Config {
                 tcp_connections_per_peer: 2,
                 stream_window_bytes: 256 * 1024,
                 trust_domain: mcpgw_certs::DEFAULT_TRUST_DOMAIN.to_owned(),
-                max_connection_age: Duration::from_secs(3600),
+                max_connection_age: Duration::from_secs(600),
                 cert_reload_interval: Duration::from_secs(10),
             },
             auth: AuthConfig::default(),
@@ -374,7 +374,7 @@ pub struct ServeArgs {
     #[arg(long, env = "MCPGW_MESH_TRUST_DOMAIN")]
     pub mesh_trust_domain: Option<String>,
     /// Milliseconds a mesh connection takes new requests before a fresh one replaces
-    /// it (default 3600000, one hour); owners close one still open at 1.5× this.
+    /// it (default 600000, ten minutes); owners close one still open at 1.5× this.
     #[arg(long, env = "MCPGW_MESH_MAX_CONNECTION_AGE_MS")]
     pub mesh_max_connection_age_ms: Option<u64>,
     /// Milliseconds between fallback checks of the mesh certificate files (default

@@ -197,7 +197,7 @@ impl Default for MeshLimits {
             tcp_pool_size: 2,
             stream_window: 256 * 1024,
             idle_timeout: Duration::from_secs(15),
-            max_connection_age: Duration::from_secs(3600),
+            max_connection_age: Duration::from_secs(600),
         }
     }
 }
