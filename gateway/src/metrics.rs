@@ -128,6 +128,12 @@ pub struct OpLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HandshakeLabels {
+    pub side: &'static str,
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
     pub result: &'static str,
 }
@@ -159,6 +165,8 @@ pub struct Metrics {
     pub mesh_peers: Family<SideLabels, Gauge>,
     pub directory_calls: Family<DirectoryLabels, Counter>,
     pub directory_seconds: Family<OpLabels, Histogram>,
+    pub mesh_handshakes: Family<HandshakeLabels, Counter>,
+    pub mesh_connections: Family<SideLabels, Gauge>,
     pub mesh_cert_expiration: Gauge,
     pub mesh_cert_reloads: Family<ResultLabels, Counter>,
     pub mesh_cert_refused_pending: Gauge,
@@ -287,6 +295,18 @@ impl Metrics {
             Unit::Seconds,
             directory_seconds.clone(),
         );
+        let mesh_handshakes = Family::<HandshakeLabels, Counter>::default();
+        registry.register(
+            "mesh_handshakes",
+            "Mesh connection handshakes by side (caller dialled, owner accepted) and outcome: ok, or the cause of the failure (tls, identity, timeout, refused, greeting, io)",
+            mesh_handshakes.clone(),
+        );
+        let mesh_connections = Family::<SideLabels, Gauge>::default();
+        registry.register(
+            "mesh_connections",
+            "Mesh connections open now, by side",
+            mesh_connections.clone(),
+        );
         let mesh_cert_expiration = Gauge::default();
         registry.register(
             "mesh_cert_expiration_timestamp_seconds",
@@ -332,6 +352,8 @@ impl Metrics {
             mesh_peers,
             directory_calls,
             directory_seconds,
+            mesh_handshakes,
+            mesh_connections,
             mesh_cert_expiration,
             mesh_cert_reloads,
             mesh_cert_refused_pending,
@@ -461,6 +483,20 @@ impl mcpgw_mesh::directory::DirectoryObserver for Metrics {
         self.directory_seconds
             .get_or_create(&OpLabels { op })
             .observe(elapsed.as_secs_f64());
+    }
+}
+
+impl mcpgw_mesh::transport::MeshObserver for Metrics {
+    fn handshake(&self, side: &'static str, outcome: &'static str) {
+        self.mesh_handshakes
+            .get_or_create(&HandshakeLabels { side, outcome })
+            .inc();
+    }
+
+    fn connections(&self, side: &'static str, delta: i64) {
+        self.mesh_connections
+            .get_or_create(&SideLabels { side })
+            .inc_by(delta);
     }
 }
 

@@ -426,6 +426,7 @@ async fn join_fleet(
     .await
     .map_err(|e| WorkerError::Failed(e.to_string()))?;
     directory.observe_with(Arc::clone(&worker.metrics) as _);
+    mcpgw_mesh::transport::observe_mesh_with(Arc::clone(&worker.metrics) as _);
     let registered_at = tokio::time::Instant::now();
     let mut info = process::worker_info(Some(admin_addr.to_string()));
     info.mesh_identity = tls.as_ref().map(|tls| tls.current().leaf().uri.clone());

@@ -35,17 +35,26 @@ fn mcpgw(args: &[&str]) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
-/// Every worker's admin `/state`, by worker id, from the admin address in its lease.
+/// Every worker's admin `/state`, by worker id.
 fn states(redis: &RedisServer) -> HashMap<String, Value> {
+    admins(redis)
+        .into_iter()
+        .filter_map(|(id, admin)| {
+            let state = http::try_request(&admin, "GET", "/state", &[], b"").ok()?;
+            Some((id, state.json()))
+        })
+        .collect()
+}
+
+/// Every worker's id and admin listener address, from its lease.
+fn admins(redis: &RedisServer) -> Vec<(String, String)> {
     redis
         .keys(&format!("{PREFIX}worker:*"))
         .into_iter()
         .filter_map(|key| {
             let id = key.strip_prefix(&format!("{PREFIX}worker:"))?.to_owned();
             let lease: Value = serde_json::from_str(&redis.get(&key)?).ok()?;
-            let admin = lease["admin"].as_str()?.to_owned();
-            let state = http::try_request(&admin, "GET", "/state", &[], b"").ok()?;
-            Some((id, state.json()))
+            Some((id, lease["admin"].as_str()?.to_owned()))
         })
         .collect()
 }
@@ -260,11 +269,47 @@ fn full_rotation_under_load(transport: &str) {
             .expect_err("old-CA material must be refused");
         eprintln!("{transport}: old material refused: {refusal}");
     }
+    // The refusals and the replaced connections show in the workers' metrics.
+    let (mut owner_refusals, mut caller_handshakes) = (0.0, 0.0);
+    for (_, state_admin) in admins(&fleet.redis) {
+        let metrics = http::request(&state_admin, "GET", "/metrics", &[], b"").text();
+        for line in metrics
+            .lines()
+            .filter(|l| l.starts_with("mcpgw_mesh_handshakes_total{"))
+        {
+            let value: f64 = line
+                .rsplit_once(' ')
+                .and_then(|(_, v)| v.parse().ok())
+                .unwrap_or(0.0);
+            if line.contains("side=\"owner\"") && !line.contains("outcome=\"ok\"") {
+                owner_refusals += value;
+            }
+            if line.contains("side=\"caller\"") && line.contains("outcome=\"ok\"") {
+                caller_handshakes += value;
+            }
+        }
+    }
+    eprintln!(
+        "{transport}: {caller_handshakes} successful dials, {owner_refusals} refused handshakes"
+    );
+    assert!(
+        owner_refusals >= 1.0,
+        "{transport}: no refused handshake counted"
+    );
+    // Four workers, each dialling its peers again at least once per maximum age.
+    assert!(
+        caller_handshakes >= 8.0,
+        "{transport}: connections were not replaced ({caller_handshakes} dials)"
+    );
+
     // Current material is served (any HTTP answer: the mesh let the request in).
     let current = mcpgw_certs::MeshTls::load(&mcpgw_certs::MeshTlsFiles::in_dir(&dir, "host-b"))
         .expect("current material");
     for outcome in dial_every_worker(&fleet.redis, transport, current.client_config()) {
-        assert!(outcome.is_ok(), "{transport}: current material: {outcome:?}");
+        assert!(
+            outcome.is_ok(),
+            "{transport}: current material: {outcome:?}"
+        );
     }
 
     // `certs inspect`: only new-CA leaves, signed by the one CA in the bundle.

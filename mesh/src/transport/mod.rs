@@ -76,6 +76,7 @@ mod budget;
 mod client;
 mod error;
 mod framed;
+mod observe;
 mod quic;
 mod redis;
 mod server;
@@ -96,6 +97,7 @@ pub use self::redis::RedisTransportConfig;
 pub use budget::{StreamCounter, StreamCounts};
 pub use client::{CALLER_DEADLINE_GRACE, ForwardedResponse, MeshClient};
 pub use error::MeshError;
+pub use observe::{MeshObserver, observe_mesh_with};
 pub use server::{MeshServer, MeshServerHandle};
 pub use tls::{ClientTls, ServerTls, hard_age, mesh_tls_settings};
 

@@ -26,6 +26,7 @@ use tracing::{debug, warn};
 use super::client::{ExState, greet as client_greet, resolve};
 use super::error::{LinkError, quic_tls_cause};
 use super::framed::{FrameReader, FrameWriter, SendError};
+use super::observe::{self, OpenConnection};
 use super::server::{
     CallerEvent, ExchangeEnd, ExchangeLink, ServerShared, greet as server_greet, serve_next,
     timed_out,
@@ -199,11 +200,20 @@ async fn connection(incoming: quinn::Incoming, tls: ServerTls, shared: Arc<Serve
     let conn = match timeout(limits.connect_timeout, incoming).await {
         Err(_) => {
             warn!(%remote, "mesh QUIC handshake timed out");
+            observe::handshake("owner", "timeout");
             return;
         }
         Ok(Err(e)) => {
             let reason = quic_tls_cause(&e).unwrap_or_else(|| e.to_string());
             warn!(%remote, %reason, "mesh QUIC handshake failed");
+            observe::handshake(
+                "owner",
+                if quic_tls_cause(&e).is_some() {
+                    "tls"
+                } else {
+                    "io"
+                },
+            );
             return;
         }
         Ok(Ok(conn)) => conn,
@@ -213,6 +223,7 @@ async fn connection(incoming: quinn::Incoming, tls: ServerTls, shared: Arc<Serve
             Ok(identity) => identity,
             Err(reason) => {
                 warn!(%remote, %reason, "mesh peer has no mesh identity; closing");
+                observe::handshake("owner", "identity");
                 conn.close(GREETING_FAILED, b"no mesh identity");
                 return;
             }
@@ -223,12 +234,14 @@ async fn connection(incoming: quinn::Incoming, tls: ServerTls, shared: Arc<Serve
     };
     let Ok(Ok((send, recv))) = greeting else {
         debug!(%remote, "mesh peer opened no greeting stream; closing");
+        observe::handshake("owner", "greeting");
         conn.close(GREETING_FAILED, b"no greeting");
         return;
     };
     let mut reader = FrameReader::new(recv, limits.max_frame);
     let mut writer = FrameWriter::new(send, limits.max_frame);
     let Some(worker_id) = server_greet(&shared, remote, &mut reader, &mut writer).await else {
+        observe::handshake("owner", "greeting");
         let _ = writer.get_mut().finish();
         // Let the refusal reach the caller: it closes the connection when it has read
         // it. Closing first would discard the frames still in flight.
@@ -238,6 +251,8 @@ async fn connection(incoming: quinn::Incoming, tls: ServerTls, shared: Arc<Serve
     };
     let _ = writer.get_mut().finish();
     drop((reader, writer));
+    observe::handshake("owner", "ok");
+    let _open = OpenConnection::new("owner");
     let close_at = ConnectionLife::owner_close_at(limits.max_connection_age, identity.not_after);
     let peer = PeerInfo {
         addr: remote,
@@ -632,7 +647,9 @@ impl QuicClient {
                     );
                     // A connection never outlives its peer's certificate, busy or not.
                     let expiring = conn.clone();
+                    let open = OpenConnection::new("caller");
                     tokio::spawn(async move {
+                        let _open = open;
                         tokio::select! {
                             () = tokio::time::sleep_until(life.close_at) => {
                                 expiring.close(CONNECTION_TOO_OLD, b"the peer's certificate expired");
@@ -661,7 +678,7 @@ impl QuicClient {
                 }
             }
         };
-        tokio::select! {
+        let dialled = tokio::select! {
             result = timeout(self.limits.connect_timeout, attempt) => {
                 result.unwrap_or_else(|_| Err(MeshError::ConnectTimeout { addr: peer_addr.to_owned() }))
             }
@@ -669,7 +686,14 @@ impl QuicClient {
                 debug!(%addr, "mesh QUIC peer port unreachable (ICMP): nothing listens there");
                 Err(MeshError::Refused { addr: peer_addr.to_owned() })
             }
-        }
+        };
+        observe::handshake(
+            "caller",
+            dialled
+                .as_ref()
+                .map_or_else(observe::dial_failure, |_| "ok"),
+        );
+        dialled
     }
 
     async fn greet(
@@ -711,6 +735,9 @@ impl QuicClient {
             }
             // A fresh connection from another member than the expected worker's proves
             // nothing, whichever worker it names.
+            if trusted.is_err() {
+                observe::handshake("caller", "identity");
+            }
             trusted?;
             if pc.worker_id != expect {
                 return Err(MeshError::WrongWorker {

@@ -50,6 +50,7 @@ use self::mux::{MuxReader, Outbox, write_loop};
 use super::client::{greet as client_greet, resolve};
 use super::error::tls_cause;
 use super::framed::{FrameReader, FrameWriter};
+use super::observe::{self, OpenConnection};
 use super::server::{ServerShared, greet as server_greet};
 use super::tls::{ConnectionLife, IdentityBook};
 use super::{ClientTls, MeshError, MeshLimits, PeerInfo, ServerTls, TransportKind};
@@ -121,11 +122,13 @@ async fn connection(
     let tls = match timeout(limits.connect_timeout, acceptor.accept(stream)).await {
         Err(_) => {
             warn!(%remote, "mesh TLS handshake timed out");
+            observe::handshake("owner", "timeout");
             return;
         }
         Ok(Err(e)) => {
             let reason = tls_cause(&e).unwrap_or_else(|| e.to_string());
             warn!(%remote, %reason, "mesh TLS handshake failed");
+            observe::handshake("owner", "tls");
             return;
         }
         Ok(Ok(tls)) => tls,
@@ -139,10 +142,12 @@ async fn connection(
         Some(Ok(identity)) => identity,
         Some(Err(e)) => {
             warn!(%remote, error = %e, "mesh peer has no mesh identity; closing");
+            observe::handshake("owner", "identity");
             return;
         }
         None => {
             warn!(%remote, "mesh peer presented no certificate; closing");
+            observe::handshake("owner", "identity");
             return;
         }
     };
@@ -150,9 +155,12 @@ async fn connection(
     let mut reader = FrameReader::new(read, limits.max_frame);
     let mut writer = FrameWriter::new(write, limits.max_frame);
     let Some(worker_id) = server_greet(&shared, remote, &mut reader, &mut writer).await else {
+        observe::handshake("owner", "greeting");
         let _ = writer.get_mut().shutdown().await;
         return;
     };
+    observe::handshake("owner", "ok");
+    let _open = OpenConnection::new("owner");
     let close_at = ConnectionLife::owner_close_at(limits.max_connection_age, identity.not_after);
     let peer = PeerInfo {
         addr: remote,
@@ -350,6 +358,9 @@ impl TcpClient {
             }
             // A fresh connection from another member than the expected worker's proves
             // nothing, whichever worker it names.
+            if trusted.is_err() {
+                observe::handshake("caller", "identity");
+            }
             trusted?;
             if conn.worker_id != expect {
                 // A fresh connection leads to another worker: the expected one is gone.
@@ -438,7 +449,9 @@ impl Dialer {
         };
         let (reader, writer, worker_id, identity) = timeout(limits.connect_timeout, attempt)
             .await
-            .unwrap_or_else(|_| Err(MeshError::ConnectTimeout { addr: addr_str() }))?;
+            .unwrap_or_else(|_| Err(MeshError::ConnectTimeout { addr: addr_str() }))
+            .inspect_err(|e| observe::handshake("caller", observe::dial_failure(e)))?;
+        observe::handshake("caller", "ok");
         let life = ConnectionLife::starting_now(limits.max_connection_age, identity.not_after);
         let outbox = Outbox::new(limits.max_frame);
         let conn = CallerConn::new(
@@ -466,7 +479,12 @@ impl Dialer {
         });
         let (read, leftover) = reader.into_parts();
         let reader = MuxReader::new(read, leftover, limits.max_frame);
-        tokio::spawn(read_loop(conn.clone(), reader, self.stop.clone()));
+        let open = OpenConnection::new("caller");
+        let (reading, stop) = (conn.clone(), self.stop.clone());
+        tokio::spawn(async move {
+            let _open = open;
+            read_loop(reading, reader, stop).await;
+        });
         let mut write = writer.into_inner();
         let stall = limits.idle_timeout;
         let writer_conn = conn.clone();
