@@ -208,6 +208,11 @@ impl Worker {
         }
     }
 
+    /// Whether this worker was fenced (declared dead by the fleet).
+    pub fn is_fenced(&self) -> bool {
+        *self.fenced.borrow()
+    }
+
     /// Resolves once this worker is fenced.
     pub fn fenced(&self) -> watch::Receiver<bool> {
         self.fenced.subscribe()

@@ -100,6 +100,17 @@ async fn serve_forwarded(worker: &Arc<Worker>, frame: RequestFrame) -> Result<Re
         None => None,
         Some(id) => match worker.sessions.enter(id) {
             Some(session) => Some(session),
+            // Declared dead by the fleet, this worker dropped its sessions unended: the
+            // session is gone, which only this worker can say for sure (its directory
+            // record went with the reclaim, so "not mine" would read as "ended").
+            None if worker.is_fenced() => {
+                let error = worker.refuse(
+                    &crate::dispatch::table::Situation::OwnerGone,
+                    "the worker that held it was declared dead and dropped it",
+                    call.id(),
+                );
+                return Ok(Reply::from_error(&error));
+            }
             None => {
                 return Err(ErrorFrame {
                     kind: ErrorKind::NotOwner,
