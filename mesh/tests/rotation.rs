@@ -16,7 +16,8 @@ use mcpgw_certs::{
     generate_ca, issue_leaf, write_file_atomically, write_pem_files,
 };
 use mcpgw_mesh::transport::{
-    MeshClient, MeshError, MeshLimits, MeshServer, TransportKind, mesh_tls_settings,
+    MeshClient, MeshError, MeshLimits, MeshServer, MeshServerHandle, ServerTls, TransportKind,
+    mesh_tls_settings,
 };
 use mcpgw_testkit::pki::{Pki, YEAR};
 
@@ -67,6 +68,26 @@ fn write_leaf(dir: &Path, ca: &Pem, member: &str, validity: Duration) {
     write_pem_files(dir, member, &leaf).expect("write leaf");
 }
 
+/// A mesh server on a free loopback port, serving the test service as `worker`.
+async fn serve(
+    kind: TransportKind,
+    tls: impl Into<ServerTls>,
+    worker: &str,
+    record: Arc<Record>,
+    limits: MeshLimits,
+) -> MeshServerHandle {
+    MeshServer::bind(
+        kind,
+        "127.0.0.1:0".parse().expect("addr"),
+        tls,
+        worker,
+        Arc::new(TestService { record }),
+        limits,
+    )
+    .await
+    .expect("bind")
+}
+
 async fn reload(source: &MeshTlsSource) {
     match source.reload_now().await {
         ReloadOutcome::Reloaded | ReloadOutcome::Unchanged => {}
@@ -112,18 +133,14 @@ fn a_staged_ca_rollover_reaches_new_connections_and_shuts_out_old_material() {
             max_connection_age: Duration::from_millis(200),
             ..limits()
         };
-        let server = MeshServer::bind(
+        let server = serve(
             kind,
-            "127.0.0.1:0".parse().expect("addr"),
             owner_tls.clone(),
             OWNER,
-            Arc::new(TestService {
-                record: record.clone(),
-            }),
+            record.clone(),
             limits.clone(),
         )
-        .await
-        .expect("bind");
+        .await;
         let addr = server.local_addr().to_string();
         let client =
             MeshClient::new(kind, caller_tls.clone(), CALLER, limits.clone()).expect("client");
@@ -221,18 +238,7 @@ fn an_expired_leaf_closes_its_connection_and_is_refused() {
         let pki = Pki::new("expiry CA");
         let owner = pki.member("owner");
         let record = Arc::new(Record::default());
-        let server = MeshServer::bind(
-            kind,
-            "127.0.0.1:0".parse().expect("addr"),
-            owner.server_config(),
-            OWNER,
-            Arc::new(TestService {
-                record: record.clone(),
-            }),
-            limits(),
-        )
-        .await
-        .expect("bind");
+        let server = serve(kind, owner.server_config(), OWNER, record.clone(), limits()).await;
         let addr = server.local_addr().to_string();
         // x509 validity has whole seconds: a leaf valid for about 3 s.
         write_leaf(pki.dir.path(), &pki.ca, "brief", Duration::from_secs(3));
@@ -269,18 +275,14 @@ fn a_welcome_counts_only_from_the_identity_registered_for_the_worker() {
         let rogue_uri = TrustDomain::default().member_uri("host-c").expect("uri");
         for claims in [OWNER, "successor-9"] {
             let record = Arc::new(Record::default());
-            let rogue_server = MeshServer::bind(
+            let rogue_server = serve(
                 kind,
-                "127.0.0.1:0".parse().expect("addr"),
                 rogue.server_config(),
                 claims,
-                Arc::new(TestService {
-                    record: record.clone(),
-                }),
+                record.clone(),
                 limits(),
             )
-            .await
-            .expect("bind");
+            .await;
             let client = MeshClient::new(
                 kind,
                 mesh.pki.member("caller").client_config(),
@@ -336,18 +338,14 @@ fn a_bad_file_keeps_the_old_material_and_a_fixed_one_is_taken() {
         write_bundle(dir.path(), &[&ca]);
         write_leaf(dir.path(), &ca, "owner", YEAR);
         let owner_tls = source(dir.path(), "owner");
-        let server = MeshServer::bind(
+        let server = serve(
             kind,
-            "127.0.0.1:0".parse().expect("addr"),
             owner_tls.clone(),
             OWNER,
-            Arc::new(TestService {
-                record: Arc::new(Record::default()),
-            }),
+            Arc::new(Record::default()),
             limits(),
         )
-        .await
-        .expect("bind");
+        .await;
         let addr = server.local_addr().to_string();
         write_leaf(dir.path(), &ca, "caller", YEAR);
         let caller = MeshTls::load(&MeshTlsFiles::in_dir(dir.path(), "caller")).expect("caller");

@@ -53,17 +53,21 @@ impl MeshCerts {
     }
 }
 
+/// Runs `mcpgw ARGS…` to completion; its standard output. Panics with its output when
+/// it fails.
 #[track_caller]
-fn run_mcpgw(args: &[&str]) {
+pub fn run_mcpgw(args: &[&str]) -> String {
     let output = Command::new(crate::bin("mcpgw"))
         .args(args)
         .output()
         .unwrap_or_else(|e| panic!("cannot run mcpgw {args:?}: {e}"));
     assert!(
         output.status.success(),
-        "mcpgw {args:?} failed: {}",
+        "mcpgw {args:?} failed: {}{}",
+        String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
+    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 /// Options of one supervisor in a test fleet.

@@ -415,43 +415,8 @@ fn try_forward(
     addr: &str,
     owner: &str,
 ) -> Result<u16, String> {
-    use mcpgw_mesh::transport::{MeshClient, MeshLimits, TransportKind};
-    let kind: TransportKind = transport.parse().unwrap();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        let client = MeshClient::new(kind, tls, "probe", MeshLimits::default())
-            .map_err(|e| e.to_string())?;
-        let body = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": {
-            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
-            "io.modelcontextprotocol/clientCapabilities": {}}}});
-        let frame = mcpgw_wire::RequestFrame {
-            request_id: 1,
-            session_id: None,
-            method: "POST".into(),
-            path: "/mcp".into(),
-            headers: vec![
-                ("content-type".into(), "application/json".into()),
-                ("mcp-protocol-version".into(), "2026-07-28".into()),
-                ("mcp-method".into(), "tools/list".into()),
-            ],
-            body: body.to_string().into_bytes().into(),
-            auth: mcpgw_wire::AuthContext {
-                mode: mcpgw_wire::AuthMode::Public,
-                subject: String::new(),
-                scopes: Vec::new(),
-                expires_at_ms: None,
-                route: "demo".into(),
-            },
-            deadline_ms: 5000,
-        };
-        let response =
-            tokio::time::timeout(Duration::from_secs(15), client.forward(addr, owner, frame))
-                .await
-                .map_err(|_| "timed out".to_string())?
-                .map_err(|e| e.to_string())?;
-        Ok(response.head().status)
-    })
+    let targets = [(addr.to_owned(), owner.to_owned())];
+    mcpgw_tests::forward_once(transport, tls, &targets)
+        .pop()
+        .unwrap_or_else(|| Err("no outcome".into()))
 }

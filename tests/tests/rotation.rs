@@ -6,13 +6,12 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::Duration;
 
-use mcpgw_testkit::fleet::{FLEET_CHANGE_WITHIN, LocalFleet, PREFIX};
+use mcpgw_testkit::fleet::{FLEET_CHANGE_WITHIN, LocalFleet, PREFIX, run_mcpgw};
 use mcpgw_testkit::http::{self, initialize, try_call_tool};
 use mcpgw_testkit::{RedisServer, eventually};
 use serde_json::{Value, json};
@@ -20,20 +19,6 @@ use serde_json::{Value, json};
 /// Short enough that the test sees connections replaced, long enough that a request
 /// never races it on a slow machine.
 const MAX_AGE_MS: u64 = 2000;
-
-fn mcpgw(args: &[&str]) -> String {
-    let output = Command::new(mcpgw_testkit::bin("mcpgw"))
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("mcpgw {args:?}: {e}"));
-    assert!(
-        output.status.success(),
-        "mcpgw {args:?} failed: {}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
 
 /// Every worker's admin `/state`, by worker id.
 fn states(redis: &RedisServer) -> HashMap<String, Value> {
@@ -120,45 +105,11 @@ fn dial_every_worker(
     transport: &str,
     tls: Arc<rustls::ClientConfig>,
 ) -> Vec<Result<u16, String>> {
-    use mcpgw_mesh::transport::{MeshClient, MeshLimits, TransportKind};
-    let kind: TransportKind = transport.parse().expect("transport");
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let workers = mcpgw_testkit::fleet::leases(redis);
-    runtime.block_on(async {
-        let client =
-            MeshClient::new(kind, tls, "old-material", MeshLimits::default()).expect("client");
-        let mut outcomes = Vec::new();
-        for (id, lease) in workers {
-            let frame = mcpgw_wire::RequestFrame {
-                request_id: 1,
-                session_id: None,
-                method: "GET".into(),
-                path: "/healthz".into(),
-                headers: Vec::new(),
-                body: Default::default(),
-                auth: mcpgw_wire::AuthContext {
-                    mode: mcpgw_wire::AuthMode::Public,
-                    subject: String::new(),
-                    scopes: Vec::new(),
-                    expires_at_ms: None,
-                    route: "demo".into(),
-                },
-                deadline_ms: 5000,
-            };
-            let outcome = tokio::time::timeout(
-                Duration::from_secs(15),
-                client.forward(&lease.addr, &id, frame),
-            )
-            .await
-            .map_err(|_| "timed out".to_owned())
-            .and_then(|r| r.map(|r| r.head().status).map_err(|e| e.to_string()));
-            outcomes.push(outcome);
-        }
-        outcomes
-    })
+    let targets: Vec<(String, String)> = mcpgw_testkit::fleet::leases(redis)
+        .into_iter()
+        .map(|(id, lease)| (lease.addr, id))
+        .collect();
+    mcpgw_tests::forward_once(transport, tls, &targets)
 }
 
 fn copy_material(from: &Path, to: &Path, member: &str) {
@@ -207,11 +158,11 @@ fn full_rotation_under_load(transport: &str) {
     let load = start_load(sessions.clone(), stop.clone(), failures.clone());
 
     thread::sleep(Duration::from_millis(500));
-    mcpgw(&["certs", "rotate", "begin", "--dir", &dir_arg]);
+    run_mcpgw(&["certs", "rotate", "begin", "--dir", &dir_arg]);
     until_every_worker(&fleet.redis, "both CAs trusted", |cert| {
         cert["ca_fingerprints"].as_array().map(Vec::len) == Some(2)
     });
-    mcpgw(&["certs", "rotate", "reissue", "--dir", &dir_arg]);
+    run_mcpgw(&["certs", "rotate", "reissue", "--dir", &dir_arg]);
     eventually(FLEET_CHANGE_WITHIN, || {
         let states = states(&fleet.redis);
         let old: Vec<&String> = states
@@ -229,7 +180,7 @@ fn full_rotation_under_load(transport: &str) {
     });
     // Connections made with old leaves retire within a maximum age.
     thread::sleep(Duration::from_millis(MAX_AGE_MS));
-    mcpgw(&["certs", "rotate", "finish", "--dir", &dir_arg]);
+    run_mcpgw(&["certs", "rotate", "finish", "--dir", &dir_arg]);
     until_every_worker(&fleet.redis, "only the new CA trusted", |cert| {
         cert["ca_fingerprints"].as_array().map(Vec::len) == Some(1)
     });
@@ -313,9 +264,10 @@ fn full_rotation_under_load(transport: &str) {
     }
 
     // `certs inspect`: only new-CA leaves, signed by the one CA in the bundle.
-    let report: Value =
-        serde_json::from_str(&mcpgw(&["certs", "inspect", "--dir", &dir_arg, "--json"]))
-            .expect("inspect JSON");
+    let report: Value = serde_json::from_str(&run_mcpgw(&[
+        "certs", "inspect", "--dir", &dir_arg, "--json",
+    ]))
+    .expect("inspect JSON");
     let cas = report["cas"].as_array().expect("cas");
     assert_eq!(cas.len(), 1, "{report}");
     let ca = cas[0]["fingerprint_sha256"].clone();
@@ -375,7 +327,7 @@ fn a_bad_certificate_file_keeps_the_worker_serving_until_it_is_fixed() {
     assert_eq!(ready.status, 200, "{}", ready.text());
 
     // A new leaf is picked up.
-    mcpgw(&[
+    run_mcpgw(&[
         "certs",
         "issue",
         "--dir",
