@@ -49,6 +49,8 @@ pub struct Config {
     pub trust_forwarded_for: bool,
     /// Log one line per successful request too (failed ones are always logged).
     pub log_requests: bool,
+    /// OTLP/HTTP traces endpoint (`http://collector:4318/v1/traces`); none: no spans.
+    pub otlp_endpoint: Option<String>,
 }
 
 /// One upstream MCP server: its route name, where it is, and how the gateway reaches it.
@@ -305,6 +307,7 @@ impl Default for Config {
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             trust_forwarded_for: false,
             log_requests: false,
+            otlp_endpoint: None,
         }
     }
 }
@@ -411,6 +414,10 @@ pub struct ServeArgs {
     /// Log a line for every request, not only for failed ones.
     #[arg(long, env = "MCPGW_LOG_REQUESTS")]
     pub log_requests: bool,
+    /// Export spans as OTLP/HTTP JSON to this traces endpoint
+    /// (e.g. http://127.0.0.1:4318/v1/traces); off by default.
+    #[arg(long, env = "MCPGW_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
     /// Take the client address from X-Forwarded-For (only behind a proxy that sets it).
     #[arg(long, env = "MCPGW_TRUST_FORWARDED_FOR")]
     pub trust_forwarded_for: bool,
@@ -434,6 +441,8 @@ struct FileConfig {
     auth: AuthConfig,
     #[serde(default)]
     admin: FileAdmin,
+    #[serde(default)]
+    telemetry: FileTelemetry,
 }
 
 /// One `[[upstream]]` table: `url` (http, https, or `stdio:COMMAND ARG…`) or
@@ -463,6 +472,12 @@ struct FileUpstream {
 enum FileCommand {
     Words(Vec<String>),
     Line(String),
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileTelemetry {
+    otlp_endpoint: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -588,6 +603,9 @@ impl Config {
         set_ms(&mut self.limits.body_timeout, l.body_timeout_ms);
         set(&mut self.limits.max_header_bytes, l.max_header_bytes);
         set(&mut self.trust_forwarded_for, file.trust_forwarded_for);
+        if file.telemetry.otlp_endpoint.is_some() {
+            self.otlp_endpoint = file.telemetry.otlp_endpoint;
+        }
         if let Some(listen) = file.admin.listen {
             self.admin_listen = parse_addr("admin.listen", &listen)?;
         }
@@ -720,6 +738,9 @@ impl Config {
         set_ms(&mut self.limits.body_timeout, a.body_timeout_ms);
         if a.trust_forwarded_for {
             self.trust_forwarded_for = true;
+        }
+        if a.otlp_endpoint.is_some() {
+            self.otlp_endpoint = a.otlp_endpoint.clone();
         }
         if a.log_requests {
             self.log_requests = true;
@@ -896,6 +917,19 @@ impl Config {
         ] {
             if value == 0 {
                 return Err(invalid(field, "must be at least 1"));
+            }
+        }
+        if let Some(endpoint) = &self.otlp_endpoint {
+            let parsed = endpoint.parse::<http::Uri>();
+            if !endpoint.starts_with("http://") || parsed.is_err() {
+                return Err(invalid(
+                    "telemetry.otlp_endpoint",
+                    format!(
+                        "{endpoint:?} is not an http:// URL: give the collector's OTLP/HTTP \
+                         traces endpoint, e.g. http://127.0.0.1:4318/v1/traces (https is not \
+                         supported yet: use a local collector or sidecar)"
+                    ),
+                ));
             }
         }
         if let Err(e) = mcpgw_certs::TrustDomain::new(&self.mesh.trust_domain) {
@@ -1198,6 +1232,32 @@ mod tests {
             upstreams: upstreams.iter().map(|s| s.to_string()).collect(),
             ..ServeArgs::default()
         }
+    }
+
+    #[test]
+    fn mesh_certificate_settings_and_the_otlp_endpoint_are_checked() {
+        let mut a = args(&["demo=http://127.0.0.1:9000/mcp"]);
+        a.otlp_endpoint = Some("https://collector:4318/v1/traces".into());
+        let error = Config::load(&a).unwrap_err();
+        assert_eq!(error.field, "telemetry.otlp_endpoint");
+        a.otlp_endpoint = Some("http://127.0.0.1:4318/v1/traces".into());
+        a.mesh_trust_domain = Some("Prod Domain".into());
+        assert_eq!(Config::load(&a).unwrap_err().field, "mesh.trust_domain");
+        a.mesh_trust_domain = Some("prod.example".into());
+        a.mesh_cert_reload_interval_ms = Some(10);
+        assert_eq!(
+            Config::load(&a).unwrap_err().field,
+            "mesh.cert_reload_interval_ms"
+        );
+        a.mesh_cert_reload_interval_ms = None;
+        a.mesh_max_connection_age_ms = Some(5_000);
+        let config = Config::load(&a).unwrap();
+        assert_eq!(config.mesh.trust_domain, "prod.example");
+        assert_eq!(config.mesh.max_connection_age, Duration::from_secs(5));
+        assert_eq!(
+            config.otlp_endpoint.as_deref(),
+            Some("http://127.0.0.1:4318/v1/traces")
+        );
     }
 
     #[test]

@@ -162,7 +162,7 @@ async fn handle(
     request: Request<Incoming>,
     peer: SocketAddr,
 ) -> Response<ReplyBody> {
-    let (parts, body) = request.into_parts();
+    let (mut parts, body) = request.into_parts();
     if parts.uri.path() == "/healthz" {
         return health(&worker);
     }
@@ -192,6 +192,12 @@ async fn handle(
         .and_then(|v| v.to_str().ok())
         .map(crate::session::tag_of);
     let mut method_label = "none";
+    // Before the call is built from the headers: the span's context replaces the
+    // client's `traceparent`, so the owner and the upstream become its children.
+    let span = worker
+        .tracer
+        .as_ref()
+        .and_then(|tracer| tracer.begin(&mut parts.headers));
     let (reply, refusal) = match accept_call(&worker, parts, body, peer, &mut method_label).await {
         Ok(reply) => (reply, None),
         Err((error, _, _)) => (Reply::from_error(&error), Some(error)),
@@ -204,6 +210,12 @@ async fn handle(
     worker
         .metrics
         .request(route_label, method_label, reply.status, elapsed);
+    if let (Some(tracer), Some(span)) = (&worker.tracer, span) {
+        tracer.finish(
+            span,
+            edge_span_facts(&worker, route_label, method_label, &reply, refusal.as_ref()),
+        );
+    }
     log_request(&RequestRecord {
         worker: &worker,
         http_method: &http_method,
@@ -227,6 +239,48 @@ async fn handle(
         .headers_mut()
         .insert(HEADER_EDGE_WORKER, worker.id_header.clone());
     response
+}
+
+/// What the edge's span of a request says: no session id (a credential), no token.
+fn edge_span_facts(
+    worker: &Worker,
+    route: &str,
+    method: &'static str,
+    reply: &Reply,
+    refusal: Option<&GatewayError>,
+) -> crate::trace::SpanFacts {
+    let owner = reply
+        .headers
+        .get(crate::reply::HEADER_OWNER_WORKER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let reason = refusal
+        .and_then(|e| e.data.as_ref()?.get("reason")?.as_str())
+        .unwrap_or("");
+    let mut attributes = vec![
+        ("mcp.method.name", serde_json::json!(method)),
+        ("http.route", serde_json::json!(route)),
+        (
+            "http.response.status_code",
+            serde_json::json!(reply.status.as_u16()),
+        ),
+        ("mcpgw.worker", serde_json::json!(worker.id)),
+        (
+            "mcpgw.forwarded",
+            serde_json::json!(!owner.is_empty() && owner != worker.id),
+        ),
+    ];
+    if !owner.is_empty() {
+        attributes.push(("mcpgw.owner_worker", serde_json::json!(owner)));
+    }
+    if !reason.is_empty() {
+        attributes.push(("mcpgw.reason", serde_json::json!(reason)));
+    }
+    crate::trace::SpanFacts {
+        name: format!("mcpgw {method}"),
+        attributes,
+        error: reply.status.is_server_error(),
+    }
 }
 
 /// What the one log line of a request says.

@@ -37,6 +37,7 @@ mod session;
 mod sse;
 mod status_cli;
 mod supervisor;
+mod trace;
 mod worker;
 
 use std::process::ExitCode;

@@ -48,6 +48,8 @@ pub struct Worker {
     /// The mesh TLS material this worker follows (fleet workers on QUIC or TCP), for
     /// the certificate metrics and `/readyz`.
     pub mesh_tls: OnceLock<mcpgw_certs::MeshTlsSource>,
+    /// Makes and exports spans (`--otlp-endpoint`); none: the gateway makes no spans.
+    pub tracer: Option<crate::trace::Tracer>,
     /// Set once a drain begins (or the worker is fenced): no new sessions.
     draining: AtomicBool,
     /// The fleet this worker belongs to; unset for a standalone worker.
@@ -76,6 +78,12 @@ impl Worker {
         let id_header = http::HeaderValue::from_str(&id)
             .map_err(|_| config_error(format!("worker id {id:?} is not a valid header value")))?;
         let auth = Authenticator::new(&config).map_err(|e| config_error(e.to_string()))?;
+        let tracer = match &config.otlp_endpoint {
+            Some(endpoint) => {
+                Some(crate::trace::Tracer::start(endpoint, &id).map_err(config_error)?)
+            }
+            None => None,
+        };
         Ok(Arc::new(Worker {
             id,
             id_header,
@@ -90,6 +98,7 @@ impl Worker {
             unrouted_label: Arc::new("none".to_owned()),
             mesh_streams: OnceLock::new(),
             mesh_tls: OnceLock::new(),
+            tracer,
             upstreams,
             config,
             sessions: SessionRegistry::default(),

@@ -210,6 +210,163 @@ fn a_traceparent_from_the_client_reaches_the_upstream_through_a_forward() {
     );
 }
 
+/// A stand-in OTLP/HTTP collector (no collector runs here): answers every POST with
+/// 200 and keeps the JSON bodies.
+struct Collector {
+    addr: String,
+    bodies: std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
+}
+
+impl Collector {
+    fn start() -> Collector {
+        use std::io::{BufRead, BufReader, Read};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = bodies.clone();
+        thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let kept = kept.clone();
+                thread::spawn(move || {
+                    let mut writer = stream.try_clone().expect("clone");
+                    let mut reader = BufReader::new(stream);
+                    // Keep-alive: one request after another until the client closes.
+                    loop {
+                        let mut length = 0usize;
+                        let mut line = String::new();
+                        loop {
+                            line.clear();
+                            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                                return;
+                            }
+                            let header = line.trim_end();
+                            if header.is_empty() {
+                                break;
+                            }
+                            if let Some((name, value)) = header.split_once(':')
+                                && name.eq_ignore_ascii_case("content-length")
+                            {
+                                length = value.trim().parse().unwrap_or(0);
+                            }
+                        }
+                        let mut body = vec![0u8; length];
+                        if reader.read_exact(&mut body).is_err() {
+                            return;
+                        }
+                        if let Ok(json) = serde_json::from_slice(&body) {
+                            kept.lock().expect("lock").push(json);
+                        }
+                        let answer = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+                        if writer.write_all(answer.as_bytes()).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Collector { addr, bodies }
+    }
+
+    /// Every span received so far.
+    fn spans(&self) -> Vec<serde_json::Value> {
+        let bodies = self.bodies.lock().expect("lock");
+        bodies
+            .iter()
+            .flat_map(|body| {
+                body["resourceSpans"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default()
+            })
+            .flat_map(|rs| rs["scopeSpans"].as_array().cloned().unwrap_or_default())
+            .flat_map(|ss| ss["spans"].as_array().cloned().unwrap_or_default())
+            .collect()
+    }
+}
+
+#[test]
+fn a_forwarded_request_makes_an_edge_and_an_owner_span_in_the_clients_trace() {
+    let collector = Collector::start();
+    let endpoint = format!("http://{}/v1/traces", collector.addr);
+    let fleet = LocalFleet::start("tcp", 1, &["--otlp-endpoint", &endpoint]);
+    let session = initialize(&fleet.a.addr, "/mcp");
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let client_span = "00f067aa0ba902b7";
+    let traceparent = format!("00-{trace}-{client_span}-01");
+    let mut headers = mcp_headers(Some(&session));
+    headers.push(("traceparent", &traceparent));
+    let r = http::request(
+        &fleet.b.addr,
+        "POST",
+        "/mcp",
+        &headers,
+        &http::tool_call_body(2, "echo", json!({"text": "traced"})),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (edge_worker, owner_worker) = (
+        r.header("mcpgw-edge-worker").unwrap_or_default().to_owned(),
+        r.header("mcpgw-owner-worker")
+            .unwrap_or_default()
+            .to_owned(),
+    );
+    assert_ne!(edge_worker, owner_worker, "forwarded");
+    // Batches leave within a second.
+    let (edge, owner) = eventually(WITHIN, || {
+        let spans: Vec<serde_json::Value> = collector
+            .spans()
+            .into_iter()
+            .filter(|s| s["traceId"] == trace)
+            .collect();
+        let edge = spans
+            .iter()
+            .find(|s| s["name"] == "mcpgw tools/call")
+            .cloned();
+        let owner = spans
+            .iter()
+            .find(|s| s["name"] == "mcpgw forwarded")
+            .cloned();
+        match (edge, owner) {
+            (Some(edge), Some(owner)) => Ok((edge, owner)),
+            _ => Err(format!("spans of the trace so far: {spans:?}")),
+        }
+    });
+    assert_eq!(edge["parentSpanId"], client_span, "{edge}");
+    assert_eq!(owner["parentSpanId"], edge["spanId"], "{owner}");
+    let attribute = |span: &serde_json::Value, key: &str| {
+        span["attributes"]
+            .as_array()
+            .and_then(|a| a.iter().find(|kv| kv["key"] == key))
+            .map(|kv| kv["value"].clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(
+        attribute(&edge, "mcpgw.worker")["stringValue"],
+        edge_worker.as_str()
+    );
+    assert_eq!(attribute(&edge, "mcpgw.forwarded")["boolValue"], true);
+    assert_eq!(
+        attribute(&owner, "mcpgw.worker")["stringValue"],
+        owner_worker.as_str()
+    );
+    assert_eq!(
+        attribute(&owner, "mcpgw.edge_worker")["stringValue"],
+        edge_worker.as_str()
+    );
+    // The upstream is the owner span's child, in the same trace.
+    let seen = fleet.upstream.stats()["last_traceparent"]
+        .as_str()
+        .map(str::to_owned)
+        .expect("the upstream saw a traceparent");
+    let owner_span = owner["spanId"].as_str().unwrap_or_default();
+    assert_eq!(seen, format!("00-{trace}-{owner_span}-01"));
+    // No span carries the session id.
+    let everything = serde_json::to_string(&collector.spans()).unwrap_or_default();
+    assert!(
+        !everything.contains(&session),
+        "a span carries the session id"
+    );
+}
+
 #[test]
 fn readyz_follows_redis_and_the_drain() {
     // The pause below must outlast the owner's own deadline (lease − a fifth) but not

@@ -34,7 +34,7 @@ fn serve_stream(
     let deadline = Duration::from_millis(u64::from(request.deadline_ms));
     let run = async move {
         let request_id = request.request_id;
-        match serve_forwarded(&worker, request).await {
+        match serve_forwarded(&worker, request, &peer.worker_id).await {
             Ok(reply) => reply_parts(reply),
             Err(frame) => {
                 debug!(request_id, peer = %peer.worker_id, kind = ?frame.kind, "forwarded request refused: {}", frame.message);
@@ -57,7 +57,12 @@ fn serve_stream(
 }
 
 /// Runs a forwarded request exactly as a local one: the same checks, the same path.
-async fn serve_forwarded(worker: &Arc<Worker>, frame: RequestFrame) -> Result<Reply, ErrorFrame> {
+/// `edge`: the worker that forwarded it.
+async fn serve_forwarded(
+    worker: &Arc<Worker>,
+    frame: RequestFrame,
+    edge: &str,
+) -> Result<Reply, ErrorFrame> {
     let malformed = |message: String| ErrorFrame {
         kind: ErrorKind::Malformed,
         message,
@@ -72,6 +77,40 @@ async fn serve_forwarded(worker: &Arc<Worker>, frame: RequestFrame) -> Result<Re
             .map_err(|_| malformed(format!("bad value for header {name}")))?;
         headers.append(name, value);
     }
+    // The owner's span, a child of the edge's (whose context came in the frame).
+    let span = worker
+        .tracer
+        .as_ref()
+        .and_then(|tracer| tracer.begin(&mut headers));
+    let result = run_forwarded(worker, frame, method, headers).await;
+    if let (Some(tracer), Some(span)) = (&worker.tracer, span) {
+        let (status, error) = match &result {
+            Ok(reply) => (reply.status.as_u16(), reply.status.is_server_error()),
+            Err(_) => (0, true),
+        };
+        tracer.finish(
+            span,
+            crate::trace::SpanFacts {
+                name: "mcpgw forwarded".to_owned(),
+                attributes: vec![
+                    ("mcpgw.worker", serde_json::json!(worker.id)),
+                    ("mcpgw.edge_worker", serde_json::json!(edge)),
+                    ("http.response.status_code", serde_json::json!(status)),
+                ],
+                error,
+            },
+        );
+    }
+    result
+}
+
+/// Checks and runs a forwarded request whose head was read into `headers`.
+async fn run_forwarded(
+    worker: &Arc<Worker>,
+    frame: RequestFrame,
+    method: Method,
+    headers: HeaderMap,
+) -> Result<Reply, ErrorFrame> {
     let checked = request::check_head(&worker.routes, &method, &frame.path, &headers).and_then(
         |(upstream, era)| {
             request::parse_call(
