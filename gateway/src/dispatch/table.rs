@@ -351,18 +351,31 @@ pub async fn after_failure(
     session_record: impl AsyncFnOnce() -> Lookup<Option<String>>,
 ) -> Verdict {
     match sign {
-        FailureSign::PeerGone
-            if via_pubsub && !lease().await.is_ok_and(LeaseProof::proves_gone) =>
-        {
-            Verdict::answer(Situation::Unknown)
+        FailureSign::PeerGone => {
+            if via_pubsub && !lease().await.is_ok_and(LeaseProof::proves_gone) {
+                Verdict::answer(Situation::Unknown)
+            } else {
+                Verdict::Answer {
+                    situation: Situation::OwnerGone,
+                    bury: true,
+                }
+            }
         }
-        FailureSign::PeerGone => Verdict::Answer {
-            situation: Situation::OwnerGone,
-            bury: true,
-        },
         FailureSign::NotOwner => Verdict::AskDirectory,
         FailureSign::OwnerDraining => match session_record().await {
-            Ok(None) => Verdict::answer(Situation::NoSuchSession),
+            // No record: a draining owner ended the session, unless the owner was
+            // declared dead (it answered "draining" because it had lost its lease and
+            // not yet learnt why), in which case its sessions went with the reclaim.
+            Ok(None) => match lease().await {
+                Ok(
+                    LeaseProof::Expired
+                    | LeaseProof::Left(Gone {
+                        how: GoneHow::Reclaimed,
+                        ..
+                    }),
+                ) => Verdict::answer(Situation::OwnerGone),
+                _ => Verdict::answer(Situation::NoSuchSession),
+            },
             _ => Verdict::answer(Situation::Unknown),
         },
         FailureSign::BudgetFull => Verdict::answer(Situation::MeshBusy),
@@ -737,6 +750,25 @@ mod tests {
                 Ok(Alive),
                 Ok(Some("w1".into())),
                 unknown(),
+            ),
+            // "Draining" from an owner that lost its lease because it was declared
+            // dead: its sessions went with the reclaim.
+            (
+                OwnerDraining,
+                false,
+                Ok(LeaseProof::Left(Gone {
+                    how: GoneHow::Reclaimed,
+                    ago: Duration::from_secs(1),
+                })),
+                Ok(None),
+                Verdict::answer(Situation::OwnerGone),
+            ),
+            (
+                OwnerDraining,
+                false,
+                Ok(Expired),
+                Ok(None),
+                Verdict::answer(Situation::OwnerGone),
             ),
             (
                 OwnerDraining,
