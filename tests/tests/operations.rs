@@ -178,11 +178,10 @@ fn local_forwarded_failed_expired_and_refused_requests_move_exactly_their_metric
     assert!(!text.contains(&session), "a session id in the metrics");
 }
 
-#[test]
-fn a_traceparent_from_the_client_reaches_the_upstream_through_a_forward() {
-    let fleet = LocalFleet::start("tcp", 1, &[]);
+/// A `tools/call` with `traceparent`, on a session made at host-a and sent through
+/// host-b, so that it is forwarded: the session, and the edge and owner workers.
+fn traced_forwarded_call(fleet: &LocalFleet, traceparent: &str) -> (String, String, String) {
     let session = initialize(&fleet.a.addr, "/mcp");
-    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let mut headers = mcp_headers(Some(&session));
     headers.push(("traceparent", traceparent));
     let r = http::request(
@@ -193,11 +192,17 @@ fn a_traceparent_from_the_client_reaches_the_upstream_through_a_forward() {
         &http::tool_call_body(2, "echo", json!({"text": "traced"})),
     );
     assert_eq!(r.status, 200, "{}", r.text());
-    assert_ne!(
-        r.header("mcpgw-edge-worker"),
-        r.header("mcpgw-owner-worker"),
-        "forwarded"
-    );
+    let worker = |header: &str| r.header(header).unwrap_or_default().to_owned();
+    let (edge, owner) = (worker("mcpgw-edge-worker"), worker("mcpgw-owner-worker"));
+    assert_ne!(edge, owner, "forwarded");
+    (session, edge, owner)
+}
+
+#[test]
+fn a_traceparent_from_the_client_reaches_the_upstream_through_a_forward() {
+    let fleet = LocalFleet::start("tcp", 1, &[]);
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    traced_forwarded_call(&fleet, traceparent);
     let seen = fleet.upstream.stats()["last_traceparent"]
         .as_str()
         .map(str::to_owned)
@@ -289,27 +294,10 @@ fn a_forwarded_request_makes_an_edge_and_an_owner_span_in_the_clients_trace() {
     let collector = Collector::start();
     let endpoint = format!("http://{}/v1/traces", collector.addr);
     let fleet = LocalFleet::start("tcp", 1, &["--otlp-endpoint", &endpoint]);
-    let session = initialize(&fleet.a.addr, "/mcp");
     let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
     let client_span = "00f067aa0ba902b7";
     let traceparent = format!("00-{trace}-{client_span}-01");
-    let mut headers = mcp_headers(Some(&session));
-    headers.push(("traceparent", &traceparent));
-    let r = http::request(
-        &fleet.b.addr,
-        "POST",
-        "/mcp",
-        &headers,
-        &http::tool_call_body(2, "echo", json!({"text": "traced"})),
-    );
-    assert_eq!(r.status, 200, "{}", r.text());
-    let (edge_worker, owner_worker) = (
-        r.header("mcpgw-edge-worker").unwrap_or_default().to_owned(),
-        r.header("mcpgw-owner-worker")
-            .unwrap_or_default()
-            .to_owned(),
-    );
-    assert_ne!(edge_worker, owner_worker, "forwarded");
+    let (session, edge_worker, owner_worker) = traced_forwarded_call(&fleet, &traceparent);
     // Batches leave within a second.
     let (edge, owner) = eventually(WITHIN, || {
         let spans: Vec<serde_json::Value> = collector
