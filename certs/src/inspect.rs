@@ -196,16 +196,37 @@ pub fn inspect_dir(
             )?);
         }
     }
-    let mut report = InspectReport {
-        trust_domain: trust_domain.to_string(),
-        stage: Some(state.stage),
+    Ok(InspectReport::judged(
+        &trust_domain,
+        Some(state.stage),
         warn_days,
         cas,
         leaves,
-        problems: Vec::new(),
-    };
-    report.problems = problems(&report, now);
-    Ok(report)
+        now,
+    ))
+}
+
+impl InspectReport {
+    /// The report of `cas` and `leaves`, with the problems found in them at `now`.
+    fn judged(
+        trust_domain: &TrustDomain,
+        stage: Option<Stage>,
+        warn_days: u32,
+        cas: Vec<CaReport>,
+        leaves: Vec<LeafReport>,
+        now: SystemTime,
+    ) -> InspectReport {
+        let mut report = InspectReport {
+            trust_domain: trust_domain.to_string(),
+            stage,
+            warn_days,
+            cas,
+            leaves,
+            problems: Vec::new(),
+        };
+        report.problems = problems(&report, now);
+        report
+    }
 }
 
 /// Inspects loose files (a worker's `ca.crt`, `host.crt`, ...): CA certificates among
@@ -250,16 +271,14 @@ pub fn inspect_files(
             now,
         )?);
     }
-    let mut report = InspectReport {
-        trust_domain: trust_domain.to_string(),
-        stage: None,
+    Ok(InspectReport::judged(
+        trust_domain,
+        None,
         warn_days,
         cas,
         leaves,
-        problems: Vec::new(),
-    };
-    report.problems = problems(&report, now);
-    Ok(report)
+        now,
+    ))
 }
 
 fn parse<'a>(der: &'a [u8], path: &Path) -> Result<X509Certificate<'a>, CertError> {

@@ -9,41 +9,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{CALLER, OWNER, Pki, TEST_TIMEOUT, body_of, header, init_tracing, limits, request};
+use common::{
+    CALLER, OWNER, Pki, TEST_TIMEOUT, body_of, header, init_tracing, limits, request,
+    serve_on_loopback,
+};
 use futures_util::StreamExt;
 use futures_util::stream::{self, BoxStream};
 use mcpgw_mesh::transport::{
-    ForwardedResponse, MeshClient, MeshError, MeshLimits, MeshServer, MeshServerHandle,
-    MeshService, PeerInfo, ResponsePart, TransportKind,
+    ForwardedResponse, MeshClient, MeshError, MeshLimits, MeshServerHandle, MeshService, PeerInfo,
+    ResponsePart, TransportKind,
 };
 use mcpgw_wire::{RequestFrame, ResponseHead};
 use tokio::sync::{Barrier, Semaphore};
-
-/// Runs a test body over both transports.
-macro_rules! both_transports {
-    ($($name:ident),* $(,)?) => {
-        mod quic {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    tokio::time::timeout(super::TEST_TIMEOUT, super::$name(super::TransportKind::Quic))
-                        .await
-                        .expect("test timed out");
-                }
-            )*
-        }
-        mod tcp {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    tokio::time::timeout(super::TEST_TIMEOUT, super::$name(super::TransportKind::Tcp))
-                        .await
-                        .expect("test timed out");
-                }
-            )*
-        }
-    };
-}
 
 both_transports!(
     a_full_long_budget_refuses_at_once_and_short_requests_go_on,
@@ -219,16 +196,8 @@ impl Pair {
             together: Arc::new(Barrier::new(together.max(1))),
             gate: gate.clone(),
         });
-        let server = MeshServer::bind(
-            kind,
-            "127.0.0.1:0".parse().expect("addr"),
-            owner.server_config(),
-            OWNER,
-            service,
-            server_limits,
-        )
-        .await
-        .expect("bind");
+        let server =
+            serve_on_loopback(kind, owner.server_config(), OWNER, service, server_limits).await;
         let client =
             MeshClient::new(kind, caller.client_config(), CALLER, client_limits).expect("client");
         Self {

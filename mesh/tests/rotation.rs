@@ -16,7 +16,7 @@ use mcpgw_certs::{
     generate_ca, issue_leaf, write_file_atomically, write_pem_files,
 };
 use mcpgw_mesh::transport::{
-    MeshClient, MeshError, MeshLimits, MeshServer, MeshServerHandle, ServerTls, TransportKind,
+    MeshClient, MeshError, MeshLimits, MeshServerHandle, ServerTls, TransportKind,
     mesh_tls_settings,
 };
 use mcpgw_testkit::pki::{Pki, YEAR};
@@ -76,16 +76,7 @@ async fn serve(
     record: Arc<Record>,
     limits: MeshLimits,
 ) -> MeshServerHandle {
-    MeshServer::bind(
-        kind,
-        "127.0.0.1:0".parse().expect("addr"),
-        tls,
-        worker,
-        Arc::new(TestService { record }),
-        limits,
-    )
-    .await
-    .expect("bind")
+    serve_on_loopback(kind, tls, worker, Arc::new(TestService { record }), limits).await
 }
 
 async fn reload(source: &MeshTlsSource) {

@@ -9,34 +9,8 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::*;
-use mcpgw_mesh::transport::{MeshClient, MeshError, MeshLimits, MeshServer, TransportKind};
+use mcpgw_mesh::transport::{MeshClient, MeshError, MeshLimits, TransportKind};
 use mcpgw_wire::{ErrorFrame, ErrorKind};
-
-/// Runs a test body over both transports.
-macro_rules! both_transports {
-    ($($name:ident),* $(,)?) => {
-        mod quic {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    tokio::time::timeout(super::TEST_TIMEOUT, super::$name(super::TransportKind::Quic))
-                        .await
-                        .expect("test timed out");
-                }
-            )*
-        }
-        mod tcp {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    tokio::time::timeout(super::TEST_TIMEOUT, super::$name(super::TransportKind::Tcp))
-                        .await
-                        .expect("test timed out");
-                }
-            )*
-        }
-    };
-}
 
 both_transports!(
     round_trip,
@@ -259,18 +233,11 @@ async fn server_from_another_ca_is_rejected(kind: TransportKind) {
     let mesh = Mesh::start(kind).await;
     let other = Pki::new("another CA");
     let rogue = other.member("owner");
-    let rogue_server = MeshServer::bind(
-        kind,
-        "127.0.0.1:0".parse().expect("addr"),
-        rogue.server_config(),
-        OWNER,
-        Arc::new(TestService {
-            record: mesh.record.clone(),
-        }),
-        limits(),
-    )
-    .await
-    .expect("bind");
+    let service = Arc::new(TestService {
+        record: mesh.record.clone(),
+    });
+    let rogue_server =
+        serve_on_loopback(kind, rogue.server_config(), OWNER, service, limits()).await;
     let err = mesh
         .client
         .forward(

@@ -100,8 +100,35 @@ pub struct MeshCodec {
     max_frame: usize,
     /// log2 of wincode's preallocation limit, derived from `max_frame`.
     prealloc_shift: u32,
-    /// Bytes of an oversized frame still to be skipped before the next prefix.
-    discard: usize,
+    /// The rest of an oversized frame, skipped before the next prefix.
+    discard: Discard,
+}
+
+/// The bytes of an oversized frame still to be skipped, including those not yet
+/// received, so that decoding resumes at the next length prefix. Shared by both codecs.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Discard(usize);
+
+impl Discard {
+    /// Skips what arrived of the frame being discarded; `false` while more is to come.
+    pub(crate) fn caught_up(&mut self, src: &mut BytesMut) -> bool {
+        let n = self.0.min(src.len());
+        src.advance(n);
+        self.0 -= n;
+        self.0 == 0
+    }
+
+    /// Starts skipping the frame whose prefix (announcing `len` bytes) begins `src`.
+    pub(crate) fn start(&mut self, len: usize, src: &mut BytesMut) {
+        src.advance(PREFIX_LEN);
+        let n = len.min(src.len());
+        src.advance(n);
+        self.0 = len - n;
+    }
+
+    pub(crate) fn pending(&self) -> bool {
+        self.0 > 0
+    }
 }
 
 impl Default for MeshCodec {
@@ -122,7 +149,7 @@ impl MeshCodec {
         Self {
             max_frame,
             prealloc_shift,
-            discard: 0,
+            discard: Discard::default(),
         }
     }
 
@@ -134,7 +161,7 @@ impl MeshCodec {
     /// Whether the decoder is still skipping the rest of an oversized frame. A stream
     /// that ends now ends inside a frame, not cleanly between two.
     pub fn is_skipping(&self) -> bool {
-        self.discard > 0
+        self.discard.pending()
     }
 
     /// Encodes one frame, length prefix included, for transports that move whole
@@ -246,13 +273,8 @@ impl Decoder for MeshCodec {
     type Error = WireError;
 
     fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, WireError> {
-        if self.discard > 0 {
-            let n = self.discard.min(src.len());
-            src.advance(n);
-            self.discard -= n;
-            if self.discard > 0 {
-                return Ok(None);
-            }
+        if !self.discard.caught_up(src) {
+            return Ok(None);
         }
         let Some(prefix) = src.first_chunk::<PREFIX_LEN>() else {
             return Ok(None);
@@ -261,10 +283,7 @@ impl Decoder for MeshCodec {
         if len > self.max_frame {
             // Skip the oversized frame, including bytes still in flight, so that the
             // next frame starts at a prefix again.
-            src.advance(PREFIX_LEN);
-            let n = len.min(src.len());
-            src.advance(n);
-            self.discard = len - n;
+            self.discard.start(len, src);
             return Err(WireError::FrameTooLarge {
                 len,
                 max: self.max_frame,

@@ -17,7 +17,7 @@
 use bytes::{Buf, BytesMut};
 use tokio_util::codec::Decoder;
 
-use crate::codec::{MeshCodec, PREFIX_LEN, WireError};
+use crate::codec::{Discard, MeshCodec, PREFIX_LEN, WireError};
 use crate::frame::Frame;
 
 /// Bytes of the exchange id in front of each multiplexed frame body.
@@ -52,8 +52,8 @@ impl From<std::io::Error> for MuxError {
 pub struct MuxCodec {
     /// Frame body encoding and decoding, and the maximum frame size.
     codec: MeshCodec,
-    /// Bytes of an oversized frame still to be skipped before the next prefix.
-    discard: usize,
+    /// The rest of an oversized frame, skipped before the next prefix.
+    discard: Discard,
 }
 
 impl MuxCodec {
@@ -66,7 +66,7 @@ impl MuxCodec {
     pub fn new(max_frame: usize) -> Self {
         Self {
             codec: MeshCodec::new(max_frame.max(MIN_MAX_FRAME)),
-            discard: 0,
+            discard: Discard::default(),
         }
     }
 
@@ -77,7 +77,7 @@ impl MuxCodec {
 
     /// Whether the decoder is still skipping the rest of an oversized frame.
     pub fn is_skipping(&self) -> bool {
-        self.discard > 0
+        self.discard.pending()
     }
 
     /// Appends `frame` of `exchange`, length prefix included, to `dst`. On error `dst`
@@ -99,13 +99,8 @@ impl Decoder for MuxCodec {
     type Error = MuxError;
 
     fn decode(&mut self, src: &mut BytesMut) -> Result<Option<(u64, Frame)>, MuxError> {
-        if self.discard > 0 {
-            let n = self.discard.min(src.len());
-            src.advance(n);
-            self.discard -= n;
-            if self.discard > 0 {
-                return Ok(None);
-            }
+        if !self.discard.caught_up(src) {
+            return Ok(None);
         }
         let Some(prefix) = src.first_chunk::<PREFIX_LEN>() else {
             return Ok(None);
@@ -121,10 +116,7 @@ impl Decoder for MuxCodec {
             else {
                 return Ok(None);
             };
-            src.advance(PREFIX_LEN);
-            let n = len.min(src.len());
-            src.advance(n);
-            self.discard = len - n;
+            self.discard.start(len, src);
             return Err(MuxError {
                 exchange: Some(u64::from_le_bytes(id)),
                 error: WireError::FrameTooLarge { len, max },

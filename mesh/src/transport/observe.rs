@@ -34,6 +34,14 @@ pub(crate) fn handshake(side: &'static str, outcome: &'static str) {
     }
 }
 
+/// Counts a fresh connection refused for its owner's identity (a `WrongWorker` answer
+/// is a successful handshake with news, not a failure).
+pub(crate) fn answer_refused(error: &MeshError) {
+    if matches!(error, MeshError::IdentityMismatch { .. }) {
+        handshake("caller", "identity");
+    }
+}
+
 /// The outcome label of a failed dial.
 pub(crate) fn dial_failure(error: &MeshError) -> &'static str {
     match error {

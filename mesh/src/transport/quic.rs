@@ -724,8 +724,10 @@ impl QuicClient {
         let mut retried = false;
         loop {
             let pc = self.connection(peer_addr, expect).await?;
-            let trusted = self.identities.check(peer_addr, expect, &pc.identity);
-            if (trusted.is_err() || pc.worker_id != expect) && !retried {
+            let answer =
+                self.identities
+                    .check_answer(peer_addr, expect, &pc.worker_id, &pc.identity);
+            if answer.is_err() && !retried {
                 // A pooled connection to a worker that lived at this address before
                 // (killed hosts close nothing) proves nothing about the one there now:
                 // only a fresh handshake does.
@@ -733,19 +735,7 @@ impl QuicClient {
                 retried = true;
                 continue;
             }
-            // A fresh connection from another member than the expected worker's proves
-            // nothing, whichever worker it names.
-            if trusted.is_err() {
-                observe::handshake("caller", "identity");
-            }
-            trusted?;
-            if pc.worker_id != expect {
-                return Err(MeshError::WrongWorker {
-                    addr: peer_addr.to_owned(),
-                    expected: expect.to_owned(),
-                    found: pc.worker_id.clone(),
-                });
-            }
+            answer.inspect_err(observe::answer_refused)?;
             // The owner raises its stream limit before it runs out, up to both budgets:
             // a lack of credit is at most a moment's wait for that raise, or an owner
             // whose budgets are smaller than ours, which is Busy, not a hang.

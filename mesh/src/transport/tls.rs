@@ -29,7 +29,7 @@ use rustls::pki_types::CertificateDer;
 use rustls::{ClientConfig, ServerConfig};
 use tokio::time::Instant;
 
-use super::MESH_ALPN;
+use super::{MESH_ALPN, MeshError};
 
 /// The ALPN list every mesh config carries.
 pub(crate) fn mesh_alpn() -> Vec<Vec<u8>> {
@@ -171,28 +171,37 @@ impl IdentityBook {
         self.by_worker.write().remove(worker_id);
     }
 
-    /// Whether a connection whose certificate says `presented` may speak for
-    /// `expect_worker_id`: it must be the identity registered for that worker (when one
-    /// is). The answer covers a `Welcome` naming another worker too: only the member
-    /// the expected worker registered can tell that the expected worker left its
-    /// address (its host restarted it under a new id).
-    pub(crate) fn check(
+    /// Whether a connection to `peer_addr` whose `Welcome` named `welcomed` and whose
+    /// certificate says `presented` leads to `expect_worker_id`. The identity comes
+    /// first: it must be the one registered for the expected worker (when one is), so
+    /// only that member can tell that the expected worker left its address (its host
+    /// restarted it under a new id, [`MeshError::WrongWorker`]); any other member gets
+    /// [`MeshError::IdentityMismatch`], which proves nothing.
+    pub(crate) fn check_answer(
         &self,
         peer_addr: &str,
         expect_worker_id: &str,
+        welcomed: &str,
         presented: &str,
-    ) -> Result<(), super::MeshError> {
-        match self.by_worker.read().get(expect_worker_id) {
-            Some(registered) if registered != presented => {
-                Err(super::MeshError::IdentityMismatch {
-                    addr: peer_addr.to_owned(),
-                    expected: expect_worker_id.to_owned(),
-                    registered: registered.clone(),
-                    presented: presented.to_owned(),
-                })
-            }
-            _ => Ok(()),
+    ) -> Result<(), MeshError> {
+        if let Some(registered) = self.by_worker.read().get(expect_worker_id)
+            && registered != presented
+        {
+            return Err(MeshError::IdentityMismatch {
+                addr: peer_addr.to_owned(),
+                expected: expect_worker_id.to_owned(),
+                registered: registered.clone(),
+                presented: presented.to_owned(),
+            });
         }
+        if welcomed != expect_worker_id {
+            return Err(MeshError::WrongWorker {
+                addr: peer_addr.to_owned(),
+                expected: expect_worker_id.to_owned(),
+                found: welcomed.to_owned(),
+            });
+        }
+        Ok(())
     }
 }
 

@@ -19,10 +19,58 @@ use futures_util::StreamExt;
 use futures_util::stream::{self, BoxStream};
 use mcpgw_mesh::transport::{
     ForwardedResponse, MeshClient, MeshError, MeshLimits, MeshServer, MeshServerHandle,
-    MeshService, PeerInfo, RedisTransportConfig, ResponsePart, TransportKind,
+    MeshService, PeerInfo, RedisTransportConfig, ResponsePart, ServerTls, TransportKind,
 };
 use mcpgw_wire::{AuthContext, AuthMode, ErrorFrame, ErrorKind, RequestFrame, ResponseHead};
 use tokio::sync::Semaphore;
+
+/// Runs each named `async fn(TransportKind)` as a test on QUIC and on TCP, each bounded
+/// by [`TEST_TIMEOUT`].
+#[macro_export]
+macro_rules! both_transports {
+    ($($name:ident),* $(,)?) => {
+        mod quic {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    tokio::time::timeout(super::TEST_TIMEOUT, super::$name(super::TransportKind::Quic))
+                        .await
+                        .expect("test timed out");
+                }
+            )*
+        }
+        mod tcp {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    tokio::time::timeout(super::TEST_TIMEOUT, super::$name(super::TransportKind::Tcp))
+                        .await
+                        .expect("test timed out");
+                }
+            )*
+        }
+    };
+}
+
+/// A mesh server on a free loopback port, serving `service` as worker `worker`.
+pub async fn serve_on_loopback(
+    kind: TransportKind,
+    tls: impl Into<ServerTls>,
+    worker: &str,
+    service: Arc<dyn MeshService>,
+    limits: MeshLimits,
+) -> MeshServerHandle {
+    MeshServer::bind(
+        kind,
+        "127.0.0.1:0".parse().expect("addr"),
+        tls,
+        worker,
+        service,
+        limits,
+    )
+    .await
+    .expect("bind mesh server")
+}
 
 pub const OWNER: &str = "owner-1";
 pub const CALLER: &str = "caller-1";
@@ -251,16 +299,8 @@ impl Mesh {
         let service = Arc::new(TestService {
             record: record.clone(),
         });
-        let server = MeshServer::bind(
-            kind,
-            "127.0.0.1:0".parse().expect("addr"),
-            owner.server_config(),
-            OWNER,
-            service,
-            server_limits,
-        )
-        .await
-        .expect("bind mesh server");
+        let server =
+            serve_on_loopback(kind, owner.server_config(), OWNER, service, server_limits).await;
         let client = MeshClient::new(kind, caller.client_config(), CALLER, client_limits)
             .expect("mesh client");
         Self {

@@ -345,31 +345,20 @@ impl TcpClient {
         let mut retried = false;
         loop {
             let conn = self.connection(&peer, peer_addr, expect).await?;
-            let trusted = self
-                .dialer
-                .identities
-                .check(peer_addr, expect, &conn.identity);
-            if (trusted.is_err() || conn.worker_id != expect) && !retried {
+            let answer = self.dialer.identities.check_answer(
+                peer_addr,
+                expect,
+                &conn.worker_id,
+                &conn.identity,
+            );
+            if answer.is_err() && !retried {
                 // A pooled connection may lead to a worker that lived at this address
                 // before; only a fresh handshake proves who answers there now.
                 self.forget_peer(peer_addr);
                 retried = true;
                 continue;
             }
-            // A fresh connection from another member than the expected worker's proves
-            // nothing, whichever worker it names.
-            if trusted.is_err() {
-                observe::handshake("caller", "identity");
-            }
-            trusted?;
-            if conn.worker_id != expect {
-                // A fresh connection leads to another worker: the expected one is gone.
-                return Err(MeshError::WrongWorker {
-                    addr: peer_addr.to_owned(),
-                    expected: expect.to_owned(),
-                    found: conn.worker_id.clone(),
-                });
-            }
+            answer.inspect_err(observe::answer_refused)?;
             match conn.start(request) {
                 Ok(exchange) => return Ok(exchange),
                 Err(Some(e)) => return Err(MeshError::RequestTooLarge(e.to_string())),
