@@ -29,6 +29,16 @@ fn member_files(dir: &TempDir, cas: &[&Pem], member: &str, leaf: &Pem) -> MeshTl
     MeshTlsFiles::in_dir(&sub, member)
 }
 
+/// A member trusting only `ca`, with a day-long leaf from it, loaded.
+fn member(dir: &TempDir, ca: &Pem, name: &str) -> MeshTls {
+    load(&member_files(
+        dir,
+        &[ca],
+        name,
+        &issue_leaf(ca, name, DAY).unwrap(),
+    ))
+}
+
 fn load(files: &MeshTlsFiles) -> MeshTls {
     MeshTls::load(files).unwrap()
 }
@@ -47,18 +57,8 @@ fn domain() -> TrustDomain {
 async fn two_leaves_of_one_ca_connect_and_see_each_others_identity() {
     let dir = TempDir::new();
     let ca = generate_ca("mesh ca", DAY).unwrap();
-    let a = load(&member_files(
-        &dir,
-        &[&ca],
-        "worker-a",
-        &issue_leaf(&ca, "worker-a", DAY).unwrap(),
-    ));
-    let b = load(&member_files(
-        &dir,
-        &[&ca],
-        "worker-b",
-        &issue_leaf(&ca, "worker-b", DAY).unwrap(),
-    ));
+    let a = member(&dir, &ca, "worker-a");
+    let b = member(&dir, &ca, "worker-b");
     assert_eq!(a.identity(), "worker-a");
     assert_eq!(a.leaf().uri, "spiffe://mcpgw/mesh/worker-a");
 
@@ -76,12 +76,7 @@ async fn client_leaf_from_another_ca_is_refused() {
     let dir = TempDir::new();
     let ca = generate_ca("mesh ca", DAY).unwrap();
     let other = generate_ca("rogue ca", DAY).unwrap();
-    let server = load(&member_files(
-        &dir,
-        &[&ca],
-        "server",
-        &issue_leaf(&ca, "server", DAY).unwrap(),
-    ));
+    let server = member(&dir, &ca, "server");
     let mut server = server_of(&server).await;
     // The rogue trusts both CAs so that only the server's check can fail.
     let rogue = forge_client_config(&[&ca, &other], &issue_leaf(&other, "rogue", DAY).unwrap());
@@ -100,12 +95,7 @@ async fn server_leaf_from_another_ca_is_refused() {
     let dir = TempDir::new();
     let ca = generate_ca("mesh ca", DAY).unwrap();
     let other = generate_ca("rogue ca", DAY).unwrap();
-    let client = load(&member_files(
-        &dir,
-        &[&ca],
-        "client",
-        &issue_leaf(&ca, "client", DAY).unwrap(),
-    ));
+    let client = member(&dir, &ca, "client");
     let rogue = forge_server_config(&[&ca, &other], &issue_leaf(&other, "rogue", DAY).unwrap());
     let server = LoopbackServer::start(move || rogue.clone(), domain()).await;
 
@@ -130,12 +120,7 @@ async fn expired_leaves_are_refused_on_both_sides() {
     assert!(err.to_string().contains("has expired"), "{err}");
 
     // ...and a peer refuses it as a client...
-    let good = load(&member_files(
-        &dir,
-        &[&ca],
-        "good",
-        &issue_leaf(&ca, "good", DAY).unwrap(),
-    ));
+    let good = member(&dir, &ca, "good");
     let mut server = server_of(&good).await;
     let client_err = exchange(
         forge_client_config(&[&ca], &expired),
@@ -161,12 +146,7 @@ async fn expired_leaves_are_refused_on_both_sides() {
 async fn client_without_a_certificate_is_refused() {
     let dir = TempDir::new();
     let ca = generate_ca("mesh ca", DAY).unwrap();
-    let server = load(&member_files(
-        &dir,
-        &[&ca],
-        "server",
-        &issue_leaf(&ca, "server", DAY).unwrap(),
-    ));
+    let server = member(&dir, &ca, "server");
     let mut server = server_of(&server).await;
 
     let client_err = exchange(anonymous_client_config(&[&ca]), server.addr, &domain())
@@ -222,12 +202,7 @@ fn non_member_leaves(ca: &Pem) -> Vec<(&'static str, Pem, &'static str)> {
 async fn client_leaf_without_a_mesh_identity_of_the_trust_domain_is_refused() {
     let dir = TempDir::new();
     let ca = generate_ca("mesh ca", DAY).unwrap();
-    let server = load(&member_files(
-        &dir,
-        &[&ca],
-        "server",
-        &issue_leaf(&ca, "server", DAY).unwrap(),
-    ));
+    let server = member(&dir, &ca, "server");
     let mut server = server_of(&server).await;
 
     for (case, leaf, reason) in non_member_leaves(&ca) {
@@ -251,12 +226,7 @@ async fn client_leaf_without_a_mesh_identity_of_the_trust_domain_is_refused() {
 async fn server_leaf_without_a_mesh_identity_of_the_trust_domain_is_refused() {
     let dir = TempDir::new();
     let ca = generate_ca("mesh ca", DAY).unwrap();
-    let client = load(&member_files(
-        &dir,
-        &[&ca],
-        "client",
-        &issue_leaf(&ca, "client", DAY).unwrap(),
-    ));
+    let client = member(&dir, &ca, "client");
     for (case, leaf, reason) in non_member_leaves(&ca) {
         let config = forge_server_config(&[&ca], &leaf);
         let server = LoopbackServer::start(move || config.clone(), domain()).await;
@@ -335,18 +305,8 @@ async fn a_configured_trust_domain_admits_its_members_and_refuses_the_default_on
 async fn the_mesh_server_issues_no_session_tickets_and_the_mesh_client_never_resumes() {
     let dir = TempDir::new();
     let ca = generate_ca("mesh ca", DAY).unwrap();
-    let server = load(&member_files(
-        &dir,
-        &[&ca],
-        "server",
-        &issue_leaf(&ca, "server", DAY).unwrap(),
-    ));
-    let client = load(&member_files(
-        &dir,
-        &[&ca],
-        "client",
-        &issue_leaf(&ca, "client", DAY).unwrap(),
-    ));
+    let server = member(&dir, &ca, "server");
+    let client = member(&dir, &ca, "client");
     let server_config = server.server_config();
     assert_eq!(server_config.send_tls13_tickets, 0);
     assert!(!server_config.ticketer.enabled());
@@ -390,12 +350,7 @@ async fn an_expired_leaf_is_refused_even_by_a_peer_holding_a_session_ticket_from
     // rustls's default client keeps tickets and offers them.
     let client = forge_client_config(&[&ca], &short_lived);
 
-    let server = load(&member_files(
-        &dir,
-        &[&ca],
-        "server",
-        &issue_leaf(&ca, "server", DAY).unwrap(),
-    ));
+    let server = member(&dir, &ca, "server");
     let mut ours = server_of(&server).await;
     // The control: the same verifier, but with rustls's default session handling.
     let mut resuming = (*server.server_config()).clone();

@@ -84,27 +84,48 @@ pub struct SupervisorSpec<'a> {
     pub extra: &'a [&'a str],
 }
 
-/// Starts `mcpgw serve --workers N --redis …` and waits until every worker serves.
-pub fn start_supervisor(spec: &SupervisorSpec<'_>) -> Gateway {
-    let workers = spec.workers.to_string();
-    let upstream = format!("demo={}", spec.upstream_url);
+/// The `mcpgw serve` flags of a fleet supervisor on this machine: `workers` workers,
+/// the fleet's Redis, the mesh `transport` on free loopback ports, and `member`'s
+/// certificates. Upstreams and anything else come on top.
+pub fn supervisor_flags(
+    redis_url: &str,
+    workers: usize,
+    transport: &str,
+    certs: &MeshCerts,
+    member: &str,
+) -> Vec<String> {
     let mut args: Vec<String> = [
         "--workers",
-        &workers,
+        &workers.to_string(),
         "--redis",
-        spec.redis_url,
-        "--upstream",
-        &upstream,
+        redis_url,
         "--mesh-transport",
-        spec.transport,
+        transport,
+        "--mesh-listen",
+        "127.0.0.1:0",
     ]
     .iter()
     .map(|s| s.to_string())
     .collect();
-    if !spec.extra.contains(&"--mesh-listen") {
-        args.extend(["--mesh-listen".into(), "127.0.0.1:0".into()]);
+    args.extend(certs.flags(member));
+    args
+}
+
+/// Starts `mcpgw serve --workers N --redis …` and waits until every worker serves.
+pub fn start_supervisor(spec: &SupervisorSpec<'_>) -> Gateway {
+    let mut args = supervisor_flags(
+        spec.redis_url,
+        spec.workers,
+        spec.transport,
+        spec.certs,
+        spec.member,
+    );
+    if spec.extra.contains(&"--mesh-listen")
+        && let Some(default) = args.iter().position(|a| a == "--mesh-listen")
+    {
+        args.drain(default..default + 2);
     }
-    args.extend(spec.certs.flags(spec.member));
+    args.extend(["--upstream".into(), format!("demo={}", spec.upstream_url)]);
     args.extend(spec.extra.iter().map(|s| s.to_string()));
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     Gateway::start(&refs)

@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use jsonwebtoken::jwk::{Jwk, JwkSet};
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
-use mcpgw_testkit::fleet::MeshCerts;
+use mcpgw_testkit::fleet::{MeshCerts, supervisor_flags};
 use mcpgw_testkit::http::{self, Response};
 use mcpgw_testkit::{Gateway, RedisServer, Upstream};
 use serde_json::{Value, json};
@@ -844,19 +844,8 @@ scopes = ["mcp"]
         )
         .expect("config");
         let start = |member: &str| {
-            let mut args: Vec<String> = vec![
-                "--config".into(),
-                config.display().to_string(),
-                "--workers".into(),
-                "2".into(),
-                "--redis".into(),
-                redis.url(),
-                "--mesh-transport".into(),
-                "quic".into(),
-                "--mesh-listen".into(),
-                "127.0.0.1:0".into(),
-            ];
-            args.extend(certs.flags(member));
+            let mut args = supervisor_flags(&redis.url(), 2, "quic", &certs, member);
+            args.extend(["--config".into(), config.display().to_string()]);
             let refs: Vec<&str> = args.iter().map(String::as_str).collect();
             Gateway::start(&refs)
         };

@@ -1158,10 +1158,9 @@ fn an_address_that_answers_as_another_worker_proves_the_owner_dead() {
     assert_eq!(recorded_owner(&fleet.redis, &session), None);
 }
 
-/// A session belongs to the principal that created it: another principal using its
-/// id, on the owner or through another worker, is answered as if it did not exist.
-#[test]
-fn another_principal_cannot_use_a_session() {
+/// A QUIC fleet of one worker per host whose API keys are alice's and bob's (the
+/// returned directory holds the keys file).
+fn fleet_of_alice_and_bob() -> (LocalFleet, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("temp dir");
     let tokens = dir.path().join("tokens");
     std::fs::write(
@@ -1171,6 +1170,14 @@ fn another_principal_cannot_use_a_session() {
     .expect("write tokens");
     let tokens_arg = tokens.display().to_string();
     let fleet = LocalFleet::start("quic", 1, &["--auth-tokens-file", &tokens_arg]);
+    (fleet, dir)
+}
+
+/// A session belongs to the principal that created it: another principal using its
+/// id, on the owner or through another worker, is answered as if it did not exist.
+#[test]
+fn another_principal_cannot_use_a_session() {
+    let (fleet, _tokens) = fleet_of_alice_and_bob();
     let init = http::initialize_body(1);
     let headers = |token: &'static str, session: Option<&str>| {
         let mut h = vec![
@@ -1242,15 +1249,7 @@ fn another_principal_cannot_use_a_session() {
 /// data.reason: session_not_found".
 #[test]
 fn another_principal_is_told_session_not_found_with_its_reason() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let tokens = dir.path().join("tokens");
-    std::fs::write(
-        &tokens,
-        "alice:alice-token-0123456789\nbob:bob-token-0123456789ab\n",
-    )
-    .expect("write tokens");
-    let tokens_arg = tokens.display().to_string();
-    let fleet = LocalFleet::start("quic", 1, &["--auth-tokens-file", &tokens_arg]);
+    let (fleet, _tokens) = fleet_of_alice_and_bob();
     let bearer = |token: &str| format!("Bearer {token}");
     let alice = bearer("alice-token-0123456789");
     let bob = bearer("bob-token-0123456789ab");

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use std::time::{Duration, Instant};
 
-use mcpgw_testkit::fleet::MeshCerts;
+use mcpgw_testkit::fleet::{MeshCerts, supervisor_flags};
 use mcpgw_testkit::{Gateway, RedisServer};
 
 /// Redis and `n` supervisors of one worker each: worker `i` is reached at `addr(i)`.
@@ -37,17 +37,7 @@ impl Fleet {
         let gateways = members
             .iter()
             .map(|member| {
-                let mut all: Vec<String> = vec![
-                    "--workers".into(),
-                    "1".into(),
-                    "--redis".into(),
-                    redis.url(),
-                    "--mesh-transport".into(),
-                    "quic".into(),
-                    "--mesh-listen".into(),
-                    "127.0.0.1:0".into(),
-                ];
-                all.extend(certs.flags(member));
+                let mut all = supervisor_flags(&redis.url(), 1, "quic", &certs, member);
                 all.extend(args.iter().cloned());
                 let refs: Vec<&str> = all.iter().map(String::as_str).collect();
                 Gateway::start_with_env(&refs, env)
