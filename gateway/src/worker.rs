@@ -217,9 +217,11 @@ impl Worker {
         }
     }
 
-    /// Whether this worker was fenced (declared dead by the fleet).
+    /// Whether this worker was declared dead by the fleet: its lease is revoked, which
+    /// `fence` does before it drops the sessions, so a session found missing here is
+    /// never mistaken for one that ended.
     pub fn is_fenced(&self) -> bool {
-        *self.fenced.borrow()
+        self.fleet.get().is_some_and(|fleet| fleet.lease.revoked())
     }
 
     /// Resolves once this worker is fenced.

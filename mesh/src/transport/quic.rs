@@ -204,16 +204,11 @@ async fn connection(incoming: quinn::Incoming, tls: ServerTls, shared: Arc<Serve
             return;
         }
         Ok(Err(e)) => {
-            let reason = quic_tls_cause(&e).unwrap_or_else(|| e.to_string());
+            let cause = quic_tls_cause(&e);
+            let outcome = if cause.is_some() { "tls" } else { "io" };
+            let reason = cause.unwrap_or_else(|| e.to_string());
             warn!(%remote, %reason, "mesh QUIC handshake failed");
-            observe::handshake(
-                "owner",
-                if quic_tls_cause(&e).is_some() {
-                    "tls"
-                } else {
-                    "io"
-                },
-            );
+            observe::handshake("owner", outcome);
             return;
         }
         Ok(Ok(conn)) => conn,

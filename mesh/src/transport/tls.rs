@@ -133,8 +133,13 @@ impl<C> Material<C> {
     }
 }
 
+/// Whether a config offers exactly the mesh ALPN (checked per handshake: no allocation).
+fn has_mesh_alpn(alpn: &[Vec<u8>]) -> bool {
+    matches!(alpn, [only] if only == MESH_ALPN)
+}
+
 fn server_with_alpn(config: Arc<ServerConfig>) -> Arc<ServerConfig> {
-    if config.alpn_protocols == mesh_alpn() {
+    if has_mesh_alpn(&config.alpn_protocols) {
         return config;
     }
     let mut config = (*config).clone();
@@ -143,7 +148,7 @@ fn server_with_alpn(config: Arc<ServerConfig>) -> Arc<ServerConfig> {
 }
 
 fn client_with_alpn(config: Arc<ClientConfig>) -> Arc<ClientConfig> {
-    if config.alpn_protocols == mesh_alpn() {
+    if has_mesh_alpn(&config.alpn_protocols) {
         return config;
     }
     let mut config = (*config).clone();
