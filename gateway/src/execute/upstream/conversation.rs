@@ -24,6 +24,9 @@ pub enum Answer {
     Interim(Bytes),
     /// The response: the request is done.
     Final(Bytes),
+    /// The child stopped before it answered: `why`, and the JSON-RPC error that says
+    /// so, for a request whose answer had already begun as a stream.
+    Ended { why: String, error: Bytes },
 }
 
 /// Where a request's messages are delivered.
@@ -188,9 +191,10 @@ impl Conversation {
                     "data": { "reason": "session_gone", "detail": why },
                 },
             });
-            let _ = pending
-                .sink
-                .send(Answer::Final(Bytes::from(error.to_string())));
+            let _ = pending.sink.send(Answer::Ended {
+                why: why.to_owned(),
+                error: Bytes::from(error.to_string()),
+            });
         }
     }
 }
@@ -328,7 +332,7 @@ mod tests {
         let (tx, mut rx) = mpsc::unbounded_channel();
         c.request(object(json!({"jsonrpc":"2.0","id":5,"method":"x"})), tx);
         c.close("exited with status 1");
-        let Some(Answer::Final(bytes)) = rx.try_recv().ok() else {
+        let Some(Answer::Ended { error: bytes, .. }) = rx.try_recv().ok() else {
             panic!("an error answer")
         };
         let error = json_of(&bytes);

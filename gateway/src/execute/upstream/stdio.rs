@@ -254,6 +254,14 @@ impl StdioProcess {
         })
         .await;
         let first = match first {
+            // Ended before any answer: the same truthful error as a request that finds
+            // the child already gone (404 session_gone), whichever noticed first.
+            Ok(Ok(Some(Answer::Ended { why, .. }))) => {
+                return Err(UpstreamError::Exited {
+                    name: self.name.clone(),
+                    detail: why,
+                });
+            }
             Ok(Ok(Some(first))) => first,
             Ok(Ok(None)) if self.conversation.lock().closed().is_none() => {
                 return Err(
@@ -362,7 +370,7 @@ fn sse_reply(first: Answer, rest: mpsc::UnboundedReceiver<Answer>) -> UpstreamRe
             }
             let json = match answer {
                 Answer::Interim(json) => json,
-                Answer::Final(json) => {
+                Answer::Final(json) | Answer::Ended { error: json, .. } => {
                     *done = true;
                     json
                 }
