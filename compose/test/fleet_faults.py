@@ -22,7 +22,8 @@ project, and tears everything down afterwards whatever happens here. This driver
 Requests are classified by what the client got: ok; `unknown` (503,
 ownership_unknown / lease_in_doubt: retry the same session); `gone` (404,
 session_gone: initialize again); `outcome_unknown` (502: the owner died with the
-request); `not_found`; `lb_error` (nginx's own 502: the gateway process that held the
+request); `answer_lost` (502 outcome_unknown with `session_may_continue`: the request
+reached a live owner and its answer was lost; the session goes on); `not_found`; `lb_error` (nginx's own 502: the gateway process that held the
 connection died, the one answer no gateway can give); `timeout`; `transport`; `other`.
 The first three are the truthful answers of the README's table.
 """
@@ -70,8 +71,8 @@ MAX_CONNECTION_AGE_S = float(os.environ.get("MCPGW_TEST_MAX_CONNECTION_AGE_MS", 
 PROTOCOL = "2025-11-25"
 JSON_AND_SSE = "application/json, text/event-stream"
 
-TRUTHFUL = ("unknown", "gone", "outcome_unknown")
-CLASSES = ("ok", "unknown", "gone", "outcome_unknown", "not_found", "lb_error", "timeout",
+TRUTHFUL = ("unknown", "gone", "outcome_unknown", "answer_lost")
+CLASSES = ("ok", "unknown", "gone", "outcome_unknown", "answer_lost", "not_found", "lb_error", "timeout",
            "transport", "other")
 
 T0 = time.monotonic()
@@ -362,7 +363,7 @@ class Load:
         elif status == 404 and reason == "session_not_found":
             cls = "not_found"
         elif status == 502 and reason == "outcome_unknown":
-            cls = "outcome_unknown"
+            cls = "answer_lost" if data.get("session_may_continue") else "outcome_unknown"
         else:
             cls = "other"
         return Answer(session, sent, done, cls, status, reason, edge, owner,
@@ -901,17 +902,25 @@ def check_sessions(load: Load) -> str:
     for s in load.sessions:
         last = 0
         ambiguous = 0
+        between: list[Answer] = []
         for a in s.answers:
             if a.cls == "ok":
                 check(a.owner_worker == s.owner_worker,
                       f"session {s.sid[:8]}… owned by {s.owner_worker} was answered by {a.owner_worker}")
+                seen = "; ".join(
+                    f"{b.cls} {b.status} {b.reason} at {b.sent:.1f}s "
+                    f"via {b.edge}: {b.message[:160]}" for b in between)
                 check(a.value is not None and last + 1 <= a.value <= last + 1 + ambiguous,
-                      f"session {s.sid[:8]}…: counter went {last} -> {a.value} "
-                      f"with {ambiguous} requests of unknown outcome between")
-                last, ambiguous = a.value, 0
+                      f"session {s.sid[:8]}… owned by {s.owner} ({s.owner_worker}): counter "
+                      f"went {last} -> {a.value} at {a.sent:.1f}s via {a.edge} "
+                      f"with {ambiguous} requests of unknown outcome between; "
+                      f"answers between: [{seen}]")
+                last, ambiguous, between = a.value, 0, []
                 checked += 1
-            elif a.cls in ("outcome_unknown", "lb_error", "timeout", "transport"):
-                ambiguous += 1
+            else:
+                between.append(a)
+                if a.cls in ("outcome_unknown", "answer_lost", "lb_error", "timeout", "transport"):
+                    ambiguous += 1
     return f"{len(load.sessions)} sessions, {checked} counted answers: one owner each, no count lost or doubled"
 
 

@@ -35,7 +35,7 @@ impl Worker {
         // Kept only when a stateless answer could stand in for an "unknown" one.
         let fallback = self.stateless_candidate(&call).then(|| call.clone());
         match (self.decide_and_run(call).await, fallback) {
-            (Err(error), Some(call)) if table::is_unknown(&error) => {
+            (Err(error), Some(call)) if table::owner_unconfirmed(&error) => {
                 self.answer_statelessly(call, error).await
             }
             (result, _) => result,
@@ -84,7 +84,7 @@ impl Worker {
             Err(unanswered) => match unanswered.situation {
                 Situation::OwnerGone => "owner_gone",
                 Situation::NoSuchSession => "no_such_session",
-                Situation::ForwardedThenLost => "outcome_unknown",
+                Situation::ForwardedThenLost | Situation::AnswerLost => "outcome_unknown",
                 Situation::MeshBusy => "mesh_busy",
                 _ => "ownership_unknown",
             },

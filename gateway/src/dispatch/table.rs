@@ -49,9 +49,14 @@ pub enum Situation {
     /// Ownership cannot be established: directory unreachable, or the owner's lease is
     /// alive but the owner did not answer within the deadline.
     Unknown,
-    /// The request was forwarded and the owner died (or the link broke) before the
-    /// answer completed: it may or may not have run.
+    /// The request was forwarded and the owner died before the answer completed: it
+    /// may or may not have run, and the session went with the owner.
     ForwardedThenLost,
+    /// The request was forwarded and its answer lost (the connection broke, or the
+    /// forward deadline passed), but the owner lives or cannot be shown dead: it may or
+    /// may not have run, and the session may go on. Never "retry": a retry could run
+    /// a non-idempotent call twice.
+    AnswerLost,
     /// A mesh budget to the owner (short requests, or held streams) is full, here or
     /// at the owner: the owner lives, the request did not run.
     MeshBusy,
@@ -83,6 +88,9 @@ pub enum Refusal {
     LeaseInDoubt,
     /// 502: the owner died mid-request; the outcome is unknown; not re-executed.
     OutcomeUnknown,
+    /// 502: the answer was lost while the owner lives (or cannot be shown dead); the
+    /// outcome is unknown, not re-executed, and the session may go on.
+    AnswerLost,
     /// 503 + Retry-After: the mesh to the owner is full right now; retry.
     MeshBusy,
 }
@@ -97,6 +105,7 @@ pub fn decide(situation: &Situation) -> Decision {
         Situation::NoSuchSession => Decision::Refuse(Refusal::NoSuchSession),
         Situation::Unknown => Decision::Refuse(Refusal::OwnershipUnknown),
         Situation::ForwardedThenLost => Decision::Refuse(Refusal::OutcomeUnknown),
+        Situation::AnswerLost => Decision::Refuse(Refusal::AnswerLost),
         Situation::MeshBusy => Decision::Refuse(Refusal::MeshBusy),
     }
 }
@@ -107,19 +116,27 @@ pub const REASON_LEASE_IN_DOUBT: &str = "lease_in_doubt";
 /// `data.reason` when a mesh budget to the session's owner is full.
 pub const REASON_MESH_BUDGET_EXHAUSTED: &str = "mesh_budget_exhausted";
 
-/// Whether `error` says that ownership could not be established right now (as
-/// opposed to a proven answer): the only case where a stateless answer may stand in.
-pub fn is_unknown(error: &GatewayError) -> bool {
-    let reason = error
-        .data
-        .as_ref()
-        .and_then(|d| d.get("reason"))
-        .and_then(|r| r.as_str());
-    matches!(
-        reason,
-        Some(REASON_OWNERSHIP_UNKNOWN | REASON_LEASE_IN_DOUBT)
-    )
+/// Whether `error` leaves the session's owner unconfirmed rather than proven gone:
+/// ownership unknown, a lease in doubt, or an answer lost while the owner may live.
+/// The only cases where a stateless answer may stand in for a method whose answer does
+/// not depend on the session (running such a method twice is harmless).
+pub fn owner_unconfirmed(error: &GatewayError) -> bool {
+    let data = error.data.as_ref();
+    let reason = data.and_then(|d| d.get("reason")).and_then(|r| r.as_str());
+    let may_continue = data
+        .and_then(|d| d.get(SESSION_MAY_CONTINUE))
+        .and_then(|flag| flag.as_bool())
+        .unwrap_or(false);
+    may_continue
+        || matches!(
+            reason,
+            Some(REASON_OWNERSHIP_UNKNOWN | REASON_LEASE_IN_DOUBT)
+        )
 }
+
+/// `data` flag of an "outcome unknown" answer whose session may go on: its owner lives
+/// or could not be shown dead.
+pub const SESSION_MAY_CONTINUE: &str = "session_may_continue";
 
 /// Seconds a client should wait before retrying an "unknown" answer.
 pub const RETRY_AFTER_SECONDS: u32 = 1;
@@ -176,6 +193,20 @@ impl Refusal {
                 ),
             )
             .with_data(json!({ "reason": "outcome_unknown", "detail": why, "retryable": false })),
+            Refusal::AnswerLost => GatewayError::new(
+                StatusCode::BAD_GATEWAY,
+                mcp::code::GATEWAY_ERROR,
+                format!(
+                    "outcome unknown: this request reached the worker holding the session, \
+                     and its answer was lost ({why}); it may have run, and it was not \
+                     re-executed. The session may go on: check its state before retrying a \
+                     non-idempotent call, with the same Mcp-Session-Id"
+                ),
+            )
+            .with_data(json!({
+                "reason": "outcome_unknown", "detail": why, "retryable": false,
+                SESSION_MAY_CONTINUE: true,
+            })),
             Refusal::MeshBusy => GatewayError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 mcp::code::GATEWAY_ERROR,
@@ -437,7 +468,8 @@ fn left_why(how: GoneHow) -> &'static str {
 /// and this worker still held a connection to it): then the request cannot have run,
 /// and the session is gone (reclaimed) or ended (drained). A missing session record
 /// alone proves neither way (a reclaim removes it as well as the owner's own end). A
-/// live or silent owner means ownership is unknown (503, retry).
+/// live or silent owner does not make the outcome known either: it may have run, so
+/// the answer is "outcome unknown" too (502, never "retry"), with the session kept.
 pub fn after_loss(liveness: &Liveness, left_before: Option<GoneHow>) -> Verdict {
     match (liveness, left_before) {
         (Liveness::Dead(_), Some(GoneHow::Reclaimed)) => Verdict::Answer {
@@ -452,7 +484,7 @@ pub fn after_loss(liveness: &Liveness, left_before: Option<GoneHow>) -> Verdict 
             situation: Situation::ForwardedThenLost,
             bury: true,
         },
-        (Liveness::Alive | Liveness::Unknown, _) => Verdict::answer(Situation::Unknown),
+        (Liveness::Alive | Liveness::Unknown, _) => Verdict::answer(Situation::AnswerLost),
     }
 }
 
@@ -571,6 +603,11 @@ mod tests {
                 Some(503),
             ),
             (
+                Situation::AnswerLost,
+                Decision::Refuse(Refusal::AnswerLost),
+                Some(502),
+            ),
+            (
                 Situation::LocalLeaseInDoubt,
                 Decision::Refuse(Refusal::LeaseInDoubt),
                 Some(503),
@@ -611,13 +648,34 @@ mod tests {
         let gone = Refusal::SessionGone.to_error(StatusCode::NOT_FOUND, "refused");
         assert_eq!(gone.data.as_ref().unwrap()["retryable"], false);
         assert!(gone.message.contains("initialize"));
-        assert!(is_unknown(&unknown));
-        assert!(is_unknown(
+        assert!(owner_unconfirmed(&unknown));
+        assert!(owner_unconfirmed(
             &Refusal::LeaseInDoubt.to_error(StatusCode::NOT_FOUND, "x")
         ));
         assert!(
-            !is_unknown(&gone),
+            !owner_unconfirmed(&gone),
             "a proven answer is never replaced statelessly"
+        );
+    }
+
+    #[test]
+    fn a_lost_answer_is_never_retryable() {
+        // The owner died: the outcome is unknown and the session went with it.
+        let died = Refusal::OutcomeUnknown.to_error(StatusCode::NOT_FOUND, "refused");
+        // The owner lives: still unknown (it may have run), but the session goes on.
+        let lost = Refusal::AnswerLost.to_error(StatusCode::NOT_FOUND, "connection closed");
+        for error in [&died, &lost] {
+            assert_eq!(error.status, StatusCode::BAD_GATEWAY);
+            let data = error.data.as_ref().unwrap();
+            assert_eq!(data["reason"], "outcome_unknown");
+            assert_eq!(data["retryable"], false, "a retry could run it twice");
+            assert_eq!(error.retry_after, None);
+        }
+        assert_eq!(lost.data.as_ref().unwrap()[SESSION_MAY_CONTINUE], true);
+        assert!(!owner_unconfirmed(&died), "the owner is proven dead");
+        assert!(
+            owner_unconfirmed(&lost),
+            "a session-independent method may still be answered statelessly"
         );
     }
 
@@ -876,11 +934,14 @@ mod tests {
             after_loss(&dead, Some(GoneHow::Deregistered)),
             Verdict::answer(Situation::NoSuchSession)
         );
+        // A live or silent owner: the request may have run all the same, so it is never
+        // "retry" (a retry could run it twice), and the session is kept.
+        let answer_lost = Verdict::answer(Situation::AnswerLost);
         assert_eq!(
             after_loss(&Liveness::Alive, Some(GoneHow::Reclaimed)),
-            unknown()
+            answer_lost
         );
-        assert_eq!(after_loss(&Liveness::Unknown, None), unknown());
+        assert_eq!(after_loss(&Liveness::Unknown, None), answer_lost);
     }
 
     #[test]

@@ -104,7 +104,20 @@ impl Worker {
                 let route = &self.config.upstreams[call.upstream].name;
                 let mut error = self.refuse(situation, why, call.id());
                 error.message = format!(
-                    "the worker holding your upstream session on route {route} died while                      running this request ({why}): its outcome is unknown, it was not re-run,                      and the state of that session is lost; your next request starts a new one"
+                    "the worker holding your upstream session on route {route} died while \
+                     running this request ({why}): its outcome is unknown, it was not re-run, \
+                     and the state of that session is lost; your next request starts a new one"
+                );
+                error
+            }
+            Decision::Refuse(Refusal::AnswerLost) => {
+                let route = &self.config.upstreams[call.upstream].name;
+                let mut error = self.refuse(situation, why, call.id());
+                error.message = format!(
+                    "the answer to this request was lost on its way from the worker holding \
+                     your upstream session on route {route} ({why}): it may have run, and it \
+                     was not re-run; that session goes on, so check its state before retrying \
+                     a non-idempotent call"
                 );
                 error
             }

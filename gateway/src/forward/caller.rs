@@ -30,9 +30,9 @@ use crate::session;
 /// between probes while the owner's fate is unknown.
 const SUSPECT_AFTER: Duration = Duration::from_secs(1);
 
-/// Probes after a connection broke under a sent request, and the time between them:
-/// about a second for a killed owner's sockets to close.
-const PROBES_AFTER_LOSS: usize = 4;
+/// How long probes are repeated after a connection broke under a sent request (about
+/// a second for a killed owner's sockets to close), and the time between them.
+const PROBING_AFTER_LOSS: Duration = Duration::from_secs(1);
 const PROBE_AFTER_LOSS_SPACING: Duration = Duration::from_millis(300);
 
 /// Why a forward produced no reply: the situation the client is answered from, the
@@ -284,8 +284,8 @@ impl Fleet {
         .await;
         let verdict = match verdict {
             Verdict::Probe => {
-                // Sent, then lost: a dead owner (502, never re-run) or an unreachable
-                // one (503).
+                // Sent, then lost: the outcome is unknown whatever the probe finds (502,
+                // never re-run); it tells whether the session went with its owner.
                 let liveness = self.probe_after_loss(owner, addr).await;
                 let why = match &liveness {
                     Liveness::Dead(why) => format!("{}; {why}", describe(&error)),
@@ -363,17 +363,18 @@ impl Fleet {
 
     /// A connection broke under a sent request. An owner killed a moment ago may still
     /// be tearing down (its listener not yet closed), so a probe that proves nothing is
-    /// repeated a few times before the answer settles on "unknown".
+    /// repeated for about a second before the answer settles on "unknown". A silent
+    /// owner's probe takes a whole connect timeout, past that second: it is not
+    /// repeated, so the client is not kept waiting for probes that cannot tell more.
     async fn probe_after_loss(&self, owner: &str, addr: &str) -> Liveness {
-        let mut liveness = self.probe(owner, addr).await;
-        for _ in 1..PROBES_AFTER_LOSS {
-            if liveness != Liveness::Unknown {
-                break;
+        let started = tokio::time::Instant::now();
+        loop {
+            let liveness = self.probe(owner, addr).await;
+            if liveness != Liveness::Unknown || started.elapsed() >= PROBING_AFTER_LOSS {
+                return liveness;
             }
             tokio::time::sleep(PROBE_AFTER_LOSS_SPACING).await;
-            liveness = self.probe(owner, addr).await;
         }
-        liveness
     }
 
     /// Whether `owner` still lives at `addr`: a fresh connection (refused or another
