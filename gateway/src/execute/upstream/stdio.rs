@@ -55,6 +55,8 @@ const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 const MAX_LOG_LINE: usize = 8 * 1024;
 /// How long a child may take to exit after its stdin closes, then after SIGTERM.
 const EXIT_GRACE: Duration = Duration::from_secs(1);
+/// How long a write that found the child's stdin closed waits for its exit status.
+const EXIT_STATUS_WAIT: Duration = Duration::from_millis(500);
 
 /// A configured stdio upstream: what to run, and how many of it run here.
 pub struct StdioUpstream {
@@ -320,9 +322,18 @@ impl StdioProcess {
         .await;
         match written {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(_)) => Err(self.exited()),
+            Ok(Err(_)) => Err(self.exited_after_broken_pipe().await),
             Err(_) => Err(self.failed(format!("it did not read its input within {timeout:?}"))),
         }
+    }
+
+    /// A pipe that broke under a write usually means the child died, and its exit
+    /// status comes a moment after: waiting for it (briefly) tells the client how it
+    /// ended ("killed by signal 9") instead of only that it stopped reading.
+    async fn exited_after_broken_pipe(&self) -> UpstreamError {
+        let mut exited = self.exited.clone();
+        let _ = tokio::time::timeout(EXIT_STATUS_WAIT, exited.wait_for(|why| why.is_some())).await;
+        self.exited()
     }
 
     fn exited(&self) -> UpstreamError {
