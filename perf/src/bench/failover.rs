@@ -29,6 +29,7 @@ use serde::Serialize;
 use super::client::{self, Connection, Target};
 use super::fleet::{Bins, MeshCerts, Proc, RedisServer, UpstreamServer, url_in};
 use super::mix::{Era, Op};
+use super::procfs;
 use super::sessions::now_unix;
 use super::units::{parse_duration, utc_timestamp};
 
@@ -437,7 +438,7 @@ async fn round(
     let victim = wait_for(args.round_timeout, || async {
         match client::probe_health(&pair.a_target, SETUP_TIMEOUT).await {
             Some(health) if Some(health.worker_id.as_str()) != previous_victim => {
-                health.pid.map(|pid| (health.worker_id, pid))
+                procfs::sole_worker(pair.a.pid).map(|pid| (health.worker_id, pid))
             }
             _ => None,
         }

@@ -128,6 +128,18 @@ pub fn rss_bytes(pid: u32) -> Option<u64> {
         .and_then(|status| parse_vm_rss_bytes(&status))
 }
 
+/// The worker process of a `mcpgw serve --workers 1` supervisor: its only descendant
+/// (the public port tells who answers, not its pid). None while there is not exactly
+/// one, for example while a replaced worker is being reaped.
+pub fn sole_worker(supervisor: u32) -> Option<u32> {
+    let mut below = with_descendants(&[supervisor]);
+    below.remove(&supervisor);
+    match below.len() {
+        1 => below.pop_first(),
+        _ => None,
+    }
+}
+
 /// `roots` and every process below them, as they are now.
 pub fn with_descendants(roots: &[u32]) -> BTreeSet<u32> {
     let mut found: BTreeSet<u32> = BTreeSet::new();

@@ -208,14 +208,19 @@ struct Session {
 
 async fn measure(args: &ScaleArgs, fleet: &Fleet) -> Result<ScaleReport, String> {
     let mut workers = Vec::new();
-    for url in &fleet.urls {
+    for (url, supervisor) in fleet.urls.iter().zip(&fleet.supervisors) {
         let target = Target::parse(url)?;
         let health = client::probe_health(&target, args.timeout)
             .await
             .ok_or_else(|| format!("{url} does not answer /healthz"))?;
-        let pid = health
-            .pid
-            .ok_or_else(|| format!("{url}: the worker did not report its pid"))?;
+        // The public port says who answers, not its pid (that is on the admin port):
+        // each supervisor of this fleet runs one worker, its only child.
+        let pid = procfs::sole_worker(supervisor.pid).ok_or_else(|| {
+            format!(
+                "{url}: its supervisor (pid {}) does not run exactly one worker process",
+                supervisor.pid
+            )
+        })?;
         workers.push(Worker {
             target,
             id: health.worker_id,
