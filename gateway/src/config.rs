@@ -49,8 +49,15 @@ pub struct Config {
     pub trust_forwarded_for: bool,
     /// Log one line per successful request too (failed ones are always logged).
     pub log_requests: bool,
-    /// OTLP/HTTP traces endpoint (`http://collector:4318/v1/traces`); none: no spans.
+    /// OTLP/HTTP traces endpoint (`http://collector:4318/v1/traces`, or `https://`);
+    /// none: no spans.
     pub otlp_endpoint: Option<String>,
+    /// CAs (PEM) that sign an `https://` collector's certificate, instead of the
+    /// platform's root certificates.
+    pub otlp_ca: Option<PathBuf>,
+    /// Fraction of new traces recorded (0.0 to 1.0); a client's `traceparent` decides
+    /// for its own trace.
+    pub otlp_sample_ratio: f64,
 }
 
 /// One upstream MCP server: its route name, where it is, and how the gateway reaches it.
@@ -308,6 +315,8 @@ impl Default for Config {
             trust_forwarded_for: false,
             log_requests: false,
             otlp_endpoint: None,
+            otlp_ca: None,
+            otlp_sample_ratio: 1.0,
         }
     }
 }
@@ -418,6 +427,13 @@ pub struct ServeArgs {
     /// (e.g. http://127.0.0.1:4318/v1/traces); off by default.
     #[arg(long, env = "MCPGW_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
+    /// CA bundle (PEM) for an https:// OTLP endpoint, instead of the platform's roots.
+    #[arg(long, env = "MCPGW_OTLP_CA")]
+    pub otlp_ca: Option<PathBuf>,
+    /// Fraction of new traces to record, 0.0 to 1.0 (default 1.0); requests that carry
+    /// a traceparent follow its sampled flag.
+    #[arg(long, env = "MCPGW_OTLP_SAMPLE_RATIO")]
+    pub otlp_sample_ratio: Option<f64>,
     /// Take the client address from X-Forwarded-For (only behind a proxy that sets it).
     #[arg(long, env = "MCPGW_TRUST_FORWARDED_FOR")]
     pub trust_forwarded_for: bool,
@@ -478,6 +494,8 @@ enum FileCommand {
 #[serde(deny_unknown_fields)]
 struct FileTelemetry {
     otlp_endpoint: Option<String>,
+    otlp_ca: Option<PathBuf>,
+    otlp_sample_ratio: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -606,6 +624,13 @@ impl Config {
         if file.telemetry.otlp_endpoint.is_some() {
             self.otlp_endpoint = file.telemetry.otlp_endpoint;
         }
+        if file.telemetry.otlp_ca.is_some() {
+            self.otlp_ca = file.telemetry.otlp_ca;
+        }
+        set(
+            &mut self.otlp_sample_ratio,
+            file.telemetry.otlp_sample_ratio,
+        );
         if let Some(listen) = file.admin.listen {
             self.admin_listen = parse_addr("admin.listen", &listen)?;
         }
@@ -742,6 +767,10 @@ impl Config {
         if a.otlp_endpoint.is_some() {
             self.otlp_endpoint = a.otlp_endpoint.clone();
         }
+        if a.otlp_ca.is_some() {
+            self.otlp_ca = a.otlp_ca.clone();
+        }
+        set(&mut self.otlp_sample_ratio, a.otlp_sample_ratio);
         if a.log_requests {
             self.log_requests = true;
         }
@@ -921,16 +950,26 @@ impl Config {
         }
         if let Some(endpoint) = &self.otlp_endpoint {
             let parsed = endpoint.parse::<http::Uri>();
-            if !endpoint.starts_with("http://") || parsed.is_err() {
+            let scheme_ok = endpoint.starts_with("http://") || endpoint.starts_with("https://");
+            if !scheme_ok || parsed.is_err() {
                 return Err(invalid(
                     "telemetry.otlp_endpoint",
                     format!(
-                        "{endpoint:?} is not an http:// URL: give the collector's OTLP/HTTP \
-                         traces endpoint, e.g. http://127.0.0.1:4318/v1/traces (https is not \
-                         supported yet: use a local collector or sidecar)"
+                        "{endpoint:?} is not an http:// or https:// URL: give the collector's \
+                         OTLP/HTTP traces endpoint, e.g. http://127.0.0.1:4318/v1/traces"
                     ),
                 ));
             }
+        }
+        if !(0.0..=1.0).contains(&self.otlp_sample_ratio) {
+            return Err(invalid(
+                "telemetry.otlp_sample_ratio",
+                format!(
+                    "{} is not a fraction: give a number from 0.0 (no new trace recorded) to \
+                     1.0 (every one)",
+                    self.otlp_sample_ratio
+                ),
+            ));
         }
         if let Err(e) = mcpgw_certs::TrustDomain::new(&self.mesh.trust_domain) {
             return Err(invalid("mesh.trust_domain", e.to_string()));
@@ -1237,10 +1276,16 @@ mod tests {
     #[test]
     fn mesh_certificate_settings_and_the_otlp_endpoint_are_checked() {
         let mut a = args(&["demo=http://127.0.0.1:9000/mcp"]);
-        a.otlp_endpoint = Some("https://collector:4318/v1/traces".into());
+        a.otlp_endpoint = Some("grpc://collector:4317".into());
         let error = Config::load(&a).unwrap_err();
         assert_eq!(error.field, "telemetry.otlp_endpoint");
         a.otlp_endpoint = Some("http://127.0.0.1:4318/v1/traces".into());
+        for bad in [-0.1, 1.5, f64::NAN] {
+            a.otlp_sample_ratio = Some(bad);
+            let error = Config::load(&a).unwrap_err();
+            assert_eq!(error.field, "telemetry.otlp_sample_ratio", "{bad}");
+        }
+        a.otlp_sample_ratio = Some(0.25);
         a.mesh_trust_domain = Some("Prod Domain".into());
         assert_eq!(Config::load(&a).unwrap_err().field, "mesh.trust_domain");
         a.mesh_trust_domain = Some("prod.example".into());
@@ -1258,6 +1303,9 @@ mod tests {
             config.otlp_endpoint.as_deref(),
             Some("http://127.0.0.1:4318/v1/traces")
         );
+        assert_eq!(config.otlp_sample_ratio, 0.25);
+        a.otlp_endpoint = Some("https://collector.example:4318/v1/traces".into());
+        assert!(Config::load(&a).is_ok(), "https collectors are taken");
     }
 
     #[test]

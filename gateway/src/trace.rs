@@ -6,14 +6,19 @@
 //! one (a new trace otherwise), and passes its own span on as the parent: the owner
 //! gets the edge's span in the mesh frame, the upstream the span of the worker that
 //! called it. A client's unsampled `traceparent` (flags `00`) is passed on unchanged
-//! and records nothing. Without an endpoint the gateway makes no spans and passes the
-//! client's `traceparent` through as it came.
+//! and records nothing. Of the requests that start a trace here (no `traceparent`),
+//! `--otlp-sample-ratio` of them are recorded, chosen by trace id; the others get an
+//! unsampled `traceparent`, so that the owner and the upstream record nothing for them
+//! either. Without an endpoint the gateway makes no spans and passes the client's
+//! `traceparent` through as it came.
 //!
 //! Spans leave in batches (up to [`BATCH`], or every [`FLUSH_EVERY`]) as OTLP/HTTP JSON
-//! to the collector's `/v1/traces`, from a bounded queue: when the collector is slow or
+//! to the collector's `/v1/traces` (`http://`, or `https://` with the platform's roots
+//! or `--otlp-ca`), from a bounded queue: when the collector is slow or
 //! gone, spans are dropped and counted, never waited for, so tracing cannot slow a
 //! request down. Export failures are logged at most once a minute.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -22,6 +27,7 @@ use bytes::Bytes;
 use http::header::CONTENT_TYPE;
 use http::{HeaderMap, HeaderValue, Request, Uri};
 use http_body_util::Full;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -138,25 +144,73 @@ struct FinishedSpan {
 pub struct Tracer {
     queue: mpsc::Sender<FinishedSpan>,
     dropped: Arc<AtomicU64>,
+    roots: RootSampler,
+}
+
+/// Which of the traces that start here are recorded: a fixed fraction, chosen by the
+/// trace id (as OpenTelemetry's trace-id ratio sampler does), so the choice is made
+/// once, at the edge, and travels in the `traceparent`.
+#[derive(Debug, Clone, Copy)]
+struct RootSampler {
+    every: bool,
+    /// A trace is recorded when the low 64 bits of its id are below this.
+    below: u64,
+}
+
+impl RootSampler {
+    /// `ratio`: from 0.0 to 1.0 (checked by the configuration).
+    fn new(ratio: f64) -> Self {
+        Self {
+            every: ratio >= 1.0,
+            // Saturating: 1.0 × u64::MAX rounds up past it as an f64.
+            below: (ratio.clamp(0.0, 1.0) * u64::MAX as f64) as u64,
+        }
+    }
+
+    fn records(&self, trace_id: &[u8; 16]) -> bool {
+        let mut low = [0u8; 8];
+        low.copy_from_slice(&trace_id[8..]);
+        self.every || u64::from_be_bytes(low) < self.below
+    }
 }
 
 impl Tracer {
-    /// Starts the exporter task for `endpoint` (an `http://` URL, checked by the
-    /// configuration). Needs a tokio runtime.
-    pub fn start(endpoint: &str, worker_id: &str) -> Result<Tracer, String> {
+    /// Starts the exporter task for `endpoint` (an `http://` or `https://` URL,
+    /// checked by the configuration; `ca`: the CAs of an `https://` collector, else the
+    /// platform's roots), recording `sample_ratio` of the traces that start here.
+    /// Needs a tokio runtime.
+    pub fn start(
+        endpoint: &str,
+        worker_id: &str,
+        ca: Option<&Path>,
+        sample_ratio: f64,
+    ) -> Result<Tracer, String> {
         let uri: Uri = endpoint
             .parse()
             .map_err(|_| format!("--otlp-endpoint {endpoint:?} is not a URL"))?;
+        let client = collector_client(uri.scheme_str() == Some("https"), ca)?;
         let (queue, spans) = mpsc::channel(QUEUE);
         let dropped = Arc::new(AtomicU64::new(0));
-        tokio::spawn(export(uri, worker_id.to_owned(), spans, dropped.clone()));
-        Ok(Tracer { queue, dropped })
+        tokio::spawn(export(
+            client,
+            uri,
+            worker_id.to_owned(),
+            spans,
+            dropped.clone(),
+        ));
+        Ok(Tracer {
+            queue,
+            dropped,
+            roots: RootSampler::new(sample_ratio),
+        })
     }
 
     /// Starts a span for a request whose headers are `headers`: a child of their
     /// sampled `traceparent`, or the root of a new trace. The request's `traceparent`
     /// is replaced by the new span's, so whatever the request reaches next (the owner,
-    /// the upstream) is its child. `None` when the client's trace is not sampled.
+    /// the upstream) is its child. `None` when the client's trace is not sampled, or a
+    /// trace starting here is not among the recorded fraction (the request then
+    /// carries an unsampled `traceparent`, so nothing after it records either).
     pub fn begin(&self, headers: &mut HeaderMap) -> Option<ActiveSpan> {
         let incoming = headers
             .get(TRACEPARENT)
@@ -165,7 +219,21 @@ impl Tracer {
         let (trace_id, parent) = match incoming {
             Some(context) if !context.sampled => return None,
             Some(context) => (context.trace_id, Some(context.span_id)),
-            None => (random(), None),
+            None => {
+                let trace_id = random();
+                if !self.roots.records(&trace_id) {
+                    let unsampled = SpanContext {
+                        trace_id,
+                        span_id: random(),
+                        sampled: false,
+                    };
+                    if let Ok(value) = HeaderValue::from_str(&unsampled.traceparent()) {
+                        headers.insert(TRACEPARENT, value);
+                    }
+                    return None;
+                }
+                (trace_id, None)
+            }
         };
         let context = SpanContext {
             trace_id,
@@ -197,16 +265,42 @@ impl Tracer {
 }
 
 /// Sends queued spans in batches until the tracer is dropped.
+type CollectorClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// The HTTP client that talks to the collector; TLS material is read only for an
+/// `https://` one.
+fn collector_client(https: bool, ca: Option<&Path>) -> Result<CollectorClient, String> {
+    use crate::execute::upstream::tls;
+    let roots = match (https, ca) {
+        (false, _) => rustls::RootCertStore::empty(),
+        (true, Some(path)) => tls::ca_bundle(path).map_err(|e| format!("--otlp-ca: {e}"))?,
+        (true, None) => tls::platform_roots()
+            .map_err(|e| format!("--otlp-endpoint: {e}"))?
+            .clone(),
+    };
+    let config = rustls::ClientConfig::builder_with_provider(mcpgw_certs::crypto_provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("OTLP TLS versions: {e}"))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(EXPORT_TIMEOUT));
+    connector.enforce_http(false);
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(config)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(connector);
+    Ok(Client::builder(TokioExecutor::new()).build(connector))
+}
+
 async fn export(
+    client: CollectorClient,
     uri: Uri,
     worker_id: String,
     mut spans: mpsc::Receiver<FinishedSpan>,
     dropped: Arc<AtomicU64>,
 ) {
-    let mut connector = HttpConnector::new();
-    connector.set_connect_timeout(Some(EXPORT_TIMEOUT));
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(connector);
     let resource = json!({"attributes": [
         attribute("service.name", json!("mcpgw")),
         attribute("service.instance.id", json!(worker_id)),
@@ -248,11 +342,7 @@ async fn export(
     }
 }
 
-async fn send(
-    client: &Client<HttpConnector, Full<Bytes>>,
-    uri: &Uri,
-    body: String,
-) -> Result<(), String> {
+async fn send(client: &CollectorClient, uri: &Uri, body: String) -> Result<(), String> {
     let request = Request::post(uri.clone())
         .header(CONTENT_TYPE, "application/json")
         .body(Full::new(Bytes::from(body)))
@@ -365,7 +455,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_span_continues_a_sampled_trace_and_skips_an_unsampled_one() {
-        let tracer = Tracer::start("http://127.0.0.1:9/v1/traces", "w").expect("tracer");
+        let tracer = Tracer::start("http://127.0.0.1:9/v1/traces", "w", None, 1.0).expect("tracer");
         let mut headers = HeaderMap::new();
         let incoming = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
         headers.insert(TRACEPARENT, HeaderValue::from_static(incoming));
@@ -387,5 +477,36 @@ mod tests {
         let root = tracer.begin(&mut headers).expect("a new trace");
         assert_eq!(root.parent, None);
         assert!(headers.contains_key(TRACEPARENT));
+    }
+
+    #[tokio::test]
+    async fn new_traces_are_recorded_at_the_configured_ratio_and_parents_decide_their_own() {
+        let none = Tracer::start("http://127.0.0.1:9/v1/traces", "w", None, 0.0).expect("tracer");
+        let mut headers = HeaderMap::new();
+        assert!(none.begin(&mut headers).is_none(), "no new trace recorded");
+        let passed_on = SpanContext::parse(headers[TRACEPARENT].to_str().unwrap()).unwrap();
+        assert!(
+            !passed_on.sampled,
+            "the owner and the upstream are told not to record it either"
+        );
+        // A client's sampled trace is recorded whatever the ratio.
+        let sampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        headers.insert(TRACEPARENT, HeaderValue::from_static(sampled));
+        assert!(none.begin(&mut headers).is_some());
+
+        let half = Tracer::start("http://127.0.0.1:9/v1/traces", "w", None, 0.5).expect("tracer");
+        let recorded = (0..4000)
+            .filter(|_| half.begin(&mut HeaderMap::new()).is_some())
+            .count();
+        assert!((1600..=2400).contains(&recorded), "{recorded} of 4000");
+
+        // The choice follows the trace id, so every worker of a trace agrees.
+        let every = RootSampler::new(1.0);
+        let quarter = RootSampler::new(0.25);
+        let low = [0u8; 16];
+        let high = [0xffu8; 16];
+        assert!(every.records(&low) && every.records(&high));
+        assert!(quarter.records(&low) && !quarter.records(&high));
+        assert!(!RootSampler::new(0.0).records(&low));
     }
 }

@@ -80,7 +80,9 @@ impl Worker {
         let auth = Authenticator::new(&config).map_err(|e| config_error(e.to_string()))?;
         let tracer = match &config.otlp_endpoint {
             Some(endpoint) => {
-                Some(crate::trace::Tracer::start(endpoint, &id).map_err(config_error)?)
+                let ca = config.otlp_ca.as_deref();
+                let ratio = config.otlp_sample_ratio;
+                Some(crate::trace::Tracer::start(endpoint, &id, ca, ratio).map_err(config_error)?)
             }
             None => None,
         };

@@ -29,6 +29,7 @@ pub mod python;
 pub mod redis;
 pub mod scatter;
 pub mod signal;
+pub mod tls;
 pub mod upstream;
 
 use std::path::PathBuf;

@@ -5,7 +5,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -15,6 +15,7 @@ use jsonwebtoken::jwk::{Jwk, JwkSet};
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use mcpgw_testkit::fleet::{MeshCerts, supervisor_flags};
 use mcpgw_testkit::http::{self, Response};
+use mcpgw_testkit::tls::TestCa;
 use mcpgw_testkit::{Gateway, RedisServer, Upstream};
 use serde_json::{Value, json};
 
@@ -149,7 +150,8 @@ fn base64url(bytes: &[u8]) -> String {
 /// A JWKS served over HTTPS by a certificate of a test CA, counting its hits.
 struct JwksServer {
     url: String,
-    ca: PathBuf,
+    /// Signs the server's certificate; its file is what the gateway's `jwks_ca` names.
+    ca: TestCa,
     body: Arc<Mutex<String>>,
     hits: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
@@ -157,34 +159,10 @@ struct JwksServer {
 }
 
 impl JwksServer {
-    fn start(dir: &Path, body: String) -> JwksServer {
-        let ca_key = rcgen::KeyPair::generate().expect("CA key");
-        let mut ca_params = rcgen::CertificateParams::default();
-        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca_params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "mcpgw test JWKS CA");
-        let ca_cert = ca_params.self_signed(&ca_key).expect("CA certificate");
-        let ca = dir.join("jwks-ca.crt");
-        std::fs::write(&ca, ca_cert.pem()).expect("write the CA");
-        let issuer = rcgen::Issuer::from_ca_cert_pem(&ca_cert.pem(), ca_key).expect("issuer");
-        let leaf_key = rcgen::KeyPair::generate().expect("leaf key");
-        let mut leaf_params = rcgen::CertificateParams::default();
-        leaf_params.subject_alt_names = vec![rcgen::SanType::IpAddress(std::net::IpAddr::from([
-            127, 0, 0, 1,
-        ]))];
-        let leaf = leaf_params.signed_by(&leaf_key, &issuer).expect("leaf");
-        let tls = Arc::new(
-            rustls::ServerConfig::builder_with_provider(mcpgw_certs::crypto_provider())
-                .with_safe_default_protocol_versions()
-                .expect("TLS versions")
-                .with_no_client_auth()
-                .with_single_cert(
-                    vec![leaf.der().clone()],
-                    rustls::pki_types::PrivateKeyDer::Pkcs8(leaf_key.serialize_der().into()),
-                )
-                .expect("server config"),
-        );
+    fn start(body: String) -> JwksServer {
+        let ca = TestCa::new("jwks");
+        let (cert, key) = ca.issue("server");
+        let tls = Arc::new(mcpgw_testkit::tls::server_config(&cert, &key, None));
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind JWKS server");
         let addr = listener.local_addr().expect("addr").to_string();
         let body = Arc::new(Mutex::new(body));
@@ -433,7 +411,7 @@ fn tokens_are_verified_and_refused_ones_never_reach_the_upstream() {
     let rsa = SigningKey::generate("rsa-1", Algorithm::RS256);
     let ec = SigningKey::generate("ec-1", Algorithm::ES256);
     let ed = SigningKey::generate("ed-1", Algorithm::EdDSA);
-    let jwks = JwksServer::start(&dir, jwks_json(&[&rsa, &ec, &ed]));
+    let jwks = JwksServer::start(jwks_json(&[&rsa, &ec, &ed]));
     let secret = dir.join("hs.secret");
     std::fs::write(&secret, b"a shared HMAC secret of 32+ bytes!!").expect("secret");
     let config = dir.join("mcpgw.toml");
@@ -466,7 +444,7 @@ tool_scopes = {{ counter_increment = ["mcp:write"] }}
 "#,
             upstream = upstream.url,
             jwks = jwks.url,
-            ca = jwks.ca.display(),
+            ca = jwks.ca.ca_file().display(),
             secret = secret.display(),
         ),
     )
@@ -722,7 +700,7 @@ fn jwks_rotation_refreshes_once_and_unknown_kids_do_not_hammer() {
     let upstream = Upstream::start();
     let old = SigningKey::generate("2026-old", Algorithm::ES256);
     let new = SigningKey::generate("2026-new", Algorithm::RS256);
-    let jwks = JwksServer::start(&dir, jwks_json(&[&old]));
+    let jwks = JwksServer::start(jwks_json(&[&old]));
     let config = dir.join("mcpgw.toml");
     std::fs::write(
         &config,
@@ -732,7 +710,7 @@ fn jwks_rotation_refreshes_once_and_unknown_kids_do_not_hammer() {
              jwks_refresh_interval_ms = 3600000\n",
             upstream.url,
             jwks.url,
-            jwks.ca.display()
+            jwks.ca.ca_file().display()
         ),
     )
     .expect("config");

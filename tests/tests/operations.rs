@@ -355,6 +355,87 @@ fn a_forwarded_request_makes_an_edge_and_an_owner_span_in_the_clients_trace() {
     );
 }
 
+/// An `https://` collector (a TLS terminator with a test CA in front of the stand-in,
+/// trusted with `--otlp-ca`), and a sample ratio of zero: a client's sampled trace is
+/// still recorded (its `traceparent` decides), while a request that starts a trace
+/// records nothing and reaches the upstream with an unsampled `traceparent`, so nothing
+/// after the gateway records it either.
+#[test]
+fn spans_go_to_an_https_collector_and_new_traces_follow_the_sample_ratio() {
+    use mcpgw_testkit::tls::{TestCa, TlsTerminator};
+    let collector = Collector::start();
+    let ca = TestCa::new("collector");
+    let (cert, key) = ca.issue("collector");
+    let https = TlsTerminator::start(&collector.addr, &cert, &key, None);
+    let endpoint = format!("https://{}/v1/traces", https.addr);
+    let ca_file = ca.ca_file().display().to_string();
+    let fleet = LocalFleet::start(
+        "tcp",
+        1,
+        &[
+            "--otlp-endpoint",
+            &endpoint,
+            "--otlp-ca",
+            &ca_file,
+            "--otlp-sample-ratio",
+            "0",
+        ],
+    );
+    let trace = "5bf92f3577b34da6a3ce929d0e0e4736";
+    let traceparent = format!("00-{trace}-00f067aa0ba902b7-01");
+    traced_forwarded_call(&fleet, &traceparent);
+    eventually(WITHIN, || {
+        let spans = collector.spans();
+        let of_trace = spans.iter().filter(|s| s["traceId"] == trace).count();
+        if of_trace >= 2 {
+            Ok(())
+        } else {
+            Err(format!("edge and owner spans over https so far: {spans:?}"))
+        }
+    });
+    // No traceparent from the client: the trace starts here, and ratio 0 records none.
+    let session = initialize(&fleet.a.addr, "/mcp");
+    let r = call_tool(
+        &fleet.b.addr,
+        "/mcp",
+        &session,
+        2,
+        "echo",
+        json!({"text": "x"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let seen = fleet.upstream.stats()["last_traceparent"]
+        .as_str()
+        .map(str::to_owned)
+        .expect("the upstream saw a traceparent");
+    let started_here = seen.split('-').nth(1).unwrap_or_default().to_owned();
+    assert_ne!(started_here, trace, "a trace of its own");
+    assert!(seen.ends_with("-00"), "unsampled: {seen}");
+    // A sampled call after it, through the same workers: once its spans arrive, any
+    // span of the unrecorded trace (queued before them) would have arrived too.
+    let marker = "6bf92f3577b34da6a3ce929d0e0e4736";
+    let mut headers = mcp_headers(Some(&session));
+    let marker_parent = format!("00-{marker}-00f067aa0ba902b7-01");
+    headers.push(("traceparent", &marker_parent));
+    let body = http::tool_call_body(3, "echo", json!({"text": "marker"}));
+    let r = http::request(&fleet.b.addr, "POST", "/mcp", &headers, &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    eventually(WITHIN, || {
+        let arrived = collector
+            .spans()
+            .iter()
+            .filter(|s| s["traceId"] == marker)
+            .count();
+        if arrived >= 2 { Ok(()) } else { Err(arrived) }
+    });
+    let recorded = collector
+        .spans()
+        .into_iter()
+        .filter(|s| s["traceId"] == started_here.as_str())
+        .count();
+    assert_eq!(recorded, 0, "a trace outside the sample ratio was recorded");
+}
+
 #[test]
 fn readyz_follows_redis_and_the_drain() {
     // The pause below must outlast the owner's own deadline (lease − a fifth) but not

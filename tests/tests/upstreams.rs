@@ -13,11 +13,10 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use mcpgw_testkit::http::{self, call_tool, initialize, mcp_headers};
+use mcpgw_testkit::tls::{TestCa, TlsTerminator};
 use mcpgw_testkit::{Child, Gateway, ScatterProxy, Upstream, python, python_script, run_python};
 use serde_json::{Value, json};
-use support::{
-    Fleet, TestCa, TlsTerminator, children_of, read_events, running, wait_stopped, worker_at,
-};
+use support::{Fleet, children_of, read_events, running, wait_stopped, worker_at};
 
 const INIT: &[u8] = br#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-11-25","capabilities":{},"clientInfo":{"name":"mcpgw-tests","version":"0"}}}"#;
 

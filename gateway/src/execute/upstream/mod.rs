@@ -6,7 +6,7 @@
 mod conversation;
 mod http;
 pub mod stdio;
-mod tls;
+pub(crate) mod tls;
 
 use std::sync::Arc;
 use std::time::Duration;

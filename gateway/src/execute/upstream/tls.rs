@@ -1,6 +1,7 @@
-//! TLS towards `https://` upstreams: which CAs to trust (the platform's roots, or a
-//! bundle configured per upstream), the client certificate for upstreams that require
-//! mutual TLS, and handshake failures explained in words that say what to change.
+//! TLS towards `https://` upstreams (and an `https://` OTLP collector): which CAs to
+//! trust (the platform's roots, or a bundle configured per upstream), the client
+//! certificate for upstreams that require mutual TLS, and handshake failures explained
+//! in words that say what to change.
 
 use std::sync::{Arc, OnceLock};
 
@@ -56,7 +57,7 @@ pub fn client_config(name: &str, tls: &UpstreamTls) -> Result<Arc<ClientConfig>,
 }
 
 /// The CAs of a PEM bundle.
-fn ca_bundle(path: &std::path::Path) -> Result<RootCertStore, String> {
+pub(crate) fn ca_bundle(path: &std::path::Path) -> Result<RootCertStore, String> {
     let certs = CertificateDer::pem_file_iter(path)
         .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
         .map_err(|e| format!("{} is not a PEM certificate bundle ({e})", path.display()))?;
@@ -74,7 +75,7 @@ fn ca_bundle(path: &std::path::Path) -> Result<RootCertStore, String> {
 
 /// The platform's root certificates (`SSL_CERT_FILE` / `SSL_CERT_DIR` when set), read
 /// once per process.
-fn platform_roots() -> Result<&'static RootCertStore, String> {
+pub(crate) fn platform_roots() -> Result<&'static RootCertStore, String> {
     static ROOTS: OnceLock<Result<RootCertStore, String>> = OnceLock::new();
     ROOTS
         .get_or_init(|| {
@@ -89,7 +90,8 @@ fn platform_roots() -> Result<&'static RootCertStore, String> {
                     .unwrap_or_default();
                 return Err(format!(
                     "no platform root certificates found{why}: install the ca-certificates \
-                     package, set SSL_CERT_FILE, or give the upstream a tls_ca bundle"
+                     package, set SSL_CERT_FILE, or give a CA bundle (an upstream's tls_ca, \
+                     the OTLP collector's otlp_ca)"
                 ));
             }
             Ok(roots)
