@@ -198,15 +198,20 @@ fn traced_forwarded_call(fleet: &LocalFleet, traceparent: &str) -> (String, Stri
     (session, edge, owner)
 }
 
+/// The `traceparent` of the last request the fleet's upstream received.
+fn upstream_traceparent(fleet: &LocalFleet) -> String {
+    fleet.upstream.stats()["last_traceparent"]
+        .as_str()
+        .map(str::to_owned)
+        .expect("the upstream saw a traceparent")
+}
+
 #[test]
 fn a_traceparent_from_the_client_reaches_the_upstream_through_a_forward() {
     let fleet = LocalFleet::start("tcp", 1, &[]);
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     traced_forwarded_call(&fleet, traceparent);
-    let seen = fleet.upstream.stats()["last_traceparent"]
-        .as_str()
-        .map(str::to_owned)
-        .expect("the upstream saw a traceparent");
+    let seen = upstream_traceparent(&fleet);
     let trace_id = |tp: &str| tp.split('-').nth(1).map(str::to_owned);
     assert_eq!(
         trace_id(&seen),
@@ -341,10 +346,7 @@ fn a_forwarded_request_makes_an_edge_and_an_owner_span_in_the_clients_trace() {
         edge_worker.as_str()
     );
     // The upstream is the owner span's child, in the same trace.
-    let seen = fleet.upstream.stats()["last_traceparent"]
-        .as_str()
-        .map(str::to_owned)
-        .expect("the upstream saw a traceparent");
+    let seen = upstream_traceparent(&fleet);
     let owner_span = owner["spanId"].as_str().unwrap_or_default();
     assert_eq!(seen, format!("00-{trace}-{owner_span}-01"));
     // No span carries the session id.
@@ -404,10 +406,7 @@ fn spans_go_to_an_https_collector_and_new_traces_follow_the_sample_ratio() {
         json!({"text": "x"}),
     );
     assert_eq!(r.status, 200, "{}", r.text());
-    let seen = fleet.upstream.stats()["last_traceparent"]
-        .as_str()
-        .map(str::to_owned)
-        .expect("the upstream saw a traceparent");
+    let seen = upstream_traceparent(&fleet);
     let started_here = seen.split('-').nth(1).unwrap_or_default().to_owned();
     assert_ne!(started_here, trace, "a trace of its own");
     assert!(seen.ends_with("-00"), "unsampled: {seen}");
