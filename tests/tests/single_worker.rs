@@ -394,6 +394,13 @@ fn upstream_timeouts_become_504() {
     );
     assert_eq!(slow.status, 504);
     assert_eq!(slow.json()["error"]["data"]["reason"], "upstream_timeout");
+    // The upstream got the call: the client is told it may have run, not to retry.
+    let message = slow.json()["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .to_owned();
+    assert!(message.contains("may still have run"), "{message}");
+    assert_eq!(slow.header("retry-after"), None);
 }
 
 #[test]

@@ -665,6 +665,11 @@ pub(crate) fn upstream_error(error: UpstreamError, id: serde_json::Value) -> Gat
             format!("{error}: fix the certificate or the upstream's tls settings")
         }
         UpstreamError::Spawn { .. } => format!("{error}: check the upstream's command"),
+        // Sent, then no answer in time: the upstream may have run it.
+        UpstreamError::Timeout { .. } => format!(
+            "{error}: it may still have run there, so check its state before retrying a \
+             non-idempotent call"
+        ),
         _ => format!("{error}: retry later or check the upstream"),
     };
     let mut error = GatewayError::gateway(status, reason, message).with_id(id);
