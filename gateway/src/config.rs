@@ -58,6 +58,56 @@ pub struct Config {
     /// Fraction of new traces recorded (0.0 to 1.0); a client's `traceparent` decides
     /// for its own trace.
     pub otlp_sample_ratio: f64,
+    /// Headers sent with every export request (a collector's API key, a tenant).
+    pub otlp_headers: OtlpHeaders,
+}
+
+/// Headers for the OTLP collector. Their values are usually credentials: `Debug`
+/// shows only the names, and configuration errors never quote a value.
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OtlpHeaders(pub BTreeMap<String, String>);
+
+impl std::fmt::Debug for OtlpHeaders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.0.keys()).finish()
+    }
+}
+
+impl OtlpHeaders {
+    /// `name=value,name=value`, as `OTEL_EXPORTER_OTLP_HEADERS` spells them.
+    fn parse(list: &str) -> Result<Self, ConfigError> {
+        let mut headers = BTreeMap::new();
+        for pair in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let Some((name, value)) = pair.split_once('=') else {
+                return Err(invalid(
+                    "telemetry.otlp_headers",
+                    "expected name=value pairs separated by commas (a value is not shown)",
+                ));
+            };
+            headers.insert(name.trim().to_owned(), value.trim().to_owned());
+        }
+        Ok(Self(headers))
+    }
+
+    /// Every name and value is one HTTP accepts; an error names the header, never
+    /// its value.
+    fn check(&self) -> Result<(), ConfigError> {
+        for (name, value) in &self.0 {
+            if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                return Err(invalid(
+                    "telemetry.otlp_headers",
+                    format!("{name:?} is not an HTTP header name"),
+                ));
+            }
+            if http::HeaderValue::from_str(value).is_err() {
+                return Err(invalid(
+                    "telemetry.otlp_headers",
+                    format!("the value of {name} is not a valid HTTP header value (not shown)"),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// One upstream MCP server: its route name, where it is, and how the gateway reaches it.
@@ -317,6 +367,7 @@ impl Default for Config {
             otlp_endpoint: None,
             otlp_ca: None,
             otlp_sample_ratio: 1.0,
+            otlp_headers: OtlpHeaders::default(),
         }
     }
 }
@@ -434,6 +485,10 @@ pub struct ServeArgs {
     /// a traceparent follow its sampled flag.
     #[arg(long, env = "MCPGW_OTLP_SAMPLE_RATIO")]
     pub otlp_sample_ratio: Option<f64>,
+    /// Headers for every export request, `name=value,name=value` (a collector's API
+    /// key); prefer the environment variable or the file to keep keys out of `ps`.
+    #[arg(long, env = "MCPGW_OTLP_HEADERS", hide_env_values = true)]
+    pub otlp_headers: Option<String>,
     /// Take the client address from X-Forwarded-For (only behind a proxy that sets it).
     #[arg(long, env = "MCPGW_TRUST_FORWARDED_FOR")]
     pub trust_forwarded_for: bool,
@@ -496,6 +551,7 @@ struct FileTelemetry {
     otlp_endpoint: Option<String>,
     otlp_ca: Option<PathBuf>,
     otlp_sample_ratio: Option<f64>,
+    otlp_headers: Option<BTreeMap<String, String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -631,6 +687,9 @@ impl Config {
             &mut self.otlp_sample_ratio,
             file.telemetry.otlp_sample_ratio,
         );
+        if let Some(headers) = file.telemetry.otlp_headers {
+            self.otlp_headers = OtlpHeaders(headers);
+        }
         if let Some(listen) = file.admin.listen {
             self.admin_listen = parse_addr("admin.listen", &listen)?;
         }
@@ -771,6 +830,9 @@ impl Config {
             self.otlp_ca = a.otlp_ca.clone();
         }
         set(&mut self.otlp_sample_ratio, a.otlp_sample_ratio);
+        if let Some(list) = &a.otlp_headers {
+            self.otlp_headers = OtlpHeaders::parse(list)?;
+        }
         if a.log_requests {
             self.log_requests = true;
         }
@@ -961,6 +1023,7 @@ impl Config {
                 ));
             }
         }
+        self.otlp_headers.check()?;
         if !(0.0..=1.0).contains(&self.otlp_sample_ratio) {
             return Err(invalid(
                 "telemetry.otlp_sample_ratio",
@@ -1304,6 +1367,24 @@ mod tests {
             Some("http://127.0.0.1:4318/v1/traces")
         );
         assert_eq!(config.otlp_sample_ratio, 0.25);
+        a.otlp_headers = Some("authorization=Bearer s3cret, x-tenant = blue".into());
+        let config = Config::load(&a).unwrap();
+        assert_eq!(config.otlp_headers.0["authorization"], "Bearer s3cret");
+        assert_eq!(config.otlp_headers.0["x-tenant"], "blue");
+        assert!(
+            !format!("{config:?}").contains("s3cret"),
+            "header values stay out of logs"
+        );
+        for bad in [
+            "authorization Bearer s3cret",
+            "authorization=Bearer\u{7f}s3cret",
+        ] {
+            a.otlp_headers = Some(bad.into());
+            let error = Config::load(&a).unwrap_err();
+            assert_eq!(error.field, "telemetry.otlp_headers", "{bad}");
+            assert!(!error.problem.contains("s3cret"), "{}", error.problem);
+        }
+        a.otlp_headers = None;
         a.otlp_endpoint = Some("https://collector.example:4318/v1/traces".into());
         assert!(Config::load(&a).is_ok(), "https collectors are taken");
     }

@@ -18,6 +18,7 @@
 //! gone, spans are dropped and counted, never waited for, so tracing cannot slow a
 //! request down. Export failures are logged at most once a minute.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,7 +26,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
-use http::{HeaderMap, HeaderValue, Request, Uri};
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Uri};
 use http_body_util::Full;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
@@ -34,6 +35,8 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tracing::warn;
+
+use crate::config::Config;
 
 /// Spans per export request.
 pub const BATCH: usize = 512;
@@ -175,25 +178,29 @@ impl RootSampler {
 }
 
 impl Tracer {
-    /// Starts the exporter task for `endpoint` (an `http://` or `https://` URL,
-    /// checked by the configuration; `ca`: the CAs of an `https://` collector, else the
-    /// platform's roots), recording `sample_ratio` of the traces that start here.
-    /// Needs a tokio runtime.
-    pub fn start(
-        endpoint: &str,
-        worker_id: &str,
-        ca: Option<&Path>,
-        sample_ratio: f64,
-    ) -> Result<Tracer, String> {
+    /// Starts the exporter task for the configured collector (`otlp_endpoint`: an
+    /// `http://` or `https://` URL, checked by the configuration; `otlp_ca`: the CAs of
+    /// an `https://` one, else the platform's roots; `otlp_headers` on every export),
+    /// recording `otlp_sample_ratio` of the traces that start here. Needs a tokio
+    /// runtime.
+    pub fn start(config: &Config, worker_id: &str) -> Result<Tracer, String> {
+        let endpoint = config
+            .otlp_endpoint
+            .as_deref()
+            .ok_or("no OTLP endpoint configured")?;
         let uri: Uri = endpoint
             .parse()
             .map_err(|_| format!("--otlp-endpoint {endpoint:?} is not a URL"))?;
-        let client = collector_client(uri.scheme_str() == Some("https"), ca)?;
+        let https = uri.scheme_str() == Some("https");
+        let collector = Collector {
+            client: collector_client(https, config.otlp_ca.as_deref())?,
+            uri,
+            headers: collector_headers(&config.otlp_headers.0)?,
+        };
         let (queue, spans) = mpsc::channel(QUEUE);
         let dropped = Arc::new(AtomicU64::new(0));
         tokio::spawn(export(
-            client,
-            uri,
+            collector,
             worker_id.to_owned(),
             spans,
             dropped.clone(),
@@ -201,7 +208,7 @@ impl Tracer {
         Ok(Tracer {
             queue,
             dropped,
-            roots: RootSampler::new(sample_ratio),
+            roots: RootSampler::new(config.otlp_sample_ratio),
         })
     }
 
@@ -267,6 +274,28 @@ impl Tracer {
 /// Sends queued spans in batches until the tracer is dropped.
 type CollectorClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 
+/// Where spans go, and what every export request carries.
+struct Collector {
+    client: CollectorClient,
+    uri: Uri,
+    headers: HeaderMap,
+}
+
+/// The configured headers (checked by the configuration; an error never quotes a
+/// value, which is usually a credential).
+fn collector_headers(configured: &BTreeMap<String, String>) -> Result<HeaderMap, String> {
+    let mut headers = HeaderMap::new();
+    for (name, value) in configured {
+        let name = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| format!("otlp_headers: {name:?} is not an HTTP header name"))?;
+        let mut value = HeaderValue::from_str(value)
+            .map_err(|_| format!("otlp_headers: the value of {name} is not a header value"))?;
+        value.set_sensitive(true);
+        headers.insert(name, value);
+    }
+    Ok(headers)
+}
+
 /// The HTTP client that talks to the collector; TLS material is read only for an
 /// `https://` one.
 fn collector_client(https: bool, ca: Option<&Path>) -> Result<CollectorClient, String> {
@@ -295,8 +324,7 @@ fn collector_client(https: bool, ca: Option<&Path>) -> Result<CollectorClient, S
 }
 
 async fn export(
-    client: CollectorClient,
-    uri: Uri,
+    collector: Collector,
     worker_id: String,
     mut spans: mpsc::Receiver<FinishedSpan>,
     dropped: Arc<AtomicU64>,
@@ -333,7 +361,7 @@ async fn export(
                     "spans": std::mem::take(&mut batch),
                 }],
             }]});
-            let outcome = send(&client, &uri, body.to_string()).await;
+            let outcome = send(&collector, body.to_string()).await;
             failures.note(outcome, dropped.swap(0, Ordering::Relaxed));
         }
         if !open {
@@ -342,12 +370,13 @@ async fn export(
     }
 }
 
-async fn send(client: &CollectorClient, uri: &Uri, body: String) -> Result<(), String> {
-    let request = Request::post(uri.clone())
+async fn send(collector: &Collector, body: String) -> Result<(), String> {
+    let mut request = Request::post(collector.uri.clone())
         .header(CONTENT_TYPE, "application/json")
         .body(Full::new(Bytes::from(body)))
         .map_err(|e| e.to_string())?;
-    match tokio::time::timeout(EXPORT_TIMEOUT, client.request(request)).await {
+    request.headers_mut().extend(collector.headers.clone());
+    match tokio::time::timeout(EXPORT_TIMEOUT, collector.client.request(request)).await {
         Err(_) => Err(format!("no answer within {EXPORT_TIMEOUT:?}")),
         Ok(Err(e)) => Err(e.to_string()),
         Ok(Ok(response)) if response.status().is_success() => Ok(()),
@@ -433,6 +462,15 @@ fn span_json(finished: FinishedSpan) -> Value {
 mod tests {
     use super::*;
 
+    /// A tracer's configuration whose collector nobody listens at.
+    fn to_nowhere(sample_ratio: f64) -> Config {
+        Config {
+            otlp_endpoint: Some("http://127.0.0.1:9/v1/traces".into()),
+            otlp_sample_ratio: sample_ratio,
+            ..Config::default()
+        }
+    }
+
     #[test]
     fn traceparents_are_read_strictly_and_written_back() {
         let text = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
@@ -455,7 +493,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_span_continues_a_sampled_trace_and_skips_an_unsampled_one() {
-        let tracer = Tracer::start("http://127.0.0.1:9/v1/traces", "w", None, 1.0).expect("tracer");
+        let tracer = Tracer::start(&to_nowhere(1.0), "w").expect("tracer");
         let mut headers = HeaderMap::new();
         let incoming = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
         headers.insert(TRACEPARENT, HeaderValue::from_static(incoming));
@@ -481,7 +519,7 @@ mod tests {
 
     #[tokio::test]
     async fn new_traces_are_recorded_at_the_configured_ratio_and_parents_decide_their_own() {
-        let none = Tracer::start("http://127.0.0.1:9/v1/traces", "w", None, 0.0).expect("tracer");
+        let none = Tracer::start(&to_nowhere(0.0), "w").expect("tracer");
         let mut headers = HeaderMap::new();
         assert!(none.begin(&mut headers).is_none(), "no new trace recorded");
         let passed_on = SpanContext::parse(headers[TRACEPARENT].to_str().unwrap()).unwrap();
@@ -494,7 +532,7 @@ mod tests {
         headers.insert(TRACEPARENT, HeaderValue::from_static(sampled));
         assert!(none.begin(&mut headers).is_some());
 
-        let half = Tracer::start("http://127.0.0.1:9/v1/traces", "w", None, 0.5).expect("tracer");
+        let half = Tracer::start(&to_nowhere(0.5), "w").expect("tracer");
         let recorded = (0..4000)
             .filter(|_| half.begin(&mut HeaderMap::new()).is_some())
             .count();

@@ -79,11 +79,7 @@ impl Worker {
             .map_err(|_| config_error(format!("worker id {id:?} is not a valid header value")))?;
         let auth = Authenticator::new(&config).map_err(|e| config_error(e.to_string()))?;
         let tracer = match &config.otlp_endpoint {
-            Some(endpoint) => {
-                let ca = config.otlp_ca.as_deref();
-                let ratio = config.otlp_sample_ratio;
-                Some(crate::trace::Tracer::start(endpoint, &id, ca, ratio).map_err(config_error)?)
-            }
+            Some(_) => Some(crate::trace::Tracer::start(&config, &id).map_err(config_error)?),
             None => None,
         };
         Ok(Arc::new(Worker {

@@ -221,10 +221,11 @@ fn a_traceparent_from_the_client_reaches_the_upstream_through_a_forward() {
 }
 
 /// A stand-in OTLP/HTTP collector (no collector runs here): answers every POST with
-/// 200 and keeps the JSON bodies.
+/// 200 and keeps the JSON bodies and the `authorization` headers they came with.
 struct Collector {
     addr: String,
     bodies: std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
+    authorizations: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl Collector {
@@ -233,10 +234,11 @@ impl Collector {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("addr").to_string();
         let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let kept = bodies.clone();
+        let authorizations = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (kept, seen) = (bodies.clone(), authorizations.clone());
         thread::spawn(move || {
             for stream in listener.incoming().flatten() {
-                let kept = kept.clone();
+                let (kept, seen) = (kept.clone(), seen.clone());
                 thread::spawn(move || {
                     let mut writer = stream.try_clone().expect("clone");
                     let mut reader = BufReader::new(stream);
@@ -253,10 +255,13 @@ impl Collector {
                             if header.is_empty() {
                                 break;
                             }
-                            if let Some((name, value)) = header.split_once(':')
-                                && name.eq_ignore_ascii_case("content-length")
-                            {
+                            let Some((name, value)) = header.split_once(':') else {
+                                continue;
+                            };
+                            if name.eq_ignore_ascii_case("content-length") {
                                 length = value.trim().parse().unwrap_or(0);
+                            } else if name.eq_ignore_ascii_case("authorization") {
+                                seen.lock().expect("lock").push(value.trim().to_owned());
                             }
                         }
                         let mut body = vec![0u8; length];
@@ -274,7 +279,11 @@ impl Collector {
                 });
             }
         });
-        Collector { addr, bodies }
+        Collector {
+            addr,
+            bodies,
+            authorizations,
+        }
     }
 
     /// Every span received so far.
@@ -358,7 +367,8 @@ fn a_forwarded_request_makes_an_edge_and_an_owner_span_in_the_clients_trace() {
 }
 
 /// An `https://` collector (a TLS terminator with a test CA in front of the stand-in,
-/// trusted with `--otlp-ca`), and a sample ratio of zero: a client's sampled trace is
+/// trusted with `--otlp-ca`) that wants an API key (`--otlp-headers`), and a sample
+/// ratio of zero: a client's sampled trace is
 /// still recorded (its `traceparent` decides), while a request that starts a trace
 /// records nothing and reaches the upstream with an unsampled `traceparent`, so nothing
 /// after the gateway records it either.
@@ -381,6 +391,8 @@ fn spans_go_to_an_https_collector_and_new_traces_follow_the_sample_ratio() {
             &ca_file,
             "--otlp-sample-ratio",
             "0",
+            "--otlp-headers",
+            "authorization=Bearer collector-key",
         ],
     );
     let trace = "5bf92f3577b34da6a3ce929d0e0e4736";
@@ -395,6 +407,12 @@ fn spans_go_to_an_https_collector_and_new_traces_follow_the_sample_ratio() {
             Err(format!("edge and owner spans over https so far: {spans:?}"))
         }
     });
+    let keys = collector.authorizations.lock().expect("lock").clone();
+    assert!(
+        !keys.is_empty(),
+        "every export carries the configured header"
+    );
+    assert!(keys.iter().all(|k| k == "Bearer collector-key"), "{keys:?}");
     // No traceparent from the client: the trace starts here, and ratio 0 records none.
     let session = initialize(&fleet.a.addr, "/mcp");
     let r = call_tool(
