@@ -46,8 +46,9 @@ pub enum Situation {
     OwnerGone,
     /// The directory confirms the session does not exist (never did, or ended).
     NoSuchSession,
-    /// Ownership cannot be established: directory unreachable, or the owner's lease is
-    /// alive but the owner did not answer within the deadline.
+    /// Ownership cannot be established, and the request did not reach the owner:
+    /// directory unreachable, or the owner's lease is alive but it could not be
+    /// reached (no connection within the connect timeout).
     Unknown,
     /// The request was forwarded and the owner died before the answer completed: it
     /// may or may not have run, and the session went with the owner.
