@@ -1,8 +1,8 @@
 //! Mesh TLS that changes while connections live: material reloaded from files reaches
 //! new handshakes on both transports, connections are replaced at their maximum age
 //! without failing a request, a peer's expired leaf closes its connection and is
-//! refused afterwards, and a `Welcome` is believed only from the identity registered
-//! for the worker it speaks for.
+//! refused afterwards, and a `Welcome` (caller side) or a `Hello` (owner side) is
+//! believed only from the identity registered for the worker it speaks for.
 
 mod common;
 
@@ -11,15 +11,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use futures_util::future::BoxFuture;
+use futures_util::stream::BoxStream;
 use mcpgw_certs::{
     MeshTls, MeshTlsFiles, MeshTlsSource, Pem, ReloadOptions, ReloadOutcome, TrustDomain,
     generate_ca, issue_leaf, write_file_atomically, write_pem_files,
 };
 use mcpgw_mesh::transport::{
-    MeshClient, MeshError, MeshLimits, MeshServerHandle, ServerTls, TransportKind,
-    mesh_tls_settings,
+    MeshClient, MeshError, MeshLimits, MeshServerHandle, MeshService, PeerInfo, ResponsePart,
+    ServerTls, TransportKind, mesh_tls_settings,
 };
 use mcpgw_testkit::pki::{Pki, YEAR};
+use mcpgw_wire::RequestFrame;
 
 const KINDS: [TransportKind; 2] = [TransportKind::Quic, TransportKind::Tcp];
 
@@ -315,6 +318,77 @@ fn a_welcome_counts_only_from_the_identity_registered_for_the_worker() {
                 );
             }
         }
+    });
+}
+
+/// The test service, with the identities a directory would hold for callers.
+struct RegisteredCallers {
+    inner: TestService,
+    identities: std::collections::HashMap<String, String>,
+}
+
+impl MeshService for RegisteredCallers {
+    fn serve(&self, request: RequestFrame, peer: PeerInfo) -> BoxStream<'static, ResponsePart> {
+        self.inner.serve(request, peer)
+    }
+
+    fn registered_identity(&self, worker_id: &str) -> BoxFuture<'static, Option<String>> {
+        Box::pin(std::future::ready(self.identities.get(worker_id).cloned()))
+    }
+}
+
+/// An owner serves a caller only as the worker the caller's certificate was registered
+/// for: another mesh member's valid leaf cannot speak as that worker (and use its
+/// budgets). A worker the directory does not know is let in: any member may forward.
+#[test]
+fn a_hello_counts_only_from_the_identity_registered_for_the_caller() {
+    init_tracing();
+    on_both(|kind| async move {
+        let pki = Pki::new("mesh");
+        let caller_uri = TrustDomain::default().member_uri("caller").expect("uri");
+        let record = Arc::new(Record::default());
+        let service = Arc::new(RegisteredCallers {
+            inner: TestService {
+                record: record.clone(),
+            },
+            identities: [(CALLER.to_owned(), caller_uri)].into(),
+        });
+        let server = serve_on_loopback(
+            kind,
+            pki.member("owner").server_config(),
+            OWNER,
+            service,
+            limits(),
+        )
+        .await;
+        let addr = server.local_addr().to_string();
+        let client = |member: &str, worker: &str| {
+            MeshClient::new(kind, pki.member(member).client_config(), worker, limits())
+                .expect("client")
+        };
+        echo(&client("caller", CALLER), &addr, OWNER)
+            .await
+            .expect("the registered identity is served");
+        let served = record.started.load(std::sync::atomic::Ordering::SeqCst);
+        let err = echo(&client("host-c", CALLER), &addr, OWNER)
+            .await
+            .expect_err("another member speaking as the registered caller");
+        assert!(
+            matches!(&err, MeshError::Connect { reason, .. } if reason.contains("refused the greeting")),
+            "{kind}: {err:?}"
+        );
+        assert!(
+            !err.proves_peer_gone() && !err.may_have_executed(),
+            "{kind}: {err:?}"
+        );
+        assert_eq!(
+            record.started.load(std::sync::atomic::Ordering::SeqCst),
+            served,
+            "{kind}: nothing ran for the impostor"
+        );
+        echo(&client("host-c", "newcomer-7"), &addr, OWNER)
+            .await
+            .expect("a worker the directory does not know is let in");
     });
 }
 

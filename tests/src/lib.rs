@@ -9,10 +9,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Sends one modern `tools/list` over the mesh to each `(address, worker id)` with
-/// `tls`, as a mesh peer would: the HTTP status each answered, or why the mesh refused.
+/// `tls`, as a mesh peer would, saying in its `Hello` that it is worker `as_worker`:
+/// the HTTP status each answered, or why the mesh refused.
 pub fn forward_once(
     transport: &str,
     tls: Arc<rustls::ClientConfig>,
+    as_worker: &str,
     targets: &[(String, String)],
 ) -> Vec<Result<u16, String>> {
     use mcpgw_mesh::transport::{MeshClient, MeshLimits, TransportKind};
@@ -27,7 +29,7 @@ pub fn forward_once(
         Err(e) => return vec![Err(format!("runtime: {e}"))],
     };
     runtime.block_on(async {
-        let client = match MeshClient::new(kind, tls, "probe", MeshLimits::default()) {
+        let client = match MeshClient::new(kind, tls, as_worker, MeshLimits::default()) {
             Ok(client) => client,
             Err(e) => return vec![Err(e.to_string())],
         };

@@ -416,7 +416,7 @@ fn try_forward(
     owner: &str,
 ) -> Result<u16, String> {
     let targets = [(addr.to_owned(), owner.to_owned())];
-    mcpgw_tests::forward_once(transport, tls, &targets)
+    mcpgw_tests::forward_once(transport, tls, "probe", &targets)
         .pop()
         .unwrap_or_else(|| Err("no outcome".into()))
 }

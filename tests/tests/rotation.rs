@@ -105,11 +105,36 @@ fn dial_every_worker(
     transport: &str,
     tls: Arc<rustls::ClientConfig>,
 ) -> Vec<Result<u16, String>> {
+    dial_every_worker_as(redis, transport, tls, "probe")
+}
+
+/// As [`dial_every_worker`], saying in the `Hello` that it is worker `as_worker`.
+fn dial_every_worker_as(
+    redis: &RedisServer,
+    transport: &str,
+    tls: Arc<rustls::ClientConfig>,
+    as_worker: &str,
+) -> Vec<Result<u16, String>> {
     let targets: Vec<(String, String)> = mcpgw_testkit::fleet::leases(redis)
         .into_iter()
         .map(|(id, lease)| (lease.addr, id))
         .collect();
-    mcpgw_tests::forward_once(transport, tls, &targets)
+    mcpgw_tests::forward_once(transport, tls, as_worker, &targets)
+}
+
+/// A worker whose lease registers the mesh identity of `member`.
+fn worker_registered_as(redis: &RedisServer, member: &str) -> String {
+    let suffix = format!("/{member}");
+    mcpgw_testkit::fleet::leases(redis)
+        .into_keys()
+        .find(|id| {
+            redis
+                .get(&format!("{PREFIX}worker:{id}"))
+                .and_then(|lease| serde_json::from_str::<Value>(&lease).ok())
+                .and_then(|lease| lease["mesh_identity"].as_str().map(str::to_owned))
+                .is_some_and(|identity| identity.ends_with(&suffix))
+        })
+        .unwrap_or_else(|| panic!("no worker registered as {member}"))
 }
 
 fn copy_material(from: &Path, to: &Path, member: &str) {
@@ -260,6 +285,34 @@ fn full_rotation_under_load(transport: &str) {
         assert!(
             outcome.is_ok(),
             "{transport}: current material: {outcome:?}"
+        );
+    }
+    // Identity is authorization at the owner too: host-b's valid leaf cannot speak as
+    // a worker registered under host-a, at any worker.
+    let host_a_worker = worker_registered_as(&fleet.redis, "host-a");
+    let impostor = dial_every_worker_as(
+        &fleet.redis,
+        transport,
+        current.client_config(),
+        &host_a_worker,
+    );
+    for outcome in impostor {
+        let refusal = outcome.expect_err("a Hello from the wrong identity is refused");
+        assert!(
+            refusal.contains("refused the greeting"),
+            "{transport}: {refusal}"
+        );
+    }
+    let host_b_worker = worker_registered_as(&fleet.redis, "host-b");
+    for outcome in dial_every_worker_as(
+        &fleet.redis,
+        transport,
+        current.client_config(),
+        &host_b_worker,
+    ) {
+        assert!(
+            outcome.is_ok(),
+            "{transport}: its own worker id: {outcome:?}"
         );
     }
 

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use futures_util::future::BoxFuture;
 use futures_util::stream::BoxStream;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use http_body_util::BodyExt;
@@ -23,6 +24,24 @@ pub struct OwnerService(pub Arc<Worker>);
 impl MeshService for OwnerService {
     fn serve(&self, request: RequestFrame, peer: PeerInfo) -> BoxStream<'static, ResponsePart> {
         serve_stream(Arc::clone(&self.0), request, peer)
+    }
+
+    /// From the caller's lease in the directory (one round trip per new connection).
+    /// A directory that cannot answer lets the caller in: it is a mesh member either
+    /// way, and refusing would cut forwarding off for as long as Redis is away.
+    fn registered_identity(&self, worker_id: &str) -> BoxFuture<'static, Option<String>> {
+        let worker = Arc::clone(&self.0);
+        let worker_id = worker_id.to_owned();
+        Box::pin(async move {
+            let fleet = worker.fleet()?;
+            match fleet.directory.worker_endpoint(&worker_id).await {
+                Ok(endpoint) => endpoint.and_then(|endpoint| endpoint.identity),
+                Err(e) => {
+                    debug!(caller = %worker_id, error = %e, "caller's identity unknown: directory unavailable");
+                    None
+                }
+            }
+        })
     }
 }
 

@@ -90,6 +90,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::future::BoxFuture;
 use futures_util::stream::BoxStream;
 use mcpgw_wire::{ErrorFrame, RequestFrame, ResponseHead};
 
@@ -260,10 +261,24 @@ impl ResponsePart {
 pub trait MeshService: Send + Sync + 'static {
     /// Starts serving `request` from `peer`; the stream yields the response parts.
     fn serve(&self, request: RequestFrame, peer: PeerInfo) -> BoxStream<'static, ResponsePart>;
+
+    /// The mesh identity (URI) registered for `worker_id`, the worker a caller's
+    /// `Hello` says it is, when known. A caller whose certificate carries another
+    /// identity is refused: every mesh member may forward (invariant 4), but none may
+    /// speak as another worker (whose budgets and log lines it would use). `None` (not
+    /// registered yet, or the directory cannot say) lets the caller in.
+    fn registered_identity(&self, worker_id: &str) -> BoxFuture<'static, Option<String>> {
+        let _ = worker_id;
+        Box::pin(std::future::ready(None))
+    }
 }
 
 impl<T: MeshService + ?Sized> MeshService for Arc<T> {
     fn serve(&self, request: RequestFrame, peer: PeerInfo) -> BoxStream<'static, ResponsePart> {
         (**self).serve(request, peer)
+    }
+
+    fn registered_identity(&self, worker_id: &str) -> BoxFuture<'static, Option<String>> {
+        (**self).registered_identity(worker_id)
     }
 }

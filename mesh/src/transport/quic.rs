@@ -235,7 +235,8 @@ async fn connection(incoming: quinn::Incoming, tls: ServerTls, shared: Arc<Serve
     };
     let mut reader = FrameReader::new(recv, limits.max_frame);
     let mut writer = FrameWriter::new(send, limits.max_frame);
-    let Some(worker_id) = server_greet(&shared, remote, &mut reader, &mut writer).await else {
+    let greeted = server_greet(&shared, remote, &identity.uri, &mut reader, &mut writer).await;
+    let Some(worker_id) = greeted else {
         observe::handshake("owner", "greeting");
         let _ = writer.get_mut().finish();
         // Let the refusal reach the caller: it closes the connection when it has read

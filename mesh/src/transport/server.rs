@@ -277,6 +277,7 @@ impl ServerShared {
 pub(crate) async fn greet<R, W>(
     shared: &ServerShared,
     remote: SocketAddr,
+    presented: &str,
     reader: &mut FrameReader<R>,
     writer: &mut FrameWriter<W>,
 ) -> Option<String>
@@ -324,6 +325,29 @@ where
                         format!(
                             "this worker speaks mesh protocol version {PROTOCOL_VERSION}, \
                              the caller {version}: run the same mcpgw version everywhere"
+                        ),
+                    )))
+                    .await;
+                return None;
+            }
+            let registered = timeout(
+                shared.limits.connect_timeout,
+                shared.service.registered_identity(&worker_id),
+            )
+            .await
+            .ok()
+            .flatten();
+            if let Some(registered) = registered
+                && registered != presented
+            {
+                warn!(%remote, peer_worker = %worker_id, %registered, %presented,
+                    "mesh peer claims a worker registered with another identity; refusing");
+                let _ = writer
+                    .send(&Frame::Error(ErrorFrame::new(
+                        ErrorKind::Internal,
+                        format!(
+                            "refused: worker {worker_id} registered identity {registered}, \
+                             and this connection's certificate carries {presented}"
                         ),
                     )))
                     .await;

@@ -154,7 +154,8 @@ async fn connection(
     let (read, write) = tokio::io::split(tls);
     let mut reader = FrameReader::new(read, limits.max_frame);
     let mut writer = FrameWriter::new(write, limits.max_frame);
-    let Some(worker_id) = server_greet(&shared, remote, &mut reader, &mut writer).await else {
+    let greeted = server_greet(&shared, remote, &identity.uri, &mut reader, &mut writer).await;
+    let Some(worker_id) = greeted else {
         observe::handshake("owner", "greeting");
         let _ = writer.get_mut().shutdown().await;
         return;
