@@ -89,24 +89,27 @@ impl OtlpHeaders {
         Ok(Self(headers))
     }
 
-    /// Every name and value is one HTTP accepts; an error names the header, never
-    /// its value.
-    fn check(&self) -> Result<(), ConfigError> {
+    /// The headers, their values marked sensitive (never printed by `http`); an error
+    /// names the header, never its value.
+    pub fn header_map(&self) -> Result<http::HeaderMap, ConfigError> {
+        let mut headers = http::HeaderMap::new();
         for (name, value) in &self.0 {
-            if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
-                return Err(invalid(
+            let name = http::HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+                invalid(
                     "telemetry.otlp_headers",
                     format!("{name:?} is not an HTTP header name"),
-                ));
-            }
-            if http::HeaderValue::from_str(value).is_err() {
-                return Err(invalid(
+                )
+            })?;
+            let mut value = http::HeaderValue::from_str(value).map_err(|_| {
+                invalid(
                     "telemetry.otlp_headers",
                     format!("the value of {name} is not a valid HTTP header value (not shown)"),
-                ));
-            }
+                )
+            })?;
+            value.set_sensitive(true);
+            headers.insert(name, value);
         }
-        Ok(())
+        Ok(headers)
     }
 }
 
@@ -677,19 +680,14 @@ impl Config {
         set_ms(&mut self.limits.body_timeout, l.body_timeout_ms);
         set(&mut self.limits.max_header_bytes, l.max_header_bytes);
         set(&mut self.trust_forwarded_for, file.trust_forwarded_for);
-        if file.telemetry.otlp_endpoint.is_some() {
-            self.otlp_endpoint = file.telemetry.otlp_endpoint;
-        }
-        if file.telemetry.otlp_ca.is_some() {
-            self.otlp_ca = file.telemetry.otlp_ca;
-        }
+        let telemetry = file.telemetry;
+        set(&mut self.otlp_endpoint, telemetry.otlp_endpoint.map(Some));
+        set(&mut self.otlp_ca, telemetry.otlp_ca.map(Some));
+        set(&mut self.otlp_sample_ratio, telemetry.otlp_sample_ratio);
         set(
-            &mut self.otlp_sample_ratio,
-            file.telemetry.otlp_sample_ratio,
+            &mut self.otlp_headers,
+            telemetry.otlp_headers.map(OtlpHeaders),
         );
-        if let Some(headers) = file.telemetry.otlp_headers {
-            self.otlp_headers = OtlpHeaders(headers);
-        }
         if let Some(listen) = file.admin.listen {
             self.admin_listen = parse_addr("admin.listen", &listen)?;
         }
@@ -823,12 +821,8 @@ impl Config {
         if a.trust_forwarded_for {
             self.trust_forwarded_for = true;
         }
-        if a.otlp_endpoint.is_some() {
-            self.otlp_endpoint = a.otlp_endpoint.clone();
-        }
-        if a.otlp_ca.is_some() {
-            self.otlp_ca = a.otlp_ca.clone();
-        }
+        set(&mut self.otlp_endpoint, a.otlp_endpoint.clone().map(Some));
+        set(&mut self.otlp_ca, a.otlp_ca.clone().map(Some));
         set(&mut self.otlp_sample_ratio, a.otlp_sample_ratio);
         if let Some(list) = &a.otlp_headers {
             self.otlp_headers = OtlpHeaders::parse(list)?;
@@ -1023,7 +1017,7 @@ impl Config {
                 ));
             }
         }
-        self.otlp_headers.check()?;
+        self.otlp_headers.header_map()?;
         if !(0.0..=1.0).contains(&self.otlp_sample_ratio) {
             return Err(invalid(
                 "telemetry.otlp_sample_ratio",

@@ -210,13 +210,7 @@ async fn handle(
     worker
         .metrics
         .request(route_label, method_label, reply.status, elapsed);
-    if let (Some(tracer), Some(span)) = (&worker.tracer, span) {
-        tracer.finish(
-            span,
-            edge_span_facts(&worker, route_label, method_label, &reply, refusal.as_ref()),
-        );
-    }
-    log_request(&RequestRecord {
+    let record = RequestRecord {
         worker: &worker,
         http_method: &http_method,
         route: route_label,
@@ -225,11 +219,15 @@ async fn handle(
         reply: &reply,
         refusal: refusal.as_ref(),
         elapsed,
-    });
+    };
+    if let (Some(tracer), Some(span)) = (&worker.tracer, span) {
+        tracer.finish(span, edge_span_facts(&record));
+    }
+    log_request(&record);
     let mut response = into_response(reply);
     let status = response.status();
     worker.auth.complete_challenge(
-        worker.routes.resolve(&path),
+        route,
         &path,
         base.as_deref(),
         status,
@@ -242,33 +240,17 @@ async fn handle(
 }
 
 /// What the edge's span of a request says: no session id (a credential), no token.
-fn edge_span_facts(
-    worker: &Worker,
-    route: &str,
-    method: &'static str,
-    reply: &Reply,
-    refusal: Option<&GatewayError>,
-) -> crate::trace::SpanFacts {
-    let owner = reply
-        .headers
-        .get(crate::reply::HEADER_OWNER_WORKER)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    let reason = refusal
-        .and_then(|e| e.data.as_ref()?.get("reason")?.as_str())
-        .unwrap_or("");
+fn edge_span_facts(record: &RequestRecord<'_>) -> crate::trace::SpanFacts {
+    let (owner, reason) = (record.owner(), record.reason());
     let mut attributes = vec![
-        ("mcp.method.name", serde_json::json!(method)),
-        ("http.route", serde_json::json!(route)),
+        ("mcp.method.name", serde_json::json!(record.method)),
+        ("http.route", serde_json::json!(record.route)),
         (
             "http.response.status_code",
-            serde_json::json!(reply.status.as_u16()),
+            serde_json::json!(record.reply.status.as_u16()),
         ),
-        ("mcpgw.worker", serde_json::json!(worker.id)),
-        (
-            "mcpgw.forwarded",
-            serde_json::json!(!owner.is_empty() && owner != worker.id),
-        ),
+        ("mcpgw.worker", serde_json::json!(record.worker.id)),
+        ("mcpgw.forwarded", serde_json::json!(record.forwarded())),
     ];
     if !owner.is_empty() {
         attributes.push(("mcpgw.owner_worker", serde_json::json!(owner)));
@@ -277,9 +259,9 @@ fn edge_span_facts(
         attributes.push(("mcpgw.reason", serde_json::json!(reason)));
     }
     crate::trace::SpanFacts {
-        name: format!("mcpgw {method}"),
+        name: format!("mcpgw {}", record.method),
         attributes,
-        error: reply.status.is_server_error(),
+        error: record.reply.status.is_server_error(),
     }
 }
 
@@ -298,6 +280,30 @@ struct RequestRecord<'a> {
     elapsed: Duration,
 }
 
+impl RequestRecord<'_> {
+    /// The worker that ran the request, as its answer says; empty when none did.
+    fn owner(&self) -> &str {
+        self.reply
+            .headers
+            .get(crate::reply::HEADER_OWNER_WORKER)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+    }
+
+    /// Whether another worker ran it.
+    fn forwarded(&self) -> bool {
+        let owner = self.owner();
+        !owner.is_empty() && owner != self.worker.id
+    }
+
+    /// The refusal's `data.reason`; empty when the gateway did not refuse.
+    fn reason(&self) -> &str {
+        self.refusal
+            .and_then(|e| e.data.as_ref()?.get("reason")?.as_str())
+            .unwrap_or("")
+    }
+}
+
 /// One line per failed request (a successful one only with `--log-requests`): worker,
 /// route, method, session hash, whether it was forwarded and to whom, status, reason
 /// and duration. Never a token or a whole session id.
@@ -307,21 +313,11 @@ fn log_request(record: &RequestRecord<'_>) {
     if !failed && !record.worker.config.log_requests {
         return;
     }
-    let owner = record
-        .reply
-        .headers
-        .get(crate::reply::HEADER_OWNER_WORKER)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    let forwarded = !owner.is_empty() && owner != record.worker.id;
+    let (owner, forwarded, reason) = (record.owner(), record.forwarded(), record.reason());
     let session = record
         .session
         .map(|tag| tag.to_string())
         .unwrap_or_default();
-    let reason = record
-        .refusal
-        .and_then(|e| e.data.as_ref()?.get("reason")?.as_str())
-        .unwrap_or("");
     let message = record.refusal.map_or("", |e| e.message.as_str());
     let detail = record
         .refusal

@@ -18,7 +18,6 @@
 //! gone, spans are dropped and counted, never waited for, so tracing cannot slow a
 //! request down. Export failures are logged at most once a minute.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,7 +25,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
-use http::{HeaderMap, HeaderName, HeaderValue, Request, Uri};
+use http::{HeaderMap, HeaderValue, Request, Uri};
 use http_body_util::Full;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
@@ -78,6 +77,14 @@ impl SpanContext {
             span_id,
             sampled: flags[0] & 1 == 1,
         })
+    }
+
+    /// Puts this span in `headers` as the `traceparent` of what the request reaches
+    /// next.
+    fn pass_on(&self, headers: &mut HeaderMap) {
+        if let Ok(value) = HeaderValue::from_str(&self.traceparent()) {
+            headers.insert(TRACEPARENT, value);
+        }
     }
 
     /// The `traceparent` header naming this span as the parent.
@@ -181,13 +188,12 @@ impl Tracer {
     /// Starts the exporter task for the configured collector (`otlp_endpoint`: an
     /// `http://` or `https://` URL, checked by the configuration; `otlp_ca`: the CAs of
     /// an `https://` one, else the platform's roots; `otlp_headers` on every export),
-    /// recording `otlp_sample_ratio` of the traces that start here. Needs a tokio
-    /// runtime.
-    pub fn start(config: &Config, worker_id: &str) -> Result<Tracer, String> {
-        let endpoint = config
-            .otlp_endpoint
-            .as_deref()
-            .ok_or("no OTLP endpoint configured")?;
+    /// recording `otlp_sample_ratio` of the traces that start here. `None` without an
+    /// endpoint: no spans. Needs a tokio runtime.
+    pub fn start(config: &Config, worker_id: &str) -> Result<Option<Tracer>, String> {
+        let Some(endpoint) = config.otlp_endpoint.as_deref() else {
+            return Ok(None);
+        };
         let uri: Uri = endpoint
             .parse()
             .map_err(|_| format!("--otlp-endpoint {endpoint:?} is not a URL"))?;
@@ -195,7 +201,10 @@ impl Tracer {
         let collector = Collector {
             client: collector_client(https, config.otlp_ca.as_deref())?,
             uri,
-            headers: collector_headers(&config.otlp_headers.0)?,
+            headers: config
+                .otlp_headers
+                .header_map()
+                .map_err(|e| e.to_string())?,
         };
         let (queue, spans) = mpsc::channel(QUEUE);
         let dropped = Arc::new(AtomicU64::new(0));
@@ -205,11 +214,11 @@ impl Tracer {
             spans,
             dropped.clone(),
         ));
-        Ok(Tracer {
+        Ok(Some(Tracer {
             queue,
             dropped,
             roots: RootSampler::new(config.otlp_sample_ratio),
-        })
+        }))
     }
 
     /// Starts a span for a request whose headers are `headers`: a child of their
@@ -234,9 +243,7 @@ impl Tracer {
                         span_id: random(),
                         sampled: false,
                     };
-                    if let Ok(value) = HeaderValue::from_str(&unsampled.traceparent()) {
-                        headers.insert(TRACEPARENT, value);
-                    }
+                    unsampled.pass_on(headers);
                     return None;
                 }
                 (trace_id, None)
@@ -247,9 +254,7 @@ impl Tracer {
             span_id: random(),
             sampled: true,
         };
-        if let Ok(value) = HeaderValue::from_str(&context.traceparent()) {
-            headers.insert(TRACEPARENT, value);
-        }
+        context.pass_on(headers);
         Some(ActiveSpan {
             context,
             parent,
@@ -271,7 +276,6 @@ impl Tracer {
     }
 }
 
-/// Sends queued spans in batches until the tracer is dropped.
 type CollectorClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 
 /// Where spans go, and what every export request carries.
@@ -281,36 +285,18 @@ struct Collector {
     headers: HeaderMap,
 }
 
-/// The configured headers (checked by the configuration; an error never quotes a
-/// value, which is usually a credential).
-fn collector_headers(configured: &BTreeMap<String, String>) -> Result<HeaderMap, String> {
-    let mut headers = HeaderMap::new();
-    for (name, value) in configured {
-        let name = HeaderName::from_bytes(name.as_bytes())
-            .map_err(|_| format!("otlp_headers: {name:?} is not an HTTP header name"))?;
-        let mut value = HeaderValue::from_str(value)
-            .map_err(|_| format!("otlp_headers: the value of {name} is not a header value"))?;
-        value.set_sensitive(true);
-        headers.insert(name, value);
-    }
-    Ok(headers)
-}
-
 /// The HTTP client that talks to the collector; TLS material is read only for an
 /// `https://` one.
 fn collector_client(https: bool, ca: Option<&Path>) -> Result<CollectorClient, String> {
     use crate::execute::upstream::tls;
-    let roots = match (https, ca) {
-        (false, _) => rustls::RootCertStore::empty(),
-        (true, Some(path)) => tls::ca_bundle(path).map_err(|e| format!("--otlp-ca: {e}"))?,
-        (true, None) => tls::platform_roots()
-            .map_err(|e| format!("--otlp-endpoint: {e}"))?
-            .clone(),
+    let trust = if https {
+        tls::trusting(ca, "--otlp-ca")
+    } else {
+        // Plain http checks no certificate: no roots need to be found.
+        tls::with_roots(rustls::RootCertStore::empty())
     };
-    let config = rustls::ClientConfig::builder_with_provider(mcpgw_certs::crypto_provider())
-        .with_safe_default_protocol_versions()
-        .map_err(|e| format!("OTLP TLS versions: {e}"))?
-        .with_root_certificates(roots)
+    let config = trust
+        .map_err(|e| format!("OTLP collector: {e}"))?
         .with_no_client_auth();
     let mut connector = HttpConnector::new();
     connector.set_connect_timeout(Some(EXPORT_TIMEOUT));
@@ -323,6 +309,7 @@ fn collector_client(https: bool, ca: Option<&Path>) -> Result<CollectorClient, S
     Ok(Client::builder(TokioExecutor::new()).build(connector))
 }
 
+/// Sends queued spans in batches until the tracer is dropped.
 async fn export(
     collector: Collector,
     worker_id: String,
@@ -493,7 +480,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_span_continues_a_sampled_trace_and_skips_an_unsampled_one() {
-        let tracer = Tracer::start(&to_nowhere(1.0), "w").expect("tracer");
+        let tracer = Tracer::start(&to_nowhere(1.0), "w")
+            .expect("tracer")
+            .expect("an endpoint");
         let mut headers = HeaderMap::new();
         let incoming = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
         headers.insert(TRACEPARENT, HeaderValue::from_static(incoming));
@@ -519,7 +508,9 @@ mod tests {
 
     #[tokio::test]
     async fn new_traces_are_recorded_at_the_configured_ratio_and_parents_decide_their_own() {
-        let none = Tracer::start(&to_nowhere(0.0), "w").expect("tracer");
+        let none = Tracer::start(&to_nowhere(0.0), "w")
+            .expect("tracer")
+            .expect("an endpoint");
         let mut headers = HeaderMap::new();
         assert!(none.begin(&mut headers).is_none(), "no new trace recorded");
         let passed_on = SpanContext::parse(headers[TRACEPARENT].to_str().unwrap()).unwrap();
@@ -532,7 +523,9 @@ mod tests {
         headers.insert(TRACEPARENT, HeaderValue::from_static(sampled));
         assert!(none.begin(&mut headers).is_some());
 
-        let half = Tracer::start(&to_nowhere(0.5), "w").expect("tracer");
+        let half = Tracer::start(&to_nowhere(0.5), "w")
+            .expect("tracer")
+            .expect("an endpoint");
         let recorded = (0..4000)
             .filter(|_| half.begin(&mut HeaderMap::new()).is_some())
             .count();

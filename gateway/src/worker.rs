@@ -78,10 +78,7 @@ impl Worker {
         let id_header = http::HeaderValue::from_str(&id)
             .map_err(|_| config_error(format!("worker id {id:?} is not a valid header value")))?;
         let auth = Authenticator::new(&config).map_err(|e| config_error(e.to_string()))?;
-        let tracer = match &config.otlp_endpoint {
-            Some(_) => Some(crate::trace::Tracer::start(&config, &id).map_err(config_error)?),
-            None => None,
-        };
+        let tracer = crate::trace::Tracer::start(&config, &id).map_err(config_error)?;
         Ok(Arc::new(Worker {
             id,
             id_header,

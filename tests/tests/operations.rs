@@ -286,6 +286,23 @@ impl Collector {
         }
     }
 
+    /// Waits until both spans of a forwarded call in `trace` (the edge's and the
+    /// owner's) have arrived.
+    #[track_caller]
+    fn wait_for_edge_and_owner_spans(&self, trace: &str) {
+        eventually(WITHIN, || {
+            let spans = self.spans();
+            let of_trace = spans.iter().filter(|s| s["traceId"] == trace).count();
+            if of_trace >= 2 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "spans of {trace} so far: {of_trace}; all: {spans:?}"
+                ))
+            }
+        });
+    }
+
     /// Every span received so far.
     fn spans(&self) -> Vec<serde_json::Value> {
         let bodies = self.bodies.lock().expect("lock");
@@ -398,15 +415,7 @@ fn spans_go_to_an_https_collector_and_new_traces_follow_the_sample_ratio() {
     let trace = "5bf92f3577b34da6a3ce929d0e0e4736";
     let traceparent = format!("00-{trace}-00f067aa0ba902b7-01");
     traced_forwarded_call(&fleet, &traceparent);
-    eventually(WITHIN, || {
-        let spans = collector.spans();
-        let of_trace = spans.iter().filter(|s| s["traceId"] == trace).count();
-        if of_trace >= 2 {
-            Ok(())
-        } else {
-            Err(format!("edge and owner spans over https so far: {spans:?}"))
-        }
-    });
+    collector.wait_for_edge_and_owner_spans(trace);
     let keys = collector.authorizations.lock().expect("lock").clone();
     assert!(
         !keys.is_empty(),
@@ -431,20 +440,8 @@ fn spans_go_to_an_https_collector_and_new_traces_follow_the_sample_ratio() {
     // A sampled call after it, through the same workers: once its spans arrive, any
     // span of the unrecorded trace (queued before them) would have arrived too.
     let marker = "6bf92f3577b34da6a3ce929d0e0e4736";
-    let mut headers = mcp_headers(Some(&session));
-    let marker_parent = format!("00-{marker}-00f067aa0ba902b7-01");
-    headers.push(("traceparent", &marker_parent));
-    let body = http::tool_call_body(3, "echo", json!({"text": "marker"}));
-    let r = http::request(&fleet.b.addr, "POST", "/mcp", &headers, &body);
-    assert_eq!(r.status, 200, "{}", r.text());
-    eventually(WITHIN, || {
-        let arrived = collector
-            .spans()
-            .iter()
-            .filter(|s| s["traceId"] == marker)
-            .count();
-        if arrived >= 2 { Ok(()) } else { Err(arrived) }
-    });
+    traced_forwarded_call(&fleet, &format!("00-{marker}-00f067aa0ba902b7-01"));
+    collector.wait_for_edge_and_owner_spans(marker);
     let recorded = collector
         .spans()
         .into_iter()

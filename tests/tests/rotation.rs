@@ -99,17 +99,9 @@ fn start_load(
         .collect()
 }
 
-/// Sends one request over the mesh to every worker with `tls`; the outcomes.
+/// One mesh request to every worker of the fleet with `tls`, saying in its `Hello`
+/// that it is worker `as_worker`: the HTTP status each answered, or why it refused.
 fn dial_every_worker(
-    redis: &RedisServer,
-    transport: &str,
-    tls: Arc<rustls::ClientConfig>,
-) -> Vec<Result<u16, String>> {
-    dial_every_worker_as(redis, transport, tls, "probe")
-}
-
-/// As [`dial_every_worker`], saying in the `Hello` that it is worker `as_worker`.
-fn dial_every_worker_as(
     redis: &RedisServer,
     transport: &str,
     tls: Arc<rustls::ClientConfig>,
@@ -237,7 +229,7 @@ fn full_rotation_under_load(transport: &str) {
     let old =
         mcpgw_certs::MeshTls::load(&mcpgw_certs::MeshTlsFiles::in_dir(stale.path(), "host-a"))
             .expect("old material still loads by itself");
-    let outcomes = dial_every_worker(&fleet.redis, transport, old.client_config());
+    let outcomes = dial_every_worker(&fleet.redis, transport, old.client_config(), "probe");
     assert_eq!(outcomes.len(), 4);
     for outcome in &outcomes {
         let refusal = outcome
@@ -281,7 +273,7 @@ fn full_rotation_under_load(transport: &str) {
     // Current material is served (any HTTP answer: the mesh let the request in).
     let current = mcpgw_certs::MeshTls::load(&mcpgw_certs::MeshTlsFiles::in_dir(&dir, "host-b"))
         .expect("current material");
-    for outcome in dial_every_worker(&fleet.redis, transport, current.client_config()) {
+    for outcome in dial_every_worker(&fleet.redis, transport, current.client_config(), "probe") {
         assert!(
             outcome.is_ok(),
             "{transport}: current material: {outcome:?}"
@@ -290,7 +282,7 @@ fn full_rotation_under_load(transport: &str) {
     // Identity is authorization at the owner too: host-b's valid leaf cannot speak as
     // a worker registered under host-a, at any worker.
     let host_a_worker = worker_registered_as(&fleet.redis, "host-a");
-    let impostor = dial_every_worker_as(
+    let impostor = dial_every_worker(
         &fleet.redis,
         transport,
         current.client_config(),
@@ -304,7 +296,7 @@ fn full_rotation_under_load(transport: &str) {
         );
     }
     let host_b_worker = worker_registered_as(&fleet.redis, "host-b");
-    for outcome in dial_every_worker_as(
+    for outcome in dial_every_worker(
         &fleet.redis,
         transport,
         current.client_config(),

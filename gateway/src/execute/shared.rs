@@ -96,33 +96,27 @@ impl Worker {
 
     /// The table's refusal, with "gone" told the way a 2026-07-28 client needs it.
     fn refuse_shared(&self, situation: &Situation, why: &str, call: &Call) -> GatewayError {
-        match table::decide(situation) {
+        let route = &self.config.upstreams[call.upstream].name;
+        let message = match table::decide(situation) {
             Decision::Refuse(Refusal::SessionGone) => {
-                self.shared_lost(call.upstream, why).with_id(call.id())
+                return self.shared_lost(call.upstream, why).with_id(call.id());
             }
-            Decision::Refuse(Refusal::OutcomeUnknown) => {
-                let route = &self.config.upstreams[call.upstream].name;
-                let mut error = self.refuse(situation, why, call.id());
-                error.message = format!(
-                    "the worker holding your upstream session on route {route} died while \
-                     running this request ({why}): its outcome is unknown, it was not re-run, \
-                     and the state of that session is lost; your next request starts a new one"
-                );
-                error
-            }
-            Decision::Refuse(Refusal::AnswerLost) => {
-                let route = &self.config.upstreams[call.upstream].name;
-                let mut error = self.refuse(situation, why, call.id());
-                error.message = format!(
-                    "the answer to this request was lost on its way from the worker holding \
-                     your upstream session on route {route} ({why}): it may have run, and it \
-                     was not re-run; that session goes on, so check its state before retrying \
-                     a non-idempotent call"
-                );
-                error
-            }
-            _ => self.refuse(situation, why, call.id()),
-        }
+            Decision::Refuse(Refusal::OutcomeUnknown) => format!(
+                "the worker holding your upstream session on route {route} died while \
+                 running this request ({why}): its outcome is unknown, it was not re-run, \
+                 and the state of that session is lost; your next request starts a new one"
+            ),
+            Decision::Refuse(Refusal::AnswerLost) => format!(
+                "the answer to this request was lost on its way from the worker holding \
+                 your upstream session on route {route} ({why}): it may have run, and it \
+                 was not re-run; that session goes on, so check its state before retrying \
+                 a non-idempotent call"
+            ),
+            _ => return self.refuse(situation, why, call.id()),
+        };
+        let mut error = self.refuse(situation, why, call.id());
+        error.message = message;
+        error
     }
 
     /// The shared session's state is lost; the next call starts afresh.

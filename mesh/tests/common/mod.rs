@@ -29,21 +29,15 @@ use tokio::sync::Semaphore;
 #[macro_export]
 macro_rules! both_transports {
     ($($name:ident),* $(,)?) => {
-        mod quic {
+        $crate::both_transports!(@on quic, Quic; $($name),*);
+        $crate::both_transports!(@on tcp, Tcp; $($name),*);
+    };
+    (@on $module:ident, $kind:ident; $($name:ident),*) => {
+        mod $module {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
-                    tokio::time::timeout(super::TEST_TIMEOUT, super::$name(super::TransportKind::Quic))
-                        .await
-                        .expect("test timed out");
-                }
-            )*
-        }
-        mod tcp {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    tokio::time::timeout(super::TEST_TIMEOUT, super::$name(super::TransportKind::Tcp))
+                    tokio::time::timeout(super::TEST_TIMEOUT, super::$name(super::TransportKind::$kind))
                         .await
                         .expect("test timed out");
                 }

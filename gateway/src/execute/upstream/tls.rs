@@ -3,26 +3,20 @@
 //! certificate for upstreams that require mutual TLS, and handshake failures explained
 //! in words that say what to change.
 
+use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
+use rustls::client::WantsClientCert;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use rustls::{AlertDescription, CertificateError, ClientConfig, RootCertStore};
+use rustls::{AlertDescription, CertificateError, ClientConfig, ConfigBuilder, RootCertStore};
 
 use crate::config::UpstreamTls;
 
 /// The rustls client configuration of one upstream. `name` only labels errors.
 pub fn client_config(name: &str, tls: &UpstreamTls) -> Result<Arc<ClientConfig>, String> {
-    let roots = match &tls.ca {
-        Some(path) => ca_bundle(path).map_err(|e| format!("upstream {name}: tls_ca: {e}"))?,
-        None => platform_roots()
-            .map_err(|e| format!("upstream {name}: {e}"))?
-            .clone(),
-    };
-    let builder = ClientConfig::builder_with_provider(mcpgw_certs::crypto_provider())
-        .with_safe_default_protocol_versions()
-        .map_err(|e| format!("upstream {name}: TLS versions: {e}"))?
-        .with_root_certificates(roots);
+    let builder =
+        trusting(tls.ca.as_deref(), "tls_ca").map_err(|e| format!("upstream {name}: {e}"))?;
     // ALPN is left to the connector (it offers HTTP/1.1), which insists on setting it.
     let config = match (&tls.client_cert, &tls.client_key) {
         (Some(cert), Some(key)) => {
@@ -56,8 +50,34 @@ pub fn client_config(name: &str, tls: &UpstreamTls) -> Result<Arc<ClientConfig>,
     Ok(Arc::new(config))
 }
 
+/// A TLS client configuration, up to its client certificate, that trusts the CAs of
+/// the PEM bundle at `ca` (the setting `ca_setting` names it, for errors), else the
+/// platform's root certificates.
+pub(crate) fn trusting(
+    ca: Option<&Path>,
+    ca_setting: &str,
+) -> Result<ConfigBuilder<ClientConfig, WantsClientCert>, String> {
+    let roots = match ca {
+        Some(path) => ca_bundle(path).map_err(|e| format!("{ca_setting}: {e}"))?,
+        None => platform_roots()?.clone(),
+    };
+    with_roots(roots)
+}
+
+/// A TLS client configuration, up to its client certificate, that trusts `roots`.
+pub(crate) fn with_roots(
+    roots: RootCertStore,
+) -> Result<ConfigBuilder<ClientConfig, WantsClientCert>, String> {
+    Ok(
+        ClientConfig::builder_with_provider(mcpgw_certs::crypto_provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("TLS versions: {e}"))?
+            .with_root_certificates(roots),
+    )
+}
+
 /// The CAs of a PEM bundle.
-pub(crate) fn ca_bundle(path: &std::path::Path) -> Result<RootCertStore, String> {
+fn ca_bundle(path: &std::path::Path) -> Result<RootCertStore, String> {
     let certs = CertificateDer::pem_file_iter(path)
         .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
         .map_err(|e| format!("{} is not a PEM certificate bundle ({e})", path.display()))?;
@@ -75,7 +95,7 @@ pub(crate) fn ca_bundle(path: &std::path::Path) -> Result<RootCertStore, String>
 
 /// The platform's root certificates (`SSL_CERT_FILE` / `SSL_CERT_DIR` when set), read
 /// once per process.
-pub(crate) fn platform_roots() -> Result<&'static RootCertStore, String> {
+fn platform_roots() -> Result<&'static RootCertStore, String> {
     static ROOTS: OnceLock<Result<RootCertStore, String>> = OnceLock::new();
     ROOTS
         .get_or_init(|| {
