@@ -1,6 +1,7 @@
 //! The response body type every path shares (local, forwarded, upstream), and the
 //! adapter that re-chunks an SSE stream so each event is exactly one chunk.
 
+use crate::reason::Reason;
 use std::pin::Pin;
 use std::sync::OnceLock;
 use std::task::{Context, Poll};
@@ -56,7 +57,7 @@ where
 fn overflow_event(max: usize) -> Bytes {
     let error = crate::mcp::GatewayError::gateway(
         http::StatusCode::BAD_GATEWAY,
-        "upstream_event_too_large",
+        Reason::UpstreamEventTooLarge,
         format!(
             "the upstream sent an event larger than the gateway's {max}-byte limit; the \
              stream was ended (the session is intact): ask for less, or raise \

@@ -4,6 +4,7 @@
 //! Forwarding itself lives in [`crate::forward::caller`]; acting on the lease's
 //! outcomes lives with the worker ([`crate::worker`]).
 
+use crate::reason::Reason;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -129,16 +130,17 @@ impl Fleet {
             )),
             Ok(Claim::Taken) => Err(GatewayError::gateway(
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "session_id_collision",
+                Reason::SessionIdCollision,
                 "a freshly minted session id is already claimed: retry initialize",
             )),
             Err(e) => Err(GatewayError::gateway(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "directory_unavailable",
+                Reason::DirectoryUnavailable,
                 "the fleet directory did not record the new session in time; no session was \
                  created: retry initialize",
             )
-            .with_data(serde_json::json!({"reason": "directory_unavailable", "retryable": true}))
+            .with_reason(Reason::DirectoryUnavailable)
+            .with_data(serde_json::json!({ "retryable": true}))
             .with_retry_after(RETRY_AFTER_SECONDS)
             .with_log_detail(e.to_string())),
         }

@@ -3,6 +3,7 @@
 //! size, body size and body time limits), and writes the reply (streams relayed as
 //! they come). Every refusal is one log line and a JSON-RPC error body.
 
+use crate::reason::Reason;
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -105,13 +106,14 @@ pub async fn serve(
 async fn refuse_connection(mut stream: tokio::net::TcpStream, max: usize) {
     let error = GatewayError::gateway(
         StatusCode::SERVICE_UNAVAILABLE,
-        "connection_limit",
+        Reason::ConnectionLimit,
         format!(
             "this worker serves its maximum of {max} connections: retry shortly, reuse \
              connections, or add workers"
         ),
     )
-    .with_data(serde_json::json!({"reason": "connection_limit", "retryable": true}))
+    .with_reason(Reason::ConnectionLimit)
+    .with_data(serde_json::json!({ "retryable": true}))
     .with_retry_after(1);
     let body = error.body();
     let head = format!(
@@ -299,7 +301,8 @@ impl RequestRecord<'_> {
     /// The refusal's `data.reason`; empty when the gateway did not refuse.
     fn reason(&self) -> &str {
         self.refusal
-            .and_then(|e| e.data.as_ref()?.get("reason")?.as_str())
+            .and_then(|e| e.reason)
+            .map(Reason::as_str)
             .unwrap_or("")
     }
 }
@@ -454,7 +457,7 @@ async fn read_body(
                 deadline.as_secs_f64()
             ),
         )
-        .with_data(serde_json::json!({"reason": "body_timeout"}))),
+        .with_reason(Reason::BodyTimeout)),
     }
 }
 

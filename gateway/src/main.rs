@@ -30,6 +30,7 @@ mod lease;
 mod mcp;
 mod metrics;
 mod process;
+mod reason;
 mod reply;
 mod request;
 mod serve;

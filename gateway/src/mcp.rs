@@ -1,6 +1,7 @@
 //! MCP Streamable HTTP semantics the gateway enforces before anything runs: protocol
 //! eras, the headers that carry them, message classification, and JSON-RPC errors.
 
+use crate::reason::Reason;
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 use serde_json::{Value, json};
@@ -291,6 +292,9 @@ pub struct GatewayError {
     pub code: i64,
     pub message: String,
     pub data: Option<Box<Value>>,
+    /// Why the gateway answered itself, also written into `data.reason`; read from
+    /// here, never parsed back out of the body.
+    pub reason: Option<Reason>,
     /// Seconds a client should wait before retrying (sent as `Retry-After`).
     pub retry_after: Option<u32>,
     /// The id of the request being answered, once known.
@@ -307,6 +311,7 @@ impl GatewayError {
             code,
             message: message.into(),
             data: None,
+            reason: None,
             retry_after: None,
             id: Value::Null,
             log_detail: None,
@@ -330,15 +335,30 @@ impl GatewayError {
             "session not found: it ended or never existed; send initialize without \
              Mcp-Session-Id to start a new session",
         )
-        .with_data(json!({ "reason": "session_not_found", "retryable": false }))
+        .with_reason(Reason::SessionNotFound)
+        .with_data(json!({ "retryable": false }))
     }
 
-    pub fn gateway(status: StatusCode, reason: &str, message: impl Into<String>) -> Self {
-        Self::new(status, code::GATEWAY_ERROR, message).with_data(json!({ "reason": reason }))
+    pub fn gateway(status: StatusCode, reason: Reason, message: impl Into<String>) -> Self {
+        Self::new(status, code::GATEWAY_ERROR, message).with_reason(reason)
     }
 
-    pub fn with_data(mut self, data: Value) -> Self {
+    /// Sets `data` (an object); a reason set before stays in it.
+    pub fn with_data(mut self, mut data: Value) -> Self {
+        if let (Some(reason), Some(fields)) = (self.reason, data.as_object_mut()) {
+            fields.insert("reason".into(), reason.as_str().into());
+        }
         self.data = Some(Box::new(data));
+        self
+    }
+
+    /// Sets the reason, and `data.reason` with it.
+    pub fn with_reason(mut self, reason: Reason) -> Self {
+        self.reason = Some(reason);
+        let data = self.data.get_or_insert_with(|| Box::new(json!({})));
+        if let Some(fields) = data.as_object_mut() {
+            fields.insert("reason".into(), reason.as_str().into());
+        }
         self
     }
 

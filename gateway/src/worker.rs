@@ -3,6 +3,7 @@
 //! act. Where a call runs is decided in [`crate::dispatch`]; how it runs, in
 //! [`crate::execute`] (local) and [`crate::forward`] (over the mesh).
 
+use crate::reason::Reason;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -67,7 +68,7 @@ pub struct Worker {
 impl Worker {
     pub fn new(id: String, config: Arc<Config>) -> Result<Arc<Worker>, GatewayError> {
         let config_error =
-            |e: String| GatewayError::gateway(StatusCode::INTERNAL_SERVER_ERROR, "config", e);
+            |e: String| GatewayError::gateway(StatusCode::INTERNAL_SERVER_ERROR, Reason::Config, e);
         crate::body::set_max_sse_event(config.limits.max_sse_event_bytes);
         let upstreams = config
             .upstreams

@@ -19,6 +19,7 @@ pub mod jwt;
 pub mod metadata;
 pub mod rate_limit;
 
+use crate::reason::Reason;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -225,7 +226,7 @@ impl Authenticator {
                     Some(principal) => Ok(context(principal.to_owned(), Vec::new(), None)),
                     None => Err(unauthorized(
                         policy,
-                        "invalid_token",
+                        Reason::InvalidToken,
                         Some("unknown_key"),
                         "invalid bearer token: check the token you were issued".into(),
                     )),
@@ -241,13 +242,13 @@ impl Authenticator {
                     )),
                     Err(TokenProblem::KeysUnavailable(why)) => Err(GatewayError::gateway(
                         StatusCode::SERVICE_UNAVAILABLE,
-                        "keys_unavailable",
+                        Reason::KeysUnavailable,
                         TokenProblem::KeysUnavailable(why).message(verifier),
                     )
                     .with_retry_after(1)),
                     Err(problem) => Err(unauthorized(
                         policy,
-                        "invalid_token",
+                        Reason::InvalidToken,
                         Some(problem.code()),
                         problem.message(verifier),
                     )),
@@ -258,7 +259,7 @@ impl Authenticator {
             // verifier; a route without them is refused, never served as public.
             (mode, _, _) => Err(GatewayError::gateway(
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "no_route_policy",
+                Reason::NoRoutePolicy,
                 format!(
                     "route {} is in {} mode without its keys",
                     policy.name,
@@ -302,9 +303,8 @@ impl Authenticator {
                     .join(" ")
             ),
         )
-        .with_data(json!({
-            "reason": "insufficient_scope",
-            "required_scopes": needed,
+        .with_reason(Reason::InsufficientScope)
+        .with_data(json!({ "required_scopes": needed,
             "missing_scopes": missing,
         }))
         .with_id(call.id()))
@@ -332,7 +332,7 @@ impl Authenticator {
         if auth.route != policy.name || auth.mode != policy.mode.wire() {
             return Err(unauthorized(
                 policy,
-                "auth_context_mismatch",
+                Reason::AuthContextMismatch,
                 None,
                 format!(
                     "the receiving worker authenticated this request for route {:?} in mode {}, \
@@ -350,7 +350,7 @@ impl Authenticator {
             let problem = TokenProblem::Expired { seconds_ago: 0 };
             return Err(unauthorized(
                 policy,
-                "invalid_token",
+                Reason::InvalidToken,
                 Some(problem.code()),
                 "invalid bearer token: it expired; get a new token".into(),
             )
@@ -474,7 +474,7 @@ impl Authenticator {
         self.routes.get(route).ok_or_else(|| {
             GatewayError::gateway(
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "no_route_policy",
+                Reason::NoRoutePolicy,
                 format!("route {route} has no auth policy"),
             )
         })
@@ -517,7 +517,12 @@ fn bearer<'a>(headers: &'a HeaderMap, policy: &RoutePolicy) -> Result<&'a str, G
         } else {
             "missing bearer token: send Authorization: Bearer <token>"
         };
-        return Err(unauthorized(policy, "missing_token", None, message.into()));
+        return Err(unauthorized(
+            policy,
+            Reason::MissingToken,
+            None,
+            message.into(),
+        ));
     };
     let token = value.to_str().ok().and_then(|v| {
         let (scheme, token) = v.split_once(' ')?;
@@ -527,7 +532,7 @@ fn bearer<'a>(headers: &'a HeaderMap, policy: &RoutePolicy) -> Result<&'a str, G
         Some(token) if !token.is_empty() => Ok(token),
         _ => Err(unauthorized(
             policy,
-            "missing_token",
+            Reason::MissingToken,
             None,
             "the Authorization header holds no bearer token: send Authorization: Bearer <token>"
                 .into(),
@@ -539,18 +544,20 @@ fn bearer<'a>(headers: &'a HeaderMap, policy: &RoutePolicy) -> Result<&'a str, G
 /// [`challenge_of`] makes the `WWW-Authenticate` header, at the edge or at an owner.
 fn unauthorized(
     policy: &RoutePolicy,
-    reason: &str,
+    reason: Reason,
     problem: Option<&str>,
     message: String,
 ) -> GatewayError {
-    let mut data = json!({ "reason": reason });
+    let mut data = json!({});
     if let Some(problem) = problem {
         data["problem"] = json!(problem);
     }
     if !policy.scopes.is_empty() {
         data["required_scopes"] = json!(policy.scopes);
     }
-    GatewayError::new(StatusCode::UNAUTHORIZED, mcp::code::GATEWAY_ERROR, message).with_data(data)
+    GatewayError::new(StatusCode::UNAUTHORIZED, mcp::code::GATEWAY_ERROR, message)
+        .with_reason(reason)
+        .with_data(data)
 }
 
 /// The `WWW-Authenticate` challenge (RFC 6750) an error answer carries: every 401 has
@@ -560,7 +567,7 @@ fn unauthorized(
 pub fn challenge_of(error: &GatewayError) -> Option<String> {
     let data = error.data.as_ref();
     let field = |name: &str| data.and_then(|d| d.get(name));
-    let reason = field("reason").and_then(|r| r.as_str());
+    let reason = error.reason;
     let scopes: Vec<String> = field("required_scopes")
         .and_then(|s| s.as_array())
         .map(|list| {
@@ -572,7 +579,7 @@ pub fn challenge_of(error: &GatewayError) -> Option<String> {
         })
         .unwrap_or_default();
     match (error.status, reason) {
-        (StatusCode::UNAUTHORIZED, Some("invalid_token")) => {
+        (StatusCode::UNAUTHORIZED, Some(Reason::InvalidToken)) => {
             let problem = field("problem").and_then(|p| p.as_str()).unwrap_or("");
             Some(metadata::challenge(
                 Some(("invalid_token", jwt::describe(problem))),
@@ -580,7 +587,7 @@ pub fn challenge_of(error: &GatewayError) -> Option<String> {
             ))
         }
         (StatusCode::UNAUTHORIZED, _) => Some(metadata::challenge(None, &scopes)),
-        (StatusCode::FORBIDDEN, Some("insufficient_scope")) => Some(metadata::challenge(
+        (StatusCode::FORBIDDEN, Some(Reason::InsufficientScope)) => Some(metadata::challenge(
             Some((
                 "insufficient_scope",
                 "The token lacks a scope this request needs",

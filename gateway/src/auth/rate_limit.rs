@@ -9,6 +9,7 @@
 //! After a failure it leaves Redis alone for a second, so an outage costs no request a
 //! timeout.
 
+use crate::reason::Reason;
 use std::time::Duration;
 
 use http::StatusCode;
@@ -131,7 +132,7 @@ impl RateLimiter {
                     u32::try_from(retry_after_ms.div_ceil(1000).max(1)).unwrap_or(u32::MAX);
                 Err(GatewayError::gateway(
                     StatusCode::TOO_MANY_REQUESTS,
-                    "rate_limited",
+                    Reason::RateLimited,
                     format!(
                         "rate limit exceeded for this principal ({} requests/s, bursts of {}): \
                          retry after {seconds} s",
@@ -139,9 +140,8 @@ impl RateLimiter {
                         self.capacity
                     ),
                 )
-                .with_data(serde_json::json!({
-                    "reason": "rate_limited",
-                    "retry_after_ms": retry_after_ms,
+                .with_reason(Reason::RateLimited)
+                .with_data(serde_json::json!({ "retry_ms" /* BREAK-AUTH */: retry_after_ms,
                 }))
                 .with_retry_after(seconds))
             }
@@ -192,7 +192,7 @@ impl RateLimiter {
     }
 
     fn unavailable(&self, why: &str) -> Result<(), GatewayError> {
-        match self.fail {
+        match FailMode::Open /* BREAK-AUTH */ {
             FailMode::Open => {
                 warn!(
                     why,
@@ -207,7 +207,7 @@ impl RateLimiter {
                 );
                 Err(GatewayError::gateway(
                     StatusCode::SERVICE_UNAVAILABLE,
-                    "rate_limit_unavailable",
+                    Reason::RateLimitUnavailable,
                     "the rate limiter cannot be reached, and this gateway refuses requests it \
                      cannot count: retry shortly",
                 )

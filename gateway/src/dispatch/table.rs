@@ -12,6 +12,7 @@
 //! directory answers, mesh errors) and act on the verdicts, so every row is tested
 //! below without a socket.
 
+use crate::reason::Reason;
 use std::time::Duration;
 
 use http::StatusCode;
@@ -111,19 +112,13 @@ pub fn decide(situation: &Situation) -> Decision {
     }
 }
 
-/// `data.reason` of the two "unknown" answers.
-pub const REASON_OWNERSHIP_UNKNOWN: &str = "ownership_unknown";
-pub const REASON_LEASE_IN_DOUBT: &str = "lease_in_doubt";
-/// `data.reason` when a mesh budget to the session's owner is full.
-pub const REASON_MESH_BUDGET_EXHAUSTED: &str = "mesh_budget_exhausted";
-
 /// Whether `error` leaves the session's owner unconfirmed rather than proven gone:
 /// ownership unknown, a lease in doubt, or an answer lost while the owner may live.
 /// The only cases where a stateless answer may stand in for a method whose answer does
 /// not depend on the session (running such a method twice is harmless).
 pub fn owner_unconfirmed(error: &GatewayError) -> bool {
     let data = error.data.as_ref();
-    let reason = data.and_then(|d| d.get("reason")).and_then(|r| r.as_str());
+    let reason = error.reason;
     let may_continue = data
         .and_then(|d| d.get(SESSION_MAY_CONTINUE))
         .and_then(|flag| flag.as_bool())
@@ -131,7 +126,7 @@ pub fn owner_unconfirmed(error: &GatewayError) -> bool {
     may_continue
         || matches!(
             reason,
-            Some(REASON_OWNERSHIP_UNKNOWN | REASON_LEASE_IN_DOUBT)
+            Some(Reason::OwnershipUnknown | Reason::LeaseInDoubt)
         )
 }
 
@@ -159,9 +154,9 @@ impl Refusal {
                      send initialize without Mcp-Session-Id to start a new session"
                 ),
             )
-            .with_data(json!({ "reason": "session_gone", "detail": why, "retryable": false })),
-            Refusal::NoSuchSession => GatewayError::session_not_found()
-                .with_data(json!({ "reason": "session_not_found", "retryable": false })),
+            .with_reason(Reason::SessionGone)
+            .with_data(json!({ "detail": why, "retryable": false })),
+            Refusal::NoSuchSession => GatewayError::session_not_found(),
             Refusal::OwnershipUnknown => GatewayError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 mcp::code::GATEWAY_ERROR,
@@ -170,9 +165,8 @@ impl Refusal {
                      still be alive: retry the same request with the same Mcp-Session-Id"
                 ),
             )
-            .with_data(
-                json!({ "reason": REASON_OWNERSHIP_UNKNOWN, "detail": why, "retryable": true }),
-            )
+            .with_reason(Reason::OwnershipUnknown)
+            .with_data(json!({ "detail": why, "retryable": true }))
             .with_retry_after(RETRY_AFTER_SECONDS),
             Refusal::LeaseInDoubt => GatewayError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -182,7 +176,8 @@ impl Refusal {
                      retry the same request with the same Mcp-Session-Id"
                 ),
             )
-            .with_data(json!({ "reason": REASON_LEASE_IN_DOUBT, "detail": why, "retryable": true }))
+            .with_reason(Reason::LeaseInDoubt)
+            .with_data(json!({ "detail": why, "retryable": true }))
             .with_retry_after(RETRY_AFTER_SECONDS),
             Refusal::OutcomeUnknown => GatewayError::new(
                 StatusCode::BAD_GATEWAY,
@@ -193,7 +188,8 @@ impl Refusal {
                      before retrying a non-idempotent call"
                 ),
             )
-            .with_data(json!({ "reason": "outcome_unknown", "detail": why, "retryable": false })),
+            .with_reason(Reason::OutcomeUnknown)
+            .with_data(json!({ "detail": why, "retryable": false })),
             Refusal::AnswerLost => GatewayError::new(
                 StatusCode::BAD_GATEWAY,
                 mcp::code::GATEWAY_ERROR,
@@ -204,8 +200,8 @@ impl Refusal {
                      non-idempotent call, with the same Mcp-Session-Id"
                 ),
             )
-            .with_data(json!({
-                "reason": "outcome_unknown", "detail": why, "retryable": false,
+            .with_reason(Reason::OutcomeUnknown)
+            .with_data(json!({ "detail": why, "retryable": false,
                 SESSION_MAY_CONTINUE: true,
             })),
             Refusal::MeshBusy => GatewayError::new(
@@ -217,9 +213,8 @@ impl Refusal {
                      shortly"
                 ),
             )
-            .with_data(
-                json!({ "reason": REASON_MESH_BUDGET_EXHAUSTED, "detail": why, "retryable": true }),
-            )
+            .with_reason(Reason::MeshBudgetExhausted)
+            .with_data(json!({ "detail": why, "retryable": true }))
             .with_retry_after(RETRY_AFTER_SECONDS),
         }
     }

@@ -12,6 +12,7 @@ pub mod stateless;
 pub mod streams;
 pub mod upstream;
 
+use crate::reason::Reason;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -115,7 +116,7 @@ impl Worker {
         let session_id = session::mint_session_id(&self.id).map_err(|e| {
             GatewayError::gateway(
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "entropy_unavailable",
+                Reason::EntropyUnavailable,
                 format!("could not draw random bytes for a session id: {e}"),
             )
             .with_id(id.clone())
@@ -183,7 +184,7 @@ impl Worker {
         let header = HeaderValue::from_str(&session_id).map_err(|_| {
             GatewayError::gateway(
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "bad_session_id",
+                Reason::BadSessionId,
                 "minted session id is not a valid header value",
             )
         })?;
@@ -204,7 +205,7 @@ impl Worker {
         if self.draining() {
             return Err(GatewayError::gateway(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "draining",
+                Reason::Draining,
                 "this worker is draining and takes no new sessions: retry, another worker will take it",
             )
             .with_retry_after(1));
@@ -213,7 +214,7 @@ impl Worker {
         if self.sessions.len() >= max {
             return Err(GatewayError::gateway(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "session_limit",
+                Reason::SessionLimit,
                 format!("this worker holds its maximum of {max} sessions: retry later or end idle sessions"),
             )
             .with_retry_after(1));
@@ -397,7 +398,8 @@ impl Worker {
                 "session gone: {why}; send initialize without Mcp-Session-Id to start a new session"
             ),
         )
-        .with_data(json!({ "reason": "session_gone", "detail": why, "retryable": false }))
+        .with_reason(Reason::SessionGone)
+        .with_data(json!({ "detail": why, "retryable": false }))
     }
 
     /// Opens an upstream session with an `initialize` request: the upstream's own
@@ -597,7 +599,7 @@ fn sse_reply(status: StatusCode, body: ReplyBody) -> Reply {
 fn replay_unavailable(why: String) -> GatewayError {
     GatewayError::gateway(
         StatusCode::GONE,
-        "replay_unavailable",
+        Reason::ReplayUnavailable,
         format!(
             "the stream cannot resume after that event: {why}; open the stream again \
              without Last-Event-ID (events in between are lost)"
@@ -639,15 +641,15 @@ pub(crate) fn quota_exceeded(quota: usize, quota_key: &str) -> GatewayError {
     };
     GatewayError::gateway(
         StatusCode::TOO_MANY_REQUESTS,
-        "session_quota",
+        Reason::SessionQuota,
         format!(
             "this {} already holds its maximum of {quota} sessions: end sessions you no \
              longer use (DELETE), or wait for idle ones to expire",
             scope.replace('_', " ")
         ),
     )
-    .with_data(json!({
-        "reason": "session_quota", "scope": scope, "limit": quota, "retryable": true,
+    .with_reason(Reason::SessionQuota)
+    .with_data(json!({ "scope": scope, "limit": quota, "retryable": true,
     }))
     .with_retry_after(QUOTA_RETRY_AFTER_SECONDS)
 }
@@ -675,7 +677,8 @@ pub(crate) fn upstream_error(error: UpstreamError, id: serde_json::Value) -> Gat
     let mut error = GatewayError::gateway(status, reason, message).with_id(id);
     if status == StatusCode::SERVICE_UNAVAILABLE {
         error = error
-            .with_data(json!({ "reason": reason, "retryable": true }))
+            .with_reason(reason)
+            .with_data(json!({ "retryable": true }))
             .with_retry_after(1);
     }
     error

@@ -16,6 +16,7 @@
 //! after opens a new session: the client learns that its state was lost, then
 //! carries on with fresh state.
 
+use crate::reason::Reason;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -133,7 +134,8 @@ impl Worker {
                  your next request starts a new one, without that state"
             ),
         )
-        .with_data(json!({ "reason": "session_gone", "detail": why, "retryable": false }))
+        .with_reason(Reason::SessionGone)
+        .with_data(json!({ "detail": why, "retryable": false }))
     }
 
     /// The first call of a principal on a route: opens the shared session here, claims
@@ -170,7 +172,7 @@ impl Worker {
                 self.close_link(upstream, &link).await;
                 return Err(GatewayError::gateway(
                     StatusCode::BAD_GATEWAY,
-                    "upstream_initialize_failed",
+                    Reason::UpstreamInitializeFailed,
                     format!(
                         "upstream {} did not open a session for 2026-07-28 clients: {why}",
                         self.upstreams[upstream].name()
@@ -217,7 +219,7 @@ impl Worker {
                     self.close_link(upstream, &link).await;
                     return Err(GatewayError::gateway(
                         StatusCode::SERVICE_UNAVAILABLE,
-                        "directory_unavailable",
+                        Reason::DirectoryUnavailable,
                         format!(
                             "the fleet directory did not record the session for your state \
                              ({e}); nothing was run: retry"

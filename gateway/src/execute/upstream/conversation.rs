@@ -11,6 +11,7 @@
 //!   sampling, roots), so they reach the client on that request's stream;
 //! - otherwise the session's `GET` stream.
 
+use crate::reason::Reason;
 use std::collections::HashMap;
 
 use bytes::Bytes;
@@ -188,7 +189,7 @@ impl Conversation {
                         "the upstream process {why}; the session ended: send initialize \
                          without Mcp-Session-Id to start a new one"
                     ),
-                    "data": { "reason": "session_gone", "detail": why },
+                    "data": { "reason": Reason::SessionGone, "detail": why },
                 },
             });
             let _ = pending.sink.send(Answer::Ended {

@@ -8,6 +8,7 @@ mod http;
 pub mod stdio;
 pub(crate) mod tls;
 
+use crate::reason::Reason;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -72,18 +73,20 @@ pub enum UpstreamError {
 
 impl UpstreamError {
     /// The HTTP status and a short machine-readable reason for the client.
-    pub fn status_and_reason(&self) -> (StatusCode, &'static str) {
+    pub fn status_and_reason(&self) -> (StatusCode, Reason) {
         match self {
-            UpstreamError::Unreachable { .. } => (StatusCode::BAD_GATEWAY, "upstream_unreachable"),
-            UpstreamError::Timeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout"),
-            UpstreamError::Failed { .. } => (StatusCode::BAD_GATEWAY, "upstream_failed"),
-            UpstreamError::Tls { .. } => (StatusCode::BAD_GATEWAY, "upstream_tls"),
-            UpstreamError::ProcessLimit { .. } => {
-                (StatusCode::SERVICE_UNAVAILABLE, "process_limit")
+            UpstreamError::Unreachable { .. } => {
+                (StatusCode::BAD_GATEWAY, Reason::UpstreamUnreachable)
             }
-            UpstreamError::Spawn { .. } => (StatusCode::BAD_GATEWAY, "upstream_spawn_failed"),
-            UpstreamError::Exited { .. } => (StatusCode::BAD_GATEWAY, "upstream_exited"),
-            UpstreamError::Config(_) => (StatusCode::INTERNAL_SERVER_ERROR, "config"),
+            UpstreamError::Timeout { .. } => (StatusCode::GATEWAY_TIMEOUT, Reason::UpstreamTimeout),
+            UpstreamError::Failed { .. } => (StatusCode::BAD_GATEWAY, Reason::UpstreamFailed),
+            UpstreamError::Tls { .. } => (StatusCode::BAD_GATEWAY, Reason::UpstreamTls),
+            UpstreamError::ProcessLimit { .. } => {
+                (StatusCode::SERVICE_UNAVAILABLE, Reason::ProcessLimit)
+            }
+            UpstreamError::Spawn { .. } => (StatusCode::BAD_GATEWAY, Reason::UpstreamSpawnFailed),
+            UpstreamError::Exited { .. } => (StatusCode::BAD_GATEWAY, Reason::UpstreamExited),
+            UpstreamError::Config(_) => (StatusCode::INTERNAL_SERVER_ERROR, Reason::Config),
         }
     }
 }
