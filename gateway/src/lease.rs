@@ -140,15 +140,6 @@ impl LeaseHolder {
         self.clock.lock().revoke(Instant::now());
     }
 
-    /// Publishes `not_after` as this worker's mesh leaf expiry from the next renewal on
-    /// (for `mcpgw status`); a transport calls it after reloading its certificate.
-    // Unused until the transports reload their certificates (they load them once at
-    // start today, and the registration publishes that leaf's expiry).
-    #[allow(dead_code)]
-    pub fn set_cert_not_after(&self, not_after: Option<std::time::SystemTime>) {
-        self.lease.lock().set_cert_not_after(not_after);
-    }
-
     /// Whether the lease was lost for good (fenced).
     pub fn revoked(&self) -> bool {
         self.revoked.load(std::sync::atomic::Ordering::Relaxed)
