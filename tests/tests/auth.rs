@@ -153,6 +153,8 @@ struct JwksServer {
     /// Signs the server's certificate; its file is what the gateway's `jwks_ca` names.
     ca: TestCa,
     body: Arc<Mutex<String>>,
+    /// While set, every fetch is answered 503: the issuer's endpoint is down.
+    down: Arc<AtomicBool>,
     hits: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     addr: String,
@@ -166,19 +168,29 @@ impl JwksServer {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind JWKS server");
         let addr = listener.local_addr().expect("addr").to_string();
         let body = Arc::new(Mutex::new(body));
+        let down = Arc::new(AtomicBool::new(false));
         let hits = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         {
-            let (body, hits, stop) = (Arc::clone(&body), Arc::clone(&hits), Arc::clone(&stop));
+            let (body, down, hits, stop) = (
+                Arc::clone(&body),
+                Arc::clone(&down),
+                Arc::clone(&hits),
+                Arc::clone(&stop),
+            );
             std::thread::spawn(move || {
                 for stream in listener.incoming() {
                     if stop.load(Ordering::Relaxed) {
                         break;
                     }
                     let Ok(stream) = stream else { continue };
-                    let (tls, body, hits) =
-                        (Arc::clone(&tls), Arc::clone(&body), Arc::clone(&hits));
-                    std::thread::spawn(move || serve_jwks(stream, tls, &body, &hits));
+                    let (tls, body, down, hits) = (
+                        Arc::clone(&tls),
+                        Arc::clone(&body),
+                        Arc::clone(&down),
+                        Arc::clone(&hits),
+                    );
+                    std::thread::spawn(move || serve_jwks(stream, tls, &body, &down, &hits));
                 }
             });
         }
@@ -186,6 +198,7 @@ impl JwksServer {
             url: format!("https://{addr}/jwks.json"),
             ca,
             body,
+            down,
             hits,
             stop,
             addr,
@@ -194,6 +207,11 @@ impl JwksServer {
 
     fn serve(&self, body: String) {
         *self.body.lock().expect("JWKS body") = body;
+    }
+
+    /// Answers every fetch 503 (`true`) or with the JWKS again (`false`).
+    fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
     }
 
     fn hits(&self) -> u64 {
@@ -212,6 +230,7 @@ fn serve_jwks(
     stream: std::net::TcpStream,
     tls: Arc<rustls::ServerConfig>,
     body: &Mutex<String>,
+    down: &AtomicBool,
     hits: &AtomicU64,
 ) {
     let Ok(connection) = rustls::ServerConnection::new(tls) else {
@@ -229,9 +248,13 @@ fn serve_jwks(
         }
     }
     hits.fetch_add(1, Ordering::SeqCst);
-    let body = body.lock().expect("JWKS body").clone();
+    let (status, body) = if down.load(Ordering::SeqCst) {
+        ("503 Service Unavailable", String::new())
+    } else {
+        ("200 OK", body.lock().expect("JWKS body").clone())
+    };
     let answer = format!(
-        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
     let _ = tls.write_all(answer.as_bytes());
@@ -1041,12 +1064,17 @@ fn forwarded_requests_carry_the_edge_decision_in_every_mode() {
 
 /// N client requests scattered over four workers move the principal's rate-limit
 /// counter by exactly N: the edge counts, the owner does not count again. Past the
-/// burst, 429 with Retry-After.
+/// burst, 429 with a `Retry-After` that is `data.retry_after_ms` in whole seconds.
+/// Public requests have no principal: a public route serves more than the burst.
 #[test]
-fn rate_limit_counts_each_client_request_once() {
+fn rate_limit_counts_each_client_request_once_and_spares_public_routes() {
+    // 0.01/s: no token comes back while the test runs, so the burst is all there is.
+    let burst: u32 = 20;
     let fleet = AuthFleet::start(
         "ratelimit",
-        "[auth.rate_limit]\nper_second = 0.01\nburst = 20\non_redis_error = \"closed\"\n",
+        &format!(
+            "[auth.rate_limit]\nper_second = 0.01\nburst = {burst}\non_redis_error = \"closed\"\n"
+        ),
     );
     let (a, b) = (fleet.a.addr.as_str(), fleet.b.addr.as_str());
     let token = fleet.jwt("dave", 3600);
@@ -1074,12 +1102,25 @@ fn rate_limit_counts_each_client_request_once() {
             200 => passed += 1,
             429 => {
                 limited += 1;
+                let text = body_text(&response);
+                let data = &response.json()["error"]["data"];
+                assert_eq!(data["reason"], "rate_limited", "{text}");
+                let retry_after_ms = data["retry_after_ms"]
+                    .as_u64()
+                    .filter(|ms| *ms > 0)
+                    .unwrap_or_else(|| panic!("data.retry_after_ms is a positive integer: {text}"));
+                // One token takes 1 / 0.01 s = 100 s to come back; no wait is longer.
                 assert!(
-                    response
-                        .header("retry-after")
-                        .is_some_and(|s| s.parse::<u64>().unwrap_or(0) >= 1)
+                    retry_after_ms <= 100_000,
+                    "at most one token's refill time: {text}"
                 );
-                assert_eq!(response.json()["error"]["data"]["reason"], "rate_limited");
+                let retry_after: Option<u64> =
+                    response.header("retry-after").and_then(|s| s.parse().ok());
+                assert_eq!(
+                    retry_after,
+                    Some(retry_after_ms.div_ceil(1000).max(1)),
+                    "Retry-After is data.retry_after_ms rounded up to seconds: {text}"
+                );
             }
             other => panic!("unexpected {other}: {}", body_text(&response)),
         }
@@ -1094,7 +1135,7 @@ fn rate_limit_counts_each_client_request_once() {
         passed >= 18 && limited >= 1,
         "the burst of 20 ran out: {passed} passed, {limited} limited"
     );
-    // Another principal has its own bucket; public routes are not limited.
+    // Another principal has its own bucket.
     let api = open_session(b, "/servers/keyed/mcp", Some(API_KEY_ALICE));
     assert_eq!(
         call(a, "/servers/keyed/mcp", Some(API_KEY_ALICE), &api, "echo").status,
@@ -1106,12 +1147,39 @@ fn rate_limit_counts_each_client_request_once() {
             .command(&["HGET", "mcpgw:ratelimit:api-key:alice", "requests"]),
         "3"
     );
+    // The public route, under the same limit: more requests than the burst all run,
+    // and no bucket is kept for them.
+    let open = open_session(a, "/servers/open/mcp", None);
+    let calls_before = tool_calls(&fleet.upstream);
+    for i in 0..burst + 10 {
+        let edge = if i % 2 == 0 { a } else { b };
+        let response = call(edge, "/servers/open/mcp", None, &open, "echo");
+        assert_eq!(
+            response.status,
+            200,
+            "public request {i} of {}: {}",
+            burst + 10,
+            body_text(&response)
+        );
+    }
+    assert_eq!(
+        tool_calls(&fleet.upstream) - calls_before,
+        u64::from(burst + 10),
+        "every public call ran"
+    );
+    assert_eq!(
+        fleet.redis.keys("mcpgw:ratelimit:public*"),
+        Vec::<String>::new(),
+        "no bucket for public requests"
+    );
 }
 
 /// The official Python SDK client with a bearer token, in legacy and 2026-07-28 mode,
-/// through a gateway started with the quick-start JWT flags.
+/// through a gateway started with the quick-start JWT flags; without a token, or with
+/// one of a key the gateway does not trust, its first request gets the 401 that says
+/// why, and nothing reaches the upstream.
 #[test]
-fn sdk_client_with_a_bearer_token_in_both_modes() {
+fn sdk_client_with_a_bearer_token_in_both_modes_and_refused_without_one() {
     let dir = temp_dir("sdk");
     let upstream = Upstream::start();
     let key = SigningKey::generate("sdk-1", Algorithm::RS256);
@@ -1146,12 +1214,295 @@ fn sdk_client_with_a_bearer_token_in_both_modes() {
             serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("JSON line");
         assert_eq!(last["echo"], "hello through mcpgw", "{mode}");
     }
-    // Without the token the same client is refused.
-    let refused = Command::new(mcpgw_testkit::python())
-        .arg(mcpgw_testkit::python_script("sdk_client.py"))
-        .args([&gateway.url(), "legacy", "basic"])
-        .output()
-        .expect("run sdk_client.py");
-    assert!(!refused.status.success(), "no token, no session");
+    // The same kid, another key: what a forged token looks like.
+    let forger = SigningKey::generate("sdk-1", Algorithm::RS256);
+    let forged = forger.sign(&claims("sdk-user", "", 600));
+    let requests_before = requests(&upstream);
+    for mode in ["legacy", "2026-07-28"] {
+        for (case, token, reason, problem) in [
+            ("no token", None, "missing_token", None),
+            (
+                "a forged token",
+                Some(forged.as_str()),
+                "invalid_token",
+                Some("bad_signature"),
+            ),
+        ] {
+            let case = format!("{mode}, {case}");
+            let seen = sdk_refused_client(&gateway.url(), mode, token);
+            assert_eq!(seen["completed"], false, "{case}: {seen}");
+            let responses = seen["responses"].as_array().cloned().unwrap_or_default();
+            assert!(
+                !responses.is_empty() && responses.iter().all(|r| r["status"] == 401),
+                "{case}: every answer the client got is 401: {seen}"
+            );
+            let challenge = responses[0]["www_authenticate"].as_str().unwrap_or("");
+            assert!(
+                challenge.starts_with("Bearer ") && challenge.contains("resource_metadata="),
+                "{case}: {challenge}"
+            );
+            let error = &seen["error"];
+            assert_eq!(error["type"], "MCPError", "{case}: {seen}");
+            assert_eq!(error["data"]["reason"], reason, "{case}: {seen}");
+            if let Some(problem) = problem {
+                assert_eq!(error["data"]["problem"], problem, "{case}: {seen}");
+                assert!(
+                    !seen.to_string().contains(&forged),
+                    "{case}: the token echoed"
+                );
+            }
+        }
+    }
+    assert_eq!(
+        requests(&upstream),
+        requests_before,
+        "no refused request reached the upstream"
+    );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Runs `sdk_refused_client.py` (the SDK client, expected to be refused) and returns
+/// what it saw: `completed`, every HTTP `responses` status, and the SDK's `error`.
+fn sdk_refused_client(url: &str, mode: &str, token: Option<&str>) -> Value {
+    let mut command = Command::new(mcpgw_testkit::python());
+    command
+        .arg(mcpgw_testkit::python_script("sdk_refused_client.py"))
+        .args([url, mode]);
+    match token {
+        Some(token) => command.env("MCPGW_BEARER_TOKEN", token),
+        None => command.env_remove("MCPGW_BEARER_TOKEN"),
+    };
+    let output = command.output().expect("run sdk_refused_client.py");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "sdk_refused_client.py {mode}: {}\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_str(stdout.lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("sdk_refused_client.py printed no JSON line ({e}): {stdout}"))
+}
+
+/// A JWKS that cannot be loaded (its URL answers 503; its file is gone) makes every
+/// token that needs it a 503 `keys_unavailable` with `Retry-After: 1`, not a 401: the
+/// client is not told its token is bad. Nothing reaches the upstream. Once the keys
+/// can be loaded again, the same token works.
+#[test]
+fn signing_keys_that_cannot_be_loaded_get_503_keys_unavailable() {
+    let dir = temp_dir("keys-unavailable");
+    let upstream = Upstream::start();
+    let key = SigningKey::generate("kid-1", Algorithm::ES256);
+    let jwks = JwksServer::start(jwks_json(&[&key]));
+    jwks.set_down(true);
+    let jwks_file = dir.join("jwks.json");
+    std::fs::write(&jwks_file, jwks_json(&[&key])).expect("JWKS file");
+    let config = dir.join("mcpgw.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[[upstream]]
+name = "fetched"
+url = "{url}"
+[[upstream]]
+name = "fromfile"
+url = "{url}"
+
+[auth]
+mode = "jwt"
+
+[auth.jwt]
+issuer = "{ISSUER}"
+audience = "{AUDIENCE}"
+jwks = "{jwks}"
+jwks_ca = "{ca}"
+
+[auth.routes.fromfile]
+jwks = "{file}"
+"#,
+            url = upstream.url,
+            jwks = jwks.url,
+            ca = jwks.ca.ca_file().display(),
+            file = jwks_file.display(),
+        ),
+    )
+    .expect("config");
+    // The file is read at start (a bad one stops it); gone afterwards, it cannot be
+    // loaded on first use.
+    let gateway = Gateway::start(&["--config", &config.display().to_string()]);
+    let away = dir.join("jwks.json.away");
+    std::fs::rename(&jwks_file, &away).expect("move the JWKS file away");
+    let addr = gateway.addr.as_str();
+    let token = key.sign(&claims("alice", "", 600));
+    let requests_before = requests(&upstream);
+
+    for (route, location) in [
+        ("fetched", jwks.url.clone()),
+        ("fromfile", jwks_file.display().to_string()),
+    ] {
+        let path = format!("/servers/{route}/mcp");
+        let response = post(addr, &path, Some(&token), None, &initialize_body());
+        assert_refused(&response, 503, "keys_unavailable", None, &token, route);
+        assert_eq!(
+            response.header("retry-after"),
+            Some("1"),
+            "{route}: {}",
+            body_text(&response)
+        );
+        let message = response.json()["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        println!(
+            "{route}: the client is told {message:?} (names the key location: {})",
+            message.contains(&location)
+        );
+    }
+    assert!(jwks.hits() >= 1, "the gateway tried to fetch the JWKS URL");
+    assert_eq!(
+        requests(&upstream),
+        requests_before,
+        "no request reached the upstream"
+    );
+
+    // The issuer's endpoint and the file come back: a failed first load is tried again
+    // (at most once a second), and the same token is served.
+    jwks.set_down(false);
+    std::fs::rename(&away, &jwks_file).expect("put the JWKS file back");
+    for route in ["fetched", "fromfile"] {
+        let path = format!("/servers/{route}/mcp");
+        let started = std::time::Instant::now();
+        mcpgw_testkit::eventually(Duration::from_secs(30), || {
+            let response = post(addr, &path, Some(&token), None, &initialize_body());
+            match response.status {
+                200 => Ok(()),
+                503 => Err(body_text(&response)),
+                other => panic!(
+                    "{route}: {other} while the keys load: {}",
+                    body_text(&response)
+                ),
+            }
+        });
+        println!(
+            "{route}: served {:?} after the keys came back",
+            started.elapsed()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The rate limiter's Redis stops answering (paused, so connections hang instead of
+/// closing): with `on_redis_error = "open"` (the default) requests pass and a warning
+/// is logged; with `"closed"` they get 503 `rate_limit_unavailable` with
+/// `Retry-After: 1` and never run. Either way, once Redis answers again, every request
+/// is counted again.
+#[test]
+fn rate_limiter_without_redis_fails_open_or_closed_as_configured() {
+    let upstream = Upstream::start();
+    for setting in [None, Some("open"), Some("closed")] {
+        let case = setting.unwrap_or("default");
+        let closed = setting == Some("closed");
+        let dir = temp_dir(&format!("limiter-{case}"));
+        // The limiter's own Redis: pausing it leaves nothing else without Redis.
+        let redis = RedisServer::start();
+        let tokens = dir.join("tokens");
+        std::fs::write(&tokens, format!("alice:{API_KEY_ALICE}\n")).expect("tokens file");
+        let config = dir.join("mcpgw.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[[upstream]]\nname = \"demo\"\nurl = \"{}\"\n[auth]\ntokens_file = \"{}\"\n\
+                 [auth.rate_limit]\nper_second = 1000.0\nburst = 1000\nredis_url = \"{}\"\n\
+                 timeout_ms = 250\n{}",
+                upstream.url,
+                tokens.display(),
+                redis.url(),
+                setting.map_or(String::new(), |s| format!("on_redis_error = \"{s}\"\n")),
+            ),
+        )
+        .expect("config");
+        let gateway = LoggedGateway::start(
+            &["--config", &config.display().to_string()],
+            dir.join("gateway.log"),
+        );
+        let addr = gateway.addr.as_str();
+        let counted = || -> u64 {
+            redis
+                .command(&["HGET", "mcpgw:ratelimit:api-key:alice", "requests"])
+                .parse()
+                .unwrap_or(0)
+        };
+        let session = open_session(addr, DEMO, Some(API_KEY_ALICE));
+        assert_eq!(
+            counted(),
+            2,
+            "{case}: the limiter counts while Redis answers"
+        );
+
+        let paused = redis.pause();
+        let calls_before = tool_calls(&upstream);
+        // The first request waits for Redis until timeout_ms; the second comes while
+        // the limiter leaves Redis alone. Both get the configured answer.
+        for attempt in ["first", "second"] {
+            let started = std::time::Instant::now();
+            let response = call(addr, DEMO, Some(API_KEY_ALICE), &session, "echo");
+            println!(
+                "{case}, {attempt} request without Redis: {} after {:?}",
+                response.status,
+                started.elapsed()
+            );
+            let what = format!("{case}, {attempt} request without Redis");
+            if closed {
+                assert_refused(
+                    &response,
+                    503,
+                    "rate_limit_unavailable",
+                    None,
+                    API_KEY_ALICE,
+                    &what,
+                );
+                assert_eq!(response.header("retry-after"), Some("1"), "{what}");
+                assert!(
+                    !body_text(&response).contains(&redis.port.to_string()),
+                    "{what}: the body names the limiter's Redis: {}",
+                    body_text(&response)
+                );
+            } else {
+                assert_eq!(response.status, 200, "{what}: {}", body_text(&response));
+                assert_eq!(response.tool_text().as_deref(), Some("hi"), "{what}");
+            }
+        }
+        let ran = tool_calls(&upstream) - calls_before;
+        assert_eq!(ran, if closed { 0 } else { 2 }, "{case}: calls that ran");
+        let warning = if closed {
+            "rate limiter unavailable; refusing the request (on_redis_error = closed)"
+        } else {
+            "rate limiter unavailable; letting the request through (on_redis_error = open)"
+        };
+        mcpgw_testkit::eventually(Duration::from_secs(10), || {
+            if gateway.log().contains(warning) {
+                Ok(())
+            } else {
+                Err(format!("no {warning:?} in the log yet"))
+            }
+        });
+
+        // Redis answers again: after its back-off the limiter counts every request.
+        paused.resume();
+        mcpgw_testkit::eventually(Duration::from_secs(30), || {
+            let before = counted();
+            let response = call(addr, DEMO, Some(API_KEY_ALICE), &session, "echo");
+            match (response.status, counted()) {
+                (200, after) if after == before + 1 => Ok(()),
+                (status, after) => Err(format!("{status}, counter {before} -> {after}")),
+            }
+        });
+        let before = counted();
+        let response = call(addr, DEMO, Some(API_KEY_ALICE), &session, "echo");
+        assert_eq!(response.status, 200, "{case}: {}", body_text(&response));
+        assert_eq!(counted(), before + 1, "{case}: counted once again");
+        drop(gateway);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
