@@ -141,7 +141,7 @@ impl RateLimiter {
                     ),
                 )
                 .with_reason(Reason::RateLimited)
-                .with_data(serde_json::json!({ "retry_ms" /* BREAK-AUTH */: retry_after_ms,
+                .with_data(serde_json::json!({ "retry_after_ms": retry_after_ms,
                 }))
                 .with_retry_after(seconds))
             }
@@ -192,7 +192,7 @@ impl RateLimiter {
     }
 
     fn unavailable(&self, why: &str) -> Result<(), GatewayError> {
-        match FailMode::Open /* BREAK-AUTH */ {
+        match self.fail {
             FailMode::Open => {
                 warn!(
                     why,
