@@ -16,6 +16,8 @@ export MCPGW_IMAGE=${MCPGW_IMAGE:-mcpgw:compose-test}
 export MCPGW_TEST_IMAGE="$MCPGW_IMAGE"
 echo "compose-test: $COMPOSE, project $PROJECT"
 
+# First the driver's checks, each fed an input that must fail it (a second, no fleet).
+build/venv/bin/python compose/test/fleet_faults.py --self-test
 BIN=${BIN:-target/debug} scripts/compose-images.sh
 images_done=$(date +%s)
 

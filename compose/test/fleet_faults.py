@@ -7,8 +7,8 @@ project, and tears everything down afterwards whatever happens here. This driver
 1. brings the fleet up (compose/docker-compose.yml, 3 gateway containers x 2 workers,
    leases of 3 s) on a free /24 and a free host port for the load balancer;
 2. runs the official MCP Python SDK client in legacy mode through nginx:
-   counter_increment counts 1, 2, 3, ... while its requests land on different
-   containers, and slow_stream's progress arrives before its result through a forward;
+   counter_increment counts 1, 2, 3, ... while its requests land on every container,
+   and slow_stream's progress arrives before its result through a forward;
 3. starts a steady load: legacy sessions on every container, each calling
    counter_increment in a loop (raw HTTP, so every status, reason and header is seen);
 4. under that load: `docker kill` one gateway container, `docker pause` one past its
@@ -23,14 +23,20 @@ Requests are classified by what the client got: ok; `unknown` (503,
 ownership_unknown / lease_in_doubt: retry the same session); `gone` (404,
 session_gone: initialize again); `outcome_unknown` (502: the owner died with the
 request); `answer_lost` (502 outcome_unknown with `session_may_continue`: the request
-reached a live owner and its answer was lost; the session goes on); `not_found`; `lb_error` (nginx's own 502: the gateway process that held the
+reached a live owner and its answer was lost; the session goes on); `not_found` (404
+session_not_found); `lb_error` (nginx's own 502: the gateway process that held the
 connection died, the one answer no gateway can give); `timeout`; `transport`; `other`.
-The first three are the truthful answers of the README's table.
+The first four are the truthful answers of the README's table; for a victim's session
+nothing else is, but `lb_error` for a request in flight at the victim's own edge.
+
+`--self-test` feeds each check an input that violates it, with no fleet (a second;
+scripts/compose-test.sh runs it first).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import os
@@ -38,6 +44,8 @@ import random
 import socket
 import sys
 import time
+import traceback
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,7 +56,8 @@ from mcp.client.streamable_http import streamable_http_client
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose" / "docker-compose.yml"
 COMPOSE = os.environ.get("MCPGW_COMPOSE", "docker-compose").split()
-PROJECT = os.environ["MCPGW_COMPOSE_PROJECT"]
+# Set by scripts/compose-test.sh; `--self-test` needs no fleet and no project.
+PROJECT = os.environ.get("MCPGW_COMPOSE_PROJECT", "")
 IMAGE = os.environ.get("MCPGW_IMAGE", "mcpgw:compose-test")
 
 GATEWAYS = ("gw1", "gw2", "gw3")
@@ -62,9 +71,9 @@ RETRY_S = 0.25
 # Longer than any fault lasts: a request held by a frozen or cut-off container is
 # seen to its real answer instead of being abandoned.
 REQUEST_TIMEOUT_S = 60.0
-# How long a worker may take to pick up rotated certificate files (watch, with a
-# periodic check as the fallback).
-ROTATE_WAIT_S = float(os.environ.get("MCPGW_TEST_ROTATE_WAIT_S", "5"))
+# The longest a worker may take to use rotated certificate files. A watch sees them at
+# once and a periodic check within 2 s; this bound only catches a worker that never does.
+ROTATE_WAIT_S = float(os.environ.get("MCPGW_TEST_ROTATE_WAIT_S", "30"))
 # The gateways' maximum mesh connection age here: short, so the rotation sees
 # connections replaced with the new material while the load runs.
 MAX_CONNECTION_AGE_S = float(os.environ.get("MCPGW_TEST_MAX_CONNECTION_AGE_MS", "4000")) / 1000
@@ -205,19 +214,47 @@ class Fleet:
         _, out = await sh("docker", "exec", await self.container("redis"), "redis-cli", "--raw", *args)
         return out
 
-    async def leases(self) -> dict[str, str]:
-        """Worker id -> container (the host its lease names) for every live lease."""
+    async def lease_records(self) -> dict[str, dict]:
+        """Worker id -> what its live lease publishes (host, admin listener, ...)."""
         keys = (await self.redis("--scan", "--pattern", "mcpgw:worker:*")).split()
         if not keys:
             return {}
         values = (await self.redis("MGET", *keys)).splitlines()
-        leases = {}
+        records = {}
         for key, value in zip(keys, values):
             try:
-                leases[key.removeprefix("mcpgw:worker:")] = json.loads(value)["host"]
-            except (ValueError, KeyError, TypeError):
-                pass  # expired between SCAN and MGET
-        return leases
+                record = json.loads(value)
+            except ValueError:
+                continue  # expired between SCAN and MGET
+            if isinstance(record, dict) and "host" in record:
+                records[key.removeprefix("mcpgw:worker:")] = record
+        return records
+
+    async def leases(self) -> dict[str, str]:
+        """Worker id -> container (the host its lease names) for every live lease."""
+        return {w: record["host"] for w, record in (await self.lease_records()).items()}
+
+    async def worker_states(self, records: dict[str, dict]) -> dict[str, dict]:
+        """Worker id -> the worker's own `GET /state` (README "Admin listener"), for the
+        leased workers in `records`. The admin listeners are on each container's
+        loopback, so they are read from inside it (bash's /dev/tcp: no curl there); the
+        id is the one the worker reports, not the one the lease was found under."""
+        ports: dict[str, list[str]] = {}
+        for record in records.values():
+            if record.get("admin") and record["host"] in GATEWAYS:
+                ports.setdefault(record["host"], []).append(record["admin"].rsplit(":", 1)[-1])
+        script = ('for port in "$@"; do (exec 3<>"/dev/tcp/127.0.0.1/$port" && '
+                  'printf "GET /state HTTP/1.0\\r\\nHost: 127.0.0.1\\r\\n\\r\\n" >&3 && cat <&3) 2>/dev/null; '
+                  f'echo; echo {STATE_END}; done')
+        states: dict[str, dict] = {}
+        for host, host_ports in sorted(ports.items()):
+            _, out = await sh("docker", "exec", await self.container(host), "bash", "-c", script, "_",
+                              *host_ports, check_status=False, timeout=30)
+            for reply in out.split(STATE_END):
+                state = parse_state(reply)
+                if state is not None:
+                    states[state["worker_id"]] = state
+        return states
 
     async def logs(self, service: str) -> str:
         """The container's output, stdout and stderr (where the gateways log)."""
@@ -226,6 +263,20 @@ class Fleet:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         out, _ = await process.communicate()
         return out.decode(errors="replace")
+
+
+# Ends each worker's /state reply in the output of `Fleet.worker_states`' script.
+STATE_END = "@@mcpgw-state-end@@"
+
+
+def parse_state(reply: str) -> dict | None:
+    """The JSON body of one HTTP/1.0 answer to `GET /state`, if it is one."""
+    _, _, body = reply.partition("\r\n\r\n")
+    try:
+        state = json.loads(body)
+    except ValueError:
+        return None
+    return state if isinstance(state, dict) and "worker_id" in state else None
 
 
 class Workers:
@@ -315,6 +366,9 @@ class Load:
         self.sessions: list[LoadSession] = []
         self.tasks: list[asyncio.Task] = []
         self.running = True
+        # Set when a load slot dies of an exception: its session's answers would be
+        # missing from every step after it, so the run fails at once instead.
+        self.crashed = asyncio.Event()
 
     def edge_of(self, headers: httpx2.Headers) -> str | None:
         """The container that received the request: the last gateway nginx tried (also
@@ -437,17 +491,54 @@ class Load:
             if session is None:
                 await asyncio.sleep(0.2)
             elif session.owner in missing:
-                self.tasks.append(asyncio.create_task(self.drive(session)))
+                self.start_slot(session)
                 await asyncio.sleep(0)
             else:
                 await self.close_session(session)
         counts = {g: len(self.live_on(g)) for g in GATEWAYS}
         raise TestFailure(f"could not spread sessions over every container: {counts}")
 
+    def start_slot(self, session: LoadSession) -> None:
+        task = asyncio.create_task(self.drive(session))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or self.crashed.set())
+        self.tasks.append(task)
+
+    def crash_report(self) -> str | None:
+        """Every crashed load slot's traceback, or None when none crashed."""
+        crashed = [t for t in self.tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        if not crashed:
+            return None
+        return f"{len(crashed)} load slots crashed:\n" + "\n".join(
+            "".join(traceback.format_exception(t.exception())) for t in crashed)
+
+    def check_running(self) -> None:
+        report = self.crash_report()
+        check(report is None, report or "")
+
     async def stop(self) -> None:
+        """Ends the load and waits for every slot; a slot's crash is not lost here
+        (`check_running` reports it)."""
         self.running = False
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.tasks:
+            await asyncio.wait(self.tasks)
         await self.client.aclose()
+
+
+async def unless_load_crashed(load: Load, step: Awaitable["Step"]) -> "Step":
+    """Runs a step, failing it the moment a load slot dies of an exception."""
+    running = asyncio.ensure_future(step)
+    crashed = asyncio.ensure_future(load.crashed.wait())
+    try:
+        await asyncio.wait({running, crashed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        crashed.cancel()
+    if not running.done():
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+    # A crash is the cause of whatever the step then saw: reported first.
+    load.check_running()
+    return running.result()
 
 
 # --- Steps -----------------------------------------------------------------------------
@@ -460,7 +551,6 @@ class Step:
     first_truthful_s: float | None = None
     others_errors: int = 0
     notes: list[str] = field(default_factory=list)
-    skipped: str | None = None
     seconds: float = 0.0
 
     def counts(self) -> dict[str, int]:
@@ -517,6 +607,19 @@ def summary(answers: list[Answer]) -> str:
                      for c in CLASSES if any(a.cls == c for a in answers))
 
 
+def untruthful(answers: list[Answer], victim: str, effective: float) -> list[Answer]:
+    """The answers to a victim container's sessions, after its fault, that the README's
+    table does not allow: all but `session_gone`, `outcome_unknown`, a retryable 503,
+    and nginx's own 502 for a request in flight at the victim's own edge (the one
+    answer no gateway can give). An ok counts only for a request sent before the fault
+    took effect. `session_not_found` is not among them: the owner's sessions were
+    reclaimed, and a client must be told they are gone."""
+    return [a for a in answers
+            if not (a.cls in TRUTHFUL
+                    or (a.cls == "lb_error" and a.edge == victim)
+                    or (a.cls == "ok" and a.sent < effective))]
+
+
 def judge_fault(step: Step, load: Load, fault: Fault, start: float, end: float,
                 resumed: set[str] = frozenset(), held_until: float | None = None) -> None:
     """What every fault step must show: the victim container's sessions got only
@@ -532,13 +635,9 @@ def judge_fault(step: Step, load: Load, fault: Fault, start: float, end: float,
     served = [a for a in after if a.cls == "ok" and a.sent >= fault.effective]
     check(not served, f"{step.name}: {len(served)} requests of the victim's sessions were "
           f"answered ok after the fault (by {served[0].owner_worker if served else ''})")
-    # A request whose connection was at the victim's own edge when it died or froze gets
-    # nginx's 502 or waits; everywhere else the victim's sessions get truthful answers.
-    allowed = TRUTHFUL + ("not_found",)
-    untruthful = [a for a in after if a.cls not in allowed and a.edge != victim
-                  and not (a.cls == "ok" and a.sent < fault.effective)]
-    check(not untruthful, f"{step.name}: victim sessions got untruthful answers: "
-          f"{[(a.cls, a.status, a.reason, a.edge, a.message) for a in untruthful[:5]]}")
+    lies = untruthful(after, victim, fault.effective)
+    check(not lies, f"{step.name}: victim sessions got untruthful answers: "
+          f"{[(a.cls, a.status, a.reason, a.edge, a.message) for a in lies[:5]]}")
     check(all(s.ended for s in victims), f"{step.name}: not every victim session ended")
     if kept:
         # Told "gone" (or "outcome unknown") and then served again would be a lie.
@@ -568,11 +667,6 @@ def judge_fault(step: Step, load: Load, fault: Fault, start: float, end: float,
     step.notes.append(f"its {len(fault.victims)} sessions, answers after the fault: " + "; ".join(
         " ".join(f"{a.cls}@{a.done - fault.issued:.1f}s" + (f"[{a.edge}]" if a.edge == victim else "")
                  for a in s.answers if a.done >= fault.issued)[:160] for s in fault.victims))
-    not_found = [a for a in after if a.cls == "not_found"]
-    if not_found:
-        step.notes.append(f"NOTE: {len(not_found)} answers for its sessions said session_not_found "
-                          f"(\"{not_found[0].message[:60]}…\") where the README's table says "
-                          f"session_gone; a client re-initializes either way")
     step.first_truthful_s = first_truthful(fault.victims, fault.issued)
     check(step.first_truthful_s is not None,
           f"{step.name}: no truthful answer for the victim's sessions; they got "
@@ -613,6 +707,23 @@ async def settle(workers: Workers, fault: Fault, since: float) -> tuple[set[str]
     return resumed, owners - resumed
 
 
+# What a worker logs when it finds that it was declared dead and fences itself
+# (`Worker::fence`, gateway/src/worker.rs), with its own id as the `worker` field. The
+# words "declared dead" alone are also in other lines (the lease check's, and request
+# details naming another worker), and `worker=` is in most lines a worker logs.
+FENCE_LINE = "fenced: declared dead by the fleet"
+
+
+def fenced_workers(log_text: str, dead: set[str]) -> set[str]:
+    """The workers of `dead` that logged their own fencing line."""
+    fenced = set()
+    for line in log_text.splitlines():
+        if FENCE_LINE in line:
+            fenced |= {token.removeprefix("worker=").strip('"') for token in line.split()
+                       if token.startswith("worker=")}
+    return fenced & dead
+
+
 async def rejoined(fleet: Fleet, workers: Workers, victim: str, dead: set[str]) -> set[str]:
     """Waits until the victim's workers that were declared dead have fenced themselves
     (each logs it) and the container runs a full set of workers again; returns the ids
@@ -622,7 +733,7 @@ async def rejoined(fleet: Fleet, workers: Workers, victim: str, dead: set[str]) 
         leases = await workers.refresh()
         mine = {w for w, host in leases.items() if host == victim}
         logs = await fleet.logs(victim)
-        fenced = {w for w in dead if f"declared dead" in logs and f"worker={w}" in logs}
+        fenced = fenced_workers(logs, dead)
         if fenced == dead and not (mine & dead) and len(mine) >= 2:
             return mine
         if time.monotonic() > deadline:
@@ -668,6 +779,17 @@ async def kill_step(fleet: Fleet, load: Load, workers: Workers, victim: str) -> 
     return step
 
 
+def must_pause_again(step_name: str, victim: str, attempt: int, dead: set[str],
+                     while_frozen: list[Answer]) -> bool:
+    """Whether the pause showed nothing to judge and is made once more: when no
+    session of the victim reached another container while it was frozen, or nobody
+    declared a worker of it dead, fencing was not exercised. A second such pause fails."""
+    if dead and while_frozen:
+        return False
+    check(attempt == 1, f"{step_name}: twice, no worker of {victim} was declared dead while frozen")
+    return True
+
+
 async def pause_step(fleet: Fleet, load: Load, workers: Workers, victim: str,
                      attempt: int = 1) -> Step:
     step = Step(f"docker pause {victim} {2 * LEASE_S + 1:.0f} s")
@@ -677,7 +799,7 @@ async def pause_step(fleet: Fleet, load: Load, workers: Workers, victim: str,
     victims = load.live_on(victim)
     before = {w for w, host in (await workers.refresh()).items() if host == victim}
     container = await fleet.container(victim)
-    for attempt in range(1, 6):
+    for freeze_try in range(1, 6):
         issued = now()
         try:
             await sh("docker", "pause", container)
@@ -685,9 +807,9 @@ async def pause_step(fleet: Fleet, load: Load, workers: Workers, victim: str,
         except TestFailure as e:
             # The cgroup v1 freezer gives up when a process forks while it freezes;
             # runc thaws the container again, and a second try finds it quiet.
-            if "unable to freeze" not in str(e) or attempt == 5:
+            if "unable to freeze" not in str(e) or freeze_try == 5:
                 raise
-            log(f"docker pause {victim}: the freezer gave up (attempt {attempt}); trying again")
+            log(f"docker pause {victim}: the freezer gave up (try {freeze_try}); trying again")
             await asyncio.sleep(0.5)
     fault = Fault(victim, victims, issued, now())
     log(f"paused {victim} ({len(victims)} sessions on it)")
@@ -695,17 +817,17 @@ async def pause_step(fleet: Fleet, load: Load, workers: Workers, victim: str,
     # While it is frozen, its sessions are answered by the other containers only, and
     # only truthfully.
     while_frozen = [a for s in victims for a in s.answers if a.sent >= fault.effective]
-    check(all(a.cls in TRUTHFUL + ("not_found",) for a in while_frozen),
-          f"{step.name}: answers while frozen: {[(a.cls, a.status, a.reason) for a in while_frozen[:5]]}")
+    lies = untruthful(while_frozen, victim, fault.effective)
+    check(not lies, f"{step.name}: answers while frozen: "
+          f"{[(a.cls, a.status, a.reason, a.edge) for a in lies[:5]]}")
     await sh("docker", "unpause", container)
     woke = now()
     log(f"unpaused {victim}")
     resumed, dead = await settle(workers, fault, woke)
-    if not dead or not while_frozen:
-        # Every session of it happened to have its request waiting at the frozen
-        # container itself, so no other worker had reason to declare it dead: it
-        # rightly resumed, and fencing was not exercised. Freeze it once more.
-        check(attempt == 1, f"{step.name}: twice, no worker of {victim} was declared dead while frozen")
+    # Every session of it may have had its request waiting at the frozen container
+    # itself, so that no other worker had reason to declare it dead: it rightly
+    # resumed, and fencing was not exercised. Then it is frozen once more.
+    if must_pause_again(step.name, victim, attempt, dead, while_frozen):
         log(f"no session of {victim} reached another container while it was frozen; pausing it again")
         await fleet.wait_healthy(victim)
         return await pause_step(fleet, load, workers, victim, attempt + 1)
@@ -753,28 +875,75 @@ async def disconnect_step(fleet: Fleet, load: Load, workers: Workers, victim: st
     return step
 
 
+ROTATION_STAGES = ("begin", "reissue", "finish")
+
+
+def rotation_problems(stage: str, alive: set[str], at_start: dict[str, dict],
+                      before: dict[str, dict], after: dict[str, dict]) -> list[str]:
+    """What is wrong with the workers' reports (their `/state`) once a rotation stage's
+    files have landed, one line per worker that is not done yet. Every worker that was
+    alive when the stage began must have reloaded since (`reloads` counts every file
+    change it took), and must now use the stage's material: `begin` adds the new CA to
+    the bundle, `reissue` gives it a leaf from the new CA, `finish` leaves only the new
+    CA. `at_start` is each worker's report before the rotation, `before` before this stage."""
+    problems = []
+    for w in sorted(alive):
+        if w not in after or w not in before or w not in at_start:
+            problems.append(f"{w}: no /state (before the rotation: {w in at_start}, before {stage}: "
+                            f"{w in before}, after: {w in after})")
+            continue
+        old, was, now_ = (at_start[w]["mesh_cert"], before[w]["mesh_cert"], after[w]["mesh_cert"])
+        old_cas, cas = set(old["ca_fingerprints"]), set(now_["ca_fingerprints"])
+        if now_["reloads"] <= was["reloads"]:
+            problems.append(f"{w}: no reload since {stage} began (reloads {now_['reloads']})")
+            continue
+        if stage == "begin":
+            took = cas > old_cas
+        elif stage == "reissue":
+            took = cas > old_cas and now_["leaf_fingerprint"] != old["leaf_fingerprint"]
+        else:
+            took = len(cas) == 1 and not cas & old_cas and now_["leaf_fingerprint"] != old["leaf_fingerprint"]
+        if not took:
+            problems.append(f"{w}: reloaded, but does not use the material of {stage}: "
+                            f"{len(cas)} CAs ({len(cas & old_cas)} old), leaf "
+                            f"{'new' if now_['leaf_fingerprint'] != old['leaf_fingerprint'] else 'old'}")
+    return problems
+
+
 async def rotation_step(fleet: Fleet, load: Load) -> Step:
     step = Step("certificate rotation")
-    status, _ = await sh("docker", "run", "--rm", "--entrypoint", "mcpgw", IMAGE,
-                         "certs", "rotate", "--help", check_status=False)
-    if status != 0:
-        step.skipped = "SKIPPED: mcpgw certs rotate not available in this build"
-        return step
+    try:
+        await sh("docker", "run", "--rm", "--entrypoint", "mcpgw", IMAGE, "certs", "rotate", "--help")
+    except TestFailure as e:
+        raise TestFailure(f"rotation: `mcpgw certs rotate` is not available in {IMAGE}: {e}")
     await load.ensure_spread()
     start = now()
     live = [s for s in load.sessions if not s.ended]
-    reloads_before = {g: (await fleet.logs(g)).count("mesh TLS material reloaded") for g in GATEWAYS}
-    for stage in ("begin", "reissue", "finish"):
+    records = await fleet.lease_records()
+    hosts = sorted(record["host"] for record in records.values())
+    check(hosts == sorted(GATEWAYS * 2), f"rotation: expected 2 workers on each of {GATEWAYS}, "
+          f"the directory has {hosts}")
+    at_start = await fleet.worker_states(records)
+    for stage in ROTATION_STAGES:
+        records = await fleet.lease_records()
+        alive = set(records)
+        before = await fleet.worker_states(records)
         _, out = await fleet.compose("run", "--rm", "--no-deps", "-T", "certs", "rotate", stage)
+        landed = now()
         log(f"certs rotate {stage}: {out.strip().splitlines()[-1] if out.strip() else 'done'}")
-        # New material is taken at once; connections made with the old one are
-        # replaced within a maximum age, and must not fail a request meanwhile.
-        await asyncio.sleep(max(ROTATE_WAIT_S, MAX_CONNECTION_AGE_S * 1.5))
-    # Every worker took each stage's files: the bundle twice, its leaf once at least.
-    for g in GATEWAYS:
-        reloads = (await fleet.logs(g)).count("mesh TLS material reloaded") - reloads_before[g]
-        step.notes.append(f"{g}: {reloads} reloads")
-        check(reloads >= 3 * 2, f"rotation: {g}'s two workers reloaded {reloads} times, expected 3 each")
+        # Each worker follows its files (a watch, a periodic check as the fallback); the
+        # bound only catches a worker that never takes them.
+        deadline = time.monotonic() + ROTATE_WAIT_S
+        while problems := rotation_problems(stage, alive, at_start, before,
+                                            await fleet.worker_states(await fleet.lease_records())):
+            check(time.monotonic() < deadline, f"rotation: after {stage}, {len(problems)} workers "
+                  f"did not take the new files within {ROTATE_WAIT_S:.0f} s: " + "; ".join(problems))
+            await asyncio.sleep(0.5)
+        step.notes.append(f"{stage}: all {len(alive)} workers reloaded and use its material "
+                          f"{now() - landed:.1f} s after its files landed")
+        # Connections made with the old material are replaced within the maximum age,
+        # and must not fail a request meanwhile: the load runs through that age.
+        await asyncio.sleep(max(0.0, landed + MAX_CONNECTION_AGE_S * 1.5 - now()))
     _, status_out = await fleet.compose("run", "--rm", "--no-deps", "-T", "certs", "rotate", "status",
                                         check_status=False)
     step.notes.append(f"rotate status: {' '.join(status_out.split())[:200]}")
@@ -791,6 +960,20 @@ async def rotation_step(fleet: Fleet, load: Load) -> Step:
 
 def text_of(result) -> str:
     return "".join(c.text for c in result.content if getattr(c, "type", "") == "text")
+
+
+# The SDK's counter session calls at least this often, and goes on until its requests
+# have landed on every container (nginx's round-robin gets there within a few calls);
+# the bound only catches requests that never reach one.
+SDK_MIN_CALLS = 12
+SDK_MAX_CALLS = 60
+
+
+def check_counted(values: list[str], edges: set[str]) -> None:
+    """The SDK session's counter counted 1, 2, 3, ... and its requests landed on every
+    gateway container."""
+    check(values == [str(i) for i in range(1, len(values) + 1)], f"SDK counter counted {values}")
+    check(set(GATEWAYS) <= edges, f"the counter's {len(values)} requests landed only on {sorted(edges)}")
 
 
 async def sdk_step(fleet: Fleet, workers: Workers) -> Step:
@@ -815,16 +998,18 @@ async def sdk_step(fleet: Fleet, workers: Workers) -> Step:
     start = now()
     async with http, mcp.Client(streamable_http_client(fleet.url, http_client=http),
                                 mode="legacy") as client:
-        values = [text_of(await client.call_tool("counter_increment", {})) for _ in range(12)]
-        check(values == [str(i) for i in range(1, 13)], f"SDK counter counted {values}")
         await workers.refresh()
-        calls = [(edge, owner) for name, edge, owner, _ in seen if name == "counter_increment"]
-        edges = sorted({workers.container(edge) or edge for edge, _ in calls})
+        values: list[str] = []
+        edges: set[str] = set()
+        while len(values) < SDK_MIN_CALLS or (not set(GATEWAYS) <= edges and len(values) < SDK_MAX_CALLS):
+            values.append(text_of(await client.call_tool("counter_increment", {})))
+            calls = [(edge, owner) for name, edge, owner, _ in seen if name == "counter_increment"]
+            edges = {workers.container(edge) or str(edge) for edge, _ in calls}
+        check_counted(values, edges)
         owners = {owner for _, owner in calls}
         check(len(owners) == 1, f"one session answered by several owners: {owners}")
-        check(len(edges) >= 2, f"the counter's requests all landed on {edges}")
-        step.notes.append(f"counter_increment 1..12 in one session; requests landed on "
-                          f"{', '.join(edges)}; owner {owners.pop()}")
+        step.notes.append(f"counter_increment 1..{len(values)} in one session; requests landed on "
+                          f"{', '.join(sorted(edges))}; owner {owners.pop()}")
         # slow_stream through a forward: repeat until nginx hands it to a worker other
         # than the owner (5 of 6 workers are).
         for _ in range(10):
@@ -866,27 +1051,19 @@ ALWAYS_SHOWN = ("ok", "unknown", "gone", "outcome_unknown", "not_found", "other"
 
 
 def print_table(steps: list[Step]) -> None:
-    shown = [c for c in CLASSES if c in ALWAYS_SHOWN
-             or any(s.counts()[c] for s in steps if not s.skipped)]
+    shown = [c for c in CLASSES if c in ALWAYS_SHOWN or any(s.counts()[c] for s in steps)]
     head = ["step", "requests", *shown, "others' errors", "first truthful", "time"]
     rows = []
     for s in steps:
-        if s.skipped:
-            rows.append([s.name, s.skipped] + [""] * (len(head) - 2))
-            continue
         counts = s.counts()
         rows.append([s.name, str(len(s.answers)), *[str(counts[c]) for c in shown],
                      str(s.others_errors),
                      f"{s.first_truthful_s:.2f} s" if s.first_truthful_s is not None else "-",
                      f"{s.seconds:.0f} s"])
-    counted = [r for r in rows if not r[1].startswith("SKIPPED")]
-    widths = [max(len(head[i]), *(len(r[i]) for r in counted)) for i in range(len(head))]
+    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
     print()
     print("  ".join(h.ljust(widths[i]) if i == 0 else h.rjust(widths[i]) for i, h in enumerate(head)))
     for r in rows:
-        if r[1].startswith("SKIPPED"):
-            print(r[0].ljust(widths[0]) + "  " + r[1])
-            continue
         print("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
     print()
     for s in steps:
@@ -938,10 +1115,126 @@ async def save_logs(fleet: Fleet) -> None:
     log(f"container logs in {directory.relative_to(ROOT)}/")
 
 
+# --- Self-test -------------------------------------------------------------------------
+
+
+def expect_failure(what: str, run, says: str) -> None:
+    """`run()` must fail its check with a message containing `says`."""
+    try:
+        run()
+    except TestFailure as e:
+        check(says in str(e), f"self-test {what}: failed, but with {str(e)[:300]!r}")
+        print(f"  ok: {what}: {str(e).splitlines()[0][:150]}")
+        return
+    raise TestFailure(f"self-test {what}: the check passed")
+
+
+async def self_test() -> int:
+    """Each check of the run fed an input that violates it (it must fail) and one that
+    does not (it must pass): no fleet needed, a second's work. Run first by
+    scripts/compose-test.sh, so that a check that can no longer fail fails the run."""
+    print("self-test of the checks:")
+    # Fencing: the worker declared dead must log its own fencing line.
+    w, other = "gw2-17-0a0b0c", "gw2-18-0d0e0f"
+    ordinary = (f"2026-12-01T10:00:00Z  WARN mcpgw::forward::caller: forward failed detail=\"worker "
+                f"{other} was declared dead\" worker={w}\n"
+                f"2026-12-01T10:00:01Z ERROR mcpgw::lease: lease lost: this worker was declared dead "
+                f"worker=\"{w}\"\n")
+    fence = f"2026-12-01T10:00:01Z ERROR mcpgw::worker: {FENCE_LINE}; sessions dropped, exiting for a fresh id"
+    check(fenced_workers(ordinary, {w}) == set(), "self-test fencing: ordinary lines taken for fencing")
+    check(fenced_workers(ordinary + f"{fence} worker={other} dropped=3\n", {w, other}) == {other},
+          "self-test fencing: another worker's fencing line taken for this one's")
+    check(fenced_workers(ordinary + f"{fence} worker={w} dropped=3\n", {w}) == {w},
+          "self-test fencing: the worker's own fencing line not found")
+    print("  ok: fencing: ordinary lines and another worker's fencing line do not count")
+    # A second pause that shows nothing fails instead of pausing again.
+    frozen = [Answer(None, 1, 2, "gone", 404, "session_gone", "gw1", None)]
+    check(must_pause_again("pause", "gw2", 1, set(), frozen), "self-test pause: first empty pause not retried")
+    check(not must_pause_again("pause", "gw2", 2, {w}, frozen), "self-test pause: a pause that fenced retried")
+    expect_failure("second pause without a dead worker",
+                   lambda: must_pause_again("pause", "gw2", 2, set(), frozen), "twice, no worker")
+    expect_failure("second pause without answers while frozen",
+                   lambda: must_pause_again("pause", "gw2", 2, {w}, []), "twice, no worker")
+
+    # The victim's answers: the table's, nginx's 502 at the victim's edge, an ok sent
+    # before the fault; nothing else, wherever it came from.
+    def answer(cls: str, edge: str, sent: float = 10.0) -> Answer:
+        return Answer(None, sent, sent + 1, cls, None, "", edge, None)
+
+    allowed = [answer(c, "gw1") for c in TRUTHFUL] + [answer("lb_error", "gw2"), answer("ok", "gw1", 4.0)]
+    check(untruthful(allowed, "gw2", 5.0) == [], "self-test victim answers: the table's answers refused")
+    for bad in (answer("not_found", "gw1"), answer("not_found", "gw2"), answer("lb_error", "gw1"),
+                answer("ok", "gw1"), answer("other", "gw2"), answer("timeout", "gw3")):
+        check(untruthful(allowed + [bad], "gw2", 5.0) == [bad],
+              f"self-test victim answers: {bad.cls} via {bad.edge} accepted")
+    print("  ok: victim answers: not_found, lb_error elsewhere, ok after the fault, other, timeout refused")
+    # Rotation: every worker alive at the stage reloaded and uses the stage's material.
+    old, new = "old-ca", "new-ca"
+
+    def state(reloads: int, cas: list[str], leaf: str) -> dict:
+        return {"mesh_cert": {"reloads": reloads, "ca_fingerprints": cas, "leaf_fingerprint": leaf}}
+
+    alive = {"a", "b"}
+    start = {x: state(0, [old], f"{x}-leaf0") for x in alive}
+    begun = {x: state(1, [old, new], f"{x}-leaf0") for x in alive}
+    reissued = {x: state(2, [old, new], f"{x}-leaf1") for x in alive}
+    finished = {x: state(3, [new], f"{x}-leaf1") for x in alive}
+    for stage, before, after in (("begin", start, begun), ("reissue", begun, reissued),
+                                 ("finish", reissued, finished)):
+        check(rotation_problems(stage, alive, start, before, after) == [],
+              f"self-test rotation: a complete {stage} refused")
+        one_missing = {x: v for x, v in after.items() if x != "b"}
+        check(len(rotation_problems(stage, alive, start, before, one_missing)) == 1,
+              f"self-test rotation {stage}: a worker without /state accepted")
+        not_reloaded = after | {"b": before["b"]}
+        problems = rotation_problems(stage, alive, start, before, not_reloaded)
+        check(len(problems) == 1 and problems[0].startswith("b: no reload"),
+              f"self-test rotation {stage}: a worker that did not reload accepted ({problems})")
+        old_material = after | {"b": {"mesh_cert": before["b"]["mesh_cert"] | {"reloads": 9}}}
+        problems = rotation_problems(stage, alive, start, before, old_material)
+        check(len(problems) == 1 and "does not use the material" in problems[0],
+              f"self-test rotation {stage}: a worker on the old material accepted ({problems})")
+    print("  ok: rotation: a worker missing, not reloaded, or on the old material refused at each stage")
+    # The SDK session's counter and edges.
+    check_counted(["1", "2", "3"], set(GATEWAYS))
+    expect_failure("SDK edges", lambda: check_counted(["1", "2"], {"gw1", "gw2"}), "landed only on")
+    expect_failure("SDK counter", lambda: check_counted(["1", "3"], set(GATEWAYS)), "counted")
+    # A load slot that dies fails the step at once, with its traceback.
+    load = Load(Fleet("10.211.0", 1), None)  # type: ignore[arg-type]
+
+    async def crashing_drive(session: LoadSession) -> None:
+        await asyncio.sleep(0.05)
+        raise RuntimeError("a load slot's bug")
+
+    ran_on: list[bool] = []
+
+    async def long_step() -> Step:
+        await asyncio.sleep(30)
+        ran_on.append(True)
+        return Step("never")
+
+    load.drive = crashing_drive  # type: ignore[method-assign]
+    load.start_slot(LoadSession("sid", "w", "gw1", 0))
+    try:
+        await unless_load_crashed(load, long_step())
+    except TestFailure as e:
+        check("RuntimeError: a load slot's bug" in str(e) and "Traceback" in str(e),
+              f"self-test load crash: failed without the slot's traceback: {e}")
+    else:
+        raise TestFailure("self-test load crash: the step ran on")
+    check(not ran_on, "self-test load crash: the step ran to its end")
+    await load.stop()
+    check(load.crash_report() is not None, "self-test load crash: forgotten after stop")
+    print("  ok: load crash: a crashed slot fails the step with its traceback")
+    print("self-test passed", flush=True)
+    return 0
+
+
 # --- Main ------------------------------------------------------------------------------
 
 
 async def main() -> int:
+    check(bool(PROJECT), "MCPGW_COMPOSE_PROJECT is not set: run this through scripts/compose-test.sh")
     subnet_prefix = await free_subnet_prefix()
     fleet = Fleet(subnet_prefix, free_port())
     log(f"project {PROJECT}: network {subnet_prefix}.0/24, load balancer {fleet.url}, lease {LEASE_S:g} s")
@@ -967,15 +1260,19 @@ async def main() -> int:
                     lambda: disconnect_step(fleet, load, workers, "gw3"),
                     lambda: rotation_step(fleet, load)):
             started = now()
-            step = await run()
+            step = await unless_load_crashed(load, run())
             step.seconds = now() - started
             steps.append(step)
-            log(f"{step.name}: {step.skipped or 'passed'} ({step.seconds:.0f} s)")
+            log(f"{step.name}: passed ({step.seconds:.0f} s)")
     except TestFailure as e:
         failure = e
     finally:
         refresher.cancel()
         await load.stop()
+    # A slot that crashed while the load wound down is reported too.
+    crashes = load.crash_report()
+    if crashes is not None and (failure is None or crashes not in str(failure)):
+        failure = TestFailure(crashes + (f"\nand then: {failure}" if failure else ""))
     print_table(steps)
     await save_logs(fleet)
     if failure is not None:
@@ -987,7 +1284,7 @@ async def main() -> int:
 
 if __name__ == "__main__":
     try:
-        sys.exit(asyncio.run(main()))
+        sys.exit(asyncio.run(self_test() if sys.argv[1:] == ["--self-test"] else main()))
     except TestFailure as e:
         log(f"FAILED: {e}")
         sys.exit(1)
