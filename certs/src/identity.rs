@@ -216,6 +216,9 @@ pub struct PeerIdentity {
     /// End of the peer leaf's validity. A connection should not outlive it: the peer
     /// would be refused by a new handshake from then on.
     pub not_after: SystemTime,
+    /// SHA-256 of the peer's leaf, as `mcpgw certs inspect` prints it: tells which
+    /// certificate a connection was made with (before or after a rotation).
+    pub leaf_fingerprint: String,
 }
 
 impl PeerIdentity {
@@ -240,6 +243,7 @@ impl PeerIdentity {
             member,
             uri,
             not_after: not_after(&cert),
+            leaf_fingerprint: crate::inspect::sha256_fingerprint(leaf),
         })
     }
 

@@ -222,6 +222,9 @@ fn state(worker: &Worker) -> serde_json::Value {
                 "pending_refusal": stats.pending_refusal,
             })
         }),
+        // Each open mesh connection with the peer leaf it was made with: after a
+        // rotation, shows when no connection rests on an old certificate any more.
+        "mesh_connections": mcpgw_mesh::transport::open_connections(),
     })
 }
 

@@ -167,12 +167,16 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
     let (stop_tx, stop_rx) = watch::channel(None::<Duration>);
     let mut fenced = worker.fenced();
     let mut drain_requested = worker.drain_requests();
+    let stopping = Arc::clone(&worker);
     let stop = tokio::spawn(async move {
         let grace = tokio::select! {
             () = wait_for_signal() => DRAIN_GRACE,
             _ = drain_requested.wait_for(|requested| *requested) => DRAIN_GRACE,
             _ = fenced.wait_for(|fenced| *fenced) => FENCED_GRACE,
         };
+        // Draining from the decision on, not once the port is done: /readyz says so
+        // through the grace, and a request still arriving opens no session here.
+        stopping.start_draining();
         let _ = stop_tx.send(Some(grace));
     });
     let heartbeat = mesh

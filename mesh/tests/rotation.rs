@@ -1,8 +1,11 @@
 //! Mesh TLS that changes while connections live: material reloaded from files reaches
 //! new handshakes on both transports, connections are replaced at their maximum age
-//! without failing a request, a peer's expired leaf closes its connection and is
-//! refused afterwards, and a `Welcome` (caller side) or a `Hello` (owner side) is
-//! believed only from the identity registered for the worker it speaks for.
+//! without failing a request and close once their exchanges end, an owner cuts off a
+//! peer that never retires its connection at 1.5 maximum ages, with maximum age 0 only
+//! a certificate's expiry ends a connection, a peer's expired leaf closes its
+//! connection and is refused afterwards, and a `Welcome` (caller side) or a `Hello`
+//! (owner side) is believed only from the identity registered for the worker it
+//! speaks for.
 
 mod common;
 
@@ -18,8 +21,9 @@ use mcpgw_certs::{
     generate_ca, issue_leaf, write_file_atomically, write_pem_files,
 };
 use mcpgw_mesh::transport::{
-    MeshClient, MeshError, MeshLimits, MeshServerHandle, MeshService, PeerInfo, ResponsePart,
-    ServerTls, TransportKind, mesh_tls_settings,
+    ForwardedResponse, MeshClient, MeshError, MeshLimits, MeshServerHandle, MeshService,
+    OpenConnectionInfo, PeerInfo, ResponsePart, ServerTls, TransportKind, mesh_tls_settings,
+    open_connections,
 };
 use mcpgw_testkit::pki::{Pki, YEAR};
 use mcpgw_wire::RequestFrame;
@@ -89,16 +93,80 @@ async fn reload(source: &MeshTlsSource) {
     }
 }
 
-async fn echo(client: &MeshClient, addr: &str, worker: &str) -> Result<String, MeshError> {
+/// Echoes through `client`: the id the owner gave the connection that carried it.
+/// Ids only grow, so a larger one is a connection made later.
+async fn echo(client: &MeshClient, addr: &str, worker: &str) -> Result<u64, MeshError> {
     let response = client
         .forward(addr, worker, request("/echo", "ping"))
         .await?;
-    let peer = header(response.head(), "x-peer-connection")
-        .unwrap_or_default()
-        .to_owned();
+    let peer = connection_of(&response);
     let (body, _) = body_of(response).await?;
     assert_eq!(body, b"ping");
     Ok(peer)
+}
+
+fn connection_of(response: &ForwardedResponse) -> u64 {
+    header(response.head(), "x-peer-connection")
+        .and_then(|id| id.parse().ok())
+        .expect("the test service names the connection")
+}
+
+/// Echoes until one is carried by a connection made after connection `after`, and
+/// returns that connection's id; every echo must succeed.
+async fn until_a_connection_after(client: &MeshClient, addr: &str, after: u64, what: &str) -> u64 {
+    eventually_async(TEST_TIMEOUT / 2, || async {
+        let id = echo(client, addr, OWNER)
+            .await
+            .unwrap_or_else(|e| panic!("{what}: a request failed: {e}"));
+        if id > after {
+            Ok(id)
+        } else {
+            Err(format!("{what}: still on connection {id}"))
+        }
+    })
+    .await
+}
+
+/// The connections of this process open now whose peer presented one of `leaves`
+/// (fingerprints are unique to a test, so other tests running meanwhile do not count).
+fn open_with(leaves: &[&str]) -> Vec<OpenConnectionInfo> {
+    open_connections()
+        .into_iter()
+        .filter(|c| leaves.contains(&c.peer_leaf_fingerprint.as_str()))
+        .collect()
+}
+
+/// Waits (bounded) until no connection of this process rests on one of `leaves`.
+async fn until_none_open(leaves: &[&str], what: &str) {
+    eventually_async(TEST_TIMEOUT / 2, || async {
+        let open = open_with(leaves);
+        if open.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{what}: still open: {open:?}"))
+        }
+    })
+    .await;
+}
+
+/// Waits (bounded) until a held response ends, which only a closed connection does:
+/// how it ended, and when (by both clocks).
+async fn until_it_ends(held: ForwardedResponse, what: String) -> (MeshError, Ended) {
+    let ended = tokio::time::timeout(TEST_TIMEOUT / 2, body_of(held))
+        .await
+        .unwrap_or_else(|_| panic!("{what}: the held response never ended"));
+    let at = Ended {
+        wall: std::time::SystemTime::now(),
+        monotonic: tokio::time::Instant::now(),
+    };
+    let cut = ended.expect_err("a held response ends only with its connection");
+    (cut, at)
+}
+
+/// When a held response ended.
+struct Ended {
+    wall: std::time::SystemTime,
+    monotonic: tokio::time::Instant,
 }
 
 /// The staged rollover of a CA, with owner and caller following their files, and a
@@ -122,9 +190,15 @@ fn a_staged_ca_rollover_reaches_new_connections_and_shuts_out_old_material() {
         }
         let owner_tls = source(owner_dir.path(), "owner");
         let caller_tls = source(caller_dir.path(), "caller");
+        let old_leaves = [
+            owner_tls.current().leaf_fingerprint().to_owned(),
+            caller_tls.current().leaf_fingerprint().to_owned(),
+        ];
+        let old_leaves: Vec<&str> = old_leaves.iter().map(String::as_str).collect();
         let record = Arc::new(Record::default());
+        let max_age = Duration::from_millis(200);
         let limits = MeshLimits {
-            max_connection_age: Duration::from_millis(200),
+            max_connection_age: max_age,
             ..limits()
         };
         let server = serve(
@@ -140,17 +214,35 @@ fn a_staged_ca_rollover_reaches_new_connections_and_shuts_out_old_material() {
             MeshClient::new(kind, caller_tls.clone(), CALLER, limits.clone()).expect("client");
         let stale_tls = MeshTls::load(&MeshTlsFiles::in_dir(stale_dir.path(), "stale"))
             .expect("stale material");
-        let stale = MeshClient::new(kind, stale_tls.client_config(), "stale-1", limits.clone())
-            .expect("client");
+        // A peer that never retires its connection (maximum age 0: an old version, a
+        // stolen key) and holds a response open on it, so that only the owner's hard
+        // close at 1.5 maximum ages can end it.
+        let stale = MeshClient::new(
+            kind,
+            stale_tls.client_config(),
+            "stale-1",
+            MeshLimits {
+                max_connection_age: Duration::ZERO,
+                ..limits.clone()
+            },
+        )
+        .expect("client");
         echo(&client, &addr, OWNER).await.expect("before");
-        echo(&stale, &addr, OWNER).await.expect("stale before");
+        let stale_dialled = tokio::time::Instant::now();
+        let stale_connection = echo(&stale, &addr, OWNER).await.expect("stale before");
+        let held = stale
+            .forward(&addr, OWNER, request("/hang", ""))
+            .await
+            .expect("a held response on the stale connection");
+        assert_eq!(connection_of(&held), stale_connection, "{kind}");
+        let stale_cut = tokio::spawn(until_it_ends(held, format!("{kind}: the stale connection")));
 
         // begin: both CAs trusted everywhere.
         for (dir, tls) in [(&owner_dir, &owner_tls), (&caller_dir, &caller_tls)] {
             write_bundle(dir.path(), &[&old_ca, &new_ca]);
             reload(tls).await;
         }
-        echo(&client, &addr, OWNER).await.expect("after begin");
+        let last = echo(&client, &addr, OWNER).await.expect("after begin");
         // reissue: leaves from the new CA.
         for (dir, tls, member) in [
             (&owner_dir, &owner_tls, "owner"),
@@ -159,21 +251,38 @@ fn a_staged_ca_rollover_reaches_new_connections_and_shuts_out_old_material() {
             write_leaf(dir.path(), &new_ca, member, YEAR);
             reload(tls).await;
         }
-        // Past the maximum age: the caller dials a new connection for the next request.
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        echo(&client, &addr, OWNER).await.expect("after reissue");
-        // finish: only the new CA.
+        // Past its maximum age the caller moves to a new connection, made with the new
+        // leaves, and the connections made with old leaves close (the stale peer's is
+        // cut by the owner): at neither end is one left.
+        until_a_connection_after(&client, &addr, last, "after reissue").await;
+        eventually_async(TEST_TIMEOUT / 2, || async {
+            echo(&client, &addr, OWNER)
+                .await
+                .expect("while old leaves retire");
+            let old = open_with(&old_leaves);
+            if old.is_empty() { Ok(()) } else { Err(old) }
+        })
+        .await;
+        let last = echo(&client, &addr, OWNER).await.expect("before finish");
+        // finish: only the new CA. A connection made now is checked against it alone.
         for (dir, tls) in [(&owner_dir, &owner_tls), (&caller_dir, &caller_tls)] {
             write_bundle(dir.path(), &[&new_ca]);
             reload(tls).await;
         }
         assert_eq!(owner_tls.current().ca_fingerprints().len(), 1);
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        echo(&client, &addr, OWNER).await.expect("after finish");
+        until_a_connection_after(&client, &addr, last, "after finish").await;
 
-        // The stale caller's connection outlives nothing: the owner closes it at 1.5
-        // maximum ages, and a new handshake with old-CA material is refused.
-        tokio::time::sleep(Duration::from_millis(400)).await;
+        // The stale caller's connection outlives nothing: the owner closed it at 1.5
+        // maximum ages (not before), and a new handshake with old-CA material is
+        // refused.
+        let (cut, ended) = stale_cut.await.expect("waiting for the stale connection");
+        let lived = ended.monotonic - stale_dialled;
+        eprintln!("{kind}: the stale connection was closed by its owner after {lived:?}: {cut}");
+        assert!(
+            lived >= max_age * 3 / 2,
+            "{kind}: closed after {lived:?}, before 1.5 maximum ages"
+        );
+        until_none_open(&[stale_tls.leaf_fingerprint()], "the stale connection").await;
         let refused = echo(&stale, &addr, OWNER)
             .await
             .expect_err("old-CA material after finish");
@@ -220,6 +329,130 @@ fn connections_are_replaced_at_their_maximum_age_without_failing_a_request() {
             connections.len() >= 3,
             "{kind}: requests over 1.5 s with a 150 ms maximum age used only {connections:?}"
         );
+    });
+}
+
+/// A connection past its maximum age takes no new request, finishes the exchange it
+/// carries, and then closes at both ends (the owner here never closes one by age, so
+/// the caller does).
+#[test]
+fn a_retired_connection_finishes_its_exchange_and_then_closes() {
+    init_tracing();
+    on_both(|kind| async move {
+        let pki = Pki::new("retirement CA");
+        let (owner, caller) = (pki.member("owner"), pki.member("caller"));
+        let record = Arc::new(Record::default());
+        let never = MeshLimits {
+            max_connection_age: Duration::ZERO,
+            ..limits()
+        };
+        let server = serve(kind, owner.server_config(), OWNER, record.clone(), never).await;
+        let addr = server.local_addr().to_string();
+        let short = MeshLimits {
+            max_connection_age: Duration::from_millis(200),
+            tcp_pool_size: 1,
+            ..limits()
+        };
+        let client = MeshClient::new(kind, caller.client_config(), CALLER, short).expect("client");
+        let first = echo(&client, &addr, OWNER).await.expect("first");
+        let gated = client
+            .forward(&addr, OWNER, request("/gated", "2"))
+            .await
+            .expect("head");
+        assert_eq!(connection_of(&gated), first, "{kind}");
+        until_a_connection_after(&client, &addr, first, "past the maximum age").await;
+        record.gate.add_permits(1);
+        let (body, _) = body_of(gated)
+            .await
+            .expect("the exchange in flight finishes on the retired connection");
+        assert_eq!(body, b"event 1\nevent 2\n", "{kind}");
+        // Connections this caller made to this owner, as each end lists them: only the
+        // one in use now stays open.
+        eventually_async(TEST_TIMEOUT / 2, || async {
+            let at_caller = open_with(&[owner.leaf_fingerprint()]).len();
+            let at_owner = open_with(&[caller.leaf_fingerprint()]).len();
+            if (at_caller, at_owner) == (1, 1) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{kind}: open at the caller: {at_caller}, at the owner: {at_owner}"
+                ))
+            }
+        })
+        .await;
+    });
+}
+
+/// Maximum age 0 on both ends: a connection is never retired, and is closed when a
+/// peer's certificate expires (by the end that was shown it), not before.
+#[test]
+fn with_maximum_age_zero_only_the_peers_certificate_expiry_ends_a_connection() {
+    init_tracing();
+    on_both(|kind| async move {
+        let never = MeshLimits {
+            max_connection_age: Duration::ZERO,
+            ..limits()
+        };
+        for brief_member in ["caller", "owner"] {
+            let case = format!("{kind}, the {brief_member}'s leaf expires");
+            let pki = Pki::new("age zero CA");
+            // x509 validity has whole seconds: a leaf valid for about 3 s.
+            write_leaf(
+                pki.dir.path(),
+                &pki.ca,
+                brief_member,
+                Duration::from_secs(3),
+            );
+            let brief = MeshTls::load(&MeshTlsFiles::in_dir(pki.dir.path(), brief_member))
+                .expect("brief leaf loads while valid");
+            let (owner, caller) = if brief_member == "owner" {
+                (brief.clone(), pki.member("caller"))
+            } else {
+                (pki.member("owner"), brief.clone())
+            };
+            let record = Arc::new(Record::default());
+            let server = serve(
+                kind,
+                owner.server_config(),
+                OWNER,
+                record.clone(),
+                never.clone(),
+            )
+            .await;
+            let addr = server.local_addr().to_string();
+            let client = MeshClient::new(kind, caller.client_config(), CALLER, never.clone())
+                .expect("client");
+            let connection = echo(&client, &addr, OWNER).await.expect("while valid");
+            let held = client
+                .forward(&addr, OWNER, request("/hang", ""))
+                .await
+                .expect("head");
+            assert_eq!(connection_of(&held), connection, "{case}");
+            let again = echo(&client, &addr, OWNER).await.expect("while valid");
+            assert_eq!(
+                again, connection,
+                "{case}: the caller moved to a new connection"
+            );
+            let (cut, ended) = until_it_ends(held, case.clone()).await;
+            let at = ended.wall;
+            let not_after = brief.leaf_not_after();
+            eprintln!(
+                "{case}: the connection closed {:?} after the leaf's end: {cut}",
+                at.duration_since(not_after).unwrap_or_default()
+            );
+            // The transports count down on the monotonic clock, the leaf's end is wall
+            // clock time: a little leeway for the two to drift apart.
+            assert!(
+                at + Duration::from_millis(100) >= not_after,
+                "{case}: closed {:?} before the leaf expired",
+                not_after.duration_since(at).unwrap_or_default()
+            );
+            until_none_open(
+                &[owner.leaf_fingerprint(), caller.leaf_fingerprint()],
+                &case,
+            )
+            .await;
+        }
     });
 }
 

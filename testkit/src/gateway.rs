@@ -12,6 +12,9 @@ pub struct Gateway {
     pub child: Child,
     /// `host:port` of the public front.
     pub addr: String,
+    /// `host:port` of a standalone gateway's admin listener, from its announcement
+    /// (`None` for a supervisor: its workers' are in their leases).
+    pub admin: Option<String>,
 }
 
 /// `serve` and `args`, with `--listen 127.0.0.1:0` unless `args` name one.
@@ -69,7 +72,11 @@ impl Gateway {
             .unwrap_or_else(|| panic!("mcpgw's announcement names no address: {line:?}"))
             .trim_end_matches('/')
             .to_owned();
-        Gateway { child, addr }
+        let admin = line
+            .split_once("(admin: http://")
+            .and_then(|(_, rest)| rest.split(')').next())
+            .map(str::to_owned);
+        Gateway { child, addr, admin }
     }
 
     pub fn url(&self) -> String {

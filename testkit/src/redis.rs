@@ -2,6 +2,7 @@
 //! without persistence, killed when dropped; and the few commands tests send it,
 //! spoken in plain RESP so that no client library's own traffic is counted.
 
+use std::collections::{BTreeSet, HashMap};
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
@@ -164,9 +165,193 @@ impl RedisServer {
             .sum()
     }
 
+    /// Makes Redis log every command it runs from now on, the commands scripts run
+    /// included (its slow log, with no threshold and room for a million entries), and
+    /// returns the reader of that log. No MONITOR: nothing is streamed to the test.
+    #[track_caller]
+    pub fn record_commands(&self) -> CommandLog<'_> {
+        for args in [
+            &["CONFIG", "SET", "slowlog-max-len", "1000000"][..],
+            &["CONFIG", "SET", "slowlog-log-slower-than", "0"],
+            &["SLOWLOG", "RESET"],
+        ] {
+            let reply = self.command(args);
+            assert_eq!(reply, "OK", "{args:?}");
+        }
+        CommandLog { redis: self }
+    }
+
+    /// Whether Redis flags the command `args` names as one that writes (`COMMAND
+    /// INFO`: `write`); a container command (`CONFIG SET`) by its subcommand.
+    #[track_caller]
+    pub fn is_write(&self, args: &[String]) -> bool {
+        is_write(args, |name| self.command_info(name))
+    }
+
+    /// `COMMAND INFO name`: its flags, and whether it has subcommands.
+    #[track_caller]
+    fn command_info(&self, name: &str) -> (BTreeSet<String>, bool) {
+        match self.query(&["COMMAND", "INFO", name]) {
+            Ok(Resp::Array(mut infos)) => match infos.pop() {
+                Some(Resp::Array(info)) => {
+                    let mut info = info.into_iter();
+                    let flags = match info.nth(2) {
+                        Some(Resp::Array(flags)) => texts(flags).into_iter().collect(),
+                        other => panic!("COMMAND INFO {name}: flags {other:?}"),
+                    };
+                    let has_subcommands =
+                        matches!(info.nth(6), Some(Resp::Array(subs)) if !subs.is_empty());
+                    (flags, has_subcommands)
+                }
+                // Not a command this Redis knows.
+                _ => (BTreeSet::new(), false),
+            },
+            other => panic!("COMMAND INFO {name}: unexpected reply {other:?}"),
+        }
+    }
+
     fn query(&self, args: &[&str]) -> Result<Resp, String> {
         query(self.port, args)
     }
+}
+
+/// What Redis ran since [`RedisServer::record_commands`], read from its slow log.
+pub struct CommandLog<'a> {
+    redis: &'a RedisServer,
+}
+
+/// Commands the testkit itself sends to read the log and the command table: left
+/// out of what [`CommandLog::commands`] returns.
+const MEASURING: [&str; 3] = ["slowlog", "command", "config"];
+
+impl CommandLog<'_> {
+    /// Every command run since the recording started, oldest first, each script with
+    /// the commands it ran; without the testkit's own `SLOWLOG`, `COMMAND` and `CONFIG`.
+    #[track_caller]
+    pub fn commands(&self) -> Vec<RanCommand> {
+        let mut entries = match self.redis.query(&["SLOWLOG", "GET", "-1"]) {
+            Ok(Resp::Array(entries)) => entries
+                .into_iter()
+                .map(slowlog_entry)
+                .collect::<Result<Vec<_>, _>>()
+                .unwrap_or_else(|e| panic!("SLOWLOG GET: {e}")),
+            other => panic!("SLOWLOG GET: unexpected reply {other:?}"),
+        };
+        // Newest first in the log; a script's own calls are logged before it.
+        entries.sort_by_key(|(id, _, _)| *id);
+        let mut infos: HashMap<String, (BTreeSet<String>, bool)> = HashMap::new();
+        let mut is_write = |args: &[String]| {
+            is_write(args, |name| {
+                infos
+                    .entry(name.to_owned())
+                    .or_insert_with(|| self.redis.command_info(name))
+                    .clone()
+            })
+        };
+        let mut commands = Vec::new();
+        let mut script_calls = Vec::new();
+        for (_, args, by_script) in entries {
+            let command = RanCommand {
+                writes: is_write(&args),
+                args,
+                script_calls: Vec::new(),
+            };
+            if by_script {
+                script_calls.push(command);
+            } else if !MEASURING.contains(&command.name().as_str()) {
+                commands.push(RanCommand {
+                    script_calls: std::mem::take(&mut script_calls),
+                    ..command
+                });
+            }
+        }
+        assert!(
+            script_calls.is_empty(),
+            "script calls logged without their script: {script_calls:?}"
+        );
+        commands
+    }
+}
+
+impl Drop for CommandLog<'_> {
+    fn drop(&mut self) {
+        // Redis's default threshold: only slow commands are logged again.
+        let _ = self
+            .redis
+            .query(&["CONFIG", "SET", "slowlog-log-slower-than", "10000"]);
+    }
+}
+
+/// One command Redis ran, as its slow log keeps it.
+#[derive(Debug, Clone)]
+pub struct RanCommand {
+    /// Name and arguments; Redis shortens arguments longer than 128 bytes and keeps
+    /// the first 32.
+    pub args: Vec<String>,
+    /// Redis flags the command as one that writes ([`RedisServer::is_write`]).
+    pub writes: bool,
+    /// For a script (EVAL, EVALSHA, FCALL): the commands it ran, in order.
+    pub script_calls: Vec<RanCommand>,
+}
+
+impl RanCommand {
+    /// The command's name, lower-cased.
+    pub fn name(&self) -> String {
+        self.args
+            .first()
+            .map(|n| n.to_lowercase())
+            .unwrap_or_default()
+    }
+
+    /// The writing commands among this one and those its script ran.
+    pub fn writes(&self) -> Vec<&RanCommand> {
+        std::iter::once(self)
+            .chain(&self.script_calls)
+            .filter(|c| c.writes)
+            .collect()
+    }
+
+    /// Whether an argument of this command, or of a command its script ran,
+    /// contains `text`.
+    pub fn mentions(&self, text: &str) -> bool {
+        std::iter::once(self)
+            .chain(&self.script_calls)
+            .any(|c| c.args.iter().any(|a| a.contains(text)))
+    }
+}
+
+/// Whether `args` name a writing command, given `info` (`COMMAND INFO`: flags, and
+/// whether it has subcommands).
+fn is_write(args: &[String], mut info: impl FnMut(&str) -> (BTreeSet<String>, bool)) -> bool {
+    let Some(name) = args.first().map(|n| n.to_lowercase()) else {
+        return false;
+    };
+    let (flags, has_subcommands) = info(&name);
+    match args.get(1) {
+        Some(sub) if has_subcommands => info(&format!("{name}|{}", sub.to_lowercase()))
+            .0
+            .contains("write"),
+        _ => flags.contains("write"),
+    }
+}
+
+/// One slow log entry: its id, the command's arguments, and whether a script ran it
+/// (Redis names the client of a script's calls `?:0`).
+fn slowlog_entry(entry: Resp) -> Result<(i64, Vec<String>, bool), String> {
+    let Resp::Array(fields) = entry else {
+        return Err(format!("entry {entry:?}"));
+    };
+    let mut fields = fields.into_iter();
+    let id = match fields.next() {
+        Some(Resp::Text(id)) => id.parse().map_err(|_| format!("entry id {id:?}"))?,
+        other => return Err(format!("entry id {other:?}")),
+    };
+    let args = match fields.nth(2) {
+        Some(Resp::Array(args)) => texts(args),
+        other => return Err(format!("entry arguments {other:?}")),
+    };
+    let by_script = matches!(fields.next(), Some(Resp::Text(client)) if client == "?:0");
+    Ok((id, args, by_script))
 }
 
 impl Drop for RedisServer {
@@ -313,6 +498,38 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(read_resp(&mut &b""[..]).is_err());
+    }
+
+    #[test]
+    fn slowlog_entries_give_id_arguments_and_the_script_client() {
+        let entry = |client: &str| {
+            let text = format!(
+                "*6\r\n:7\r\n:1796117527\r\n:5\r\n*2\r\n$3\r\nDEL\r\n$1\r\nk\r\n${}\r\n{client}\r\n$0\r\n\r\n",
+                client.len()
+            );
+            slowlog_entry(read_resp(&mut text.as_bytes()).unwrap()).unwrap()
+        };
+        let args = vec!["DEL".to_owned(), "k".to_owned()];
+        assert_eq!(entry("127.0.0.1:5000"), (7, args.clone(), false));
+        assert_eq!(entry("?:0"), (7, args, true));
+    }
+
+    #[test]
+    fn a_container_command_writes_by_its_subcommand() {
+        let info = |name: &str| -> (BTreeSet<String>, bool) {
+            let flags: &[&str] = match name {
+                "zrem" => &["write", "fast"],
+                "object" => &[],
+                "object|freq" => &["readonly"],
+                _ => &[],
+            };
+            let flags = flags.iter().map(|f| f.to_string()).collect();
+            (flags, name == "object")
+        };
+        let args = |words: &[&str]| words.iter().map(|w| w.to_string()).collect::<Vec<_>>();
+        assert!(is_write(&args(&["ZREM", "z", "m"]), info));
+        assert!(!is_write(&args(&["OBJECT", "FREQ", "k"]), info));
+        assert!(!is_write(&args(&["GET", "k"]), info));
     }
 
     #[test]

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use mcpgw_testkit::fleet::{FLEET_CHANGE_WITHIN, LocalFleet, owner_of, recorded_owner};
+use mcpgw_testkit::fleet::{FLEET_CHANGE_WITHIN, LocalFleet, PREFIX, owner_of, recorded_owner};
 use mcpgw_testkit::http::{self, call_tool, initialize, try_call_tool};
 use mcpgw_testkit::signal::{self, Paused, Signal};
 use mcpgw_testkit::{ScatterProxy, eventually};
@@ -463,9 +463,18 @@ fn an_owner_paused_within_its_lease_gets_outcome_unknown_then_serves_again() {
         &["--lease-ms", "20000", "--forward-timeout-ms", "1000"],
     );
     let session = initialize(&fleet.a.addr, "/mcp");
-    let (paused, took) = call_while_owner_paused(&fleet, &session);
-    eprintln!("paused owner answered {} in {took:?}", paused.outcome());
+    let call = call_while_owner_paused(&fleet, &session);
+    let paused = &call.answer;
+    eprintln!(
+        "paused owner answered {} in {:?}",
+        paused.outcome(),
+        call.took
+    );
     assert_eq!(paused.outcome(), "502 outcome_unknown", "{}", paused.text());
+    assert!(
+        call.lease_held,
+        "the owner's lease was gone when it was answered: not within its lease"
+    );
     let data = &paused.json()["error"]["data"];
     assert_eq!(data["retryable"], false, "{data}");
     assert_eq!(data["session_may_continue"], true, "{data}");
@@ -734,8 +743,9 @@ fn while_the_directory_is_unreachable_nothing_is_created_and_ownership_is_unknow
         unknown.error().unwrap_or_default()["data"]["retryable"],
         true
     );
-    // The upstream session opened for the refused initialize was ended. (Whether the
-    // directory holds a record for it is the ignored test below.)
+    // The upstream session opened for the refused initialize was ended. (That the
+    // directory holds no record of it is checked by
+    // `a_refused_initialize_leaves_no_record_in_the_directory`.)
     eventually(WITHIN, || {
         let open = fleet.upstream.counter("sessions_open");
         if open == 1 { Ok(()) } else { Err(open) }
@@ -1221,7 +1231,8 @@ fn another_principal_cannot_use_a_session() {
             theirs.text()
         );
         assert_eq!(theirs.error_code(), Some(-32001));
-        // `data.reason` is checked by the ignored test below: the claim is false.
+        // `data.reason` is checked by
+        // `another_principal_is_told_session_not_found_with_its_reason`.
         let anonymous = http::request(
             addr,
             "POST",
@@ -1296,17 +1307,24 @@ fn another_principal_is_told_session_not_found_with_its_reason() {
 
 /// A host that goes silent (no refusal, no answer) is declared dead when its lease
 /// expires, and a request waiting on it is answered then, not after the forward
-/// timeout (set here far beyond anything the test waits for).
+/// timeout: that timeout (ten minutes) is longer than the test client waits for any
+/// answer (two minutes), so an answer at all was not decided by it, and the owner's
+/// lease is already gone from the directory when it comes.
 #[test]
-fn a_silent_owner_is_answered_within_its_lease_not_the_forward_timeout() {
+fn a_silent_owner_is_answered_once_its_lease_expires_not_at_the_forward_timeout() {
     let fleet = LocalFleet::start(
         "quic",
         1,
         &["--lease-ms", "3000", "--forward-timeout-ms", NEVER],
     );
     let session = initialize(&fleet.a.addr, "/mcp");
-    let (r, took) = call_while_owner_paused(&fleet, &session);
-    eprintln!("silent owner: answered {} after {took:?}", r.outcome());
+    let paused = call_while_owner_paused(&fleet, &session);
+    let r = &paused.answer;
+    eprintln!(
+        "silent owner: answered {} after {:?}",
+        r.outcome(),
+        paused.took
+    );
     assert!(
         matches!(
             r.outcome().as_str(),
@@ -1314,6 +1332,11 @@ fn a_silent_owner_is_answered_within_its_lease_not_the_forward_timeout() {
         ),
         "the truth once the lease expired: {} {}",
         r.outcome(),
+        r.text()
+    );
+    assert!(
+        !paused.lease_held,
+        "answered while the silent owner's lease was still in the directory: {}",
         r.text()
     );
 }
@@ -1425,10 +1448,20 @@ fn idempotent_methods_may_be_answered_statelessly_while_ownership_is_unknown() {
     });
 }
 
+/// A call made while its session's owner was stopped, and what held when it was
+/// answered.
+struct PausedCall {
+    answer: http::Response,
+    took: Duration,
+    /// Whether the owner's lease was still in the directory right after the answer
+    /// (read before the owner is resumed, so it cannot have renewed meanwhile).
+    lease_held: bool,
+}
+
 /// One stateful call through host-b while the session's owner is stopped (SIGSTOP),
 /// after a first call proved the session works; the owner is resumed afterwards,
 /// also when the call fails the test.
-fn call_while_owner_paused(fleet: &LocalFleet, session: &str) -> (http::Response, Duration) {
+fn call_while_owner_paused(fleet: &LocalFleet, session: &str) -> PausedCall {
     let ok = call_tool(
         &fleet.b.addr,
         "/mcp",
@@ -1438,7 +1471,8 @@ fn call_while_owner_paused(fleet: &LocalFleet, session: &str) -> (http::Response
         json!({}),
     );
     assert_eq!(ok.expect_tool_text(), "1");
-    let paused = Paused::stop(fleet.pid_of(&owner(session)));
+    let owner = owner(session);
+    let paused = Paused::stop(fleet.pid_of(&owner));
     let started = Instant::now();
     let answer = call_tool(
         &fleet.b.addr,
@@ -1449,6 +1483,14 @@ fn call_while_owner_paused(fleet: &LocalFleet, session: &str) -> (http::Response
         json!({}),
     );
     let took = started.elapsed();
+    let lease_held = fleet
+        .redis
+        .get(&format!("{PREFIX}worker:{owner}"))
+        .is_some();
     paused.resume();
-    (answer, took)
+    PausedCall {
+        answer,
+        took,
+        lease_held,
+    }
 }

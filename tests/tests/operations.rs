@@ -7,7 +7,9 @@ use std::io::Write;
 use std::thread;
 use std::time::Duration;
 
-use mcpgw_testkit::fleet::{LocalFleet, MeshCerts, PREFIX, leases, owner_of};
+use mcpgw_testkit::fleet::{
+    LocalFleet, MeshCerts, PREFIX, leases, owner_of, recorded_owner, supervisor_flags,
+};
 use mcpgw_testkit::http::{self, call_tool, initialize, mcp_headers};
 use mcpgw_testkit::signal::{self, Signal};
 use mcpgw_testkit::{Gateway, RedisServer, Upstream, eventually};
@@ -480,7 +482,8 @@ fn readyz_follows_redis_and_the_drain() {
         Ok(r) => Err(format!("still {}: {}", r.status, r.text())),
         Err(e) => Err(e),
     });
-    // Draining: a slow call keeps the worker in its drain long enough to look.
+    // Draining: not ready from the start of the drain, while a slow call in flight
+    // still runs (within the drain's grace).
     let slow_addr = fleet.a.addr.clone();
     let slow_session = session.clone();
     let slow = thread::spawn(move || {
@@ -489,7 +492,7 @@ fn readyz_follows_redis_and_the_drain() {
             &slow_session,
             9,
             "sleep_ms",
-            json!({"ms": 3000}),
+            json!({"ms": 5000}),
         )
     });
     eventually(WITHIN, || {
@@ -503,6 +506,10 @@ fn readyz_follows_redis_and_the_drain() {
         Ok(r) => Err(format!("still {}", r.status)),
         Err(e) => Err(e),
     });
+    assert!(
+        !slow.is_finished(),
+        "/readyz said draining only once the call in flight had finished"
+    );
     assert_eq!(
         draining.json()["checks"]["serving"],
         false,
@@ -545,7 +552,7 @@ fn no_log_line_carries_a_token_or_a_whole_session_id() {
             &tokens_path,
             "--log-requests",
             "--session-idle-timeout-ms",
-            "1500",
+            "3000",
         ]
         .iter()
         .map(|s| s.to_string())
@@ -609,13 +616,28 @@ fn no_log_line_carries_a_token_or_a_whole_session_id() {
         404
     );
     assert_eq!(send(&a.addr, Some(&session), b"{not json").status, 400);
-    thread::sleep(Duration::from_millis(2500));
+    // Expired: its owner counted it and the directory no longer records it.
+    let owner_admin = admin_of(&redis, &owner_of(&session));
+    eventually(WITHIN, || {
+        let ended = scrape(&owner_admin)
+            .get(r#"mcpgw_sessions_ended_total{reason="expired"}"#)
+            .copied();
+        match (ended, recorded_owner(&redis, &session)) {
+            (Some(1.0), None) => Ok(()),
+            other => Err(format!("expired count, directory record: {other:?}")),
+        }
+    });
     let expired = send(
         &b.addr,
         Some(&session),
         &http::tool_call_body(5, "echo", json!({})),
     );
-    assert_eq!(expired.status, 404, "{}", expired.text());
+    assert_eq!(
+        expired.outcome(),
+        "404 session_not_found",
+        "{}",
+        expired.text()
+    );
     drop((a, b));
     let text = std::fs::read_to_string(&log).expect("the log");
     assert!(text.lines().count() > 5, "the gateways logged: {text}");
@@ -628,4 +650,536 @@ fn no_log_line_carries_a_token_or_a_whole_session_id() {
         let found: Vec<&str> = text.lines().filter(|l| l.contains(secret)).collect();
         assert!(found.is_empty(), "{what} appears in the logs: {found:?}");
     }
+}
+
+/// `GET /readyz` of an admin listener.
+#[track_caller]
+fn readyz(admin: &str) -> http::Response {
+    http::request(admin, "GET", "/readyz", &[], b"")
+}
+
+/// README: "`/readyz` fails with `mesh_cert_valid: false` once the leaf in use has
+/// expired". host-a's worker reloads a leaf that expires seconds later; host-b's keeps
+/// its own.
+#[test]
+fn readyz_fails_with_mesh_cert_valid_false_once_the_leaf_in_use_expires() {
+    let fleet = LocalFleet::start("tcp", 1, &[]);
+    let admin_of_only = |supervisor: &Gateway| {
+        let workers = fleet.workers_of(supervisor);
+        assert_eq!(workers.len(), 1, "{workers:?}");
+        let id = workers.into_keys().next().expect("a worker");
+        admin_of(&fleet.redis, &id)
+    };
+    let (a_admin, b_admin) = (admin_of_only(&fleet.a), admin_of_only(&fleet.b));
+    let dir = fleet.certs.dir();
+    let ca =
+        mcpgw_certs::load_pem_files(&dir.join("ca.crt"), &dir.join("ca.key")).expect("the mesh CA");
+    // Long enough for the worker to take it: its file watcher sees a new leaf at once.
+    let validity = Duration::from_secs(10);
+    let issued = std::time::SystemTime::now();
+    let leaf = mcpgw_certs::issue_leaf(&ca, "host-a", validity).expect("a short-lived leaf");
+    mcpgw_certs::write_pem_files(&dir, "host-a", &leaf).expect("write the leaf");
+    // Valid at least until here (X.509 times are whole seconds).
+    let valid_until = issued + validity - Duration::from_secs(1);
+    eventually(WITHIN, || {
+        let cert = http::request(&a_admin, "GET", "/state", &[], b"").json()["mesh_cert"].clone();
+        assert_eq!(
+            cert["refused"], 0,
+            "the worker refused the new leaf (expired before it was read?): {cert}"
+        );
+        if cert["reloads"] == 1 {
+            Ok(())
+        } else {
+            Err(cert)
+        }
+    });
+    let before = readyz(&a_admin);
+    if std::time::SystemTime::now() < valid_until {
+        assert_eq!(
+            before.status,
+            200,
+            "the new leaf is valid: {}",
+            before.text()
+        );
+    } else {
+        eprintln!("the leaf expired before /readyz was asked while it was valid");
+    }
+    let expired = eventually(WITHIN, || match readyz(&a_admin) {
+        r if r.status == 503 => Ok(r),
+        r => Err(format!("{} {}", r.status, r.text())),
+    });
+    let seen = std::time::SystemTime::now();
+    eprintln!(
+        "not ready {:?} after a leaf valid for {validity:?} was issued",
+        seen.duration_since(issued).unwrap_or_default()
+    );
+    assert!(
+        seen >= valid_until,
+        "not ready before the leaf expired: {}",
+        expired.text()
+    );
+    let doc = expired.json();
+    assert_eq!(
+        doc["checks"],
+        json!({"serving": true, "lease_valid": true, "mesh_cert_valid": false}),
+        "{doc}"
+    );
+    assert!(
+        doc["reasons"]
+            .to_string()
+            .contains("mesh certificate expired"),
+        "{doc}"
+    );
+    let other = readyz(&b_admin);
+    assert_eq!(
+        other.status,
+        200,
+        "host-b's leaf is its own: {}",
+        other.text()
+    );
+}
+
+/// README ("Logs"): with `--log-format json` each line is one JSON object; a failed
+/// request gets exactly one, from the worker that received it, with route, MCP method,
+/// status, reason, duration and an 8-hex hash of the session id (never the id); a
+/// request that succeeds gets none without `--log-requests`.
+#[test]
+fn a_failed_request_gets_one_json_log_line_with_a_hash_of_its_session_never_the_id() {
+    let logs = tempfile::tempdir().expect("log dir");
+    let log = logs.path().join("gateway.log");
+    let redis = RedisServer::start();
+    let upstream = Upstream::start();
+    let certs = MeshCerts::create(&["host-a", "host-b"]);
+    let start = |member: &str| {
+        let mut args = supervisor_flags(&redis.url(), 1, "tcp", &certs, member);
+        args.extend([
+            "--upstream".to_owned(),
+            format!("demo={}", upstream.url),
+            "--log-format".to_owned(),
+            "json".to_owned(),
+        ]);
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        Gateway::start_logged(&refs, &log)
+    };
+    let (a, b) = (start("host-a"), start("host-b"));
+    // Succeeded, here and forwarded: no line.
+    let live = initialize(&a.addr, "/mcp");
+    for addr in [&a.addr, &b.addr] {
+        let r = call_tool(addr, "/mcp", &live, 2, "echo", json!({"text": "ok"}));
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    // Failed at the session's owner, and at another worker: a session that ended.
+    let ended = initialize(&a.addr, "/mcp");
+    let deleted = http::request(&a.addr, "DELETE", "/mcp", &mcp_headers(Some(&ended)), b"");
+    assert_eq!(deleted.status, 200, "{}", deleted.text());
+    let at_owner = call_tool(&a.addr, "/mcp", &ended, 3, "echo", json!({"text": "x"}));
+    let elsewhere = call_tool(&b.addr, "/mcp", &ended, 4, "echo", json!({"text": "x"}));
+    for r in [&at_owner, &elsewhere] {
+        assert_eq!(r.outcome(), "404 session_not_found", "{}", r.text());
+    }
+    // Refused by the owner, forwarded: a Last-Event-ID the gateway never issued.
+    let resumed = initialize(&a.addr, "/mcp");
+    let mut headers = mcp_headers(Some(&resumed));
+    headers.push(("Last-Event-ID", "not-an-event-id"));
+    let bad_resume = http::request(&b.addr, "GET", "/mcp", &headers, b"");
+    assert_eq!(bad_resume.status, 400, "{}", bad_resume.text());
+    // Refused before any session: no Mcp-Session-Id.
+    let no_session = http::request(
+        &b.addr,
+        "POST",
+        "/mcp",
+        &mcp_headers(None),
+        &http::tool_call_body(5, "echo", json!({})),
+    );
+    assert_eq!(no_session.status, 400, "{}", no_session.text());
+    drop((a, b));
+
+    let text = std::fs::read_to_string(&log).expect("the log");
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|line| {
+            serde_json::from_str::<serde_json::Value>(line)
+                .ok()
+                .filter(serde_json::Value::is_object)
+                .unwrap_or_else(|| panic!("not one JSON object: {line:?}"))
+        })
+        .collect();
+    for (what, id) in [("live", &live), ("ended", &ended), ("resumed", &resumed)] {
+        assert!(
+            !text.contains(id.as_str()),
+            "the {what} session's id is logged"
+        );
+    }
+    let requests: Vec<&serde_json::Value> = lines
+        .iter()
+        .map(|line| &line["fields"])
+        .filter(|fields| fields.get("status").is_some())
+        .collect();
+    assert_eq!(
+        requests.len(),
+        4,
+        "one line per failed request: {requests:#?}"
+    );
+    let line = |r: &http::Response, method: &str| {
+        let edge = r.header("mcpgw-edge-worker").unwrap_or_default();
+        let found: Vec<&serde_json::Value> = requests
+            .iter()
+            .copied()
+            .filter(|f| f["worker"] == edge && f["status"] == r.status && f["http"] == method)
+            .collect();
+        assert_eq!(
+            found.len(),
+            1,
+            "{method} {} at {edge}: {requests:#?}",
+            r.status
+        );
+        found[0]
+    };
+    let (owner_line, elsewhere_line) = (line(&at_owner, "POST"), line(&elsewhere, "POST"));
+    let (resume_line, none_line) = (line(&bad_resume, "GET"), line(&no_session, "POST"));
+    // The session's hash: 8 hex digits, one per session whichever worker logs it.
+    let hash = |f: &serde_json::Value| f["session"].as_str().unwrap_or_default().to_owned();
+    let is_hash =
+        |h: &str| h.len() == 8 && h.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+    assert!(is_hash(&hash(owner_line)), "{owner_line}");
+    assert_eq!(
+        hash(owner_line),
+        hash(elsewhere_line),
+        "one session, one hash"
+    );
+    assert!(is_hash(&hash(resume_line)), "{resume_line}");
+    assert_ne!(
+        hash(resume_line),
+        hash(owner_line),
+        "another session, another hash"
+    );
+    assert_eq!(hash(none_line), "", "{none_line}");
+    for f in [owner_line, elsewhere_line] {
+        assert_eq!(f["route"], "demo", "{f}");
+        assert_eq!(f["method"], "tools/call", "{f}");
+        assert_eq!(f["reason"], "session_not_found", "{f}");
+        assert_eq!(f["forwarded"], false, "{f}");
+        assert!(f["duration_ms"].as_f64().is_some_and(|ms| ms >= 0.0), "{f}");
+    }
+    eprintln!("the forwarded refusal's line: {resume_line}");
+}
+
+/// A collector that takes export requests and never answers them (hung, or behind a
+/// firewall that drops its answers); it counts the requests it received.
+struct HungCollector {
+    addr: String,
+    received: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl HungCollector {
+    fn start() -> HungCollector {
+        use std::io::{BufRead, BufReader, Read};
+        use std::sync::atomic::Ordering;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let received = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = received.clone();
+        thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let counter = counter.clone();
+                thread::spawn(move || {
+                    let mut reader = BufReader::new(stream);
+                    loop {
+                        let mut length = 0usize;
+                        let mut line = String::new();
+                        loop {
+                            line.clear();
+                            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                                return;
+                            }
+                            let header = line.trim_end();
+                            if header.is_empty() {
+                                break;
+                            }
+                            if let Some((name, value)) = header.split_once(':')
+                                && name.eq_ignore_ascii_case("content-length")
+                            {
+                                length = value.trim().parse().unwrap_or(0);
+                            }
+                        }
+                        let mut body = vec![0u8; length];
+                        if reader.read_exact(&mut body).is_err() {
+                            return;
+                        }
+                        counter.fetch_add(1, Ordering::SeqCst);
+                    }
+                });
+            }
+        });
+        HungCollector { addr, received }
+    }
+
+    fn received(&self) -> usize {
+        self.received.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// README: "when the collector is slow or down, spans are dropped (logged at most once
+/// a minute), never waited for". The exporter sends one batch at a time and gives up
+/// on each after its deadline.
+#[test]
+fn spans_for_a_hung_collector_are_dropped_not_waited_for_and_logged_once_a_minute() {
+    let collector = HungCollector::start();
+    let logs = tempfile::tempdir().expect("log dir");
+    let log = logs.path().join("gateway.log");
+    let upstream = Upstream::start();
+    let endpoint = format!("http://{}/v1/traces", collector.addr);
+    let gateway = Gateway::start_logged(
+        &[
+            "--upstream",
+            &format!("demo={}", upstream.url),
+            "--otlp-endpoint",
+            &endpoint,
+        ],
+        &log,
+    );
+    let session = initialize(&gateway.addr, "/mcp");
+    let mut id = 1;
+    let mut call = || {
+        id += 1;
+        let r = call_tool(
+            &gateway.addr,
+            "/mcp",
+            &session,
+            id,
+            "echo",
+            json!({"text": "x"}),
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+    };
+    // The first batch leaves within a second, and hangs at the collector.
+    eventually(WITHIN, || {
+        call();
+        match collector.received() {
+            0 => Err(0),
+            n => Ok(n),
+        }
+    });
+    let first_export = std::time::Instant::now();
+    // Answered while no export leaves: their spans only joined the queue. A request
+    // that waited for its span to be sent could not be answered before the next export.
+    eventually(WITHIN, || {
+        let before = collector.received();
+        for _ in 0..5 {
+            call();
+        }
+        match collector.received() {
+            now if now == before => Ok(()),
+            now => Err(format!(
+                "an export left during the round ({before} -> {now})"
+            )),
+        }
+    });
+    // The third export leaves only once the second has failed.
+    eventually(WITHIN, || {
+        call();
+        match collector.received() {
+            n if n >= 3 => Ok(()),
+            n => Err(n),
+        }
+    });
+    let window = first_export.elapsed();
+    let text = std::fs::read_to_string(&log).expect("the log");
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("OTLP span export is failing"))
+        .collect();
+    eprintln!(
+        "{} failure lines for 2 failed exports over {window:?}: {lines:?}",
+        lines.len()
+    );
+    let allowed = 1 + usize::try_from(window.as_secs() / 60).unwrap_or(usize::MAX);
+    assert!(
+        !lines.is_empty() && lines.len() <= allowed,
+        "at most one line a minute, and at least one: {lines:?}"
+    );
+    assert!(lines[0].contains("no answer within"), "{}", lines[0]);
+}
+
+/// README ("Drain"): exchanges in flight when a drain starts finish within its grace
+/// (10 s, `DRAIN_GRACE` in `serve.rs`); one still running after it is cut without an
+/// answer, and the worker exits 0. `/readyz` says "draining" from the start.
+#[test]
+fn a_drain_lets_exchanges_finish_within_its_grace_and_cuts_the_rest() {
+    const GRACE: Duration = Duration::from_secs(10);
+    let upstream = Upstream::start();
+    let mut gateway = Gateway::start(&["--upstream", &format!("demo={}", upstream.url)]);
+    let admin = gateway.admin.clone().expect("a standalone gateway's admin");
+    let session = initialize(&gateway.addr, "/mcp");
+    let call = |id: u64, ms: u64| {
+        let (addr, session) = (gateway.addr.clone(), session.clone());
+        thread::spawn(move || {
+            http::try_call_tool(&addr, &session, id, "sleep_ms", json!({ "ms": ms }))
+        })
+    };
+    let finishing = call(2, 5_000);
+    let outliving = call(3, 600_000);
+    eventually(WITHIN, || match upstream.counter("tool_calls") {
+        n if n >= 2 => Ok(()),
+        n => Err(n),
+    });
+    let drain_began = std::time::Instant::now();
+    let accepted = http::request(&admin, "POST", "/drain", &[], b"");
+    assert_eq!(accepted.status, 202, "{}", accepted.text());
+    let draining = eventually(WITHIN, || {
+        match http::try_request(&admin, "GET", "/readyz", &[], b"") {
+            Ok(r) if r.status == 503 => Ok(r),
+            Ok(r) => Err(format!("still {}", r.status)),
+            Err(e) => Err(e),
+        }
+    });
+    assert!(
+        !finishing.is_finished(),
+        "/readyz said draining only once the exchange in flight had ended"
+    );
+    assert_eq!(
+        draining.json()["checks"]["serving"],
+        false,
+        "{}",
+        draining.text()
+    );
+    let finished = finishing
+        .join()
+        .expect("the finishing call")
+        .expect("an answer");
+    assert_eq!(finished.expect_tool_text(), "slept 5000 ms");
+    let cut = outliving.join().expect("the outliving call");
+    let cut_after = drain_began.elapsed();
+    eprintln!(
+        "the exchange outliving the grace ended {cut_after:?} after the drain began: {cut:?}"
+    );
+    match &cut {
+        Err(e) if e.starts_with("no HTTP answer") || e.contains("reset") => {}
+        other => panic!("the exchange outliving the grace was not cut: {other:?}"),
+    }
+    assert!(
+        cut_after >= GRACE,
+        "cut before the grace was over: {cut_after:?}"
+    );
+    assert_eq!(
+        gateway.child.wait_exit(WITHIN),
+        Some(0),
+        "a drained worker exits 0"
+    );
+}
+
+/// README: "A standalone `mcpgw serve` without `--redis` has no supervisor: `POST
+/// /drain` stops it", ending its sessions upstream.
+#[test]
+fn post_drain_stops_a_standalone_worker_which_ends_its_sessions_and_exits_0() {
+    let upstream = Upstream::start();
+    let mut gateway = Gateway::start(&["--upstream", &format!("demo={}", upstream.url)]);
+    let admin = gateway.admin.clone().expect("a standalone gateway's admin");
+    let session = initialize(&gateway.addr, "/mcp");
+    let served = call_tool(
+        &gateway.addr,
+        "/mcp",
+        &session,
+        2,
+        "echo",
+        json!({"text": "x"}),
+    );
+    assert_eq!(served.status, 200, "{}", served.text());
+    assert_eq!(upstream.counter("sessions_open"), 1);
+    let accepted = http::request(&admin, "POST", "/drain", &[], b"");
+    assert_eq!(accepted.status, 202, "{}", accepted.text());
+    let doc = accepted.json();
+    assert_eq!(doc["draining"], true, "{doc}");
+    assert_eq!(
+        doc["worker_id"].as_str(),
+        served.header("mcpgw-edge-worker"),
+        "{doc}"
+    );
+    assert_eq!(
+        gateway.child.wait_exit(WITHIN),
+        Some(0),
+        "a drained worker exits 0"
+    );
+    mcpgw_testkit::wait_until_refused(&gateway.addr, WITHIN);
+    assert_eq!(
+        upstream.counter("sessions_open"),
+        0,
+        "the drain ended the session upstream"
+    );
+}
+
+/// Reads an HTTP/1.1 answer with a `Content-Length` body, up to the end of the
+/// connection.
+fn read_answer(stream: &mut impl std::io::Read) -> http::Response {
+    let mut bytes = Vec::new();
+    stream.read_to_end(&mut bytes).expect("read the answer");
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((text.as_str(), ""));
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no HTTP answer: {text:?}"));
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    http::Response {
+        status,
+        headers,
+        body: body.as_bytes().to_vec(),
+    }
+}
+
+/// An initialize whose body arrives once the worker is draining is refused: 503
+/// `draining`, retry (another worker takes it). Its head was read before the drain
+/// began (the `100 Continue` says so): a draining worker takes no new connections.
+#[test]
+fn an_initialize_completed_while_the_worker_drains_gets_503_draining() {
+    use std::io::{BufRead, BufReader, Write as _};
+    let upstream = Upstream::start();
+    let mut gateway = Gateway::start(&["--upstream", &format!("demo={}", upstream.url)]);
+    let admin = gateway.admin.clone().expect("a standalone gateway's admin");
+    let body = http::initialize_body(1);
+    let mut stream = std::net::TcpStream::connect(&gateway.addr).expect("connect");
+    stream.set_read_timeout(Some(WITHIN)).expect("read timeout");
+    let head = format!(
+        "POST /mcp HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n\
+         Accept: application/json, text/event-stream\r\nExpect: 100-continue\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).expect("send the head");
+    let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+    let mut interim = String::new();
+    reader
+        .read_line(&mut interim)
+        .expect("read the interim answer");
+    assert!(interim.starts_with("HTTP/1.1 100"), "{interim:?}");
+    let mut blank = String::new();
+    reader
+        .read_line(&mut blank)
+        .expect("read the interim answer");
+    assert_eq!(blank, "\r\n", "the interim answer has no headers");
+    gateway.child.signal(Signal::SIGTERM);
+    eventually(WITHIN, || match readyz(&admin) {
+        r if r.status == 503 => Ok(()),
+        r => Err(format!("still {}", r.status)),
+    });
+    stream.write_all(&body).expect("send the body");
+    let answer = read_answer(&mut reader);
+    assert_eq!(answer.outcome(), "503 draining", "{}", answer.text());
+    assert_eq!(answer.header("retry-after"), Some("1"));
+    assert_eq!(answer.json()["id"], 1, "{}", answer.text());
+    assert_eq!(
+        upstream.counter("sessions_created"),
+        0,
+        "no session was opened"
+    );
+    assert_eq!(
+        gateway.child.wait_exit(WITHIN),
+        Some(0),
+        "a drained worker exits 0"
+    );
 }

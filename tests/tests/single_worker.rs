@@ -6,7 +6,7 @@ use std::time::Duration;
 use mcpgw_testkit::http::{
     self, call_tool, initialize, mcp_headers, modern_body, modern_headers, request,
 };
-use mcpgw_testkit::{Gateway, Upstream};
+use mcpgw_testkit::{Gateway, Upstream, eventually};
 use serde_json::json;
 
 fn start() -> (Upstream, Gateway) {
@@ -79,22 +79,79 @@ fn legacy_sessions_are_isolated_and_end_with_delete() {
     );
 }
 
+/// The number in a metrics scrape of `admin` for `sample` (name and labels); 0 when
+/// absent.
+fn metric(admin: &str, sample: &str) -> f64 {
+    let scrape = request(admin, "GET", "/metrics", &[], b"");
+    assert_eq!(scrape.status, 200, "{}", scrape.text());
+    scrape
+        .text()
+        .lines()
+        .filter_map(|line| line.rsplit_once(' '))
+        .find(|(name, _)| *name == sample)
+        .and_then(|(_, value)| value.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Reads what an SSE response has sent since, until nothing more comes for a moment:
+/// `Err` once the gateway ended the response (its last chunk) or the connection.
+fn still_open(stream: &mut std::net::TcpStream) -> Result<(), String> {
+    stream
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .map_err(|e| e.to_string())?;
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 512];
+    loop {
+        match std::io::Read::read(stream, &mut buf) {
+            Ok(0) => return Err("the gateway closed the connection".into()),
+            Ok(n) => {
+                seen.extend_from_slice(&buf[..n]);
+                if seen.windows(5).any(|w| w == b"0\r\n\r\n") {
+                    let seen = String::from_utf8_lossy(&seen);
+                    return Err(format!("the response ended: {seen:?}"));
+                }
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Ok(());
+            }
+            Err(e) => return Err(format!("the stream broke: {e}")),
+        }
+    }
+}
+
+/// README: "a session with no request and no held `GET` stream for [the idle timeout]
+/// ends". A session beside it that is left idle shows that the timeout has passed.
 #[test]
-fn notifications_get_202_and_get_opens_the_session_stream() {
-    let (_upstream, gateway) = start();
+fn notifications_get_202_and_a_held_get_stream_stays_open_and_keeps_its_session() {
+    let upstream = Upstream::start();
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &format!("demo={}", upstream.url),
+        "--session-idle-timeout-ms",
+        "1000",
+    ]);
     let addr = &gateway.addr;
-    let session = initialize(addr, "/mcp");
+    let admin = gateway
+        .admin
+        .clone()
+        .expect("a standalone gateway announces its admin");
+    let held = initialize(addr, "/mcp");
     let note = br#"{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":99}}"#;
-    let ack = request(addr, "POST", "/mcp", &mcp_headers(Some(&session)), note);
+    let ack = request(addr, "POST", "/mcp", &mcp_headers(Some(&held)), note);
     assert_eq!(ack.status, 202);
 
-    // The GET stream stays open; read its head, then close it from our side.
     let mut stream = std::net::TcpStream::connect(addr).unwrap();
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
     let get = format!(
-        "GET /mcp HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\nMcp-Session-Id: {session}\r\nMCP-Protocol-Version: 2025-11-25\r\n\r\n"
+        "GET /mcp HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAccept: text/event-stream\r\n\
+         Mcp-Session-Id: {held}\r\nMCP-Protocol-Version: 2025-11-25\r\n\r\n"
     );
     std::io::Write::write_all(&mut stream, get.as_bytes()).unwrap();
     let mut head = [0u8; 512];
@@ -102,6 +159,31 @@ fn notifications_get_202_and_get_opens_the_session_stream() {
     let head = String::from_utf8_lossy(&head[..n]).to_ascii_lowercase();
     assert!(head.starts_with("http/1.1 200"), "{head}");
     assert!(head.contains("content-type: text/event-stream"), "{head}");
+
+    // Opened last, so it would not expire before the held one if the stream did not
+    // keep that one alive.
+    let idle = initialize(addr, "/mcp");
+    let expired = r#"mcpgw_sessions_ended_total{reason="expired"}"#;
+    eventually(Duration::from_secs(60), || match metric(&admin, expired) {
+        n if n >= 1.0 => Ok(()),
+        n => Err(n),
+    });
+    still_open(&mut stream).unwrap_or_else(|e| panic!("past the idle timeout: {e}"));
+    let answer = call_tool(addr, "/mcp", &held, 2, "echo", json!({"text": "here"}));
+    assert_eq!(
+        answer.status,
+        200,
+        "the held session lives: {}",
+        answer.text()
+    );
+    still_open(&mut stream).unwrap_or_else(|e| panic!("after a request in the session: {e}"));
+    let gone = call_tool(addr, "/mcp", &idle, 2, "echo", json!({"text": "gone"}));
+    assert_eq!(gone.outcome(), "404 session_not_found", "{}", gone.text());
+    assert_eq!(
+        metric(&admin, expired),
+        1.0,
+        "only the idle session expired"
+    );
 }
 
 #[test]
@@ -374,8 +456,10 @@ fn an_unreachable_upstream_gets_a_gateway_error() {
     );
 }
 
+/// A 2026-07-28 call passes straight through (no initialize, no session), so the
+/// upstream timeout bounds the slow call alone.
 #[test]
-fn upstream_timeouts_become_504() {
+fn a_call_the_upstream_does_not_answer_in_time_gets_504_and_may_have_run() {
     let upstream = Upstream::start();
     let gateway = Gateway::start(&[
         "--upstream",
@@ -383,18 +467,21 @@ fn upstream_timeouts_become_504() {
         "--upstream-timeout-ms",
         "300",
     ]);
-    let session = initialize(&gateway.addr, "/mcp");
-    let slow = call_tool(
+    let slow = request(
         &gateway.addr,
+        "POST",
         "/mcp",
-        &session,
-        2,
-        "sleep_ms",
-        json!({"ms": 3000}),
+        &modern_headers("tools/call", Some("sleep_ms")),
+        &modern_body(
+            2,
+            "tools/call",
+            json!({"name": "sleep_ms", "arguments": {"ms": 3000}}),
+        ),
     );
-    assert_eq!(slow.status, 504);
-    assert_eq!(slow.json()["error"]["data"]["reason"], "upstream_timeout");
+    assert_eq!(slow.outcome(), "504 upstream_timeout", "{}", slow.text());
+    assert_eq!(slow.json()["id"], 2);
     // The upstream got the call: the client is told it may have run, not to retry.
+    assert_eq!(upstream.counter("tool_calls"), 1);
     let message = slow.json()["error"]["message"]
         .as_str()
         .unwrap_or("")

@@ -1,10 +1,14 @@
 //! Upstreams as users have them: an HTTPS upstream (test CA, mutual TLS, a wrong CA,
-//! a missing client certificate); stdio servers (`mcp-server-time` from PyPI, and a
-//! stateful server built with the official Python SDK) whose child processes live and
-//! die with their sessions and workers; an elicitation asked by the upstream mid-call
-//! and answered through a third worker; 2026-07-28 clients on an upstream that keeps
-//! state in sessions; and an SSE stream resumed on another worker after its
-//! connection dropped.
+//! a missing client certificate); stdio servers (`mcp-server-time` from PyPI, and
+//! servers built with the official Python SDK) whose child processes live and die
+//! with their sessions and workers, get the gateway's environment without its
+//! `MCPGW_*` variables, and whose command may not start; an elicitation asked by the
+//! upstream mid-call and answered through a third worker, and the requests a
+//! 2026-07-28 client cannot receive, declined for it; 2026-07-28 clients on an
+//! upstream that keeps state in sessions, told once when it is lost; SSE streams
+//! resumed on another worker after their connection dropped, within the replay
+//! limits and past them, and kept alive while quiet; and a JSON call cancelled at the
+//! upstream when its client goes away.
 
 #[path = "upstreams_support/mod.rs"]
 mod support;
@@ -16,7 +20,9 @@ use mcpgw_testkit::http::{self, call_tool, initialize, mcp_headers};
 use mcpgw_testkit::tls::{TestCa, TlsTerminator};
 use mcpgw_testkit::{Child, Gateway, ScatterProxy, Upstream, python, python_script, run_python};
 use serde_json::{Value, json};
-use support::{Fleet, children_of, read_events, running, wait_stopped, worker_at};
+use support::{
+    Fleet, Until, children_of, read_events, read_stream, running, wait_stopped, worker_at,
+};
 
 const INIT: &[u8] = br#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-11-25","capabilities":{},"clientInfo":{"name":"mcpgw-tests","version":"0"}}}"#;
 
@@ -450,64 +456,109 @@ fn modern_clients_keep_state_per_principal_on_a_session_based_upstream() {
         proxy.sent_counts()
     );
 
-    // When the worker holding alice's upstream session dies, she is told once that
-    // her state is lost, then starts afresh; she never silently sees a fresh counter
-    // where she expected hers.
-    let modern = |addr: &str| {
-        let body = br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"counter_increment","arguments":{}}}"#;
-        let headers = [
-            ("Content-Type", "application/json"),
-            ("Accept", "application/json, text/event-stream"),
-            ("MCP-Protocol-Version", "2026-07-28"),
-            ("Mcp-Method", "tools/call"),
-            ("Mcp-Name", "counter_increment"),
-            ("Authorization", "Bearer alice-token-0123456789"),
-        ];
-        http::request(addr, "POST", "/mcp", &headers, body)
-    };
-    let seventh = modern(fleet.addr(0));
+    // When the worker holding alice's upstream session dies, she is told exactly once
+    // that her state is lost, and the call after starts afresh: she never silently
+    // sees a fresh counter where she expected hers, and is not told twice. First with
+    // a call of hers running when it dies, then with none.
+    let seventh = alice(fleet.addr(0), "counter_increment", json!({})).unwrap();
     assert_eq!(tool_text(&seventh), "7");
-    let owner = seventh.header("mcpgw-owner-worker").unwrap().to_owned();
-    let holder = (0..4)
-        .find(|&i| worker_at(&fleet, i).1 == owner)
-        .expect("the owner is one of the workers");
-    let (holder_pid, _) = worker_at(&fleet, holder);
-    mcpgw_testkit::signal::send(holder_pid, mcpgw_testkit::signal::Signal::SIGKILL);
-    let elsewhere = fleet.addr((holder + 1) % 4);
-    let mut told = Vec::new();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    let fresh = loop {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no answer after {told:?}"
-        );
-        let answer = modern(elsewhere);
-        if answer.status == 200 {
-            break tool_text(&answer);
+    let first = worker_index(&fleet, &seventh, &[0, 1, 2, 3]);
+    let elsewhere = (first + 1) % 4;
+    let calls_before = upstream.counter("tool_calls");
+    let running = std::thread::spawn({
+        let addr = fleet.addr(elsewhere).to_owned();
+        move || alice(&addr, "sleep_ms", json!({"ms": 600_000}))
+    });
+    mcpgw_testkit::eventually(std::time::Duration::from_secs(60), || {
+        (upstream.counter("tool_calls") > calls_before)
+            .then_some(())
+            .ok_or("the call has not reached the upstream")
+    });
+    let (first_pid, _) = worker_at(&fleet, first);
+    mcpgw_testkit::signal::send(first_pid, mcpgw_testkit::signal::Signal::SIGKILL);
+    let told = running
+        .join()
+        .unwrap()
+        .expect("an answer to the running call");
+    eprintln!("the running call: {}", told.text());
+    assert_eq!(told.outcome(), "502 outcome_unknown", "{}", told.text());
+    assert_eq!(told.json()["error"]["data"]["retryable"], false);
+    assert!(
+        error_message(&told).contains("the state of that session is lost"),
+        "{}",
+        told.text()
+    );
+    let fresh = alice(fleet.addr(elsewhere), "counter_increment", json!({})).unwrap();
+    assert_eq!(
+        fresh.status,
+        200,
+        "told once: the call after runs: {}",
+        fresh.text()
+    );
+    assert_eq!(tool_text(&fresh), "1", "in a new upstream session");
+    let others: Vec<usize> = (0..4).filter(|&i| i != first).collect();
+    let second = worker_index(&fleet, &fresh, &others);
+
+    // No call running: the next call, through the worker that replaced the first dead
+    // one (it never had a mesh connection to this holder, so it knows its request
+    // did not reach it), is told the session is gone.
+    let (second_pid, _) = worker_at(&fleet, second);
+    mcpgw_testkit::signal::send(second_pid, mcpgw_testkit::signal::Signal::SIGKILL);
+    let replacement = fleet.addr(first);
+    // Until the death is proven the gateway may say "not known yet, retry" (a
+    // retryable 503 that did not reach the owner): that does not tell the loss.
+    let mut unproven = Vec::new();
+    let told = mcpgw_testkit::eventually(std::time::Duration::from_secs(60), || {
+        let answer = alice(replacement, "counter_increment", json!({}))?;
+        if answer.status == 503 && answer.json()["error"]["data"]["retryable"] == true {
+            unproven.push(answer.outcome());
+            return Err(answer.outcome());
         }
-        let message = answer.json()["error"]["message"]
-            .as_str()
-            .unwrap_or("")
-            .to_owned();
-        told.push((answer.status, reason(&answer), message));
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    };
-    eprintln!("after the owner died: {told:?}, then {fresh}");
-    assert!(
-        !told.is_empty(),
-        "the loss is told before state starts afresh"
+        Ok(answer)
+    });
+    eprintln!(
+        "after the second holder died: {unproven:?}, then {}",
+        told.text()
     );
+    assert_eq!(told.outcome(), "404 session_gone", "{}", told.text());
+    assert_eq!(told.error_code(), Some(-32001));
     assert!(
-        told.iter().all(|(_, r, _)| {
-            ["session_gone", "outcome_unknown", "ownership_unknown"].contains(&r.as_str())
-        }),
-        "{told:?}"
+        error_message(&told).contains("your next request starts a new one, without that state"),
+        "{}",
+        told.text()
     );
-    // The answer that proved the death says the state is lost (session_gone, or
-    // outcome_unknown for a call that was running when the owner died).
-    let (_, _, last) = told.last().unwrap();
-    assert!(last.contains("state") && last.contains("lost"), "{last}");
-    assert_eq!(fresh, "1", "a new upstream session, told as such first");
+    let fresh = alice(replacement, "counter_increment", json!({})).unwrap();
+    assert_eq!(
+        fresh.status,
+        200,
+        "told once: the call after runs: {}",
+        fresh.text()
+    );
+    assert_eq!(tool_text(&fresh), "1", "in a new upstream session");
+}
+
+/// A 2026-07-28 call of alice's through `addr`; no HTTP answer is an `Err`.
+fn alice(addr: &str, tool: &str, arguments: Value) -> Result<http::Response, String> {
+    let body = http::modern_body(
+        1,
+        "tools/call",
+        json!({"name": tool, "arguments": arguments}),
+    );
+    let mut headers = http::modern_headers("tools/call", Some(tool));
+    headers.push(("Authorization", "Bearer alice-token-0123456789"));
+    http::try_request(addr, "POST", "/mcp", &headers, &body)
+}
+
+/// Which of the workers `among` executed `answer`.
+fn worker_index(fleet: &Fleet, answer: &http::Response, among: &[usize]) -> usize {
+    let owner = answer
+        .header("mcpgw-owner-worker")
+        .expect("the answer names its owner");
+    among
+        .iter()
+        .copied()
+        .find(|&i| worker_at(fleet, i).1 == owner)
+        .unwrap_or_else(|| panic!("{owner} is none of the workers {among:?}"))
 }
 
 #[test]
@@ -557,9 +608,448 @@ fn a_dropped_stream_resumes_on_another_worker_without_loss_or_repeats() {
     let ids: std::collections::HashSet<_> = all.iter().filter_map(|e| e.id.clone()).collect();
     assert_eq!(ids.len(), all.len(), "every event has its own id");
 
-    // An id the gateway never issued, or events it no longer has, are told as such.
+    // An id the gateway never issued is a client error (events it no longer has are
+    // a 410: see the replay-limit test below).
     let mut forged = headers.clone();
     forged.push(("Last-Event-ID", "not-an-id"));
     let answer = http::request(fleet.addr(1), "GET", "/mcp", &forged, b"");
-    assert_eq!(answer.status, 400);
+    assert_eq!(answer.status, 400, "{}", answer.text());
+    assert_eq!(answer.error_code(), Some(-32600));
+    let message = answer.json()["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .to_owned();
+    assert!(message.contains("Last-Event-ID"), "{message}");
+}
+
+/// `GET /mcp` in `session` with `Last-Event-ID: after`, through `addr`.
+fn resume(addr: &str, session: &str, after: &str) -> http::Response {
+    let mut headers = mcp_headers(Some(session));
+    headers.push(("Last-Event-ID", after));
+    http::request(addr, "GET", "/mcp", &headers, b"")
+}
+
+/// A `slow_stream` call of `count` progress events sent at once, then the result.
+fn slow_stream_body(id: u64, count: u64) -> Vec<u8> {
+    json!({
+        "jsonrpc": "2.0", "id": id, "method": "tools/call",
+        "params": {"name": "slow_stream", "arguments": {"count": count, "interval_ms": 0},
+                   "_meta": {"progressToken": "p"}},
+    })
+    .to_string()
+    .into_bytes()
+}
+
+fn error_message(response: &http::Response) -> String {
+    response.json()["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .to_owned()
+}
+
+#[test]
+fn a_resume_within_the_replay_limits_gets_exactly_the_rest_and_past_them_is_a_410() {
+    let upstream = Upstream::start();
+    let fleet = Fleet::start(2, &["--upstream".into(), format!("demo={}", upstream.url)]);
+    // Worker 0 owns the session and keeps its stream logs; every stream request goes
+    // through worker 1, as a client behind a load balancer would send it.
+    let session = initialize(fleet.addr(0), "/mcp");
+    let headers = mcp_headers(Some(&session));
+    let via = fleet.addr(1);
+
+    // One stream of 1101 events (1100 progress notifications, then the result), whose
+    // client goes away after five: the owner reads on, and keeps the newest 1024.
+    let first = read_stream(
+        via,
+        "POST",
+        "/mcp",
+        &headers,
+        &slow_stream_body(2, 1100),
+        Until::Events(5),
+    );
+    assert_eq!(first.status, 200);
+    let seen = first.events[4].id.clone().expect("events carry ids");
+    let (stream, seq) = seen
+        .rsplit_once(':')
+        .expect("ids read <owner>:<stream>:<seq>");
+    assert_eq!(seq, "5", "{seen}");
+    let id = |seq: u64| format!("{stream}:{seq}");
+    let tail = mcpgw_testkit::eventually(std::time::Duration::from_secs(60), || {
+        let answer = resume(via, &session, &id(1100));
+        if answer.status == 200 {
+            Ok(support::events_in(&answer.text()))
+        } else {
+            Err(answer.outcome())
+        }
+    });
+    assert_eq!(
+        tail.len(),
+        1,
+        "only the result follows event 1100: {tail:?}"
+    );
+    assert_eq!(tail[0].id.as_deref(), Some(id(1101).as_str()));
+    assert_eq!(tail[0].data["id"], 2);
+    assert!(tail[0].data.get("result").is_some(), "{:?}", tail[0]);
+
+    // Events 78 to 1101 are kept: a resume after 77 replays exactly those; after 76
+    // one event is missing, after 5 (the last one the client saw) 72 are.
+    for (after, lost) in [(5, 72), (76, 1)] {
+        let answer = resume(via, &session, &id(after));
+        assert_eq!(
+            answer.outcome(),
+            "410 replay_unavailable",
+            "after event {after}: {}",
+            answer.text()
+        );
+        let message = error_message(&answer);
+        assert!(
+            message.contains(&format!(
+                "{lost} event(s) after the last one you saw were dropped"
+            )),
+            "{message}"
+        );
+    }
+    let rest = resume(via, &session, &id(77));
+    assert_eq!(rest.status, 200, "{}", rest.text());
+    let rest = support::events_in(&rest.text());
+    let ids: Vec<String> = rest.iter().filter_map(|e| e.id.clone()).collect();
+    assert_eq!(ids, (78..=1101).map(id).collect::<Vec<_>>());
+    let progress: Vec<u64> = rest
+        .iter()
+        .filter_map(|e| e.data["params"]["progress"].as_u64())
+        .collect();
+    assert_eq!(progress, (78..=1100).collect::<Vec<_>>());
+    assert!(
+        rest.last()
+            .is_some_and(|e| e.data["id"] == 2 && e.data.get("result").is_some())
+    );
+
+    // A session keeps its newest 16 streams: with fifteen more, the first is kept.
+    let mut second_stream_first_event = None;
+    for n in 0..15 {
+        let read = read_stream(
+            via,
+            "POST",
+            "/mcp",
+            &headers,
+            &slow_stream_body(10 + n, 2),
+            Until::End,
+        );
+        assert_eq!(read.status, 200);
+        assert_eq!(read.events.len(), 3, "two progress events, then the result");
+        second_stream_first_event.get_or_insert_with(|| read.events[0].id.clone().unwrap());
+    }
+    let kept = resume(via, &session, &id(1100));
+    assert_eq!(kept.status, 200, "sixteen streams: {}", kept.text());
+    assert_eq!(support::events_in(&kept.text()).len(), 1);
+    // The seventeenth makes the gateway forget the oldest finished one, the first.
+    let seventeenth = read_stream(
+        via,
+        "POST",
+        "/mcp",
+        &headers,
+        &slow_stream_body(30, 2),
+        Until::End,
+    );
+    assert_eq!(seventeenth.events.len(), 3);
+    let forgotten = resume(via, &session, &id(1100));
+    assert_eq!(
+        forgotten.outcome(),
+        "410 replay_unavailable",
+        "{}",
+        forgotten.text()
+    );
+    let message = error_message(&forgotten);
+    assert!(
+        message.contains("no longer kept (a session keeps its newest 16 streams)"),
+        "{message}"
+    );
+    let second = resume(via, &session, second_stream_first_event.as_deref().unwrap());
+    assert_eq!(
+        second.status,
+        200,
+        "the second stream is kept: {}",
+        second.text()
+    );
+    let second = support::events_in(&second.text());
+    assert_eq!(second.len(), 2, "{second:?}");
+    assert_eq!(second[0].data["params"]["progress"], 2);
+    assert_eq!(second[1].data["id"], 10);
+}
+
+#[test]
+fn a_quiet_stream_carries_a_keepalive_comment() {
+    // A stdio session's GET stream carries what the server writes outside any request:
+    // nothing, for this server. (An HTTP upstream may send comments of its own.)
+    let fleet = Fleet::start(2, &["--upstream".into(), stateful_stdio("st")]);
+    let session = initialize(fleet.addr(0), "/mcp");
+    let read = read_stream(
+        fleet.addr(1),
+        "GET",
+        "/mcp",
+        &mcp_headers(Some(&session)),
+        b"",
+        Until::Comment,
+    );
+    eprintln!("comments on the quiet stream: {:?}", read.comments);
+    assert_eq!(read.status, 200);
+    assert!(read.events.is_empty(), "{:?}", read.events);
+    assert_eq!(
+        read.comments.first().map(|c| c.text.as_str()),
+        Some("keepalive"),
+        "the stream ended without a keep-alive comment"
+    );
+}
+
+#[test]
+fn a_stdio_command_that_cannot_start_is_a_502_upstream_spawn_failed() {
+    let gateway = Gateway::start(&[
+        "--upstream",
+        "missing=stdio:/nonexistent/mcp-server --verbose",
+        "--upstream",
+        "unknown=stdio:mcpgw-no-such-mcp-server",
+    ]);
+    for (route, program) in [
+        ("missing", "/nonexistent/mcp-server"),
+        ("unknown", "mcpgw-no-such-mcp-server"),
+    ] {
+        let answer = http::try_initialize(&gateway.addr, &format!("/servers/{route}/mcp"))
+            .unwrap_or_else(|e| panic!("{route}: {e}"));
+        eprintln!("{route}: {}", answer.text());
+        assert_eq!(
+            answer.outcome(),
+            "502 upstream_spawn_failed",
+            "{route}: {}",
+            answer.text()
+        );
+        let message = error_message(&answer);
+        assert!(
+            message.contains(route) && message.contains(program),
+            "names the upstream and its program: {message}"
+        );
+    }
+}
+
+#[test]
+fn stdio_children_get_the_gateway_environment_without_its_mcpgw_variables() {
+    let config = temp_file(
+        "mcpgw.toml",
+        &format!(
+            "[[upstream]]\nname = \"env\"\ncommand = [\"{}\", \"{}\"]\nenv = {{ CONFIGURED_FOR_CHILD = \"from the config\" }}\n",
+            python().display(),
+            python_script("env_server.py").display()
+        ),
+    );
+    let fleet = Fleet::start_with_env(
+        1,
+        &["--config".into(), config.display().to_string()],
+        &[
+            ("MCPGW_TEST_SECRET", "the gateway's business"),
+            ("INHERITED_BY_CHILD", "yes"),
+        ],
+    );
+    // The premise: the worker's environment holds MCPGW_* variables, this one and
+    // those its supervisor sets for it.
+    let (worker_pid, _) = worker_at(&fleet, 0);
+    let environ = std::fs::read(format!("/proc/{worker_pid}/environ")).expect("worker environ");
+    let worker_mcpgw: Vec<String> = environ
+        .split(|&b| b == 0)
+        .map(|kv| String::from_utf8_lossy(kv).into_owned())
+        .filter(|kv| kv.starts_with("MCPGW_"))
+        .collect();
+    assert!(
+        worker_mcpgw
+            .iter()
+            .any(|kv| kv.starts_with("MCPGW_TEST_SECRET="))
+            && worker_mcpgw.len() > 1,
+        "{worker_mcpgw:?}"
+    );
+
+    let session = initialize(fleet.addr(0), "/mcp");
+    let report = call_tool(fleet.addr(0), "/mcp", &session, 2, "environment", json!({}));
+    let env: serde_json::Map<String, Value> =
+        serde_json::from_str(&tool_text(&report)).expect("the environment as JSON");
+    let leaked: Vec<&String> = env.keys().filter(|k| k.starts_with("MCPGW_")).collect();
+    assert!(leaked.is_empty(), "the child sees {leaked:?}");
+    assert_eq!(env.get("INHERITED_BY_CHILD"), Some(&json!("yes")));
+    assert_eq!(
+        env.get("CONFIGURED_FOR_CHILD"),
+        Some(&json!("from the config"))
+    );
+}
+
+#[test]
+fn an_upstream_asking_a_2026_client_hears_method_not_found_and_the_client_a_comment() {
+    let port = mcpgw_testkit::free_port();
+    let mut server = Child::spawn(
+        "asking_server",
+        &python(),
+        &[
+            python_script("asking_server.py").display().to_string(),
+            "http".into(),
+            port.to_string(),
+        ],
+    );
+    server.wait_for_line(
+        "asking_server listening",
+        std::time::Duration::from_secs(30),
+    );
+    mcpgw_testkit::wait_for_listener(
+        &format!("127.0.0.1:{port}"),
+        std::time::Duration::from_secs(30),
+    );
+    let config = temp_file(
+        "mcpgw.toml",
+        &format!(
+            "[[upstream]]\nname = \"stdio\"\ncommand = [\"{}\", \"{}\", \"stdio\"]\n\n\
+             [[upstream]]\nname = \"web\"\nurl = \"http://127.0.0.1:{port}/mcp\"\nlegacy_only = true\n",
+            python().display(),
+            python_script("asking_server.py").display()
+        ),
+    );
+    let gateway = Gateway::start(&["--config", &config.display().to_string()]);
+    for route in ["stdio", "web"] {
+        for (kind, method) in [
+            ("elicitation", "elicitation/create"),
+            ("sampling", "sampling/createMessage"),
+            ("roots", "roots/list"),
+        ] {
+            let read = read_stream(
+                &gateway.addr,
+                "POST",
+                &format!("/servers/{route}/mcp"),
+                &http::modern_headers("tools/call", Some("ask_client")),
+                &http::modern_body(
+                    7,
+                    "tools/call",
+                    json!({"name": "ask_client", "arguments": {"kind": kind}}),
+                ),
+                Until::End,
+            );
+            let what = format!("{route}, {kind}");
+            assert_eq!(read.status, 200, "{what}");
+            assert!(
+                read.events.iter().all(|e| e.data.get("method").is_none()),
+                "{what}: the request reached the client: {:?}",
+                read.events
+            );
+            assert!(
+                read.comments
+                    .iter()
+                    .any(|c| c.text.contains(&format!("declined a {method} request"))),
+                "{what}: {:?}",
+                read.comments
+            );
+            let heard = read
+                .events
+                .iter()
+                .find(|e| e.data["id"] == 7)
+                .and_then(|e| e.data["result"]["content"][0]["text"].as_str())
+                .unwrap_or_else(|| panic!("{what}: no result: {:?}", read.events))
+                .to_owned();
+            assert!(
+                heard.starts_with(&format!("error -32601: {method} cannot reach this client")),
+                "{what}: the upstream heard {heard:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_client_that_goes_away_cancels_its_forwarded_json_call_at_the_upstream() {
+    let port = mcpgw_testkit::free_port();
+    let mut server = Child::spawn(
+        "ticking_server",
+        &python(),
+        &[
+            python_script("ticking_server.py").display().to_string(),
+            "http".into(),
+            port.to_string(),
+        ],
+    );
+    server.wait_for_line(
+        "ticking_server listening",
+        std::time::Duration::from_secs(30),
+    );
+    let web = format!("127.0.0.1:{port}");
+    mcpgw_testkit::wait_for_listener(&web, std::time::Duration::from_secs(30));
+    let fleet = Fleet::start(
+        2,
+        &[
+            "--upstream".into(),
+            format!("web=http://{web}/mcp"),
+            "--upstream".into(),
+            format!(
+                "stdio=stdio:{} {} stdio",
+                python().display(),
+                python_script("ticking_server.py").display()
+            ),
+        ],
+    );
+    // An HTTP upstream sees the request it was running go away; a stdio one is sent
+    // notifications/cancelled.
+    for (route, ended_by) in [("web", "disconnected"), ("stdio", "cancelled")] {
+        let path = format!("/servers/{route}/mcp");
+        let session = initialize(fleet.addr(0), &path);
+        let progress = || -> Value {
+            if route == "web" {
+                return http::request(&web, "GET", "/ticks", &[], b"").json();
+            }
+            let answer = call_tool(fleet.addr(0), &path, &session, 9, "ticks", json!({}));
+            serde_json::from_str(&tool_text(&answer)).expect("ticks as JSON")
+        };
+
+        // Through worker 1 the call is forwarded to the owner and answered as plain
+        // JSON (an SSE answer would be read on for resumption instead).
+        let short = call_tool(
+            fleet.addr(1),
+            &path,
+            &session,
+            2,
+            "tick",
+            json!({"count": 1, "interval_ms": 0}),
+        );
+        assert_eq!(tool_text(&short), "ticked 1 times", "{route}");
+        assert_eq!(short.header("content-type"), Some("application/json"));
+        assert_ne!(
+            short.header("mcpgw-owner-worker"),
+            short.header("mcpgw-edge-worker"),
+            "{route}: forwarded"
+        );
+
+        let client = support::send_request(
+            fleet.addr(1),
+            "POST",
+            &path,
+            &mcp_headers(Some(&session)),
+            &http::tool_call_body(3, "tick", json!({"count": 100_000, "interval_ms": 10})),
+        );
+        mcpgw_testkit::eventually(std::time::Duration::from_secs(60), || {
+            let now = progress();
+            if now["running"] == 1 {
+                Ok(())
+            } else {
+                Err(now)
+            }
+        });
+        let gone = std::time::Instant::now();
+        drop(client);
+        let after = mcpgw_testkit::eventually(std::time::Duration::from_secs(60), || {
+            let now = progress();
+            if now["running"] == 0 {
+                Ok(now)
+            } else {
+                Err(now)
+            }
+        });
+        eprintln!(
+            "{route}: the call stopped {:?} after its client went away: {after}",
+            gone.elapsed()
+        );
+        assert_eq!(after[ended_by], 1, "{route}: {after}");
+        assert_eq!(
+            after["finished"], 1,
+            "{route}: only the short call ran to its end: {after}"
+        );
+    }
 }

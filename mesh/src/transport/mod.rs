@@ -98,7 +98,7 @@ pub use self::redis::RedisTransportConfig;
 pub use budget::{StreamCounter, StreamCounts};
 pub use client::{CALLER_DEADLINE_GRACE, ForwardedResponse, MeshClient};
 pub use error::MeshError;
-pub use observe::{MeshObserver, observe_mesh_with};
+pub use observe::{MeshObserver, OpenConnectionInfo, observe_mesh_with, open_connections};
 pub use server::{MeshServer, MeshServerHandle};
 pub use tls::{ClientTls, ServerTls, hard_age, mesh_tls_settings};
 

@@ -1,8 +1,14 @@
 //! What the mesh transports report for metrics: handshakes by side and outcome, and
 //! connections open now. One observer per process (a worker is one process), set once
-//! by the gateway; without one, nothing is counted.
+//! by the gateway; without one, nothing is counted. The connections open now, with
+//! the peer certificate each was made with, are listed by [`open_connections`].
 
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
+
+use mcpgw_certs::PeerIdentity;
+use parking_lot::Mutex;
 
 use super::MeshError;
 
@@ -56,22 +62,58 @@ pub(crate) fn dial_failure(error: &MeshError) -> &'static str {
     }
 }
 
-/// Counts one open connection on `side` for as long as it lives.
-pub(crate) struct OpenConnection(&'static str);
+/// A mesh connection open now, as [`open_connections`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct OpenConnectionInfo {
+    /// `"caller"` (we dialled) or `"owner"` (we accepted).
+    pub side: &'static str,
+    /// The peer's mesh identity URI.
+    pub peer_identity: String,
+    /// SHA-256 of the leaf the peer presented: after a rotation, whether this
+    /// connection still rests on an old certificate.
+    pub peer_leaf_fingerprint: String,
+}
+
+/// Every mesh connection of this process that is open now, by when it opened.
+static OPEN: Mutex<BTreeMap<u64, OpenConnectionInfo>> = Mutex::new(BTreeMap::new());
+static NEXT_OPEN: AtomicU64 = AtomicU64::new(0);
+
+/// The mesh connections of this process that are open now (QUIC and TCP, both sides),
+/// oldest first.
+pub fn open_connections() -> Vec<OpenConnectionInfo> {
+    OPEN.lock().values().cloned().collect()
+}
+
+/// Counts one open connection on `side` for as long as it lives, and lists it with
+/// the peer certificate it was made with.
+pub(crate) struct OpenConnection {
+    side: &'static str,
+    key: u64,
+}
 
 impl OpenConnection {
-    pub(crate) fn new(side: &'static str) -> Self {
+    pub(crate) fn new(side: &'static str, peer: &PeerIdentity) -> Self {
         if let Some(observer) = OBSERVER.get() {
             observer.connections(side, 1);
         }
-        OpenConnection(side)
+        let key = NEXT_OPEN.fetch_add(1, Ordering::Relaxed);
+        OPEN.lock().insert(
+            key,
+            OpenConnectionInfo {
+                side,
+                peer_identity: peer.uri.clone(),
+                peer_leaf_fingerprint: peer.leaf_fingerprint.clone(),
+            },
+        );
+        OpenConnection { side, key }
     }
 }
 
 impl Drop for OpenConnection {
     fn drop(&mut self) {
+        OPEN.lock().remove(&self.key);
         if let Some(observer) = OBSERVER.get() {
-            observer.connections(self.0, -1);
+            observer.connections(self.side, -1);
         }
     }
 }

@@ -43,6 +43,8 @@ const GREETING_FAILED: VarInt = VarInt::from_u32(3);
 /// Application error code closing a connection that outlived its maximum age or its
 /// peer's certificate.
 const CONNECTION_TOO_OLD: VarInt = VarInt::from_u32(4);
+/// Application error code closing a retired connection once nothing uses it.
+const RETIRED: VarInt = VarInt::from_u32(0);
 
 /// rustls client config, as quinn takes it.
 fn quic_client_crypto(tls: Arc<rustls::ClientConfig>) -> Result<Arc<QuicClientConfig>, MeshError> {
@@ -248,7 +250,7 @@ async fn connection(incoming: quinn::Incoming, tls: ServerTls, shared: Arc<Serve
     let _ = writer.get_mut().finish();
     drop((reader, writer));
     observe::handshake("owner", "ok");
-    let _open = OpenConnection::new("owner");
+    let _open = OpenConnection::new("owner", &identity);
     let close_at = ConnectionLife::owner_close_at(limits.max_connection_age, identity.not_after);
     let peer = PeerInfo {
         addr: remote,
@@ -510,6 +512,20 @@ struct PeerConn {
     identity: String,
     /// When it stops taking new streams, and when it closes.
     life: ConnectionLife,
+    /// Held by the peer's slot and by every exchange on this connection: when the slot
+    /// has let go of it (retired, forgotten) and its last exchange ends, it closes.
+    in_use: Arc<InUse>,
+}
+
+/// Dropped with the last holder of a connection: tells the connection's task, whose
+/// handle would otherwise keep it open until the peer's certificate expires, to close
+/// it.
+struct InUse(tokio_util::sync::CancellationToken);
+
+impl Drop for InUse {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
 }
 
 impl QuicClient {
@@ -641,14 +657,20 @@ impl QuicClient {
                         self.limits.max_connection_age,
                         identity.not_after,
                     );
-                    // A connection never outlives its peer's certificate, busy or not.
+                    // A connection never outlives its peer's certificate, busy or not,
+                    // nor its last user.
                     let expiring = conn.clone();
-                    let open = OpenConnection::new("caller");
+                    let open = OpenConnection::new("caller", &identity);
+                    let unused = tokio_util::sync::CancellationToken::new();
+                    let let_go = unused.clone();
                     tokio::spawn(async move {
                         let _open = open;
                         tokio::select! {
                             () = tokio::time::sleep_until(life.close_at) => {
                                 expiring.close(CONNECTION_TOO_OLD, b"the peer's certificate expired");
+                            }
+                            () = let_go.cancelled() => {
+                                expiring.close(RETIRED, b"retired");
                             }
                             _ = expiring.closed() => {}
                         }
@@ -658,6 +680,7 @@ impl QuicClient {
                         worker_id,
                         identity: identity.uri,
                         life,
+                        in_use: Arc::new(InUse(unused)),
                     })
                 }
                 Err(e) => {
@@ -761,6 +784,7 @@ impl QuicClient {
                 reader: FrameReader::new(recv, self.limits.max_frame),
                 state: ExState::Open,
                 released: false,
+                _in_use: pc.in_use.clone(),
             };
             match exchange.writer.send_encoded(request).await {
                 Ok(()) => {
@@ -864,6 +888,9 @@ pub(crate) struct QuicExchange {
     pub(crate) state: ExState,
     /// Set once the streams were finished or cancelled.
     released: bool,
+    /// Keeps the connection open while this exchange lives (declared last: dropped
+    /// after the streams are released).
+    _in_use: Arc<InUse>,
 }
 
 impl QuicExchange {

@@ -1,7 +1,7 @@
 //! Helpers of the upstream tests, kept small and beside them: a fleet of one-worker
 //! supervisors (so each worker has an address of its own and a test can pick the
-//! worker), a proxy that routes each request by what it carries, an SSE reader that
-//! can drop its connection mid-stream, and process checks.
+//! worker), an SSE reader that notes comments and can drop its connection mid-stream,
+//! a request whose client goes away before the answer, and process checks.
 
 #![allow(dead_code)]
 
@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 
 use mcpgw_testkit::fleet::{MeshCerts, supervisor_flags};
 use mcpgw_testkit::{Gateway, RedisServer};
+
+pub use mcpgw_testkit::process::{children_of, running};
 
 /// Redis and `n` supervisors of one worker each: worker `i` is reached at `addr(i)`.
 pub struct Fleet {
@@ -70,17 +72,6 @@ pub fn worker_at(fleet: &Fleet, i: usize) -> (u32, String) {
     (lease.pid, id)
 }
 
-/// Whether a process runs (a zombie does not: it is dead, waiting to be reaped).
-pub fn running(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit_once(") ")
-            .and_then(|(_, rest)| rest.chars().next())
-            .is_some_and(|state| state != 'Z' && state != 'X'),
-        Err(_) => false,
-    }
-}
-
 /// Waits until `pid` no longer runs; panics with `what` after a generous deadline
 /// (a bound on a hang, not a speed requirement).
 pub fn wait_stopped(pid: u32, what: &str) {
@@ -94,26 +85,6 @@ pub fn wait_stopped(pid: u32, what: &str) {
     }
 }
 
-/// Pids of the running children of `parent`.
-pub fn children_of(parent: u32) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|stat| {
-                    let (_, rest) = stat.rsplit_once(") ")?;
-                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
-                })
-                == Some(parent)
-        })
-        .filter(|pid| running(*pid))
-        .collect()
-}
-
 /// One SSE event as a client saw it.
 #[derive(Debug, Clone)]
 pub struct Event {
@@ -121,26 +92,45 @@ pub struct Event {
     pub data: serde_json::Value,
 }
 
-/// Sends a request and reads its SSE answer event by event; with `stop_after`, drops
-/// the connection after that many events (a client whose connection broke).
-pub fn read_events(
+/// One SSE comment (a line starting with `:`), and when it came after the request was
+/// sent.
+#[derive(Debug, Clone)]
+pub struct Comment {
+    pub text: String,
+    pub after: Duration,
+}
+
+/// What a client read of an SSE answer.
+#[derive(Debug, Default)]
+pub struct Stream {
+    pub status: u16,
+    pub events: Vec<Event>,
+    pub comments: Vec<Comment>,
+}
+
+/// When [`read_stream`] stops reading and drops the connection.
+#[derive(Debug, Clone, Copy)]
+pub enum Until {
+    /// The server ends the stream.
+    End,
+    /// This many events arrived (a client whose connection broke).
+    Events(usize),
+    /// A comment arrived.
+    Comment,
+}
+
+/// Sends a request to `path` and reads its SSE answer event by event until `until`,
+/// then drops the connection as a client whose network broke would.
+pub fn read_stream(
     addr: &str,
     method: &str,
+    path: &str,
     headers: &[(&str, &str)],
     body: &[u8],
-    stop_after: Option<usize>,
-) -> (u16, Vec<Event>) {
-    let mut stream = TcpStream::connect(addr).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(60)))
-        .expect("timeout");
-    let mut head = format!("{method} /mcp HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
-    for (k, v) in headers {
-        head.push_str(&format!("{k}: {v}\r\n"));
-    }
-    head.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
-    stream.write_all(head.as_bytes()).expect("send head");
-    stream.write_all(body).expect("send body");
+    until: Until,
+) -> Stream {
+    let sent = Instant::now();
+    let stream = send_request(addr, method, path, headers, body);
     let mut reader = BufReader::new(stream);
     let mut status_line = String::new();
     reader.read_line(&mut status_line).expect("status line");
@@ -161,7 +151,10 @@ pub fn read_events(
             chunked = true;
         }
     }
-    let mut events = Vec::new();
+    let mut read = Stream {
+        status,
+        ..Stream::default()
+    };
     let mut pending = String::new();
     let read_some = |reader: &mut BufReader<TcpStream>| -> Option<Vec<u8>> {
         if chunked {
@@ -194,6 +187,14 @@ pub fn read_events(
                     id = Some(v.trim().to_owned());
                 } else if let Some(v) = line.strip_prefix("data:") {
                     data.push(v.trim_start().to_owned());
+                } else if let Some(text) = line.strip_prefix(':') {
+                    read.comments.push(Comment {
+                        text: text.trim().to_owned(),
+                        after: sent.elapsed(),
+                    });
+                    if matches!(until, Until::Comment) {
+                        break 'reading;
+                    }
                 }
             }
             if data.is_empty() {
@@ -202,13 +203,69 @@ pub fn read_events(
             let Ok(data) = serde_json::from_str(&data.join("\n")) else {
                 continue;
             };
-            events.push(Event { id, data });
-            if stop_after.is_some_and(|n| events.len() >= n) {
-                // Drop the connection as a client whose network broke would.
-                let _ = reader.get_ref().shutdown(Shutdown::Both);
+            read.events.push(Event { id, data });
+            if matches!(until, Until::Events(n) if read.events.len() >= n) {
                 break 'reading;
             }
         }
     }
-    (status, events)
+    // Drop the connection as a client whose network broke would.
+    let _ = reader.get_ref().shutdown(Shutdown::Both);
+    read
+}
+
+/// [`read_stream`] on `/mcp`: the status and the events; with `stop_after`, the
+/// connection drops after that many events.
+pub fn read_events(
+    addr: &str,
+    method: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    stop_after: Option<usize>,
+) -> (u16, Vec<Event>) {
+    let until = stop_after.map_or(Until::End, Until::Events);
+    let read = read_stream(addr, method, "/mcp", headers, body, until);
+    (read.status, read.events)
+}
+
+/// Sends a request and returns its connection unread: the request runs until the
+/// connection is dropped (a client that goes away before the answer).
+pub fn send_request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
+    stream.write_all(head.as_bytes()).expect("send head");
+    stream.write_all(body).expect("send body");
+    stream
+}
+
+/// The events (with data) in a whole SSE body.
+pub fn events_in(text: &str) -> Vec<Event> {
+    text.split("\n\n")
+        .filter_map(|raw| {
+            let mut id = None;
+            let mut data = Vec::new();
+            for line in raw.lines() {
+                if let Some(v) = line.strip_prefix("id:") {
+                    id = Some(v.trim().to_owned());
+                } else if let Some(v) = line.strip_prefix("data:") {
+                    data.push(v.trim_start());
+                }
+            }
+            let data = serde_json::from_str(&data.join("\n")).ok()?;
+            Some(Event { id, data })
+        })
+        .collect()
 }

@@ -95,13 +95,12 @@ impl StdioUpstream {
                     max: self.command.max_processes,
                 }
             })?;
-        let mut child =
-            spawn(self.command_line())
-                .await
-                .map_err(|detail| UpstreamError::Spawn {
-                    name: self.name.clone(),
-                    detail,
-                })?;
+        let spawn_error = |detail| UpstreamError::Spawn {
+            name: self.name.clone(),
+            detail,
+        };
+        check_program(&self.command).map_err(spawn_error)?;
+        let mut child = spawn(self.command_line()).await.map_err(spawn_error)?;
         let pid = child.id().unwrap_or(0);
         let spawn_failed = |what: &str| UpstreamError::Spawn {
             name: self.name.clone(),
@@ -173,6 +172,43 @@ impl StdioUpstream {
     }
 }
 
+/// Whether the program of `command` can be executed: a path must name an executable
+/// file (relative to the child's working directory), a bare name must be one on the
+/// child's `PATH`. The child itself is `mcpgw stdio-exec`, which always starts, so
+/// without this check a command that cannot start would look like a server that
+/// exited with status 127.
+fn check_program(command: &StdioCommand) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    use std::path::Path;
+    let executable = |path: &Path| {
+        path.metadata()
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    let program = &command.program;
+    if program.contains('/') {
+        let path = match &command.cwd {
+            Some(cwd) => cwd.join(program),
+            None => Path::new(program).to_path_buf(),
+        };
+        return if executable(&path) {
+            Ok(())
+        } else {
+            Err(format!("{program} is not an executable file"))
+        };
+    }
+    let search = command
+        .env
+        .get("PATH")
+        .cloned()
+        .or_else(|| std::env::var("PATH").ok())
+        .unwrap_or_else(|| "/bin:/usr/bin".to_owned());
+    if std::env::split_paths(&search).any(|dir| executable(&dir.join(program))) {
+        Ok(())
+    } else {
+        Err(format!("{program} is not found on PATH ({search})"))
+    }
+}
+
 /// One place in an upstream's process limit, given back when the child is gone.
 struct ProcessSlot(Arc<AtomicUsize>);
 
@@ -220,7 +256,7 @@ impl StdioProcess {
     /// line for it is the response, else with an SSE stream of its lines up to the
     /// response; anything else is written and answered 202.
     pub async fn exchange(
-        &self,
+        self: &Arc<Self>,
         body: &[u8],
         accepts_json: bool,
         timeout: Duration,
@@ -250,11 +286,18 @@ impl StdioProcess {
             self.check_open(&conversation)?;
             conversation.request(message, sink)
         };
+        let mut unanswered = CancelIfDropped {
+            process: Arc::clone(self),
+            id,
+            timeout,
+            armed: true,
+        };
         let first = tokio::time::timeout(timeout, async {
             self.write(&line, timeout).await?;
             Ok::<_, UpstreamError>(answers.recv().await)
         })
         .await;
+        unanswered.armed = false;
         let first = match first {
             // Ended before any answer: the same truthful error as a request that finds
             // the child already gone (404 session_gone), whichever noticed first.
@@ -351,6 +394,44 @@ impl StdioProcess {
             name: self.name.clone(),
             detail,
         }
+    }
+}
+
+/// A request whose client went away before its first answer (the connection dropped,
+/// and with it the exchange waiting here) is cancelled at the child, as dropping the
+/// request cancels it at an HTTP upstream: the gateway forgets it and sends the child
+/// `notifications/cancelled`. A request answered by a stream is not: its stream is
+/// read on for the client to resume.
+struct CancelIfDropped {
+    process: Arc<StdioProcess>,
+    /// The id the child knows the request by.
+    id: u64,
+    timeout: Duration,
+    /// Disarmed once the exchange has its first answer (or its own error).
+    armed: bool,
+}
+
+impl Drop for CancelIfDropped {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        self.process.conversation.lock().abandon(self.id);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let cancel = serde_json::json!({
+            "jsonrpc": "2.0",
+            "method": "notifications/cancelled",
+            "params": { "requestId": self.id, "reason": "the client went away" },
+        });
+        let mut line = cancel.to_string().into_bytes();
+        line.push(b'\n');
+        let (process, timeout) = (Arc::clone(&self.process), self.timeout);
+        runtime.spawn(async move {
+            // A child that is gone needs no cancellation.
+            let _ = process.write(&line, timeout).await;
+        });
     }
 }
 
@@ -605,4 +686,37 @@ pub fn exec_child(command: Vec<String>) -> ExitCode {
         .exec();
     eprintln!("mcpgw: cannot run the stdio upstream command {program:?}: {error}");
     ExitCode::from(127)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn command(program: &str, path: Option<&str>) -> StdioCommand {
+        StdioCommand {
+            program: program.to_owned(),
+            args: Vec::new(),
+            env: path
+                .map(|p| [("PATH".to_owned(), p.to_owned())].into())
+                .unwrap_or_default(),
+            cwd: None,
+            max_processes: 1,
+        }
+    }
+
+    #[test]
+    fn a_program_is_an_executable_path_or_a_name_on_the_childs_path() {
+        assert_eq!(check_program(&command("/bin/sh", None)), Ok(()));
+        assert_eq!(
+            check_program(&command("sh", Some("/nonexistent:/bin"))),
+            Ok(())
+        );
+        let not_found = check_program(&command("sh", Some("/nonexistent"))).unwrap_err();
+        assert!(not_found.contains("sh is not found on PATH"), "{not_found}");
+        let not_executable = check_program(&command("/etc/passwd", None)).unwrap_err();
+        assert!(
+            not_executable.contains("not an executable file"),
+            "{not_executable}"
+        );
+    }
 }

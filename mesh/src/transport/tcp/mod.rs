@@ -161,7 +161,7 @@ async fn connection(
         return;
     };
     observe::handshake("owner", "ok");
-    let _open = OpenConnection::new("owner");
+    let _open = OpenConnection::new("owner", &identity);
     let close_at = ConnectionLife::owner_close_at(limits.max_connection_age, identity.not_after);
     let peer = PeerInfo {
         addr: remote,
@@ -443,6 +443,7 @@ impl Dialer {
             .inspect_err(|e| observe::handshake("caller", observe::dial_failure(e)))?;
         observe::handshake("caller", "ok");
         let life = ConnectionLife::starting_now(limits.max_connection_age, identity.not_after);
+        let open = OpenConnection::new("caller", &identity);
         let outbox = Outbox::new(limits.max_frame);
         let conn = CallerConn::new(
             outbox.clone(),
@@ -469,7 +470,6 @@ impl Dialer {
         });
         let (read, leftover) = reader.into_parts();
         let reader = MuxReader::new(read, leftover, limits.max_frame);
-        let open = OpenConnection::new("caller");
         let (reading, stop) = (conn.clone(), self.stop.clone());
         tokio::spawn(async move {
             let _open = open;
