@@ -18,6 +18,9 @@ use crate::mcp::{self, Era, GatewayError, Message};
 pub struct Routes {
     by_name: HashMap<String, usize>,
     default: Option<usize>,
+    /// Every route is public, so the 404 for an unknown path may list them: where
+    /// clients must authenticate, the route names are not told to strangers.
+    list_in_not_found: bool,
 }
 
 impl Routes {
@@ -29,7 +32,15 @@ impl Routes {
             .map(|(i, u)| (u.name.clone(), i))
             .collect();
         let default = config.default_upstream().map(|_| 0);
-        Self { by_name, default }
+        let list_in_not_found = config
+            .upstreams
+            .iter()
+            .all(|u| config.auth.mode_of(&u.name) == crate::auth::config::Mode::Public);
+        Self {
+            by_name,
+            default,
+            list_in_not_found,
+        }
     }
 
     /// The upstream index a path addresses.
@@ -41,23 +52,29 @@ impl Routes {
         self.by_name.get(name).copied()
     }
 
+    /// The 404 for a path that is no route. It names the routes only when all are
+    /// public; otherwise it says how a route path looks, and nothing of which exist.
     pub fn not_found(&self, path: &str) -> GatewayError {
-        let mut names: Vec<&str> = self.by_name.keys().map(String::as_str).collect();
-        names.sort_unstable();
-        let shortcut = if self.default.is_some() {
-            " or /mcp"
-        } else {
-            ""
-        };
-        GatewayError::new(
-            StatusCode::NOT_FOUND,
-            mcp::code::METHOD_NOT_FOUND,
+        let path = truncate_path(path);
+        let message = if self.list_in_not_found {
+            let mut names: Vec<&str> = self.by_name.keys().map(String::as_str).collect();
+            names.sort_unstable();
+            let shortcut = if self.default.is_some() {
+                " or /mcp"
+            } else {
+                ""
+            };
             format!(
-                "no MCP endpoint at {:?}: use /servers/{{name}}/mcp{shortcut} (configured: {})",
-                truncate_path(path),
+                "no MCP endpoint at {path:?}: use /servers/{{name}}/mcp{shortcut} (configured: {})",
                 names.join(", ")
-            ),
-        )
+            )
+        } else {
+            format!(
+                "no MCP endpoint at {path:?}: use /servers/{{name}}/mcp with the name of the \
+                 server you were given"
+            )
+        };
+        GatewayError::new(StatusCode::NOT_FOUND, mcp::code::METHOD_NOT_FOUND, message)
     }
 }
 
@@ -324,6 +341,22 @@ mod tests {
         assert_eq!(two.resolve("/mcp"), None);
         assert_eq!(two.resolve("/servers/b/mcp"), Some(1));
         assert!(two.not_found("/x").message.contains("a, b"));
+    }
+
+    #[test]
+    fn the_not_found_of_a_gateway_with_an_authenticated_route_names_no_route() {
+        let mut config = Config {
+            upstreams: ["open", "secret-name"]
+                .iter()
+                .map(|n| UpstreamConfig::http(n, "http://127.0.0.1:1/mcp"))
+                .collect(),
+            ..Config::default()
+        };
+        config.auth = toml::from_str("[routes.secret-name]\nmode = \"api-key\"\n").unwrap();
+        let message = Routes::new(&config).not_found("/x").message;
+        assert!(!message.contains("open"), "{message}");
+        assert!(!message.contains("secret-name"), "{message}");
+        assert!(message.contains("/servers/{name}/mcp"), "{message}");
     }
 
     fn head_status(method: Method, path: &str, h: &[(&'static str, &str)]) -> Option<u16> {

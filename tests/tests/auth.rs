@@ -1506,3 +1506,427 @@ fn rate_limiter_without_redis_fails_open_or_closed_as_configured() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+// ---- keys belong to their route; nothing of the configuration to strangers -------------
+
+/// Claims for `iss` and `aud` other than the suite's defaults.
+fn claims_for(iss: &str, aud: &str, sub: &str, scope: &str) -> Value {
+    json!({
+        "iss": iss, "aud": aud, "sub": sub, "scope": scope,
+        "iat": now_secs(), "exp": now_secs() + 300,
+    })
+}
+
+/// Three jwt routes: `alpha` uses `[auth.jwt]` (its issuer and the HMAC key in
+/// `[[auth.jwt.keys]]`), `beta` names its own issuer and JWKS, `gamma` its own issuer
+/// and HMAC key. Whoever holds alpha's secret mints tokens with beta's and gamma's
+/// `iss` and `aud` (and every scope): both refuse them, as they refuse gamma's kid with
+/// alpha's secret, and none reaches the upstream; each route's own tokens work.
+#[test]
+fn a_static_key_is_trusted_only_by_the_routes_of_its_issuer() {
+    let dir = temp_dir("bound-keys");
+    let upstream = Upstream::start();
+    let (alpha_secret, gamma_secret) = (
+        b"alpha's HMAC secret, 32 bytes or more".as_slice(),
+        b"gamma's HMAC secret, 32 bytes or more".as_slice(),
+    );
+    std::fs::write(dir.join("alpha.secret"), alpha_secret).expect("secret");
+    std::fs::write(dir.join("gamma.secret"), gamma_secret).expect("secret");
+    let beta_key = SigningKey::generate("beta-ec", Algorithm::ES256);
+    std::fs::write(dir.join("beta-jwks.json"), jwks_json(&[&beta_key])).expect("JWKS");
+    let (beta_iss, gamma_iss) = ("https://beta-issuer.test", "https://gamma-issuer.test");
+    let config = dir.join("mcpgw.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[[upstream]]
+name = "alpha"
+url = "{url}"
+[[upstream]]
+name = "beta"
+url = "{url}"
+[[upstream]]
+name = "gamma"
+url = "{url}"
+
+[auth]
+mode = "jwt"
+
+[auth.jwt]
+issuer = "{ISSUER}"
+audience = "aud-alpha"
+[[auth.jwt.keys]]
+kid = "hs-alpha"
+alg = "HS256"
+secret_file = "{dir}/alpha.secret"
+
+[auth.routes.beta]
+issuer = "{beta_iss}"
+audience = "aud-beta"
+jwks = "{dir}/beta-jwks.json"
+tool_scopes = {{ counter_increment = ["mcp:write"] }}
+
+[auth.routes.gamma]
+issuer = "{gamma_iss}"
+audience = "aud-gamma"
+[[auth.routes.gamma.keys]]
+kid = "hs-gamma"
+alg = "HS256"
+secret_file = "{dir}/gamma.secret"
+"#,
+            url = upstream.url,
+            dir = dir.display(),
+        ),
+    )
+    .expect("config");
+    let gateway = LoggedGateway::start(
+        &["--config", &config.display().to_string()],
+        dir.join("gateway.log"),
+    );
+    let addr = gateway.addr.as_str();
+    let alpha_key = EncodingKey::from_secret(alpha_secret).expect("HMAC key");
+    let gamma_key = EncodingKey::from_secret(gamma_secret).expect("HMAC key");
+    let hs = |key: &EncodingKey, kid: &str, claims: &Value| {
+        sign_with(key, Algorithm::HS256, Some(kid), claims)
+    };
+
+    let requests_before = requests(&upstream);
+    let forged = [
+        (
+            "alpha's key, beta's iss and aud",
+            "beta",
+            hs(
+                &alpha_key,
+                "hs-alpha",
+                &claims_for(beta_iss, "aud-beta", "mallory", "mcp:write"),
+            ),
+            "unknown_key",
+        ),
+        (
+            "alpha's key, gamma's iss and aud",
+            "gamma",
+            hs(
+                &alpha_key,
+                "hs-alpha",
+                &claims_for(gamma_iss, "aud-gamma", "mallory", "mcp:write"),
+            ),
+            "unknown_key",
+        ),
+        (
+            "alpha's secret under gamma's kid",
+            "gamma",
+            hs(
+                &alpha_key,
+                "hs-gamma",
+                &claims_for(gamma_iss, "aud-gamma", "mallory", "mcp:write"),
+            ),
+            "bad_signature",
+        ),
+    ];
+    for (case, route, token, problem) in &forged {
+        let path = format!("/servers/{route}/mcp");
+        let response = post(addr, &path, Some(token), None, &initialize_body());
+        assert_refused(&response, 401, "invalid_token", Some(problem), token, case);
+    }
+    assert_eq!(
+        requests(&upstream),
+        requests_before,
+        "no forged token reached the upstream"
+    );
+
+    let own_tokens = [
+        (
+            "alpha",
+            hs(
+                &alpha_key,
+                "hs-alpha",
+                &claims_for(ISSUER, "aud-alpha", "alice", "mcp"),
+            ),
+        ),
+        (
+            "beta",
+            beta_key.sign(&claims_for(beta_iss, "aud-beta", "alice", "mcp:write")),
+        ),
+        (
+            "gamma",
+            hs(
+                &gamma_key,
+                "hs-gamma",
+                &claims_for(gamma_iss, "aud-gamma", "alice", "mcp"),
+            ),
+        ),
+    ];
+    for (route, token) in &own_tokens {
+        let path = format!("/servers/{route}/mcp");
+        let session = open_session(addr, &path, Some(token));
+        let tool = if *route == "beta" {
+            "counter_increment"
+        } else {
+            "echo"
+        };
+        let answer = call(addr, &path, Some(token), &session, tool);
+        assert_eq!(answer.status, 200, "{route}: {}", body_text(&answer));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The 404 for an unknown path lists the routes only when every route is public: on
+/// a gateway where some route needs a credential, a stranger learns no route name.
+#[test]
+fn the_not_found_of_an_auth_enabled_gateway_names_no_route() {
+    let dir = temp_dir("not-found");
+    let upstream = Upstream::start();
+    let tokens = dir.join("tokens");
+    std::fs::write(&tokens, format!("alice:{API_KEY_ALICE}\n")).expect("tokens file");
+    let config = dir.join("mcpgw.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[upstream]]\nname = \"open-route-x\"\nurl = \"{url}\"\n\
+             [[upstream]]\nname = \"private-route-y\"\nurl = \"{url}\"\n\
+             [auth]\ntokens_file = \"{tokens}\"\n\
+             [auth.routes.open-route-x]\nmode = \"public\"\n",
+            url = upstream.url,
+            tokens = tokens.display(),
+        ),
+    )
+    .expect("config");
+    let gateway = Gateway::start(&["--config", &config.display().to_string()]);
+    for path in ["/nope", "/servers/unknown/mcp", "/mcp"] {
+        let response = post(&gateway.addr, path, None, None, &initialize_body());
+        let text = body_text(&response);
+        assert_eq!(response.status, 404, "{path}: {text}");
+        assert_eq!(response.json()["error"]["code"], -32601, "{path}: {text}");
+        for name in ["open-route-x", "private-route-y"] {
+            assert!(!text.contains(name), "{path}: the 404 names {name}: {text}");
+        }
+        println!("{path}: {text}");
+    }
+    // The route the stranger was not told of still answers its own client.
+    open_session(
+        &gateway.addr,
+        "/servers/private-route-y/mcp",
+        Some(API_KEY_ALICE),
+    );
+
+    // Where every route is public, the 404 helps by naming them.
+    let public = Gateway::start(&[
+        "--upstream",
+        &format!("open-route-x={}", upstream.url),
+        "--upstream",
+        &format!("open-route-z={}", upstream.url),
+    ]);
+    let response = post(&public.addr, "/nope", None, None, &initialize_body());
+    let text = body_text(&response);
+    assert_eq!(response.status, 404, "{text}");
+    assert!(text.contains("open-route-x, open-route-z"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `keys_unavailable` (a JWKS URL that answers 503, a JWKS file gone after the start)
+/// and `unknown_key` (a kid neither JWKS holds) tell the client that the keys could
+/// not be loaded or the key is unknown, never where the keys live; the request's log
+/// line names the location.
+#[test]
+fn key_problems_name_the_key_location_in_the_log_and_never_to_the_client() {
+    let dir = temp_dir("key-location");
+    let upstream = Upstream::start();
+    let key = SigningKey::generate("kid-1", Algorithm::ES256);
+    let down = JwksServer::start(jwks_json(&[&key]));
+    down.set_down(true);
+    let up = JwksServer::start(jwks_json(&[&key]));
+    let gone_file = dir.join("gone-jwks.json");
+    let kept_file = dir.join("kept-jwks.json");
+    for file in [&gone_file, &kept_file] {
+        std::fs::write(file, jwks_json(&[&key])).expect("JWKS file");
+    }
+    let mut config = format!(
+        "[auth]\nmode = \"jwt\"\n[auth.jwt]\nissuer = \"{ISSUER}\"\naudience = \"{AUDIENCE}\"\n\
+         jwks_ca = \"{}\"\n",
+        up.ca.ca_file().display()
+    );
+    let routes = [
+        ("down", down.url.clone(), "keys_unavailable", 503),
+        (
+            "gone",
+            gone_file.display().to_string(),
+            "keys_unavailable",
+            503,
+        ),
+        ("up", up.url.clone(), "invalid_token", 401),
+        (
+            "kept",
+            kept_file.display().to_string(),
+            "invalid_token",
+            401,
+        ),
+    ];
+    for (name, jwks, _, _) in &routes {
+        config = format!(
+            "[[upstream]]\nname = \"{name}\"\nurl = \"{}\"\n{config}\
+             [auth.routes.{name}]\njwks = \"{jwks}\"\n",
+            upstream.url
+        );
+    }
+    // The down server has its own CA.
+    config = config.replace(
+        &format!("[auth.routes.down]\njwks = \"{}\"\n", down.url),
+        &format!(
+            "[auth.routes.down]\njwks = \"{}\"\njwks_ca = \"{}\"\n",
+            down.url,
+            down.ca.ca_file().display()
+        ),
+    );
+    let config_file = dir.join("mcpgw.toml");
+    std::fs::write(&config_file, &config).expect("config");
+    let gateway = LoggedGateway::start(
+        &["--config", &config_file.display().to_string()],
+        dir.join("gateway.log"),
+    );
+    std::fs::remove_file(&gone_file).expect("remove the JWKS file after the start");
+    let addr = gateway.addr.as_str();
+    let known = key.sign(&claims("alice", "", 300));
+    let unknown =
+        SigningKey::generate("kid-nobody-has", Algorithm::ES256).sign(&claims("alice", "", 300));
+
+    for (route, location, reason, status) in &routes {
+        let (token, problem) = if *status == 503 {
+            (&known, None)
+        } else {
+            (&unknown, Some("unknown_key"))
+        };
+        let path = format!("/servers/{route}/mcp");
+        let response = post(addr, &path, Some(token), None, &initialize_body());
+        assert_refused(&response, *status, reason, problem, token, route);
+        let text = body_text(&response);
+        println!("{route}: {text}");
+        let host_port = location
+            .strip_prefix("https://")
+            .and_then(|rest| rest.split('/').next());
+        for secret in [Some(location.as_str()), host_port]
+            .into_iter()
+            .flatten()
+            .chain([dir.display().to_string().as_str()])
+        {
+            assert!(
+                !text.contains(secret),
+                "{route}: the client is told {secret:?}: {text}"
+            );
+        }
+        mcpgw_testkit::eventually(Duration::from_secs(10), || {
+            let log = gateway.log();
+            let route_field = format!("route=\"{route}\"");
+            match log
+                .lines()
+                .find(|l| l.contains(&route_field) && l.contains(reason) && l.contains(location))
+            {
+                Some(line) => {
+                    println!("{route}: logged {line}");
+                    Ok(())
+                }
+                None => Err(format!("no log line of route {route} names {location}")),
+            }
+        });
+    }
+    assert!(
+        down.hits() >= 1,
+        "the gateway tried the JWKS URL that is down"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// An HMAC secret signs as well as it verifies: configured for two issuers (here the
+/// same bytes in two files), either could mint the other's tokens, so the gateway
+/// refuses to start and names both keys, never the secret. One secret per issuer
+/// starts.
+#[test]
+fn an_hmac_secret_shared_between_issuers_refuses_to_start() {
+    let dir = temp_dir("shared-secret");
+    let secret = b"one HMAC secret for two issuers, 32+ bytes";
+    std::fs::write(dir.join("alpha.secret"), secret).expect("secret");
+    std::fs::write(dir.join("copy.secret"), secret).expect("secret");
+    std::fs::write(
+        dir.join("own.secret"),
+        b"beta's own HMAC secret, 32 bytes or more",
+    )
+    .expect("secret");
+    let config = |beta_secret: &str| {
+        let path = dir.join(format!("mcpgw-{beta_secret}.toml"));
+        std::fs::write(
+            &path,
+            format!(
+                r#"
+[[upstream]]
+name = "alpha"
+url = "http://127.0.0.1:1/mcp"
+[[upstream]]
+name = "beta"
+url = "http://127.0.0.1:1/mcp"
+[auth]
+mode = "jwt"
+[auth.jwt]
+issuer = "{ISSUER}"
+audience = "{AUDIENCE}"
+[[auth.jwt.keys]]
+alg = "HS256"
+secret_file = "{dir}/alpha.secret"
+[auth.routes.beta]
+issuer = "https://beta-issuer.test"
+[[auth.routes.beta.keys]]
+alg = "HS256"
+secret_file = "{dir}/{beta_secret}"
+"#,
+                dir = dir.display()
+            ),
+        )
+        .expect("config");
+        path.display().to_string()
+    };
+    // Spawned, not run to completion: a gateway that wrongly starts is killed at the
+    // end of the wait instead of hanging the test.
+    let refused_log = dir.join("refused.log");
+    let mut command = Command::new(mcpgw_testkit::bin("mcpgw"));
+    command
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(config("copy.secret"));
+    let mut refused = mcpgw_testkit::Child::from_command_with_stderr(
+        "mcpgw (shared secret)",
+        command,
+        Stdio::from(std::fs::File::create(&refused_log).expect("log file")),
+    )
+    .expect("start mcpgw");
+    let code = refused.wait_exit(Duration::from_secs(30));
+    let stderr = std::fs::read_to_string(&refused_log).unwrap_or_default();
+    assert_eq!(code, Some(2), "{stderr}");
+    for named in [
+        "auth.routes.beta.keys[0]",
+        "auth.jwt.keys[0]",
+        ISSUER,
+        "https://beta-issuer.test",
+    ] {
+        assert!(
+            stderr.contains(named),
+            "the refusal names {named}: {stderr}"
+        );
+    }
+    assert!(
+        !stderr.contains("one HMAC secret"),
+        "the refusal shows the secret: {stderr}"
+    );
+    println!("refused: {}", stderr.trim());
+    let gateway = LoggedGateway::start(
+        &["--config", &config("own.secret")],
+        dir.join("gateway.log"),
+    );
+    let anonymous = post(
+        &gateway.addr,
+        "/servers/beta/mcp",
+        None,
+        None,
+        &initialize_body(),
+    );
+    assert_refused(&anonymous, 401, "missing_token", None, "", "beta serves");
+    drop(gateway);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -125,6 +125,8 @@ pub struct RouteSettings {
     pub audience: Vec<String>,
     pub jwks: Option<String>,
     pub jwks_ca: Option<PathBuf>,
+    /// Keys of this route's issuer given directly (`[[auth.routes.NAME.keys]]`).
+    pub keys: Vec<StaticKey>,
     pub authorization_servers: Vec<String>,
 }
 
@@ -151,6 +153,11 @@ pub struct RateLimitConfig {
 pub struct ResolvedJwt {
     pub issuer: String,
     pub audience: Vec<String>,
+    /// The route names its own issuer, JWKS or keys, so it trusts only its own keys
+    /// (`jwks` here, and `[[auth.routes.NAME.keys]]`); otherwise it trusts the keys of
+    /// `[auth.jwt]`, which belong to that issuer. A key is never trusted for another
+    /// issuer's tokens.
+    pub own_keys: bool,
     pub jwks: Option<String>,
     pub jwks_ca: Option<PathBuf>,
     pub leeway_secs: u64,
@@ -235,6 +242,7 @@ impl AuthConfig {
     pub fn jwt_of(&self, name: &str, is_default: bool) -> Result<ResolvedJwt, ConfigError> {
         let route = self.routes.get(name).cloned().unwrap_or_default();
         let field = |what: &str| format!("auth.routes.{name}.{what}");
+        let own_keys = route.issuer.is_some() || route.jwks.is_some() || !route.keys.is_empty();
         let issuer = route
             .issuer
             .or_else(|| self.jwt.issuer.clone())
@@ -294,7 +302,12 @@ impl AuthConfig {
         Ok(ResolvedJwt {
             issuer,
             audience,
-            jwks: route.jwks.or_else(|| self.jwt.jwks.clone()),
+            own_keys,
+            jwks: if own_keys {
+                route.jwks
+            } else {
+                self.jwt.jwks.clone()
+            },
             jwks_ca: route.jwks_ca.or_else(|| self.jwt.jwks_ca.clone()),
             leeway_secs,
             jwks_refresh_interval,
@@ -341,6 +354,12 @@ impl AuthConfig {
                 return Err(invalid(
                     &format!("auth.routes.{name}.scopes"),
                     "scopes come from JWTs: set mode = \"jwt\" for this route",
+                ));
+            }
+            if !route.keys.is_empty() && mode != Mode::Jwt {
+                return Err(invalid(
+                    &format!("auth.routes.{name}.keys"),
+                    "keys verify JWTs: set mode = \"jwt\" for this route",
                 ));
             }
         }
@@ -470,7 +489,52 @@ issuer = "https://other-idp"
             (b.issuer.as_str(), b.audience.as_slice()),
             ("https://other-idp", &["special".to_owned()][..])
         );
-        assert_eq!(b.jwks.as_deref(), Some("https://idp.example.com/jwks.json"));
+        assert!(!a.own_keys);
+        assert_eq!(a.jwks.as_deref(), Some("https://idp.example.com/jwks.json"));
+        // The keys of [auth.jwt] belong to its issuer: a route with another issuer
+        // does not inherit them.
+        assert!(b.own_keys);
+        assert_eq!(b.jwks, None);
+    }
+
+    #[test]
+    fn a_route_naming_its_own_issuer_jwks_or_keys_trusts_only_its_own_keys() {
+        let auth = parse(
+            r#"
+[jwt]
+issuer = "https://idp"
+audience = "aud"
+jwks = "https://idp/jwks.json"
+[routes.inherits]
+audience = "other-aud"
+[routes.issuer]
+issuer = "https://other-idp"
+[routes.jwks]
+jwks = "/etc/route-jwks.json"
+[[routes.keys.keys]]
+alg = "HS256"
+secret_file = "route.secret"
+"#,
+        );
+        let own = |name: &str| {
+            let resolved = auth.jwt_of(name, false).unwrap();
+            (resolved.own_keys, resolved.jwks)
+        };
+        assert_eq!(
+            own("inherits"),
+            (false, Some("https://idp/jwks.json".into()))
+        );
+        assert_eq!(own("issuer"), (true, None));
+        assert_eq!(own("jwks"), (true, Some("/etc/route-jwks.json".into())));
+        assert_eq!(own("keys"), (true, None));
+        let keys_without_jwt = parse("[[routes.demo.keys]]\nalg = \"HS256\"\n");
+        assert_eq!(
+            keys_without_jwt
+                .validate_shape(&["demo"], None)
+                .unwrap_err()
+                .field,
+            "auth.routes.demo.keys"
+        );
     }
 
     #[test]

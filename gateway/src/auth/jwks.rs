@@ -82,6 +82,16 @@ impl KeySet {
     pub fn len(&self) -> usize {
         self.keys.len()
     }
+
+    /// The secrets of its HMAC keys with their index and `kid`, for the start-time
+    /// check that no secret serves two issuers.
+    pub fn hmac_secrets(&self) -> impl Iterator<Item = (usize, Option<&str>, &[u8])> {
+        self.keys
+            .iter()
+            .enumerate()
+            .filter(|(_, k)| k.alg.family() == AlgorithmFamily::Hmac)
+            .filter_map(|(i, k)| Some((i, k.kid.as_deref(), k.key.try_get_as_bytes().ok()?)))
+    }
 }
 
 fn key_from_jwk(jwk: &Jwk, allow_secrets: bool) -> Result<VerifyingKey, String> {
@@ -390,6 +400,11 @@ where
     Ok(body.to_bytes().to_vec())
 }
 
+/// A JWKS could not be loaded, so none of its keys can verify a token now. Its
+/// location and the cause go to the log, never to a client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeysUnavailable;
+
 /// A JWKS and when to fetch it again.
 pub struct Jwks {
     source: JwksSource,
@@ -438,8 +453,9 @@ impl Jwks {
     }
 
     /// The keys to verify with now: loaded on first use (a failed first load is tried
-    /// again at most once per second), refreshed in the background when old.
-    pub async fn keys(self: &Arc<Self>) -> Result<Arc<KeySet>, String> {
+    /// again at most once per second, and logged with the JWKS's location and cause),
+    /// refreshed in the background when old.
+    pub async fn keys(self: &Arc<Self>) -> Result<Arc<KeySet>, KeysUnavailable> {
         let (keys, loaded, due) = {
             let current = self.current.read();
             (
@@ -462,20 +478,14 @@ impl Jwks {
             .last_failed_load
             .is_some_and(|at| at.elapsed() < LOAD_RETRY)
         {
-            return Err(format!(
-                "the signing keys from {} could not be loaded",
-                self.describe()
-            ));
+            return Err(KeysUnavailable);
         }
         match self.source.load().await {
             Ok(set) => Ok(self.store(set)),
             Err(why) => {
                 warn!(jwks = %self.describe(), %why, "JWKS could not be loaded");
                 state.last_failed_load = Some(Instant::now());
-                Err(format!(
-                    "the signing keys from {} could not be loaded",
-                    self.describe()
-                ))
+                Err(KeysUnavailable)
             }
         }
     }

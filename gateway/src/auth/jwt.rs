@@ -15,7 +15,7 @@ use jsonwebtoken::{Algorithm, Validation};
 use serde_json::{Map, Value};
 use tracing::warn;
 
-use super::jwks::{Jwks, KeySet, VerifyingKey};
+use super::jwks::{Jwks, KeySet, KeysUnavailable, VerifyingKey};
 
 /// Longest token accepted; real access tokens are a few KiB.
 const MAX_TOKEN_BYTES: usize = 16 * 1024;
@@ -57,8 +57,9 @@ pub enum TokenProblem {
         seconds_left: u64,
     },
     MissingClaim(String),
-    /// The JWKS could not be loaded: nothing can be verified right now.
-    KeysUnavailable(String),
+    /// The JWKS could not be loaded and no other key of the route fits: nothing can
+    /// be verified right now.
+    KeysUnavailable,
 }
 
 impl TokenProblem {
@@ -75,11 +76,12 @@ impl TokenProblem {
             TokenProblem::Expired { .. } => "expired",
             TokenProblem::NotYetValid { .. } => "not_yet_valid",
             TokenProblem::MissingClaim(_) => "missing_claim",
-            TokenProblem::KeysUnavailable(_) => "keys_unavailable",
+            TokenProblem::KeysUnavailable => "keys_unavailable",
         }
     }
 
-    /// The error message: what was wrong and what to do.
+    /// The error message: what was wrong and what to do. It never says where the
+    /// keys come from (a file path, an internal URL): that is [`Self::log_detail`].
     pub fn message(&self, verifier: &JwtVerifier) -> String {
         match self {
             TokenProblem::Malformed(what) => {
@@ -100,9 +102,8 @@ impl TokenProblem {
                     .join(", ")
             ),
             TokenProblem::UnknownKey => format!(
-                "invalid bearer token: no known key matches its kid (keys of {}); get a \
-                 token from the issuer {}",
-                verifier.key_source(),
+                "invalid bearer token: no key this route trusts matches its kid (or, \
+                 without a kid, its alg); get a token from the issuer {}",
                 verifier.issuer
             ),
             TokenProblem::BadSignature => {
@@ -127,9 +128,20 @@ impl TokenProblem {
             TokenProblem::MissingClaim(claim) => {
                 format!("invalid bearer token: it has no {claim} claim")
             }
-            TokenProblem::KeysUnavailable(why) => {
-                format!("cannot verify bearer tokens right now: {why}; retry shortly")
+            TokenProblem::KeysUnavailable => "cannot verify bearer tokens right now: the \
+                 signing keys could not be loaded; retry shortly"
+                .into(),
+        }
+    }
+
+    /// What the request's log line says beyond the message: where the route's keys
+    /// come from, for the problems an operator fixes there.
+    pub fn log_detail(&self, verifier: &JwtVerifier) -> Option<String> {
+        match self {
+            TokenProblem::UnknownKey | TokenProblem::KeysUnavailable => {
+                Some(format!("keys of the route: {}", verifier.key_source()))
             }
+            _ => None,
         }
     }
 }
@@ -157,7 +169,8 @@ pub struct JwtVerifier {
     pub issuer: String,
     pub audience: Vec<String>,
     pub leeway_secs: u64,
-    /// Keys from the configuration.
+    /// Keys from the configuration: the route's own, or `[auth.jwt]`'s when the route
+    /// uses that issuer's keys (never another issuer's).
     pub static_keys: Arc<KeySet>,
     /// Keys from a JWKS, shared by every route that names the same one.
     pub jwks: Option<Arc<Jwks>>,
@@ -180,10 +193,13 @@ enum Selection<'a> {
 }
 
 impl JwtVerifier {
+    /// Where the keys come from, for the log only.
     fn key_source(&self) -> String {
+        let configured = format!("{} configured key(s)", self.static_keys.len());
         match &self.jwks {
-            Some(jwks) => jwks.describe(),
-            None => "the configuration".into(),
+            Some(jwks) if self.static_keys.keys.is_empty() => format!("JWKS {}", jwks.describe()),
+            Some(jwks) => format!("JWKS {} and {configured}", jwks.describe()),
+            None => configured,
         }
     }
 
@@ -208,16 +224,16 @@ impl JwtVerifier {
         }
         let kid = header.kid.as_deref();
         // A JWKS that cannot be loaded refuses only tokens no configured key serves.
-        let (mut jwks_keys, mut unavailable) = (None, None);
+        let (mut jwks_keys, mut unavailable) = (None, false);
         if let Some(jwks) = &self.jwks {
             match jwks.keys().await {
                 Ok(keys) => jwks_keys = Some(keys),
-                Err(why) => unavailable = Some(why),
+                Err(KeysUnavailable) => unavailable = true,
             }
         }
         let mut selection = self.select(jwks_keys.as_deref(), kid, alg);
-        if let (Selection::NoKey, Some(why)) = (&selection, unavailable) {
-            return Err(TokenProblem::KeysUnavailable(why));
+        if unavailable && matches!(selection, Selection::NoKey) {
+            return Err(TokenProblem::KeysUnavailable);
         }
         if matches!(selection, Selection::NoKey)
             && let Some(jwks) = &self.jwks

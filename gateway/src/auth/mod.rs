@@ -92,21 +92,15 @@ impl Authenticator {
             )),
             None => None,
         };
-        let static_keys = Arc::new(KeySet {
-            keys: auth
-                .jwt
-                .keys
-                .iter()
-                .enumerate()
-                .map(|(i, key)| {
-                    load_static_key(key).map_err(|p| invalid(&format!("auth.jwt.keys[{i}]"), p))
-                })
-                .collect::<Result<_, _>>()?,
-        });
+        // The keys of [auth.jwt]'s issuer: trusted only by routes that use that issuer
+        // and name no keys of their own.
+        let global_keys = Arc::new(load_keys(&auth.jwt.keys, "auth.jwt.keys")?);
         let default_route = config.default_upstream().map(|u| u.name.as_str());
         // One cache per JWKS (and CA): routes naming the same one share its keys and
-        // its refresh budget.
-        let mut caches: Vec<(JwksId, Arc<Jwks>)> = Vec::new();
+        // its refresh budget. A file's keys as read at start are kept for the check of
+        // HMAC secrets.
+        let mut caches: Vec<(JwksId, Arc<Jwks>, Option<KeySet>)> = Vec::new();
+        let mut secrets = SecretOwners::default();
         let mut routes = Vec::with_capacity(config.upstreams.len());
         for upstream in &config.upstreams {
             let name = upstream.name.as_str();
@@ -147,35 +141,65 @@ impl Authenticator {
                 }
                 Mode::Jwt => {
                     let resolved = auth.jwt_of(name, default_route == Some(name))?;
+                    let (keys_field, jwks_field) = if resolved.own_keys {
+                        (
+                            format!("auth.routes.{name}.keys"),
+                            format!("auth.routes.{name}.jwks"),
+                        )
+                    } else {
+                        ("auth.jwt.keys".to_owned(), "auth.jwt.jwks".to_owned())
+                    };
+                    let static_keys = if resolved.own_keys {
+                        Arc::new(load_keys(&settings.keys, &keys_field)?)
+                    } else {
+                        Arc::clone(&global_keys)
+                    };
+                    secrets.note(&resolved.issuer, &static_keys, |i, _| {
+                        format!("{keys_field}[{i}]")
+                    })?;
                     let jwks = match &resolved.jwks {
                         None => None,
                         Some(text) => {
                             let id = (text.clone(), resolved.jwks_ca.clone());
-                            match caches.iter().find(|(known, _)| *known == id) {
-                                Some((_, cache)) => Some(Arc::clone(cache)),
+                            let at = match caches.iter().position(|(known, _, _)| *known == id) {
+                                Some(at) => at,
                                 None => {
-                                    let cache = jwks_cache(text, &resolved)?;
-                                    caches.push((id, Arc::clone(&cache)));
-                                    Some(cache)
+                                    let (cache, read) = jwks_cache(text, &resolved, &jwks_field)?;
+                                    caches.push((id, cache, read));
+                                    caches.len() - 1
                                 }
+                            };
+                            let (_, cache, read) = &caches[at];
+                            if let Some(read) = read {
+                                secrets.note(&resolved.issuer, read, |_, kid| {
+                                    format!("{jwks_field} (kid {kid:?})")
+                                })?;
                             }
+                            Some(Arc::clone(cache))
                         }
                     };
                     if jwks.is_none() && static_keys.keys.is_empty() {
-                        return Err(invalid(
-                            "auth.jwt.jwks",
+                        let problem = if resolved.own_keys {
+                            format!(
+                                "route {name} sets its own issuer, jwks or keys, so it trusts \
+                                 only the keys named in [auth.routes.{name}] (those of \
+                                 [auth.jwt] belong to its issuer): set jwks there (a file or an \
+                                 https:// URL) or add [[auth.routes.{name}.keys]]"
+                            )
+                        } else {
                             format!(
                                 "route {name} is in jwt mode but has no keys: set jwks (a file \
                                  or an https:// URL; --jwt-jwks) or [[auth.jwt.keys]]"
-                            ),
-                        ));
+                            )
+                        };
+                        return Err(invalid(&jwks_field, problem));
                     }
                     policy.authorization_servers = resolved.authorization_servers;
                     policy.jwt = Some(JwtVerifier {
                         issuer: resolved.issuer,
                         audience: resolved.audience,
                         leeway_secs: resolved.leeway_secs,
-                        static_keys: Arc::clone(&static_keys),
+                        static_keys,
                         jwks,
                     });
                 }
@@ -240,18 +264,27 @@ impl Authenticator {
                         granted.scopes,
                         Some(granted.expires_at_ms),
                     )),
-                    Err(TokenProblem::KeysUnavailable(why)) => Err(GatewayError::gateway(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        Reason::KeysUnavailable,
-                        TokenProblem::KeysUnavailable(why).message(verifier),
-                    )
-                    .with_retry_after(1)),
-                    Err(problem) => Err(unauthorized(
-                        policy,
-                        Reason::InvalidToken,
-                        Some(problem.code()),
-                        problem.message(verifier),
-                    )),
+                    Err(problem) => {
+                        let error = if problem == TokenProblem::KeysUnavailable {
+                            GatewayError::gateway(
+                                StatusCode::SERVICE_UNAVAILABLE,
+                                Reason::KeysUnavailable,
+                                problem.message(verifier),
+                            )
+                            .with_retry_after(1)
+                        } else {
+                            unauthorized(
+                                policy,
+                                Reason::InvalidToken,
+                                Some(problem.code()),
+                                problem.message(verifier),
+                            )
+                        };
+                        Err(match problem.log_detail(verifier) {
+                            Some(detail) => error.with_log_detail(detail),
+                            None => error,
+                        })
+                    }
                 }
             }
             (Mode::Public, _, _) => Ok(context(String::new(), Vec::new(), None)),
@@ -481,12 +514,77 @@ impl Authenticator {
     }
 }
 
-fn jwks_cache(text: &str, resolved: &config::ResolvedJwt) -> Result<Arc<Jwks>, ConfigError> {
-    let field = "auth.jwt.jwks";
+/// Reads configured keys; a bad one stops the start with `{field}[i]` named.
+fn load_keys(specs: &[config::StaticKey], field: &str) -> Result<KeySet, ConfigError> {
+    Ok(KeySet {
+        keys: specs
+            .iter()
+            .enumerate()
+            .map(|(i, key)| load_static_key(key).map_err(|p| invalid(&format!("{field}[{i}]"), p)))
+            .collect::<Result<_, _>>()?,
+    })
+}
+
+/// The HMAC secrets of the configuration and the issuer each verifies for. An HMAC
+/// secret signs as well as it verifies, so one configured for two issuers would let
+/// whoever holds it for one mint tokens of the other: such a configuration is refused
+/// at start (a warning could scroll by while the routes' separation is void).
+#[derive(Default)]
+struct SecretOwners {
+    /// Issuer, the field naming the key, and the secret; dropped after the start.
+    seen: Vec<(String, String, Vec<u8>)>,
+}
+
+impl SecretOwners {
+    /// Notes the HMAC keys of `keys` as `issuer`'s, or refuses one another issuer has;
+    /// `name` names a key by its index and kid. The error names both keys, never the
+    /// secret.
+    fn note(
+        &mut self,
+        issuer: &str,
+        keys: &KeySet,
+        name: impl Fn(usize, Option<&str>) -> String,
+    ) -> Result<(), ConfigError> {
+        for (i, kid, secret) in keys.hmac_secrets() {
+            let field = name(i, kid);
+            if let Some((other_issuer, other_field, _)) = self
+                .seen
+                .iter()
+                .find(|(known, _, known_secret)| known != issuer && known_secret == secret)
+            {
+                return Err(invalid(
+                    &field,
+                    format!(
+                        "its HMAC secret is also that of {other_field}, a key of the \
+                         issuer {other_issuer:?}, while this key is for {issuer:?}: either \
+                         issuer could sign the other's tokens; give each issuer its own \
+                         secret"
+                    ),
+                ));
+            }
+            if !self
+                .seen
+                .iter()
+                .any(|(known, known_field, _)| known == issuer && *known_field == field)
+            {
+                self.seen.push((issuer.to_owned(), field, secret.to_vec()));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The cache of one JWKS; a file is read now, so a bad one stops the start (its keys
+/// as read are returned too), a URL is fetched on first use.
+fn jwks_cache(
+    text: &str,
+    resolved: &config::ResolvedJwt,
+    field: &str,
+) -> Result<(Arc<Jwks>, Option<KeySet>), ConfigError> {
     let source =
         JwksSource::parse(text, resolved.jwks_ca.as_deref()).map_err(|p| invalid(field, p))?;
+    let mut read = None;
     if let JwksSource::File(path) = &source {
-        // A file is read now, so a bad one stops the start; a URL is fetched on first use.
         let bytes = std::fs::read(path)
             .map_err(|e| invalid(field, format!("cannot read {}: {e}", path.display())))?;
         let (set, skipped) = KeySet::parse_jwks(&bytes, true)
@@ -500,12 +598,14 @@ fn jwks_cache(text: &str, resolved: &config::ResolvedJwt) -> Result<Arc<Jwks>, C
                 ),
             ));
         }
+        read = Some(set);
     }
-    Ok(Jwks::new(
+    let cache = Jwks::new(
         source,
         resolved.jwks_refresh_interval,
         resolved.jwks_max_age,
-    ))
+    );
+    Ok((cache, read))
 }
 
 /// The bearer token of a request, or the 401 that asks for one.
@@ -725,5 +825,188 @@ scopes = ["mcp"]
                 .expect(field);
             assert_eq!(err.field, field, "{text}: {err}");
         }
+    }
+
+    /// A directory with HMAC secret files `a.secret`, `b.secret` (different) and
+    /// `a-again.secret` (the bytes of `a.secret`).
+    fn secrets(name: &str) -> std::path::PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("mcpgw-auth-keys-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("a.secret"), [1u8; 32]).unwrap();
+        std::fs::write(dir.join("a-again.secret"), [1u8; 32]).unwrap();
+        std::fs::write(dir.join("b.secret"), [2u8; 32]).unwrap();
+        dir
+    }
+
+    fn hs256(secret: u8, iss: &str, aud: &str) -> HeaderMap {
+        let claims = json!({"iss": iss, "aud": aud, "sub": "mallory", "scope": "admin",
+                            "exp": now_ms() / 1000 + 300});
+        let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256);
+        header.kid = Some("k".into());
+        let key = jsonwebtoken::EncodingKey::from_secret(&[secret; 32]).unwrap();
+        let token = jsonwebtoken::encode(&header, &claims, &key).unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            AUTHORIZATION,
+            HeaderValue::from_str(&format!("Bearer {token}")).unwrap(),
+        );
+        headers
+    }
+
+    #[test]
+    fn a_static_key_verifies_only_for_the_issuer_it_is_configured_for() {
+        let dir = secrets("bound");
+        let auth = Authenticator::new(&config(
+            &format!(
+                r#"
+mode = "jwt"
+[jwt]
+issuer = "https://a"
+audience = "aud-a"
+[[jwt.keys]]
+kid = "k"
+alg = "HS256"
+secret_file = "{dir}/a.secret"
+[routes.b]
+issuer = "https://b"
+audience = "aud-b"
+[[routes.b.keys]]
+kid = "k"
+alg = "HS256"
+secret_file = "{dir}/b.secret"
+"#,
+                dir = dir.display()
+            ),
+            &["a", "b"],
+        ))
+        .unwrap();
+        let subject = |route: usize, headers: &HeaderMap| {
+            run(auth.authenticate(route, headers)).map(|c| c.subject)
+        };
+        assert_eq!(
+            subject(0, &hs256(1, "https://a", "aud-a")).unwrap(),
+            "mallory"
+        );
+        assert_eq!(
+            subject(1, &hs256(2, "https://b", "aud-b")).unwrap(),
+            "mallory"
+        );
+        for (route, token, case) in [
+            (
+                1,
+                hs256(1, "https://b", "aud-b"),
+                "a's key, b's claims, on b",
+            ),
+            (
+                0,
+                hs256(2, "https://a", "aud-a"),
+                "b's key, a's claims, on a",
+            ),
+        ] {
+            let error = subject(route, &token).unwrap_err();
+            assert_eq!(
+                (error.status, error.reason),
+                (StatusCode::UNAUTHORIZED, Some(Reason::InvalidToken)),
+                "{case}: {}",
+                error.message
+            );
+            let problem = error.data.as_ref().and_then(|d| d.get("problem").cloned());
+            assert_eq!(problem, Some(json!("bad_signature")), "{case}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_hmac_secret_shared_between_issuers_stops_the_start() {
+        let dir = secrets("shared");
+        let two_issuers = |b_secret: &str, b_issuer: &str| {
+            format!(
+                r#"
+mode = "jwt"
+[jwt]
+issuer = "https://a"
+audience = "aud"
+[[jwt.keys]]
+alg = "HS256"
+secret_file = "{dir}/a.secret"
+[routes.b]
+issuer = "{b_issuer}"
+[[routes.b.keys]]
+alg = "HS256"
+secret_file = "{dir}/{b_secret}"
+"#,
+                dir = dir.display()
+            )
+        };
+        let err = Authenticator::new(&config(
+            &two_issuers("a-again.secret", "https://b"),
+            &["a", "b"],
+        ))
+        .err()
+        .expect("a shared secret is refused");
+        assert_eq!(err.field, "auth.routes.b.keys[0]", "{err}");
+        assert!(err.problem.contains("auth.jwt.keys[0]"), "{err}");
+        assert!(err.problem.contains("https://a"), "{err}");
+        // The same secret for routes of one issuer, and different secrets for two
+        // issuers, are fine.
+        for (secret, issuer) in [("a-again.secret", "https://a"), ("b.secret", "https://b")] {
+            Authenticator::new(&config(&two_issuers(secret, issuer), &["a", "b"]))
+                .unwrap_or_else(|e| panic!("{secret} for {issuer}: {e}"));
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_route_with_its_own_issuer_and_no_keys_of_its_own_stops_the_start() {
+        let dir = secrets("no-own-keys");
+        let err = Authenticator::new(&config(
+            &format!(
+                "mode = \"jwt\"\n[jwt]\nissuer = \"https://a\"\naudience = \"aud\"\n\
+                 [[jwt.keys]]\nalg = \"HS256\"\nsecret_file = \"{}/a.secret\"\n\
+                 [routes.b]\nissuer = \"https://b\"\n",
+                dir.display()
+            ),
+            &["a", "b"],
+        ))
+        .err()
+        .expect("no keys for b");
+        assert_eq!(err.field, "auth.routes.b.jwks", "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn key_problems_name_the_key_location_in_the_log_only() {
+        let dir = secrets("location");
+        let jwks = dir.join("route-keys.json");
+        std::fs::write(
+            &jwks,
+            r#"{"keys":[{"kty":"OKP","crv":"Ed25519","kid":"ed","x":"11qYAYKxCrfVS_7TyWQHOg7hcvPapiMlrwIaaPcHURo"}]}"#,
+        )
+        .unwrap();
+        let auth = Authenticator::new(&config(
+            &format!(
+                "mode = \"jwt\"\n[jwt]\nissuer = \"https://a\"\naudience = \"aud\"\njwks = \"{}\"\n",
+                jwks.display()
+            ),
+            &["a"],
+        ))
+        .unwrap();
+        let error = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(auth.authenticate(0, &hs256(1, "https://a", "aud")))
+            .unwrap_err();
+        let problem = error.data.as_ref().and_then(|d| d.get("problem").cloned());
+        assert_eq!(problem, Some(json!("unknown_key")), "{}", error.message);
+        let location = jwks.display().to_string();
+        assert!(!error.message.contains(&location), "{}", error.message);
+        let detail = error.log_detail.as_deref().unwrap_or_default();
+        assert!(
+            detail.contains(&location),
+            "the log detail names {location}: {detail:?}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
