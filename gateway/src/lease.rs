@@ -237,6 +237,10 @@ impl LeaseHolder {
     /// sessions this worker still holds.
     async fn rebuild(&self, old: &Lease, held: Vec<String>) -> LeaseCheck {
         let sent_at = Instant::now();
+        if let Err(e) = self.directory.mark_rebuilt().await {
+            warn!(error = %e, "marking the directory rebuilt failed; will retry");
+            return self.in_doubt();
+        }
         match self
             .directory
             .register_worker_with_cert(old.id(), &self.info, old.addr(), old.cert_not_after())
@@ -250,6 +254,18 @@ impl LeaseHolder {
                     .await
                 {
                     Ok(taken) => {
+                        // Shared sessions are remembered past their end (see
+                        // `execute::shared`); the rebuilt directory must remember them
+                        // too, or their end would read as "never existed".
+                        let shared: Vec<String> = held
+                            .iter()
+                            .filter(|sid| crate::session::is_shared_id(sid) && !taken.contains(sid))
+                            .cloned()
+                            .collect();
+                        if let Err(e) = self.directory.remember_sessions(&shared).await {
+                            // They still work; only an end after this could go untold.
+                            warn!(error = %e, sessions = shared.len(), "re-marking shared sessions in the rebuilt directory failed");
+                        }
                         self.clock.lock().renewed(sent_at);
                         info!(
                             worker = old.id(),

@@ -161,7 +161,15 @@ pub fn shared_session_id(route: &str, principal: &str) -> String {
         route.as_bytes(),
         principal.as_bytes(),
     ]);
-    format!("shared-{}", hex(&digest[..SESSION_ENTROPY_BYTES]))
+    format!("{SHARED_PREFIX}{}", hex(&digest[..SESSION_ENTROPY_BYTES]))
+}
+
+/// What every shared session id starts with; a minted one never does.
+const SHARED_PREFIX: &str = "shared-";
+
+/// Whether `sid` names a shared session (see [`shared_session_id`]).
+pub fn is_shared_id(sid: &str) -> bool {
+    sid.starts_with(SHARED_PREFIX)
 }
 
 /// A short, stable, one-way label of a session id for logs (8 hex digits).

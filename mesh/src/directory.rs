@@ -263,6 +263,31 @@ impl Lease {
     }
 }
 
+/// What [`Directory::remembered_session`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Remembered {
+    /// The session is recorded; the id of its owner.
+    Owner(String),
+    /// It existed and ended; this lookup is the one that learnt it.
+    Ended,
+    /// No record and no memory of one: it never existed, its end was already told, or
+    /// the directory lost it (see the generation: a young or changed generation means
+    /// the directory may have forgotten it, so absence is not proven).
+    Absent {
+        /// The directory generation now ('' when none exists yet).
+        generation: String,
+        /// How long that generation has existed.
+        generation_age: Duration,
+        /// A worker rebuilt the directory (it lost its data) within two leases.
+        rebuilt: bool,
+    },
+}
+
+/// How long the directory remembers that a remembered session ended, so its principal
+/// is told the state is gone: long enough for a client that comes back within a day,
+/// short enough that one key per principal and route does not stay forever.
+pub const REMEMBER_ENDED: Duration = Duration::from_secs(24 * 3600);
+
 /// What [`Directory::claim_session`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Claim {
@@ -484,6 +509,7 @@ struct Scripts {
     release: Script,
     reclaim: Script,
     reclaim_after_loss: Script,
+    remembered: Script,
     generation: Script,
     resume: Script,
     lease_state: Script,
@@ -601,7 +627,9 @@ return 1
             ),
             // KEYS: pool_owner, worker_sessions, worker.
             // ARGV: owner, sid, quota limit ('0': none), quota key, quota ttl px,
-            // key prefix. 1 claimed, 0 owned already, -1 owner has no lease, -2 the
+            // key prefix, remember ('1': keep a session_seen marker while it lives).
+            // 1 claimed (also when the record names this owner already: a claim
+            // whose answer was lost is confirmed), 0 another owner's, -1 owner has no lease, -2 the
             // quota key holds its limit. Quota sets are cleaned lazily: a member whose
             // session record is gone (ended, reclaimed) no longer counts.
             claim: Script::new(
@@ -617,8 +645,9 @@ if limit > 0 and redis.call('SCARD', quota_set) >= limit then
   end
   if redis.call('SCARD', quota_set) >= limit then return -2 end
 end
-if redis.call('SET', KEYS[1], ARGV[1], 'NX') then
+if redis.call('SET', KEYS[1], ARGV[1], 'NX') or redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('SADD', KEYS[2], ARGV[2])
+  if ARGV[7] == '1' then redis.call('SET', ARGV[6] .. 'session_seen:' .. ARGV[2], '1') end
   if limit > 0 then
     redis.call('SADD', quota_set, ARGV[2])
     redis.call('PEXPIRE', quota_set, ARGV[5])
@@ -629,7 +658,7 @@ return 0
 "#,
             ),
             // KEYS: pool_owner, worker_sessions. ARGV: owner, sid, quota key or '', key
-            // prefix.
+            // prefix, px a remembered session's end is kept.
             release: Script::new(
                 r#"
 redis.call('SREM', KEYS[2], ARGV[2])
@@ -638,14 +667,35 @@ if ARGV[3] ~= '' then
 end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
+  local seen = ARGV[4] .. 'session_seen:' .. ARGV[2]
+  if redis.call('EXISTS', seen) == 1 then redis.call('PEXPIRE', seen, ARGV[5]) end
   return 1
 end
 return 0
 "#,
             ),
+            // KEYS: pool_owner, session_seen, generation, rebuilt. {'owner', id, 0, 0}
+            // while recorded; {'ended', '', 0, 0} when it ended and this call is the
+            // first to learn it (the marker is taken, so only one caller fleet-wide is
+            // told); else {'absent', generation or '', generation age ms, rebuilt 0/1}.
+            remembered: Script::new(&format!(
+                r#"{GEN_LUA}
+local owner = redis.call('GET', KEYS[1])
+if owner then return {{'owner', owner, 0, 0}} end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('DEL', KEYS[2])
+  return {{'ended', '', 0, 0}}
+end
+local rebuilt = redis.call('EXISTS', KEYS[4])
+local g = redis.call('GET', KEYS[3])
+if not g then return {{'absent', '', 0, rebuilt}} end
+return {{'absent', g, generation_age(g), rebuilt}}
+"#
+            )),
             // KEYS: worker, addr, worker_sessions, workers, gone, cert, drain.
             // ARGV: dead id, stale token or '', pool_owner key prefix, batch size,
-            // reclaimed-record px.
+            // reclaimed-record px, session_seen key prefix, px a remembered session's
+            // end is kept.
             // false: nothing may be done (lease alive, or nothing known of this id: a
             // forged id costs no write). Else {won, remaining, freed sids...}: `won` is
             // 1 for the one call that proved the death first; later calls (the sweeper,
@@ -659,7 +709,9 @@ if lease then
   if not ok or type(decoded) ~= 'table' or decoded.token ~= ARGV[2] then return false end
   redis.call('DEL', KEYS[1])
 end
-local won = redis.call('ZREM', KEYS[4], ARGV[1])
+-- Asked first, so that an id the registry never held costs no write command.
+local won = 0
+if redis.call('ZSCORE', KEYS[4], ARGV[1]) then won = redis.call('ZREM', KEYS[4], ARGV[1]) end
 if won == 0 and redis.call('EXISTS', KEYS[3]) == 0 then return false end
 redis.call('DEL', KEYS[2], KEYS[6], KEYS[7])
 if won == 1 then
@@ -670,6 +722,8 @@ for _, sid in ipairs(redis.call('SPOP', KEYS[3], tonumber(ARGV[4]))) do
   local k = ARGV[3] .. sid
   if redis.call('GET', k) == ARGV[1] then
     redis.call('DEL', k)
+    local seen = ARGV[6] .. sid
+    if redis.call('EXISTS', seen) == 1 then redis.call('PEXPIRE', seen, ARGV[7]) end
     out[#out + 1] = sid
   end
 end
@@ -1287,6 +1341,30 @@ impl Directory {
         owner_id: &str,
         quota: Option<SessionQuota<'_>>,
     ) -> Result<Claim, DirectoryError> {
+        self.claim(sid, owner_id, quota, false).await
+    }
+
+    /// Claims `sid` as [`claim_session`](Self::claim_session) does, and remembers that
+    /// it existed: once its record goes (released, or reclaimed with a dead owner), the
+    /// first [`remembered_session`](Self::remembered_session) lookup learns that it
+    /// ended, for [`REMEMBER_ENDED`]. For sessions whose id a client does not hold and
+    /// so cannot be told "gone" by its absence alone (the shared sessions of 2026-07-28
+    /// clients).
+    pub async fn claim_remembered_session(
+        &self,
+        sid: &str,
+        owner_id: &str,
+    ) -> Result<Claim, DirectoryError> {
+        self.claim(sid, owner_id, None, true).await
+    }
+
+    async fn claim(
+        &self,
+        sid: &str,
+        owner_id: &str,
+        quota: Option<SessionQuota<'_>>,
+        remember: bool,
+    ) -> Result<Claim, DirectoryError> {
         check_name("session id", sid)?;
         check_name("worker id", owner_id)?;
         let (limit, key, ttl) = match &quota {
@@ -1305,6 +1383,7 @@ impl Directory {
                     .arg(key)
                     .arg(ttl)
                     .arg(&self.inner.cfg.prefix)
+                    .arg(if remember { "1" } else { "0" })
                     .invoke_async(&mut c)
                     .await
             })
@@ -1317,6 +1396,73 @@ impl Directory {
             -2 => Ok(Claim::OverQuota),
             _ => Ok(Claim::Taken),
         }
+    }
+
+    /// What the directory knows of a session claimed with
+    /// [`claim_remembered_session`](Self::claim_remembered_session): its owner, that it
+    /// ended (told to this caller alone: the marker is taken), or nothing.
+    pub async fn remembered_session(&self, sid: &str) -> Result<Remembered, DirectoryError> {
+        check_name("session id", sid)?;
+        let (kind, value, age, rebuilt): (String, String, i64, i64) = self
+            .run("remembered_session", |mut c, s| async move {
+                s.remembered
+                    .key(self.key_pool_owner(sid))
+                    .key(self.key_seen(sid))
+                    .key(self.key_generation())
+                    .key(self.key_rebuilt())
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(match kind.as_str() {
+            "owner" => Remembered::Owner(value),
+            "ended" => Remembered::Ended,
+            _ => Remembered::Absent {
+                generation: value,
+                generation_age: Duration::from_millis(u64::try_from(age).unwrap_or(0)),
+                rebuilt: rebuilt == 1,
+            },
+        })
+    }
+
+    /// Records that the directory is being rebuilt (Redis lost its data and a worker
+    /// registers again), for two leases: while it is younger than a lease, a missing
+    /// record may be one an owner has not re-asserted yet. Set before the worker
+    /// registers, so the new generation never exists without it.
+    pub async fn mark_rebuilt(&self) -> Result<(), DirectoryError> {
+        self.run("mark_rebuilt", |mut c, _| async move {
+            redis::cmd("SET")
+                .arg(self.key_rebuilt())
+                .arg("1")
+                .arg("PX")
+                .arg(duration_px(self.inner.cfg.lease * 2))
+                .query_async::<()>(&mut c)
+                .await
+        })
+        .await
+    }
+
+    /// Marks `sids` as remembered again (after the directory was rebuilt and their
+    /// owner claimed them back), so their end is learnt as for a fresh claim.
+    pub async fn remember_sessions(&self, sids: &[String]) -> Result<(), DirectoryError> {
+        let sids: Vec<&String> = sids
+            .iter()
+            .filter(|sid| check_name("session id", sid).is_ok())
+            .collect();
+        if sids.is_empty() {
+            return Ok(());
+        }
+        self.run("remember_sessions", |mut c, _| {
+            let sids = sids.clone();
+            async move {
+                let mut pipe = redis::pipe();
+                for sid in sids {
+                    pipe.cmd("SET").arg(self.key_seen(sid)).arg("1").ignore();
+                }
+                pipe.query_async::<()>(&mut c).await
+            }
+        })
+        .await
     }
 
     /// The worker recorded as owner of `sid`, or `None` if the directory holds no owner.
@@ -1355,6 +1501,7 @@ impl Directory {
                     .arg(sid)
                     .arg(quota_key.unwrap_or(""))
                     .arg(&self.inner.cfg.prefix)
+                    .arg(duration_px(REMEMBER_ENDED))
                     .invoke_async(&mut c)
                     .await
             })
@@ -1415,6 +1562,8 @@ impl Directory {
                             .arg(pool_owner_prefix)
                             .arg(RECLAIM_BATCH)
                             .arg(duration_px(self.inner.cfg.lease * 4))
+                            .arg(self.key_seen(""))
+                            .arg(duration_px(REMEMBER_ENDED))
                             .invoke_async(&mut c)
                             .await
                     }
@@ -1738,6 +1887,14 @@ impl Directory {
 
     fn key_pool_owner(&self, sid: &str) -> String {
         format!("{}pool_owner:{sid}", self.inner.cfg.prefix)
+    }
+
+    fn key_rebuilt(&self) -> String {
+        format!("{}rebuilt", self.inner.cfg.prefix)
+    }
+
+    fn key_seen(&self, sid: &str) -> String {
+        format!("{}session_seen:{sid}", self.inner.cfg.prefix)
     }
 
     fn key_generation(&self) -> String {

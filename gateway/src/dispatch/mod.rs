@@ -54,31 +54,36 @@ impl Worker {
         });
         match (decide(&situation), self.fleet()) {
             (Decision::ExecuteHere, _) => self.execute_held(call, local).await,
-            (Decision::Forward, Some(fleet)) => {
-                self.forward_counted(fleet, &call)
-                    .await
-                    .map_err(|unanswered| {
-                        let error = self.refuse(&unanswered.situation, &unanswered.why, call.id());
-                        match unanswered.detail.is_empty() {
-                            true => error,
-                            false => error.with_log_detail(unanswered.detail),
-                        }
-                    })
-            }
+            (Decision::Forward, Some(fleet)) => self
+                .forward_counted(fleet, &call, None)
+                .await
+                .map_err(|unanswered| {
+                    let error = self.refuse(&unanswered.situation, &unanswered.why, call.id());
+                    match unanswered.detail.is_empty() {
+                        true => error,
+                        false => error.with_log_detail(unanswered.detail),
+                    }
+                }),
             (Decision::Forward, None) => Err(GatewayError::session_not_found().with_id(call.id())),
             (Decision::Refuse(_), _) => Err(self.refuse(&situation, LEASE_IN_DOUBT_WHY, call.id())),
         }
     }
 
-    /// Forwards `call` to its session's owner, counting the forward by transport and
-    /// outcome, and its time to the owner's answer head.
+    /// Forwards `call` to its session's owner (`recorded`: as the caller read it from
+    /// the directory; else found from the session id's hint or the directory),
+    /// counting the forward by transport and outcome, and its time to the owner's
+    /// answer head.
     pub(crate) async fn forward_counted(
         &self,
         fleet: &Fleet,
         call: &Call,
+        recorded: Option<&str>,
     ) -> Result<Reply, Unanswered> {
         let started = tokio::time::Instant::now();
-        let result = fleet.forward_to_owner(&self.id, call).await;
+        let result = match recorded {
+            Some(owner) => fleet.forward_to_recorded_owner(&self.id, owner, call).await,
+            None => fleet.forward_to_owner(&self.id, call).await,
+        };
         let outcome = match &result {
             Ok(_) => "answered",
             Err(unanswered) => match unanswered.situation {

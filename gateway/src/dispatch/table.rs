@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use http::StatusCode;
 use mcpgw_mesh::MeshError;
-use mcpgw_mesh::directory::{Gone, GoneHow, LeaseState};
+use mcpgw_mesh::directory::{Gone, GoneHow, LeaseState, Remembered};
 use mcpgw_wire::ErrorKind;
 use serde_json::json;
 
@@ -573,9 +573,115 @@ pub async fn owner_from(
     Ok(owner)
 }
 
+/// Where the shared session of a 2026-07-28 principal stands, for a worker that does not
+/// hold it live. Such a client has no session id of its own, so the absence of a record
+/// cannot tell it "gone": the directory remembers that the session existed, and the
+/// first call after its end (on any worker) is told; only after that, or when the
+/// directory proves it never existed, does a call open a fresh one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SharedStanding {
+    /// Another worker holds it: forward there.
+    Forward(String),
+    /// It ended, and this call is the one to tell (the directory's memory is taken).
+    TellEnded,
+    /// Proven absent (settled directory, no memory of it): open it here.
+    Open,
+    /// The record names this worker, which does not hold it: a claim whose answer was
+    /// lost landed late. Open it here, which confirms the record.
+    StaleOwnRecord,
+    /// Nothing proven: the directory did not answer, or it was rebuilt less than a
+    /// lease ago (it may have lost the record and the memory; the owner re-asserts
+    /// them within a lease), or this worker was fenced.
+    Unknown,
+}
+
+/// Judges the directory's answer for a shared session. `ours`: the generation this
+/// worker registered under; `lease`: how long owners take to re-assert their records
+/// after the directory was lost.
+pub fn judge_shared(
+    record: Lookup<Remembered>,
+    this_worker: &str,
+    fenced: bool,
+    ours: &str,
+    lease: Duration,
+) -> SharedStanding {
+    match record {
+        Err(_) => SharedStanding::Unknown,
+        Ok(_) if fenced => SharedStanding::Unknown,
+        Ok(Remembered::Owner(owner)) if owner == this_worker => SharedStanding::StaleOwnRecord,
+        Ok(Remembered::Owner(owner)) => SharedStanding::Forward(owner),
+        Ok(Remembered::Ended) => SharedStanding::TellEnded,
+        Ok(Remembered::Absent {
+            generation,
+            generation_age,
+            rebuilt,
+        }) => {
+            // A young directory that no worker rebuilt is a new fleet: nothing was lost.
+            let settled = generation_age > lease || !rebuilt;
+            if !generation.is_empty() && generation == ours && settled {
+                SharedStanding::Open
+            } else {
+                SharedStanding::Unknown
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shared_session_opens_only_where_its_absence_is_proven() {
+        let lease = Duration::from_secs(10);
+        let settled = || Remembered::Absent {
+            generation: "g1".into(),
+            generation_age: Duration::from_secs(11),
+            rebuilt: true,
+        };
+        let judge = |record, fenced| judge_shared(record, "me", fenced, "g1", lease);
+        assert_eq!(
+            judge(Ok(Remembered::Owner("peer".into())), false),
+            SharedStanding::Forward("peer".into())
+        );
+        assert_eq!(
+            judge(Ok(Remembered::Owner("me".into())), false),
+            SharedStanding::StaleOwnRecord
+        );
+        assert_eq!(
+            judge(Ok(Remembered::Ended), false),
+            SharedStanding::TellEnded
+        );
+        assert_eq!(judge(Ok(settled()), false), SharedStanding::Open);
+        // A directory rebuilt less than a lease ago, one of another generation (rebuilt
+        // since this worker registered), or none yet: the record and its memory may be
+        // lost, so absence is unknown, never proven.
+        for (generation, age) in [("g1", 10), ("g1", 3), ("g2", 60), ("", 60)] {
+            let young = Remembered::Absent {
+                generation: generation.into(),
+                generation_age: Duration::from_secs(age),
+                rebuilt: true,
+            };
+            assert_eq!(
+                judge(Ok(young), false),
+                SharedStanding::Unknown,
+                "{generation} {age}s"
+            );
+        }
+        // A young directory nobody rebuilt is a new fleet's: absence is proven at once.
+        let new_fleet = Remembered::Absent {
+            generation: "g1".into(),
+            generation_age: Duration::from_secs(1),
+            rebuilt: false,
+        };
+        assert_eq!(judge(Ok(new_fleet), false), SharedStanding::Open);
+        assert_eq!(
+            judge(Err("timed out".into()), false),
+            SharedStanding::Unknown
+        );
+        assert_eq!(judge(Ok(settled()), true), SharedStanding::Unknown);
+        assert_eq!(judge(Ok(Remembered::Ended), true), SharedStanding::Unknown);
+    }
 
     /// One row per line of the decision table in docs/architecture.md.
     #[test]

@@ -32,7 +32,7 @@ use super::{ACCEPT_BOTH, is_sse, upstream_error};
 use mcpgw_mesh::directory::Claim;
 
 use crate::body;
-use crate::dispatch::table::{self, Decision, Known, Refusal, Situation};
+use crate::dispatch::table::{self, Decision, Known, Refusal, SharedStanding, Situation};
 use crate::mcp::{self, Era, GatewayError};
 use crate::reply::Reply;
 use crate::request::Call;
@@ -61,8 +61,9 @@ impl Worker {
         call
     }
 
-    /// Where a bound call runs: the decision table, as for a legacy session, except
-    /// that where the table finds no session the first call opens it here.
+    /// Where a bound call runs: the decision table, as for a legacy session, where this
+    /// worker holds the session; elsewhere what the directory remembers of it
+    /// ([`table::judge_shared`]): forward to its owner, tell its end once, or open it.
     pub async fn dispatch_shared(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
         let local = self.hold_session(&call).await;
         let situation = table::situation(&Known {
@@ -75,15 +76,9 @@ impl Worker {
         });
         match (table::decide(&situation), self.fleet()) {
             (Decision::ExecuteHere, _) => self.execute_held(call, local).await,
-            (Decision::Forward, Some(fleet)) => match self.forward_counted(fleet, &call).await {
-                Ok(reply) => Ok(reply),
-                Err(unanswered) if unanswered.situation == Situation::NoSuchSession => {
-                    self.execute_local(call, None).await
-                }
-                Err(unanswered) => {
-                    Err(self.refuse_shared(&unanswered.situation, &unanswered.why, &call))
-                }
-            },
+            (Decision::Forward | Decision::Refuse(Refusal::NoSuchSession), Some(fleet)) => {
+                self.find_shared(fleet, call).await
+            }
             (Decision::Forward, None) | (Decision::Refuse(Refusal::NoSuchSession), _) => {
                 self.execute_local(call, None).await
             }
@@ -93,6 +88,90 @@ impl Worker {
                 &call,
             )),
         }
+    }
+
+    /// A shared session this worker does not hold live: asks the directory where it
+    /// stands and acts on it. Loops only after a step that changed what the directory
+    /// holds (a stale record taken back, an owner proven gone), so at most a few times.
+    async fn find_shared(
+        self: &Arc<Self>,
+        fleet: &Arc<crate::fleet::Fleet>,
+        call: Call,
+    ) -> Result<Reply, GatewayError> {
+        let Some(key) = call.session_id.clone() else {
+            return Err(GatewayError::session_not_found().with_id(call.id()));
+        };
+        for _ in 0..3 {
+            let record = fleet
+                .directory
+                .remembered_session(&key)
+                .await
+                .map_err(|e| e.to_string());
+            let standing = table::judge_shared(
+                record,
+                &self.id,
+                fleet.lease.revoked(),
+                &fleet.lease.generation(),
+                self.config.fleet.lease,
+            );
+            match standing {
+                SharedStanding::Open => return self.execute_local(call, None).await,
+                SharedStanding::TellEnded => {
+                    return Err(self
+                        .shared_lost(call.upstream, "it ended")
+                        .with_id(call.id()));
+                }
+                SharedStanding::Unknown => {
+                    return Err(self.refuse_shared(
+                        &Situation::Unknown,
+                        "the fleet directory cannot confirm where it is (it did not answer, \
+                         or it was rebuilt less than a lease ago)",
+                        &call,
+                    ));
+                }
+                // A late claim of ours: opening confirms it (the recorded owner's claim
+                // succeeds), so the record and the session agree again.
+                SharedStanding::StaleOwnRecord => return self.execute_local(call, None).await,
+                SharedStanding::Forward(owner) => {
+                    match self.forward_counted(fleet, &call, Some(&owner)).await {
+                        Ok(reply) => return Ok(reply),
+                        // The owner no longer holds it, or was proven gone (and its
+                        // sessions reclaimed): the directory now says how it ended.
+                        Err(unanswered)
+                            if matches!(
+                                unanswered.situation,
+                                Situation::NoSuchSession | Situation::OwnerGone
+                            ) => {}
+                        Err(unanswered) => {
+                            if unanswered.situation == Situation::ForwardedThenLost {
+                                // This answer tells the loss; take the directory's
+                                // memory of it so no other call is told again.
+                                let _ = fleet.directory.remembered_session(&key).await;
+                            }
+                            return Err(self.refuse_shared(
+                                &unanswered.situation,
+                                &unanswered.why,
+                                &call,
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        Err(self.refuse_shared(
+            &Situation::Unknown,
+            "its owner changed while this request looked for it",
+            &call,
+        ))
+    }
+
+    /// Whether the directory records this worker as the owner of `sid` (a read only:
+    /// the memory of an ended session is left for the call that tells it).
+    pub(crate) async fn records_as_own(&self, sid: &str) -> bool {
+        let Some(fleet) = self.fleet() else {
+            return false;
+        };
+        matches!(fleet.directory.session_owner(sid).await, Ok(Some(owner)) if owner == self.id)
     }
 
     /// The table's refusal, with "gone" told the way a 2026-07-28 client needs it.
@@ -201,7 +280,11 @@ impl Worker {
             }
         }
         if let Some(fleet) = self.fleet() {
-            match fleet.directory.claim_session(&key, &self.id, None).await {
+            match fleet
+                .directory
+                .claim_remembered_session(&key, &self.id)
+                .await
+            {
                 Ok(Claim::Claimed) => {}
                 Ok(Claim::Taken | Claim::OverQuota) => {
                     // Another worker opened it first: use theirs.
@@ -209,7 +292,7 @@ impl Worker {
                     drop(guard);
                     debug!(session = %session::tag_of(&key), "shared session opened elsewhere first");
                     return self
-                        .forward_counted(fleet, &call)
+                        .forward_counted(fleet, &call, None)
                         .await
                         .map_err(|unanswered| {
                             self.refuse_shared(&unanswered.situation, &unanswered.why, &call)
@@ -217,15 +300,19 @@ impl Worker {
                 }
                 Err(e) => {
                     self.close_link(upstream, &link).await;
+                    // If the claim lands late, its record names this worker for a
+                    // session it does not hold: the next call here, or forwarded here,
+                    // confirms it by claiming again (a claim by the recorded owner
+                    // succeeds) before anything else is opened.
                     return Err(GatewayError::gateway(
                         StatusCode::SERVICE_UNAVAILABLE,
                         Reason::DirectoryUnavailable,
-                        format!(
-                            "the fleet directory did not record the session for your state \
-                             ({e}); nothing was run: retry"
-                        ),
+                        "the fleet directory did not record the session for your state in \
+                         time; nothing was run: retry",
                     )
+                    .with_data(json!({ "retryable": true }))
                     .with_retry_after(1)
+                    .with_log_detail(e.to_string())
                     .with_id(id));
                 }
             }
@@ -250,9 +337,14 @@ impl Worker {
             return Err(GatewayError::session_not_found().with_id(id));
         }
         if let Some(why) = session.ended() {
-            // Told once; the next call opens a new session.
             self.sessions.forget_retired(&session.id);
-            return Err(self.shared_lost(session.upstream, why).with_id(id));
+            // In a fleet the directory decides who tells the end (any worker may get
+            // the next call); standalone, this entry is the only memory of it.
+            return match self.fleet() {
+                // Boxed: finding may open the session anew and run this call in it.
+                Some(fleet) => Box::pin(self.find_shared(fleet, call)).await,
+                None => Err(self.shared_lost(session.upstream, why).with_id(id)),
+            };
         }
         session.touch();
         let method = call

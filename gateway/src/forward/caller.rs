@@ -135,6 +135,34 @@ impl Fleet {
             ),
             _ => unanswered(situation, "no owner recorded"),
         })?;
+        self.forward_from(&owner, this_worker, call, session_id)
+            .await
+    }
+
+    /// Sends `call` to `owner`, which the directory names as its session's owner (the
+    /// caller read the record itself), as [`forward_to_owner`](Self::forward_to_owner)
+    /// does once it knows the owner.
+    pub async fn forward_to_recorded_owner(
+        &self,
+        this_worker: &str,
+        owner: &str,
+        call: &Call,
+    ) -> Result<Reply, Unanswered> {
+        let Some(session_id) = call.session_id.as_deref() else {
+            return Err(unanswered(Situation::NoSuchSession, "no session id"));
+        };
+        self.forward_from(owner, this_worker, call, session_id)
+            .await
+    }
+
+    async fn forward_from(
+        &self,
+        owner: &str,
+        this_worker: &str,
+        call: &Call,
+        session_id: &str,
+    ) -> Result<Reply, Unanswered> {
+        let owner = owner.to_owned();
         match self.forward_to(&owner, call, session_id).await {
             Attempt::Answered(reply) => Ok(reply),
             Attempt::Refused(unanswered) => Err(unanswered),

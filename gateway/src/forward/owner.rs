@@ -169,6 +169,15 @@ async fn run_forwarded(
                 );
                 return Ok(Reply::from_error(&error));
             }
+            // A shared session whose record names this worker, which holds nothing
+            // for it (a claim whose answer was lost landed late): open it here, as
+            // the record says, instead of answering "not mine" forever.
+            None if crate::execute::shared::is_bound(&call) && worker.records_as_own(id).await => {
+                return Ok(match worker.execute_local(call, None).await {
+                    Ok(reply) => reply,
+                    Err(error) => Reply::from_error(&error),
+                });
+            }
             None => {
                 return Err(ErrorFrame {
                     kind: ErrorKind::NotOwner,
