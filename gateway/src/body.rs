@@ -2,6 +2,7 @@
 //! adapter that re-chunks an SSE stream so each event is exactly one chunk.
 
 use crate::reason::Reason;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::OnceLock;
 use std::task::{Context, Poll};
@@ -97,6 +98,46 @@ pub fn hold<G: Send + Unpin + 'static>(body: ReplyBody, guard: G) -> ReplyBody {
         _guard: guard,
     }
     .boxed_unsync()
+}
+
+/// Passes `body` through until `deadline`, then sends `last` and ends (dropping `body`,
+/// which cancels whatever feeds it). For a held stream whose credential expires.
+pub fn end_at(body: ReplyBody, deadline: tokio::time::Instant, last: Bytes) -> ReplyBody {
+    Ending {
+        inner: body,
+        deadline: Box::pin(tokio::time::sleep_until(deadline)),
+        last: Some(last),
+    }
+    .boxed_unsync()
+}
+
+struct Ending {
+    inner: ReplyBody,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    /// Sent once at the deadline; `None` afterwards (the stream has ended).
+    last: Option<Bytes>,
+}
+
+impl Body for Ending {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        let Some(last) = this.last.as_ref() else {
+            return Poll::Ready(None);
+        };
+        if this.deadline.as_mut().poll(cx).is_ready() {
+            let last = last.clone();
+            this.last = None;
+            this.inner = full(Bytes::new());
+            return Poll::Ready(Some(Ok(Frame::data(last))));
+        }
+        Pin::new(&mut this.inner).poll_frame(cx)
+    }
 }
 
 /// Passes `body` through unchanged and, when it has ended, hands `seen` its bytes,
@@ -269,7 +310,42 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use futures_util::StreamExt;
     use http_body_util::StreamBody;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_ended_at_a_deadline_sends_its_last_words_then_ends() {
+        let events = futures_util::stream::iter(vec![Ok::<_, std::convert::Infallible>(
+            Frame::data(Bytes::from_static(b"data: 1\n\n")),
+        )])
+        .chain(futures_util::stream::pending::<
+            Result<Frame<Bytes>, std::convert::Infallible>,
+        >());
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        let mut body = end_at(
+            StreamBody::new(events)
+                .map_err(|e| match e {})
+                .boxed_unsync(),
+            deadline,
+            Bytes::from_static(b"data: bye\n\n"),
+        );
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(first, Bytes::from_static(b"data: 1\n\n"));
+        let last = tokio::time::timeout(std::time::Duration::from_secs(60), body.frame())
+            .await
+            .expect("the last words come at the deadline")
+            .unwrap()
+            .unwrap()
+            .into_data()
+            .unwrap();
+        assert_eq!(last, Bytes::from_static(b"data: bye\n\n"));
+        assert_eq!(
+            tokio::time::Instant::now(),
+            deadline,
+            "not before the deadline"
+        );
+        assert!(body.frame().await.is_none(), "and nothing after it");
+    }
 
     #[tokio::test]
     async fn sse_body_yields_one_frame_per_event() {

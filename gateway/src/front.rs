@@ -402,22 +402,58 @@ async fn accept_call(
     ));
     worker.auth.authorize(&call).map_err(refuse)?;
     worker.auth.admit(&call).await.map_err(refuse)?;
-    worker.dispatch(call).await.map_err(refuse)
+    let expires_at_ms = call.auth.expires_at_ms;
+    let reply = worker.dispatch(call).await.map_err(refuse)?;
+    Ok(match expires_at_ms {
+        Some(at) if crate::execute::is_sse(&reply.headers) => end_at_expiry(reply, at),
+        _ => reply,
+    })
+}
+
+/// A stream held with a credential that expires ends at the expiry with an SSE error
+/// event that says why: the owner checks the credential per request, and a held stream
+/// is one request that would otherwise outlive it.
+fn end_at_expiry(mut reply: Reply, expires_at_ms: u64) -> Reply {
+    let left = Duration::from_millis(expires_at_ms.saturating_sub(crate::auth::now_ms()));
+    let error = GatewayError::new(
+        StatusCode::UNAUTHORIZED,
+        crate::mcp::code::GATEWAY_ERROR,
+        "the bearer token this stream was opened with has expired, so the stream ended: \
+         get a new token and open the stream again",
+    )
+    .with_reason(Reason::InvalidToken)
+    .with_data(serde_json::json!({ "problem": "expired" }));
+    let mut event = b"event: message\ndata: ".to_vec();
+    event.extend_from_slice(&error.body());
+    event.extend_from_slice(b"\n\n");
+    reply.body = crate::body::end_at(
+        reply.body,
+        tokio::time::Instant::now() + left,
+        Bytes::from(event),
+    );
+    reply
 }
 
 /// The client's address: the connection's peer, or, behind a trusted proxy, the last
-/// `X-Forwarded-For` entry (the one the proxy itself appended).
+/// `X-Forwarded-For` entry (the one the proxy itself appended). Only that entry: the
+/// ones before it are the client's own words. When it does not parse, the header is
+/// ignored (the peer stands), never an earlier entry used in its place.
 fn client_addr(peer: SocketAddr, headers: &http::HeaderMap, trust_forwarded_for: bool) -> IpAddr {
     if !trust_forwarded_for {
         return peer.ip();
     }
-    headers
-        .get_all("x-forwarded-for")
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|entry| entry.trim().parse::<IpAddr>().ok())
-        .next_back()
+    let Some(last_line) = headers.get_all("x-forwarded-for").iter().next_back() else {
+        return peer.ip();
+    };
+    let rightmost = last_line
+        .to_str()
+        .ok()
+        .and_then(|line| line.rsplit(',').next())
+        .map(str::trim)
+        .unwrap_or("");
+    rightmost
+        .parse::<IpAddr>()
+        .or_else(|_| rightmost.parse::<SocketAddr>().map(|addr| addr.ip()))
         .unwrap_or(peer.ip())
 }
 
@@ -483,4 +519,37 @@ fn into_response(reply: Reply) -> Response<ReplyBody> {
     *response.status_mut() = reply.status;
     *response.headers_mut() = reply.headers;
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_entry_the_trusted_proxy_appended_is_the_client_address() {
+        let peer: SocketAddr = "10.0.0.1:5000".parse().unwrap();
+        let with = |lines: &[&str]| {
+            let mut headers = http::HeaderMap::new();
+            for line in lines {
+                headers.append("x-forwarded-for", line.parse().unwrap());
+            }
+            client_addr(peer, &headers, true)
+        };
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(with(&["203.0.113.9"]), ip("203.0.113.9"));
+        assert_eq!(with(&["1.2.3.4, 203.0.113.9"]), ip("203.0.113.9"));
+        assert_eq!(with(&["1.2.3.4", "203.0.113.9"]), ip("203.0.113.9"));
+        assert_eq!(with(&["203.0.113.9:4711"]), ip("203.0.113.9"));
+        // An unparsable last entry: the header is ignored, the client's entry unused.
+        assert_eq!(with(&["1.2.3.4, garbage"]), ip("10.0.0.1"));
+        assert_eq!(with(&["1.2.3.4", ""]), ip("10.0.0.1"));
+        assert_eq!(with(&[]), ip("10.0.0.1"));
+        let mut headers = http::HeaderMap::new();
+        headers.insert("x-forwarded-for", "203.0.113.9".parse().unwrap());
+        assert_eq!(
+            client_addr(peer, &headers, false),
+            ip("10.0.0.1"),
+            "not trusted"
+        );
+    }
 }

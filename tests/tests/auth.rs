@@ -1930,3 +1930,69 @@ secret_file = "{dir}/{beta_secret}"
     drop(gateway);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A `GET` stream held with a bearer token ends when the token expires, with an SSE
+/// error event that says why: the credential is checked per request, and a held stream
+/// is one request that would otherwise outlive it.
+#[test]
+fn a_held_stream_ends_at_its_tokens_expiry_with_an_error_event() {
+    let dir = temp_dir("stream-expiry");
+    let upstream = Upstream::start();
+    let secret = dir.join("hs.secret");
+    std::fs::write(&secret, b"a shared HMAC secret of 32+ bytes!!").expect("secret");
+    let config = dir.join("mcpgw.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[upstream]]\nname = \"demo\"\nurl = \"{}\"\n[auth]\nmode = \"jwt\"\n\
+             [auth.jwt]\nissuer = \"{ISSUER}\"\naudience = \"{AUDIENCE}\"\nleeway_secs = 0\n\
+             [[auth.jwt.keys]]\nkid = \"hs-1\"\nalg = \"HS256\"\nsecret_file = \"{}\"\n",
+            upstream.url,
+            secret.display()
+        ),
+    )
+    .expect("config");
+    let gateway = LoggedGateway::start(
+        &["--config", &config.display().to_string()],
+        dir.join("gateway.log"),
+    );
+    let addr = gateway.addr.as_str();
+    let key = EncodingKey::from_secret(b"a shared HMAC secret of 32+ bytes!!").expect("HMAC key");
+    let ttl = 4;
+    let token_claims = claims("alice", "", ttl);
+    let expires = token_claims["exp"].as_u64().expect("exp");
+    let token = sign_with(&key, Algorithm::HS256, Some("hs-1"), &token_claims);
+    let session = open_session(addr, DEMO, Some(&token));
+    let bearer = format!("Bearer {token}");
+    let started = std::time::Instant::now();
+    let stream = http::request(
+        addr,
+        "GET",
+        DEMO,
+        &[
+            ("Accept", "text/event-stream"),
+            ("Mcp-Session-Id", &session),
+            ("MCP-Protocol-Version", "2025-11-25"),
+            ("Authorization", &bearer),
+        ],
+        b"",
+    );
+    println!("the stream ended after {:?}", started.elapsed());
+    assert_eq!(stream.status, 200, "{}", body_text(&stream));
+    let last = http::sse_data(&body_text(&stream))
+        .last()
+        .expect("an event before the end");
+    let error: Value = serde_json::from_str(&last).expect("the last event is JSON-RPC");
+    assert_eq!(error["error"]["data"]["reason"], "invalid_token", "{last}");
+    assert_eq!(error["error"]["data"]["problem"], "expired", "{last}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("expired") && m.contains("open the stream again")),
+        "{last}"
+    );
+    assert!(!body_text(&stream).contains(&token), "the token is never echoed");
+    // It ended because the token did, not before: the token was honoured until then.
+    assert!(now_secs() + 1 >= expires, "ended before the token expired");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -558,7 +558,7 @@ impl Worker {
     }
 }
 
-fn is_sse(headers: &HeaderMap) -> bool {
+pub(crate) fn is_sse(headers: &HeaderMap) -> bool {
     headers
         .get(CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
