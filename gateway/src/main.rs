@@ -1,9 +1,10 @@
 //! mcpgw: an MCP gateway that runs as a fleet of worker processes and keeps every
 //! client session on the one worker that holds its live upstream connection.
 //!
-//! This binary holds the CLI, the supervisor, the HTTP front, MCP semantics,
-//! sessions, upstream clients and the affinity decisions; the mesh and the directory
-//! live in `mcpgw-mesh`, frames in `mcpgw-wire`, certificates in `mcpgw-certs`.
+//! This binary holds the command line ([`commands`]), the supervisor, the HTTP front,
+//! MCP semantics, sessions, upstream clients and the affinity decisions; the mesh and
+//! the directory live in `mcpgw-mesh`, frames in `mcpgw-wire`, certificates in
+//! `mcpgw-certs`.
 //!
 //! A request's path through the modules (docs/architecture.md tells it in full):
 //! [`front`] accepts it and [`request`] checks it into a [`request::Call`];
@@ -18,10 +19,9 @@
 mod admin;
 mod auth;
 mod body;
-mod certs_cli;
+mod commands;
 mod config;
 mod dispatch;
-mod drain_cli;
 mod execute;
 mod fleet;
 mod forward;
@@ -36,105 +36,17 @@ mod request;
 mod serve;
 mod session;
 mod sse;
-mod status_cli;
 mod supervisor;
 mod trace;
 mod worker;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
-
-use crate::config::{Config, ServeArgs};
-
 /// mimalloc instead of glibc malloc: allocation was 13–17 % of a forwarded request's
 /// CPU in profiles, and many small per-request buffers are mimalloc's strong case.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[derive(Debug, Parser)]
-#[command(name = "mcpgw", version, about = "A horizontally scaled MCP gateway")]
-struct Cli {
-    /// Log lines as text (for people) or JSON (for log pipelines); workers inherit it.
-    #[arg(long, global = true, env = process::ENV_LOG_FORMAT, value_enum, default_value = "text")]
-    log_format: LogFormat,
-    #[command(subcommand)]
-    command: Command,
-}
-
-/// How log lines are written (to stderr).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
-}
-
-/// Logs go to stderr, filtered by `RUST_LOG` (default `info`). Every worker process
-/// logs under its own id (each line's fields name it where it matters).
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-            .init(),
-    }
-    // Workers started by a supervisor log the way it does.
-    process::set_log_format(match format {
-        LogFormat::Json => "json",
-        LogFormat::Text => "text",
-    });
-}
-
-// Parsed once at start; the size difference between variants costs nothing.
-#[allow(clippy::large_enum_variant)]
-#[derive(Debug, Subcommand)]
-enum Command {
-    /// Serve MCP clients: one worker, or a supervisor of --workers N processes.
-    Serve(ServeArgs),
-    /// Mesh certificates: a private CA and leaves for mesh members.
-    #[command(subcommand)]
-    Certs(certs_cli::CertsCommand),
-    /// The fleet as the directory sees it (workers, sessions, certificate expiry) and the
-    /// problems an operator must see. Exits 1 when it finds one, 2 when Redis cannot
-    /// be read.
-    Status(status_cli::StatusArgs),
-    /// Drains a worker (by id) or every worker of a host, as SIGTERM would, through the
-    /// directory. Exits 1 when no live worker matches.
-    Drain(drain_cli::DrainArgs),
-    /// One worker of a fleet, started by `mcpgw serve` (not for direct use).
-    #[command(hide = true)]
-    Worker,
-    /// A stdio upstream's child, started by a worker (not for direct use).
-    #[command(hide = true, name = execute::upstream::stdio::EXEC_SUBCOMMAND)]
-    StdioExec {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        command: Vec<String>,
-    },
-}
-
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    init_logging(cli.log_format);
-    match cli.command {
-        Command::Serve(args) => {
-            let config = match Config::load(&args) {
-                Ok(config) => config,
-                Err(e) => {
-                    eprintln!("mcpgw: {e}");
-                    return ExitCode::from(2);
-                }
-            };
-            serve::run(config)
-        }
-        Command::Worker => serve::run_worker_process(),
-        Command::Certs(command) => certs_cli::run(command),
-        Command::Status(args) => status_cli::run(args),
-        Command::Drain(args) => drain_cli::run(args),
-        Command::StdioExec { command } => execute::upstream::stdio::exec_child(command),
-    }
+    commands::run()
 }

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use mcpgw_mesh::directory::{Directory, DirectoryError, WorkerEntry};
 
-use crate::status_cli::{DirectoryArgs, block_on, connect};
+use super::status::{DirectoryArgs, block_on, connect};
 
 #[derive(Debug, clap::Args)]
 #[command(group(clap::ArgGroup::new("target").required(true).args(["worker", "host"])))]
