@@ -7,7 +7,8 @@
 //!   (`content-type: text/event-stream`), moved over when its head is seen.
 //!
 //! Both ends keep the same books: the caller per peer address, the owner per peer
-//! worker id. A full budget refuses at once (the caller gets
+//! mesh identity (its certificate's, not the worker id it declares; over Redis, which
+//! has no mTLS, the worker id). A full budget refuses at once (the caller gets
 //! [`MeshError::BudgetExhausted`](super::MeshError::BudgetExhausted), the owner answers
 //! `Error(Busy)`); nothing ever waits for a slot, so a budget can never turn into a
 //! hang.

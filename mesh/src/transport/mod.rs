@@ -76,6 +76,7 @@ mod budget;
 mod client;
 mod error;
 mod framed;
+mod guard;
 mod observe;
 mod quic;
 mod redis;
@@ -153,8 +154,8 @@ pub struct MeshLimits {
     /// with it.
     pub max_frame: usize,
     /// Short requests one peer may have in flight: checked by the caller per peer
-    /// address ([`MeshError::BudgetExhausted`] at once) and by the owner per peer worker
-    /// (`Error(Busy)`). Held streams never count here, so they cannot make a short
+    /// address ([`MeshError::BudgetExhausted`] at once) and by the owner per peer mesh
+    /// identity, whatever worker id the peer declares (`Error(Busy)`). Held streams never count here, so they cannot make a short
     /// request wait. Each costs an exchange's state on both ends (a few KiB) plus what
     /// its request and response hold.
     pub max_in_flight_per_peer: usize,
@@ -188,6 +189,16 @@ pub struct MeshLimits {
     /// at [`hard_age`] of this. Bounds how long credentials removed by a rotation stay
     /// in use. Zero: connections live until their peer's certificate expires.
     pub max_connection_age: Duration,
+    /// QUIC and TCP, owner side: handshakes (TLS and `Hello`) one source IP address
+    /// may have in progress. A connection over it is closed at once, before any TLS
+    /// work, so one address cannot hold many descriptors with handshakes it never
+    /// finishes. Connected peers are not affected; a worker dials at most
+    /// `tcp_pool_size` connections per peer at a time.
+    pub max_handshakes_per_addr: usize,
+    /// QUIC and TCP, owner side: handshakes all addresses together may have in
+    /// progress; the same refusal over it. Each costs a socket (TCP), a task and TLS
+    /// state (a few KiB) until [`connect_timeout`](Self::connect_timeout) ends it.
+    pub max_handshakes: usize,
 }
 
 impl Default for MeshLimits {
@@ -201,6 +212,8 @@ impl Default for MeshLimits {
             stream_window: 256 * 1024,
             idle_timeout: Duration::from_secs(15),
             max_connection_age: Duration::from_secs(600),
+            max_handshakes_per_addr: 64,
+            max_handshakes: 1024,
         }
     }
 }

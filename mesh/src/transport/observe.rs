@@ -19,7 +19,9 @@ pub trait MeshObserver: Send + Sync + 'static {
     /// `outcome` is `"ok"` or the cause of the failure: `"tls"` (a certificate was
     /// refused, ours or the peer's), `"identity"` (no mesh identity, or not the one
     /// registered for the worker), `"timeout"`, `"refused"` (nothing listens),
-    /// `"greeting"` (`Hello`/`Welcome` failed: version, protocol) or `"io"`.
+    /// `"greeting"` (`Hello`/`Welcome` failed: version, protocol), `"over_cap"` (owner
+    /// side: closed unread because too many handshakes were in progress, see
+    /// [`MeshLimits::max_handshakes`](super::MeshLimits::max_handshakes)) or `"io"`.
     fn handshake(&self, side: &'static str, outcome: &'static str);
 
     /// Connections open on `side` changed by `delta` (+1 opened, -1 closed).

@@ -26,6 +26,7 @@ use tracing::{debug, warn};
 use super::client::{ExState, greet as client_greet, resolve};
 use super::error::{LinkError, quic_tls_cause};
 use super::framed::{FrameReader, FrameWriter, SendError};
+use super::guard::HandshakePermit;
 use super::observe::{self, OpenConnection};
 use super::server::{
     CallerEvent, ExchangeEnd, ExchangeLink, ServerShared, greet as server_greet, serve_next,
@@ -190,27 +191,54 @@ async fn accept_loop(endpoint: Endpoint, tls: ServerTls, shared: Arc<ServerShare
             incoming = endpoint.accept() => incoming,
         };
         let Some(incoming) = incoming else { return };
+        let remote = incoming.remote_address();
+        let permit = match shared.handshakes.enter(remote.ip()) {
+            Ok(permit) => permit,
+            Err(full) => {
+                // Refused before any TLS work, with a close the peer understands.
+                incoming.refuse();
+                observe::handshake("owner", "over_cap");
+                shared.handshake_failures.failed(
+                    "quic",
+                    remote,
+                    "over_cap",
+                    &format!("connection refused: {}", full.reason()),
+                );
+                continue;
+            }
+        };
         shared
             .tracker
-            .spawn(connection(incoming, tls.clone(), shared.clone()));
+            .spawn(connection(incoming, tls.clone(), shared.clone(), permit));
     }
 }
 
-async fn connection(incoming: quinn::Incoming, tls: ServerTls, shared: Arc<ServerShared>) {
+async fn connection(
+    incoming: quinn::Incoming,
+    tls: ServerTls,
+    shared: Arc<ServerShared>,
+    permit: HandshakePermit,
+) {
     let remote = incoming.remote_address();
     let limits = &shared.limits;
+    let failures = &shared.handshake_failures;
     let conn = match timeout(limits.connect_timeout, incoming).await {
         Err(_) => {
-            warn!(%remote, "mesh QUIC handshake timed out");
             observe::handshake("owner", "timeout");
+            failures.failed(
+                "quic",
+                remote,
+                "timeout",
+                "QUIC handshake not finished within the connect timeout",
+            );
             return;
         }
         Ok(Err(e)) => {
             let cause = quic_tls_cause(&e);
             let outcome = if cause.is_some() { "tls" } else { "io" };
             let reason = cause.unwrap_or_else(|| e.to_string());
-            warn!(%remote, %reason, "mesh QUIC handshake failed");
             observe::handshake("owner", outcome);
+            failures.failed("quic", remote, outcome, &reason);
             return;
         }
         Ok(Ok(conn)) => conn,
@@ -219,8 +247,8 @@ async fn connection(incoming: quinn::Incoming, tls: ServerTls, shared: Arc<Serve
         match peer_chain(&conn).and_then(|chain| tls.peer(&chain).map_err(|e| e.to_string())) {
             Ok(identity) => identity,
             Err(reason) => {
-                warn!(%remote, %reason, "mesh peer has no mesh identity; closing");
                 observe::handshake("owner", "identity");
+                failures.failed("quic", remote, "identity", &reason);
                 conn.close(GREETING_FAILED, b"no mesh identity");
                 return;
             }
@@ -250,6 +278,8 @@ async fn connection(incoming: quinn::Incoming, tls: ServerTls, shared: Arc<Serve
     let _ = writer.get_mut().finish();
     drop((reader, writer));
     observe::handshake("owner", "ok");
+    // Authenticated and greeted: no longer a handshake in progress.
+    drop(permit);
     let _open = OpenConnection::new("owner", &identity);
     let close_at = ConnectionLife::owner_close_at(limits.max_connection_age, identity.not_after);
     let peer = PeerInfo {

@@ -18,6 +18,7 @@ use tracing::{debug, warn};
 use super::budget::{Budgets, Permit, StreamClass, is_event_stream};
 use super::error::LinkError;
 use super::framed::{FrameReader, FrameWriter, SendError};
+use super::guard::{FAILURE_LOG_INTERVAL, FailureLog, HandshakeGate};
 use super::{MeshError, MeshLimits, MeshService, PeerInfo, ResponsePart, TransportKind};
 use super::{RedisTransportConfig, ServerTls, quic, redis, tcp};
 
@@ -208,11 +209,18 @@ pub(crate) struct ServerShared {
     /// The tasks that serve one exchange each, so shutdown can let their last frames
     /// go out before it closes the connections.
     pub(crate) exchanges: TaskTracker,
-    /// Exchanges in flight per peer worker id, short and long, for
+    /// Exchanges in flight per peer (its authenticated identity; see
+    /// [`budget_key`]), short and long, for
     /// `max_in_flight_per_peer` and `max_streams_per_peer`.
     pub(crate) budgets: Arc<Budgets>,
     /// Connections accepted so far, to number them.
     pub(crate) connections: std::sync::atomic::AtomicU64,
+    /// Handshakes in progress per source address and in all, for
+    /// `max_handshakes_per_addr` and `max_handshakes`.
+    pub(crate) handshakes: Arc<HandshakeGate>,
+    /// Rate-limits the log lines about handshakes that failed or were refused before
+    /// the peer was authenticated (anyone can cause those).
+    pub(crate) handshake_failures: FailureLog,
 }
 
 impl std::fmt::Debug for ServerShared {
@@ -236,6 +244,7 @@ impl ServerShared {
         limits.max_in_flight_per_peer = limits.max_in_flight_per_peer.max(1);
         limits.max_streams_per_peer = limits.max_streams_per_peer.max(1);
         let budgets = Budgets::new(limits.max_in_flight_per_peer, limits.max_streams_per_peer);
+        let handshakes = HandshakeGate::new(limits.max_handshakes_per_addr, limits.max_handshakes);
         Arc::new(ServerShared {
             kind,
             worker_id,
@@ -247,6 +256,8 @@ impl ServerShared {
             exchanges: TaskTracker::new(),
             budgets,
             connections: std::sync::atomic::AtomicU64::new(0),
+            handshakes,
+            handshake_failures: FailureLog::new(FAILURE_LOG_INTERVAL),
         })
     }
 
@@ -262,7 +273,7 @@ impl ServerShared {
             Frame::Error(ErrorFrame::new(
                 ErrorKind::Busy,
                 format!(
-                    "worker {} already runs {} {} exchanges for worker {peer}: retry shortly",
+                    "worker {} already runs {} {} exchanges for mesh member {peer}: retry shortly",
                     self.worker_id,
                     full.limit,
                     full.class.name()
@@ -458,7 +469,7 @@ pub(crate) async fn serve_request<L: ExchangeLink>(
         return finish(link, frame, deadline).await;
     }
     let class = StreamClass::of_request(&request.method);
-    let mut slot = match shared.admit(&peer.worker_id, class) {
+    let mut slot = match shared.admit(budget_key(peer), class) {
         Ok(slot) => slot,
         Err(busy) => {
             debug!(request_id, peer = %peer.worker_id, class = class.name(), "mesh budget full; answered Busy");
@@ -617,6 +628,18 @@ pub(crate) async fn serve_request<L: ExchangeLink>(
                 return ExchangeEnd::Broken;
             }
         }
+    }
+}
+
+/// Whose budget a peer's request draws from: the mesh identity its certificate
+/// proves, never the worker id it declares in `Hello` (a leaf that declared made-up
+/// ids would otherwise get a fresh budget for each). Over Redis, which has no mTLS and
+/// where Redis is the trust boundary, the declared worker id.
+pub(crate) fn budget_key(peer: &PeerInfo) -> &str {
+    if peer.identity.is_empty() {
+        &peer.worker_id
+    } else {
+        &peer.identity
     }
 }
 

@@ -50,6 +50,7 @@ use self::mux::{MuxReader, Outbox, write_loop};
 use super::client::{greet as client_greet, resolve};
 use super::error::tls_cause;
 use super::framed::{FrameReader, FrameWriter};
+use super::guard::HandshakePermit;
 use super::observe::{self, OpenConnection};
 use super::server::{ServerShared, greet as server_greet};
 use super::tls::{ConnectionLife, IdentityBook};
@@ -95,11 +96,30 @@ async fn accept_loop(listener: TcpListener, tls: ServerTls, shared: Arc<ServerSh
         };
         match accepted {
             Ok((stream, remote)) => {
+                let permit = match shared.handshakes.enter(remote.ip()) {
+                    Ok(permit) => permit,
+                    Err(full) => {
+                        // Closed before any TLS work: the descriptor is free again now.
+                        drop(stream);
+                        observe::handshake("owner", "over_cap");
+                        shared.handshake_failures.failed(
+                            "tcp",
+                            remote,
+                            "over_cap",
+                            &format!("connection closed: {}", full.reason()),
+                        );
+                        continue;
+                    }
+                };
                 // The server's TLS config is taken per accepted connection, so new
                 // material reaches the next handshake.
-                shared
-                    .tracker
-                    .spawn(connection(stream, remote, tls.clone(), shared.clone()));
+                shared.tracker.spawn(connection(
+                    stream,
+                    remote,
+                    tls.clone(),
+                    shared.clone(),
+                    permit,
+                ));
             }
             Err(e) => {
                 // Out of file descriptors and the like: wait instead of spinning.
@@ -115,20 +135,27 @@ async fn connection(
     remote: SocketAddr,
     material: ServerTls,
     shared: Arc<ServerShared>,
+    permit: HandshakePermit,
 ) {
     let limits = &shared.limits;
+    let failures = &shared.handshake_failures;
     tune(&stream, limits);
     let acceptor = TlsAcceptor::from(material.config());
     let tls = match timeout(limits.connect_timeout, acceptor.accept(stream)).await {
         Err(_) => {
-            warn!(%remote, "mesh TLS handshake timed out");
             observe::handshake("owner", "timeout");
+            failures.failed(
+                "tcp",
+                remote,
+                "timeout",
+                "TLS handshake not finished within the connect timeout",
+            );
             return;
         }
         Ok(Err(e)) => {
             let reason = tls_cause(&e).unwrap_or_else(|| e.to_string());
-            warn!(%remote, %reason, "mesh TLS handshake failed");
             observe::handshake("owner", "tls");
+            failures.failed("tcp", remote, "tls", &reason);
             return;
         }
         Ok(Ok(tls)) => tls,
@@ -141,13 +168,13 @@ async fn connection(
     {
         Some(Ok(identity)) => identity,
         Some(Err(e)) => {
-            warn!(%remote, error = %e, "mesh peer has no mesh identity; closing");
             observe::handshake("owner", "identity");
+            failures.failed("tcp", remote, "identity", &format!("no mesh identity: {e}"));
             return;
         }
         None => {
-            warn!(%remote, "mesh peer presented no certificate; closing");
             observe::handshake("owner", "identity");
+            failures.failed("tcp", remote, "identity", "no client certificate");
             return;
         }
     };
@@ -161,6 +188,8 @@ async fn connection(
         return;
     };
     observe::handshake("owner", "ok");
+    // Authenticated and greeted: no longer a handshake in progress.
+    drop(permit);
     let _open = OpenConnection::new("owner", &identity);
     let close_at = ConnectionLife::owner_close_at(limits.max_connection_age, identity.not_after);
     let peer = PeerInfo {
