@@ -1,0 +1,599 @@
+//! The Redis directory: which workers are alive (leases), where their mesh endpoints
+//! are, and which worker owns each legacy session.
+//!
+//! Keys, under a configurable prefix (default `mcpgw:`):
+//!
+//! | key | value | lifetime |
+//! |---|---|---|
+//! | `{p}worker:{id}` | lease JSON: pid, host, start time, version, random lease token | PX lease |
+//! | `{p}worker_addr:{id}` | mesh address `host:port` | same PX |
+//! | `{p}pool_owner:{sid}` | owner worker id | until released or reclaimed |
+//! | `{p}worker_sessions:{id}` | SET of sids the worker owns | until released or reclaimed |
+//! | `{p}workers` | ZSET of worker ids that hold a lease, scored by their last renewal (ms) | until reclaimed or deregistered |
+//! | `{p}principal_sessions:{sha1}` | SET of sids one principal (or client address) holds, for the session quota | PX twice the idle timeout, from its last new session |
+//! | `{p}sweeper` | worker id of the one worker sweeping dead workers' keys now | PX one sweep interval |
+//! | `{p}worker_gone:{id}` | `reclaimed@ms` (proven dead and reclaimed) or `deregistered@ms` (ended cleanly), Redis time | PX four leases |
+//! | `{p}generation` | random token `@` creation time (ms), created when absent | no TTL |
+//! | `{p}worker_cert:{id}` | not-after of the worker's mesh leaf, unix ms (only workers with a leaf) | PX lease, rewritten by every renewal |
+//! | `{p}drain:{id}` | an operator asked this worker to drain (`mcpgw drain`); its next renewal tells it | PX two to three leases; deleted when the worker registers or deregisters |
+//! | `{p}session_seen:{sid}` | a remembered session (a 2026-07-28 principal's shared one) existed; the first lookup after its end takes it | no TTL while it lives; PX [`REMEMBER_ENDED`] from its end |
+//! | `{p}rebuilt` | a worker registered again after Redis lost its data | PX two leases |
+//!
+//! By concern: [`lease`] (registration, renewal, what a lease proves), [`sessions`]
+//! (claims, releases, the memory of an end, reclaim) and [`fleet`] (workers, the
+//! operator's snapshot, drain requests, the sweeper), each operation beside its script;
+//! this file holds the connection, its deadlines and the keys.
+//!
+//! A worker that never held a lease leaves no trace: a forged owner hint costs no
+//! write. A reclaimed or cleanly deregistered worker leaves only a short-lived record
+//! of how and when it went (so a request sent to it later is known not to have run, and
+//! its sessions are known to be gone, even in a young directory): its id leaves `workers`,
+//! which is also what keeps it from resuming its lease (fencing), and its keys are
+//! deleted in batches, by the worker that proved it dead or by the sweeper.
+//!
+//! Every multi-key change is one Lua script, so it is atomic against other workers.
+//! The scripts touch keys they compute from the prefix (pool_owner keys of a reclaimed
+//! worker), so the directory needs a single Redis, not Redis Cluster.
+//!
+//! Every call is bounded by [`DirectoryConfig::op_timeout`]. A timeout or a connection
+//! failure is [`DirectoryError::Unavailable`]: the state is *unknown*, never "absent".
+//! A write that timed out may still have been applied by Redis; callers treat its
+//! outcome as unknown and ask again.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use parking_lot::RwLock;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{RedisError, Script};
+use serde::{Deserialize, Serialize};
+
+pub use crate::redis_conn::redact_url;
+use crate::redis_conn::{self, ConnectFailure, scrub};
+
+mod fleet;
+mod lease;
+mod sessions;
+
+pub use fleet::{FleetSnapshot, LeaseView, WorkerEntry, WorkerSnapshot};
+pub use lease::{Gone, GoneHow, Lease, LeaseRenewal, LeaseState, WorkerEndpoint, WorkerInfo};
+pub use sessions::{Claim, REMEMBER_ENDED, Remembered, SessionQuota};
+
+/// Settings of the directory client.
+#[derive(Clone, PartialEq, Eq)]
+pub struct DirectoryConfig {
+    /// `redis://[user:password@]host:port[/db]`. The password never appears in errors
+    /// or logs.
+    pub redis_url: String,
+    /// Prepended to every key, so several fleets can share one Redis.
+    pub prefix: String,
+    /// Lease time of a worker's registration. Shorter detects dead workers sooner;
+    /// longer tolerates longer Redis hiccups before a live worker loses its lease.
+    pub lease: Duration,
+    /// Deadline of each directory call. Past it the answer is "unknown" (503 upstream
+    /// of here), so keep it well under client timeouts.
+    pub op_timeout: Duration,
+    /// Deadline of the first connection in [`Directory::connect`]; a worker refuses to
+    /// start if Redis is not reachable by then.
+    pub connect_timeout: Duration,
+}
+
+impl Default for DirectoryConfig {
+    fn default() -> Self {
+        Self {
+            redis_url: "redis://127.0.0.1:6379".into(),
+            prefix: "mcpgw:".into(),
+            lease: Duration::from_secs(10),
+            op_timeout: Duration::from_millis(500),
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl fmt::Debug for DirectoryConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DirectoryConfig")
+            .field("redis_url", &redact_url(&self.redis_url))
+            .field("prefix", &self.prefix)
+            .field("lease", &self.lease)
+            .field("op_timeout", &self.op_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
+}
+
+/// Errors of directory calls.
+#[derive(Debug, thiserror::Error)]
+pub enum DirectoryError {
+    /// Redis did not answer in time or the connection failed: the answer is unknown.
+    #[error("Redis at {url} {reason} ({op}): directory state unknown, retry")]
+    Unavailable {
+        /// Redis URL without credentials.
+        url: String,
+        /// The directory operation.
+        op: &'static str,
+        /// What happened, e.g. "did not answer within 500ms".
+        reason: String,
+    },
+    /// Redis answered with an error that retrying will not fix (permissions, script error).
+    #[error("Redis at {url} rejected {op}: {detail}")]
+    Rejected {
+        /// Redis URL without credentials.
+        url: String,
+        /// The directory operation.
+        op: &'static str,
+        /// Redis's error, with any password removed.
+        detail: String,
+    },
+    /// The first connection failed, so this worker cannot join the fleet.
+    #[error(
+        "could not connect to Redis at {url}: {reason}; check the Redis URL and that Redis is \
+         running and reachable"
+    )]
+    Connect {
+        /// Redis URL without credentials.
+        url: String,
+        /// Why the connection failed.
+        reason: String,
+    },
+    /// The configuration cannot work.
+    #[error("invalid directory configuration: {0}")]
+    InvalidConfig(String),
+    /// Another live process holds the lease for this worker id.
+    #[error(
+        "worker id {id:?} is already held by a live worker: give this process its own \
+         WORKER_ID, or wait for the old lease to expire"
+    )]
+    WorkerIdTaken {
+        /// The contested worker id.
+        id: String,
+    },
+    /// The worker holds no lease, so it may not claim sessions (it must re-register).
+    #[error(
+        "worker {id:?} holds no lease in the directory: it lost its registration; drop its \
+         sessions and register again"
+    )]
+    NotRegistered {
+        /// The worker id without a lease.
+        id: String,
+    },
+    /// A worker id or session id that cannot be a directory key.
+    #[error("invalid {what} {value:?}: use 1 to 256 visible ASCII characters")]
+    InvalidName {
+        /// "worker id" or "session id".
+        what: &'static str,
+        /// The rejected value (shortened).
+        value: String,
+    },
+    /// The OS random source failed, so no lease token could be made.
+    #[error("the operating system's random source failed: {0}")]
+    NoEntropy(String),
+}
+
+/// Most sids re-claimed or reclaimed per script call, so one call never blocks Redis
+/// for long (a worker may die holding 100,000 sessions).
+const RECLAIM_BATCH: usize = 500;
+
+/// Longest worker or session id accepted as a key part.
+const MAX_NAME: usize = 256;
+
+/// After this many timeouts in a row the connection is replaced. redis-rs reconnects on
+/// connection errors, but a black-holed connection (Redis moved, network partition)
+/// produces only timeouts until TCP gives up many minutes later.
+const STALE_AFTER_TIMEOUTS: u32 = 3;
+
+/// The directory client. Cheap to clone; clones share one reconnecting connection.
+#[derive(Clone)]
+pub struct Directory {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// Multiplexed connection that reconnects by itself after connection errors. It is
+    /// replaced after repeated timeouts (see [`STALE_AFTER_TIMEOUTS`]).
+    conn: RwLock<ConnectionManager>,
+    /// Kept to build a replacement connection.
+    client: redis::Client,
+    /// Kept to build a replacement connection.
+    manager_cfg: ConnectionManagerConfig,
+    /// Timeouts in a row; reset by any answer from Redis.
+    timeouts_in_a_row: AtomicU32,
+    /// Settings, including the deadlines.
+    cfg: DirectoryConfig,
+    /// Redis URL without credentials, for errors and logs.
+    url: String,
+    /// Decoded password, scrubbed from Redis error texts just in case one echoes it.
+    password: Option<String>,
+    /// The Lua scripts, hashed once.
+    scripts: Scripts,
+    /// Told about every call (for metrics), once someone watches.
+    observer: std::sync::OnceLock<Arc<dyn DirectoryObserver>>,
+}
+
+/// Watches the directory's calls: one report per call with its operation name (from
+/// a fixed set), how long it took, and whether Redis answered.
+pub trait DirectoryObserver: Send + Sync + 'static {
+    fn observe(&self, op: &'static str, elapsed: Duration, answered: bool);
+}
+
+impl fmt::Debug for Directory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Directory")
+            .field("cfg", &self.inner.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Scripts {
+    register: Script,
+    renew: Script,
+    deregister: Script,
+    claim: Script,
+    release: Script,
+    reclaim: Script,
+    reclaim_after_loss: Script,
+    remembered: Script,
+    generation: Script,
+    resume: Script,
+    lease_state: Script,
+    gone: Script,
+    request_drain: Script,
+}
+
+/// Reads a `worker_gone` record: {how, ms ago}, or {'', -1} when there is none.
+const GONE_LUA: &str = r#"
+local function gone(key)
+  local record = redis.call('GET', key)
+  if not record then return {'', -1} end
+  local how, at = string.match(record, '^(%a+)@(%d+)$')
+  if not how then return {'', -1} end
+  return {how, now_ms() - tonumber(at)}
+end
+"#;
+
+/// Redis's clock in milliseconds, and get-or-create of the generation token (which
+/// records when it was created), shared by the scripts that need them.
+const GEN_LUA: &str = r#"
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function generation(key, fresh)
+  local g = redis.call('GET', key)
+  if g then return g end
+  g = fresh .. '@' .. string.format('%d', now_ms())
+  redis.call('SET', key, g)
+  return g
+end
+local function generation_age(g)
+  local since = tonumber(string.match(g, '@(%d+)$') or '0')
+  return now_ms() - since
+end
+"#;
+
+impl Scripts {
+    /// Each script is written beside the operation it serves.
+    fn new() -> Self {
+        Self {
+            register: lease::register(),
+            renew: lease::renew(),
+            resume: lease::resume(),
+            deregister: lease::deregister(),
+            lease_state: lease::lease_state(),
+            gone: lease::gone(),
+            generation: lease::generation(),
+            claim: sessions::claim(),
+            release: sessions::release(),
+            remembered: sessions::remembered(),
+            reclaim: sessions::reclaim(),
+            reclaim_after_loss: sessions::reclaim_after_loss(),
+            request_drain: fleet::request_drain(),
+        }
+    }
+}
+
+impl Directory {
+    /// Connects to Redis and checks it answers. Fails within
+    /// [`DirectoryConfig::connect_timeout`] if Redis is unreachable.
+    pub async fn connect(cfg: DirectoryConfig) -> Result<Self, DirectoryError> {
+        let url = redact_url(&cfg.redis_url);
+        if cfg.lease < Duration::from_millis(1) {
+            return Err(DirectoryError::InvalidConfig(
+                "the lease time must be at least 1ms".into(),
+            ));
+        }
+        if cfg.op_timeout.is_zero() || cfg.connect_timeout.is_zero() {
+            return Err(DirectoryError::InvalidConfig(
+                "op_timeout and connect_timeout must be positive".into(),
+            ));
+        }
+        let client =
+            redis_conn::open_client(&cfg.redis_url, None).map_err(DirectoryError::InvalidConfig)?;
+        let password = redis_conn::password(&client);
+        let manager_cfg = ConnectionManagerConfig::new()
+            // Each (re)connection attempt and each response is bounded inside redis-rs
+            // too, so a reconnect never hangs on a frozen server; our own timeout below
+            // is still what bounds every call.
+            .set_connection_timeout(Some(cfg.op_timeout))
+            .set_response_timeout(Some(cfg.op_timeout))
+            .set_max_delay(Duration::from_secs(1));
+        let conn = connect_first(&client, &manager_cfg, &cfg)
+            .await
+            .map_err(|reason| DirectoryError::Connect {
+                url: url.clone(),
+                reason,
+            })?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                conn: RwLock::new(conn),
+                client,
+                manager_cfg,
+                timeouts_in_a_row: AtomicU32::new(0),
+                cfg,
+                url,
+                password,
+                scripts: Scripts::new(),
+                observer: std::sync::OnceLock::new(),
+            }),
+        })
+    }
+
+    /// Reports every later call to `observer` (the first one set stays).
+    pub fn observe_with(&self, observer: Arc<dyn DirectoryObserver>) {
+        let _ = self.inner.observer.set(observer);
+    }
+
+    /// The settings this directory was made with.
+    pub fn config(&self) -> &DirectoryConfig {
+        &self.inner.cfg
+    }
+
+    /// Runs one Redis exchange under the deadline and classifies its failure.
+    async fn run<'s, T, F, Fut>(&'s self, op: &'static str, f: F) -> Result<T, DirectoryError>
+    where
+        F: FnOnce(ConnectionManager, &'s Scripts) -> Fut,
+        Fut: Future<Output = redis::RedisResult<T>>,
+    {
+        let timeout = self.inner.cfg.op_timeout;
+        let started = tokio::time::Instant::now();
+        let fut = f(self.connection(), &self.inner.scripts);
+        let result = tokio::time::timeout(timeout, fut).await;
+        if let Some(observer) = self.inner.observer.get() {
+            observer.observe(op, started.elapsed(), matches!(result, Ok(Ok(_))));
+        }
+        let timed_out = match &result {
+            Err(_) => true,
+            Ok(Err(e)) => e.is_timeout(),
+            Ok(Ok(_)) => false,
+        };
+        if timed_out {
+            self.note_timeout();
+        } else {
+            self.inner.timeouts_in_a_row.store(0, Ordering::Relaxed);
+        }
+        match result {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) if !e.is_timeout() => Err(self.classify(op, &e)),
+            // redis-rs's own response timeout and ours are the same event for callers.
+            Ok(Err(_)) | Err(_) => Err(DirectoryError::Unavailable {
+                url: self.inner.url.clone(),
+                op,
+                reason: format!("did not answer within {timeout:?}"),
+            }),
+        }
+    }
+
+    fn connection(&self) -> ConnectionManager {
+        self.inner.conn.read().clone()
+    }
+
+    /// Counts a timeout and swaps in a fresh (lazily connecting) manager once they
+    /// repeat, so a silently dead connection does not keep every call waiting.
+    fn note_timeout(&self) {
+        let n = self.inner.timeouts_in_a_row.fetch_add(1, Ordering::Relaxed) + 1;
+        if n < STALE_AFTER_TIMEOUTS {
+            return;
+        }
+        self.inner.timeouts_in_a_row.store(0, Ordering::Relaxed);
+        match ConnectionManager::new_lazy_with_config(
+            self.inner.client.clone(),
+            self.inner.manager_cfg.clone(),
+        ) {
+            Ok(fresh) => {
+                *self.inner.conn.write() = fresh;
+                tracing::warn!(
+                    redis = %self.inner.url,
+                    "Redis timed out {STALE_AFTER_TIMEOUTS} times in a row; opening a new connection"
+                );
+            }
+            Err(e) => tracing::warn!(
+                redis = %self.inner.url,
+                error = %scrub(&e.to_string(), self.inner.password.as_deref()),
+                "could not set up a new Redis connection after repeated timeouts"
+            ),
+        }
+    }
+
+    /// Transient failures (connection, timeouts, LOADING, BUSY...) are "unknown"; the
+    /// rest are definite rejections.
+    fn classify(&self, op: &'static str, e: &RedisError) -> DirectoryError {
+        use redis::RetryMethod as R;
+        let detail = scrub(&e.to_string(), self.inner.password.as_deref());
+        let transient = e.is_io_error()
+            || e.is_timeout()
+            || e.is_connection_dropped()
+            || e.is_connection_refusal()
+            || (e.kind() != redis::ErrorKind::AuthenticationFailed
+                && matches!(
+                    e.retry_method(),
+                    R::Reconnect | R::RetryImmediately | R::WaitAndRetry
+                ));
+        if transient {
+            DirectoryError::Unavailable {
+                url: self.inner.url.clone(),
+                op,
+                reason: format!("failed: {detail}"),
+            }
+        } else {
+            DirectoryError::Rejected {
+                url: self.inner.url.clone(),
+                op,
+                detail,
+            }
+        }
+    }
+
+    fn lease_px(&self) -> u64 {
+        duration_px(self.inner.cfg.lease)
+    }
+
+    fn key_worker(&self, id: &str) -> String {
+        format!("{}worker:{id}", self.inner.cfg.prefix)
+    }
+
+    fn key_addr(&self, id: &str) -> String {
+        format!("{}worker_addr:{id}", self.inner.cfg.prefix)
+    }
+
+    fn key_sessions(&self, id: &str) -> String {
+        format!("{}worker_sessions:{id}", self.inner.cfg.prefix)
+    }
+
+    fn key_gone(&self, id: &str) -> String {
+        format!("{}worker_gone:{id}", self.inner.cfg.prefix)
+    }
+
+    fn key_workers(&self) -> String {
+        format!("{}workers", self.inner.cfg.prefix)
+    }
+
+    fn key_sweeper(&self) -> String {
+        format!("{}sweeper", self.inner.cfg.prefix)
+    }
+
+    fn key_pool_owner(&self, sid: &str) -> String {
+        format!("{}pool_owner:{sid}", self.inner.cfg.prefix)
+    }
+
+    fn key_rebuilt(&self) -> String {
+        format!("{}rebuilt", self.inner.cfg.prefix)
+    }
+
+    fn key_seen(&self, sid: &str) -> String {
+        format!("{}session_seen:{sid}", self.inner.cfg.prefix)
+    }
+
+    fn key_generation(&self) -> String {
+        format!("{}generation", self.inner.cfg.prefix)
+    }
+
+    fn key_cert(&self, id: &str) -> String {
+        format!("{}worker_cert:{id}", self.inner.cfg.prefix)
+    }
+
+    fn key_drain(&self, id: &str) -> String {
+        format!("{}drain:{id}", self.inner.cfg.prefix)
+    }
+}
+
+/// The first connection: direct attempts until `connect_timeout`, so a Redis that is
+/// still starting is waited for, and a failure reports its real cause (refused, wrong
+/// password) rather than the manager's generic retry exhaustion. Only then is the
+/// self-reconnecting manager built. The error is already scrubbed of the password.
+async fn connect_first(
+    client: &redis::Client,
+    manager_cfg: &ConnectionManagerConfig,
+    cfg: &DirectoryConfig,
+) -> Result<ConnectionManager, String> {
+    let deadline = tokio::time::Instant::now() + cfg.connect_timeout;
+    let no_answer = format!("no answer within {:?}", cfg.connect_timeout);
+    redis_conn::wait_until_answering(client, cfg.op_timeout, deadline, &no_answer).await?;
+    redis_conn::connect_manager(client, manager_cfg.clone(), deadline)
+        .await
+        .map_err(|failure| match failure {
+            ConnectFailure::Failed(reason) => reason,
+            ConnectFailure::TimedOut => no_answer,
+        })
+}
+
+/// Milliseconds since the unix epoch (0 for times before it).
+fn unix_ms(at: SystemTime) -> u64 {
+    at.duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+/// A leaf's not-after as a script argument: '' when the worker has no leaf.
+fn cert_arg(not_after_ms: Option<u64>) -> String {
+    not_after_ms.map(|ms| ms.to_string()).unwrap_or_default()
+}
+
+fn duration_px(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+/// Ids become key suffixes and log fields: visible ASCII only (what MCP allows in a
+/// session id), bounded in length.
+fn check_name(what: &'static str, value: &str) -> Result<(), DirectoryError> {
+    let ok = !value.is_empty()
+        && value.len() <= MAX_NAME
+        && value.bytes().all(|b| (0x21..=0x7e).contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(DirectoryError::InvalidName {
+            what,
+            value: value.chars().take(64).collect(),
+        })
+    }
+}
+
+/// 128 random bits, hex.
+fn random_token() -> Result<String, DirectoryError> {
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes).map_err(|e| DirectoryError::NoEntropy(e.to_string()))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Escapes SCAN glob metacharacters so a prefix matches itself literally.
+fn glob_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_config_never_shows_the_password() {
+        let cfg = DirectoryConfig {
+            redis_url: "redis://u:s3cret@h:1".into(),
+            ..Default::default()
+        };
+        assert!(!format!("{cfg:?}").contains("s3cret"));
+    }
+
+    #[test]
+    fn names_are_checked() {
+        assert!(check_name("session id", "abc-123").is_ok());
+        assert!(check_name("session id", "").is_err());
+        assert!(check_name("session id", "a b").is_err());
+        assert!(check_name("session id", &"x".repeat(257)).is_err());
+    }
+
+    #[test]
+    fn glob_metacharacters_are_escaped() {
+        assert_eq!(glob_escape("a*b?[c]\\"), "a\\*b\\?\\[c\\]\\\\");
+    }
+}

@@ -1,0 +1,503 @@
+//! Session ownership: claims, releases, the memory of a shared session's end, and the
+//! reclaim of a dead worker's sessions, each with its script.
+
+use super::*;
+
+/// What [`Directory::remembered_session`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Remembered {
+    /// The session is recorded; the id of its owner.
+    Owner(String),
+    /// It existed and ended; this lookup is the one that learnt it.
+    Ended,
+    /// No record and no memory of one: it never existed, its end was already told, or
+    /// the directory lost it (see the generation: a young or changed generation means
+    /// the directory may have forgotten it, so absence is not proven).
+    Absent {
+        /// The directory generation now ('' when none exists yet).
+        generation: String,
+        /// How long that generation has existed.
+        generation_age: Duration,
+        /// A worker rebuilt the directory (it lost its data) within two leases.
+        rebuilt: bool,
+    },
+}
+
+/// How long the directory remembers that a remembered session ended, so its principal
+/// is told the state is gone: long enough for a client that comes back within a day,
+/// short enough that one key per principal and route does not stay forever.
+pub const REMEMBER_ENDED: Duration = Duration::from_secs(24 * 3600);
+
+/// What [`Directory::claim_session`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// The session is recorded as the caller's.
+    Claimed,
+    /// Another owner is recorded already (a session id collision).
+    Taken,
+    /// The quota key already holds its limit of sessions; nothing was recorded.
+    OverQuota,
+}
+
+/// A fleet-wide limit on the sessions one principal (or client address) holds.
+#[derive(Debug, Clone, Copy)]
+pub struct SessionQuota<'a> {
+    /// Whose sessions these are; hashed before it becomes part of a key.
+    pub key: &'a str,
+    /// Sessions the key may hold at once.
+    pub limit: usize,
+    /// How long the key's count lives after its last new session (sessions older than
+    /// that have expired by then).
+    pub ttl: Duration,
+}
+
+impl Directory {
+    /// Records `owner_id` as the owner of new session `sid` (`SET NX`) and adds it to the
+    /// owner's session set, within `quota` if one is given. [`DirectoryError::NotRegistered`]
+    /// if `owner_id` holds no lease.
+    pub async fn claim_session(
+        &self,
+        sid: &str,
+        owner_id: &str,
+        quota: Option<SessionQuota<'_>>,
+    ) -> Result<Claim, DirectoryError> {
+        self.claim(sid, owner_id, quota, false).await
+    }
+
+    /// Claims `sid` as [`claim_session`](Self::claim_session) does, and remembers that
+    /// it existed: once its record goes (released, or reclaimed with a dead owner), the
+    /// first [`remembered_session`](Self::remembered_session) lookup learns that it
+    /// ended, for [`REMEMBER_ENDED`]. For sessions whose id a client does not hold and
+    /// so cannot be told "gone" by its absence alone (the shared sessions of 2026-07-28
+    /// clients).
+    pub async fn claim_remembered_session(
+        &self,
+        sid: &str,
+        owner_id: &str,
+    ) -> Result<Claim, DirectoryError> {
+        self.claim(sid, owner_id, None, true).await
+    }
+
+    async fn claim(
+        &self,
+        sid: &str,
+        owner_id: &str,
+        quota: Option<SessionQuota<'_>>,
+        remember: bool,
+    ) -> Result<Claim, DirectoryError> {
+        check_name("session id", sid)?;
+        check_name("worker id", owner_id)?;
+        let (limit, key, ttl) = match &quota {
+            Some(q) => (q.limit, q.key, duration_px(q.ttl)),
+            None => (0, "", 0),
+        };
+        let n: i64 = self
+            .run("claim_session", |mut c, s| async move {
+                s.claim
+                    .key(self.key_pool_owner(sid))
+                    .key(self.key_sessions(owner_id))
+                    .key(self.key_worker(owner_id))
+                    .arg(owner_id)
+                    .arg(sid)
+                    .arg(limit)
+                    .arg(key)
+                    .arg(ttl)
+                    .arg(&self.inner.cfg.prefix)
+                    .arg(if remember { "1" } else { "0" })
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        match n {
+            1 => Ok(Claim::Claimed),
+            -1 => Err(DirectoryError::NotRegistered {
+                id: owner_id.to_owned(),
+            }),
+            -2 => Ok(Claim::OverQuota),
+            _ => Ok(Claim::Taken),
+        }
+    }
+
+    /// What the directory knows of a session claimed with
+    /// [`claim_remembered_session`](Self::claim_remembered_session): its owner, that it
+    /// ended (told to this caller alone: the marker is taken), or nothing.
+    pub async fn remembered_session(&self, sid: &str) -> Result<Remembered, DirectoryError> {
+        check_name("session id", sid)?;
+        let (kind, value, age, rebuilt): (String, String, i64, i64) = self
+            .run("remembered_session", |mut c, s| async move {
+                s.remembered
+                    .key(self.key_pool_owner(sid))
+                    .key(self.key_seen(sid))
+                    .key(self.key_generation())
+                    .key(self.key_rebuilt())
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(match kind.as_str() {
+            "owner" => Remembered::Owner(value),
+            "ended" => Remembered::Ended,
+            _ => Remembered::Absent {
+                generation: value,
+                generation_age: Duration::from_millis(u64::try_from(age).unwrap_or(0)),
+                rebuilt: rebuilt == 1,
+            },
+        })
+    }
+
+    /// Marks `sids` as remembered again (after the directory was rebuilt and their
+    /// owner claimed them back), so their end is learnt as for a fresh claim.
+    pub async fn remember_sessions(&self, sids: &[String]) -> Result<(), DirectoryError> {
+        let sids: Vec<&String> = sids
+            .iter()
+            .filter(|sid| check_name("session id", sid).is_ok())
+            .collect();
+        if sids.is_empty() {
+            return Ok(());
+        }
+        self.run("remember_sessions", |mut c, _| {
+            let sids = sids.clone();
+            async move {
+                let mut pipe = redis::pipe();
+                for sid in sids {
+                    pipe.cmd("SET").arg(self.key_seen(sid)).arg("1").ignore();
+                }
+                pipe.query_async::<()>(&mut c).await
+            }
+        })
+        .await
+    }
+
+    /// The worker recorded as owner of `sid`, or `None` if the directory holds no owner.
+    /// `None` means "absent" only while the directory generation is unchanged.
+    pub async fn session_owner(&self, sid: &str) -> Result<Option<String>, DirectoryError> {
+        // An id that could never have been claimed has no owner; no round trip needed.
+        if check_name("session id", sid).is_err() {
+            return Ok(None);
+        }
+        self.run("session_owner", |mut c, _| async move {
+            redis::cmd("GET")
+                .arg(self.key_pool_owner(sid))
+                .query_async(&mut c)
+                .await
+        })
+        .await
+    }
+
+    /// Ends `owner_id`'s ownership of `sid`: deletes the owner key only if it still names
+    /// `owner_id`, and takes the session off its quota key's count. Returns whether it
+    /// did delete the owner key.
+    pub async fn release_session(
+        &self,
+        sid: &str,
+        owner_id: &str,
+        quota_key: Option<&str>,
+    ) -> Result<bool, DirectoryError> {
+        check_name("session id", sid)?;
+        check_name("worker id", owner_id)?;
+        let n: i64 = self
+            .run("release_session", |mut c, s| async move {
+                s.release
+                    .key(self.key_pool_owner(sid))
+                    .key(self.key_sessions(owner_id))
+                    .arg(owner_id)
+                    .arg(sid)
+                    .arg(quota_key.unwrap_or(""))
+                    .arg(&self.inner.cfg.prefix)
+                    .arg(duration_px(REMEMBER_ENDED))
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// The sids recorded for a worker.
+    pub async fn worker_sessions(&self, id: &str) -> Result<Vec<String>, DirectoryError> {
+        check_name("worker id", id)?;
+        let mut sids: Vec<String> = self
+            .run("worker_sessions", |mut c, _| async move {
+                redis::cmd("SMEMBERS")
+                    .arg(self.key_sessions(id))
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        sids.sort();
+        Ok(sids)
+    }
+
+    /// Frees the sessions of a dead worker: deletes the owner keys that still name it and
+    /// its session set, and returns the freed sids. Runs in batches of
+    /// [`RECLAIM_BATCH`] sessions, one script call each, so Redis never blocks for long.
+    ///
+    /// Acts only on proof of death: the worker's lease key is absent (expired), or still
+    /// holds `stale_token` (the caller proved by other means, e.g. its mesh address
+    /// answers as another worker, that this registration is dead; the lease is then
+    /// deleted too, so the old holder finds it lost at its next renewal). Exactly one of
+    /// many racing reclaimers gets `Some`; the rest, and any call while the lease is
+    /// alive, get `None` (a later caller still finishes what an interrupted one left).
+    /// An id that never held a lease costs no write.
+    pub async fn reclaim_worker(
+        &self,
+        dead_id: &str,
+        stale_token: Option<&str>,
+    ) -> Result<Option<Vec<String>>, DirectoryError> {
+        check_name("worker id", dead_id)?;
+        let pool_owner_prefix = self.key_pool_owner("");
+        let mut won = None;
+        let mut freed = Vec::new();
+        loop {
+            let batch: Option<Vec<redis::Value>> = self
+                .run("reclaim_worker", |mut c, s| {
+                    let pool_owner_prefix = pool_owner_prefix.clone();
+                    async move {
+                        s.reclaim
+                            .key(self.key_worker(dead_id))
+                            .key(self.key_addr(dead_id))
+                            .key(self.key_sessions(dead_id))
+                            .key(self.key_workers())
+                            .key(self.key_gone(dead_id))
+                            .key(self.key_cert(dead_id))
+                            .key(self.key_drain(dead_id))
+                            .arg(dead_id)
+                            .arg(stale_token.unwrap_or(""))
+                            .arg(pool_owner_prefix)
+                            .arg(RECLAIM_BATCH)
+                            .arg(duration_px(self.inner.cfg.lease * 4))
+                            .arg(self.key_seen(""))
+                            .arg(duration_px(REMEMBER_ENDED))
+                            .invoke_async(&mut c)
+                            .await
+                    }
+                })
+                .await?;
+            let Some(batch) = batch else { break };
+            let mut values = batch.into_iter();
+            let mut int = |what| match values.next() {
+                Some(redis::Value::Int(n)) => Ok(n),
+                other => Err(DirectoryError::Rejected {
+                    url: self.inner.url.clone(),
+                    op: "reclaim_worker",
+                    detail: format!("unexpected {what} in the script's answer: {other:?}"),
+                }),
+            };
+            let first = int("won flag")?;
+            let remaining = int("remaining count")?;
+            won.get_or_insert(first == 1);
+            for value in values {
+                if let Ok(sid) = redis::from_redis_value::<String>(value) {
+                    freed.push(sid);
+                }
+            }
+            if remaining == 0 {
+                break;
+            }
+        }
+        Ok(match won {
+            Some(true) => {
+                freed.sort();
+                Some(freed)
+            }
+            _ => None,
+        })
+    }
+
+    /// After the directory was lost and `owner_id` registered again, records it as owner
+    /// of `sids` again. Returns the sids that another worker owns by now; the caller must
+    /// drop those. Large lists go in batches, each bounded by `op_timeout`.
+    pub async fn reclaim_sessions_after_loss(
+        &self,
+        owner_id: &str,
+        sids: &[String],
+    ) -> Result<Vec<String>, DirectoryError> {
+        check_name("worker id", owner_id)?;
+        let mut taken = Vec::new();
+        let pool_owner_prefix = self.key_pool_owner("");
+        for chunk in sids.chunks(RECLAIM_BATCH) {
+            // Ids that could not have been claimed are skipped rather than failing the
+            // whole rebuild; they are not in the directory and never will be.
+            let chunk: Vec<&String> = chunk
+                .iter()
+                .filter(|sid| check_name("session id", sid).is_ok())
+                .collect();
+            if chunk.is_empty() {
+                continue;
+            }
+            let result: redis::Value = self
+                .run("reclaim_sessions_after_loss", |mut c, s| {
+                    let pool_owner_prefix = pool_owner_prefix.clone();
+                    let chunk = chunk.clone();
+                    async move {
+                        let mut inv = s.reclaim_after_loss.prepare_invoke();
+                        inv.key(self.key_worker(owner_id))
+                            .key(self.key_sessions(owner_id))
+                            .arg(owner_id)
+                            .arg(pool_owner_prefix);
+                        for sid in chunk {
+                            inv.arg(sid.as_str());
+                        }
+                        inv.invoke_async(&mut c).await
+                    }
+                })
+                .await?;
+            if let redis::Value::Int(-1) = result {
+                return Err(DirectoryError::NotRegistered {
+                    id: owner_id.to_owned(),
+                });
+            }
+            let batch: Vec<String> =
+                redis::from_redis_value(result).map_err(|e| DirectoryError::Rejected {
+                    url: self.inner.url.clone(),
+                    op: "reclaim_sessions_after_loss",
+                    detail: e.to_string(),
+                })?;
+            taken.extend(batch);
+        }
+        Ok(taken)
+    }
+}
+
+/// KEYS: pool_owner, worker_sessions, worker.
+/// ARGV: owner, sid, quota limit ('0': none), quota key, quota ttl px,
+/// key prefix, remember ('1': keep a session_seen marker while it lives).
+/// 1 claimed (also when the record names this owner already: a claim
+/// whose answer was lost is confirmed), 0 another owner's, -1 owner has no lease, -2 the
+/// quota key holds its limit. Quota sets are cleaned lazily: a member whose
+/// session record is gone (ended, reclaimed) no longer counts.
+pub(super) fn claim() -> Script {
+    Script::new(
+        r#"
+if redis.call('EXISTS', KEYS[3]) == 0 then return -1 end
+local limit = tonumber(ARGV[3])
+local quota_set = ARGV[6] .. 'principal_sessions:' .. redis.sha1hex(ARGV[4])
+if limit > 0 and redis.call('SCARD', quota_set) >= limit then
+  for _, sid in ipairs(redis.call('SMEMBERS', quota_set)) do
+    if redis.call('EXISTS', ARGV[6] .. 'pool_owner:' .. sid) == 0 then
+      redis.call('SREM', quota_set, sid)
+    end
+  end
+  if redis.call('SCARD', quota_set) >= limit then return -2 end
+end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX') or redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SADD', KEYS[2], ARGV[2])
+  if ARGV[7] == '1' then redis.call('SET', ARGV[6] .. 'session_seen:' .. ARGV[2], '1') end
+  if limit > 0 then
+    redis.call('SADD', quota_set, ARGV[2])
+    redis.call('PEXPIRE', quota_set, ARGV[5])
+  end
+  return 1
+end
+return 0
+"#,
+    )
+}
+
+/// KEYS: pool_owner, worker_sessions. ARGV: owner, sid, quota key or '', key
+/// prefix, px a remembered session's end is kept.
+pub(super) fn release() -> Script {
+    Script::new(
+        r#"
+redis.call('SREM', KEYS[2], ARGV[2])
+if ARGV[3] ~= '' then
+  redis.call('SREM', ARGV[4] .. 'principal_sessions:' .. redis.sha1hex(ARGV[3]), ARGV[2])
+end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  local seen = ARGV[4] .. 'session_seen:' .. ARGV[2]
+  if redis.call('EXISTS', seen) == 1 then redis.call('PEXPIRE', seen, ARGV[5]) end
+  return 1
+end
+return 0
+"#,
+    )
+}
+
+/// KEYS: pool_owner, session_seen, generation, rebuilt. {'owner', id, 0, 0}
+/// while recorded; {'ended', '', 0, 0} when it ended and this call is the
+/// first to learn it (the marker is taken, so only one caller fleet-wide is
+/// told); else {'absent', generation or '', generation age ms, rebuilt 0/1}.
+pub(super) fn remembered() -> Script {
+    Script::new(&format!(
+        r#"{GEN_LUA}
+local owner = redis.call('GET', KEYS[1])
+if owner then return {{'owner', owner, 0, 0}} end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('DEL', KEYS[2])
+  return {{'ended', '', 0, 0}}
+end
+local rebuilt = redis.call('EXISTS', KEYS[4])
+local g = redis.call('GET', KEYS[3])
+if not g then return {{'absent', '', 0, rebuilt}} end
+return {{'absent', g, generation_age(g), rebuilt}}
+"#
+    ))
+}
+
+/// KEYS: worker, addr, worker_sessions, workers, gone, cert, drain.
+/// ARGV: dead id, stale token or '', pool_owner key prefix, batch size,
+/// reclaimed-record px, session_seen key prefix, px a remembered session's
+/// end is kept.
+/// false: nothing may be done (lease alive, or nothing known of this id: a
+/// forged id costs no write). Else {won, remaining, freed sids...}: `won` is
+/// 1 for the one call that proved the death first; later calls (the sweeper,
+/// a reclaimer's next batches) free the rest, `remaining` at a time.
+pub(super) fn reclaim() -> Script {
+    Script::new(&format!(
+        r#"{GEN_LUA}
+local lease = redis.call('GET', KEYS[1])
+if lease then
+  if ARGV[2] == '' then return false end
+  local ok, decoded = pcall(cjson.decode, lease)
+  if not ok or type(decoded) ~= 'table' or decoded.token ~= ARGV[2] then return false end
+  redis.call('DEL', KEYS[1])
+end
+-- Asked first, so that an id the registry never held costs no write command.
+local won = 0
+if redis.call('ZSCORE', KEYS[4], ARGV[1]) then won = redis.call('ZREM', KEYS[4], ARGV[1]) end
+if won == 0 and redis.call('EXISTS', KEYS[3]) == 0 then return false end
+redis.call('DEL', KEYS[2], KEYS[6], KEYS[7])
+if won == 1 then
+  redis.call('SET', KEYS[5], 'reclaimed@' .. string.format('%d', now_ms()), 'PX', ARGV[5])
+end
+local out = {{won, 0}}
+for _, sid in ipairs(redis.call('SPOP', KEYS[3], tonumber(ARGV[4]))) do
+  local k = ARGV[3] .. sid
+  if redis.call('GET', k) == ARGV[1] then
+    redis.call('DEL', k)
+    local seen = ARGV[6] .. sid
+    if redis.call('EXISTS', seen) == 1 then redis.call('PEXPIRE', seen, ARGV[7]) end
+    out[#out + 1] = sid
+  end
+end
+out[2] = redis.call('SCARD', KEYS[3])
+return out
+"#
+    ))
+}
+
+/// KEYS: worker, worker_sessions. ARGV: owner, pool_owner key prefix, sids...
+/// Returns the sids another worker owns now, or -1 if the owner has no lease.
+pub(super) fn reclaim_after_loss() -> Script {
+    Script::new(
+        r#"
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local taken = {}
+for i = 3, #ARGV do
+  local sid = ARGV[i]
+  local k = ARGV[2] .. sid
+  local cur = redis.call('GET', k)
+  if not cur then
+    redis.call('SET', k, ARGV[1])
+    cur = ARGV[1]
+  end
+  if cur == ARGV[1] then
+    redis.call('SADD', KEYS[2], sid)
+  else
+    taken[#taken + 1] = sid
+  end
+end
+return taken
+"#,
+    )
+}
