@@ -173,6 +173,13 @@ fn metrics(worker: &Worker) -> Response<ReplyBody> {
         .set(i64::try_from(worker.sessions.len()).unwrap_or(i64::MAX));
     metrics.draining.set(i64::from(worker.draining()));
     metrics.lease_valid.set(i64::from(worker.lease_valid()));
+    let replay = &worker.replay_budget;
+    metrics
+        .replay_bytes
+        .set(i64::try_from(replay.used()).unwrap_or(i64::MAX));
+    metrics
+        .replay_budget_bytes
+        .set(i64::try_from(replay.limit()).unwrap_or(i64::MAX));
     if let Some(tls) = worker.mesh_tls.get() {
         metrics.set_mesh_certs(tls);
     }

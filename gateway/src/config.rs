@@ -161,6 +161,18 @@ pub struct StdioCommand {
     /// Child processes of this upstream one worker runs at most (one per session);
     /// past it initialize gets 503.
     pub max_processes: usize,
+    /// Child processes of this upstream one worker runs at most for one principal (in
+    /// public mode: one client address); past it initialize gets 429.
+    #[serde(default = "default_max_processes_per_principal")]
+    pub max_processes_per_principal: usize,
+    /// How long a session's child may live at most, then it is ended and the session
+    /// with it (404 `session_gone`); `None`: as long as the session is used.
+    #[serde(default)]
+    pub max_session_lifetime: Option<Duration>,
+}
+
+fn default_max_processes_per_principal() -> usize {
+    DEFAULT_MAX_STDIO_PROCESSES_PER_PRINCIPAL
 }
 
 impl std::fmt::Debug for StdioCommand {
@@ -172,12 +184,19 @@ impl std::fmt::Debug for StdioCommand {
             .field("env", &self.env.keys().collect::<Vec<_>>())
             .field("cwd", &self.cwd)
             .field("max_processes", &self.max_processes)
+            .field(
+                "max_processes_per_principal",
+                &self.max_processes_per_principal,
+            )
+            .field("max_session_lifetime", &self.max_session_lifetime)
             .finish()
     }
 }
 
 /// Child processes per stdio upstream and worker, unless configured.
 pub const DEFAULT_MAX_STDIO_PROCESSES: usize = 32;
+/// Child processes per stdio upstream, worker and principal, unless configured.
+pub const DEFAULT_MAX_STDIO_PROCESSES_PER_PRINCIPAL: usize = 8;
 
 impl UpstreamConfig {
     /// A plain Streamable HTTP upstream.
@@ -232,6 +251,11 @@ pub struct Limits {
     pub body_timeout: Duration,
     /// Largest request head (request line and headers); past it, 431.
     pub max_header_bytes: usize,
+    /// Bytes all replay logs of one worker keep at most (events kept so a client can
+    /// resume a stream); past it new events and streams are delivered but not kept.
+    pub replay_budget_bytes: usize,
+    /// Bytes the replay logs of one session keep at most.
+    pub replay_session_bytes: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -333,6 +357,8 @@ impl Default for Config {
                 max_connections: 10_000,
                 body_timeout: Duration::from_secs(30),
                 max_header_bytes: 64 * 1024,
+                replay_budget_bytes: 256 * 1024 * 1024,
+                replay_session_bytes: 4 * 1024 * 1024,
             },
             fleet: FleetConfig {
                 workers: 1,
@@ -471,6 +497,12 @@ pub struct ServeArgs {
     /// Time for a client to send a whole request body, in milliseconds; then 408.
     #[arg(long, env = "MCPGW_BODY_TIMEOUT_MS")]
     pub body_timeout_ms: Option<u64>,
+    /// Bytes all replay logs of a worker keep at most (default 268435456, 256 MiB).
+    #[arg(long, env = "MCPGW_REPLAY_BUDGET_BYTES")]
+    pub replay_budget_bytes: Option<usize>,
+    /// Bytes the replay logs of one session keep at most (default 4194304, 4 MiB).
+    #[arg(long, env = "MCPGW_REPLAY_SESSION_BYTES")]
+    pub replay_session_bytes: Option<usize>,
     /// Admin listener of worker 0 (worker i uses port + i; port 0 picks free ports).
     #[arg(long, env = "MCPGW_ADMIN_LISTEN")]
     pub admin_listen: Option<String>,
@@ -533,6 +565,8 @@ struct FileUpstream {
     env: BTreeMap<String, String>,
     cwd: Option<PathBuf>,
     max_processes: Option<usize>,
+    max_processes_per_principal: Option<usize>,
+    max_session_lifetime_ms: Option<u64>,
     tls_ca: Option<PathBuf>,
     tls_client_cert: Option<PathBuf>,
     tls_client_key: Option<PathBuf>,
@@ -577,6 +611,8 @@ struct FileLimits {
     max_connections: Option<usize>,
     body_timeout_ms: Option<u64>,
     max_header_bytes: Option<usize>,
+    replay_budget_bytes: Option<usize>,
+    replay_session_bytes: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -679,6 +715,11 @@ impl Config {
         set(&mut self.limits.max_connections, l.max_connections);
         set_ms(&mut self.limits.body_timeout, l.body_timeout_ms);
         set(&mut self.limits.max_header_bytes, l.max_header_bytes);
+        set(&mut self.limits.replay_budget_bytes, l.replay_budget_bytes);
+        set(
+            &mut self.limits.replay_session_bytes,
+            l.replay_session_bytes,
+        );
         set(&mut self.trust_forwarded_for, file.trust_forwarded_for);
         let telemetry = file.telemetry;
         set(&mut self.otlp_endpoint, telemetry.otlp_endpoint.map(Some));
@@ -818,6 +859,11 @@ impl Config {
         );
         set(&mut self.limits.max_connections, a.max_connections);
         set_ms(&mut self.limits.body_timeout, a.body_timeout_ms);
+        set(&mut self.limits.replay_budget_bytes, a.replay_budget_bytes);
+        set(
+            &mut self.limits.replay_session_bytes,
+            a.replay_session_bytes,
+        );
         if a.trust_forwarded_for {
             self.trust_forwarded_for = true;
         }
@@ -1112,6 +1158,8 @@ fn parse_upstream_spec(spec: &str) -> Result<UpstreamConfig, ConfigError> {
                 env: BTreeMap::new(),
                 cwd: None,
                 max_processes: DEFAULT_MAX_STDIO_PROCESSES,
+                max_processes_per_principal: DEFAULT_MAX_STDIO_PROCESSES_PER_PRINCIPAL,
+                max_session_lifetime: None,
             })
         }
         None => return Ok(UpstreamConfig::http(name.trim(), target)),
@@ -1177,6 +1225,14 @@ impl FileUpstream {
                     stdio_only("env", !self.env.is_empty())?;
                     stdio_only("cwd", self.cwd.is_some())?;
                     stdio_only("max_processes", self.max_processes.is_some())?;
+                    stdio_only(
+                        "max_processes_per_principal",
+                        self.max_processes_per_principal.is_some(),
+                    )?;
+                    stdio_only(
+                        "max_session_lifetime_ms",
+                        self.max_session_lifetime_ms.is_some(),
+                    )?;
                     return Ok(UpstreamConfig {
                         name: self.name,
                         target: UpstreamTarget::Http {
@@ -1221,6 +1277,11 @@ impl FileUpstream {
                 env: self.env,
                 cwd: self.cwd,
                 max_processes: self.max_processes.unwrap_or(DEFAULT_MAX_STDIO_PROCESSES),
+                max_processes_per_principal: self
+                    .max_processes_per_principal
+                    .unwrap_or(DEFAULT_MAX_STDIO_PROCESSES_PER_PRINCIPAL),
+                // 0 is refused below, not read as "no limit".
+                max_session_lifetime: self.max_session_lifetime_ms.map(Duration::from_millis),
             }),
             legacy_only: true,
         })
@@ -1265,6 +1326,18 @@ fn check_upstream_target(field: &str, target: &UpstreamTarget) -> Result<(), Con
                 return Err(invalid(
                     &format!("{field}.max_processes"),
                     "must be greater than 0",
+                ));
+            }
+            if command.max_processes_per_principal == 0 {
+                return Err(invalid(
+                    &format!("{field}.max_processes_per_principal"),
+                    "must be greater than 0 (set it to max_processes for no cap below that)",
+                ));
+            }
+            if command.max_session_lifetime.is_some_and(|d| d.is_zero()) {
+                return Err(invalid(
+                    &format!("{field}.max_session_lifetime_ms"),
+                    "must be greater than 0 (leave it out for no maximum lifetime)",
                 ));
             }
             if let Some(cwd) = &command.cwd

@@ -170,6 +170,8 @@ pub struct Metrics {
     pub mesh_cert_expiration: Gauge,
     pub mesh_cert_reloads: Family<ResultLabels, Counter>,
     pub mesh_cert_refused_pending: Gauge,
+    pub replay_bytes: Gauge,
+    pub replay_budget_bytes: Gauge,
     /// Tool names each upstream lists, by upstream index: the only tool names that
     /// become label values.
     known_tools: RwLock<Vec<Vec<Arc<String>>>>,
@@ -325,6 +327,18 @@ impl Metrics {
             "1 while the mesh certificate files hold content that was refused, so the material in use is older than the files",
             mesh_cert_refused_pending.clone(),
         );
+        let replay_bytes = Gauge::default();
+        registry.register(
+            "replay_bytes",
+            "Bytes of stream events this worker keeps now so clients can resume their streams",
+            replay_bytes.clone(),
+        );
+        let replay_budget_bytes = Gauge::default();
+        registry.register(
+            "replay_budget_bytes",
+            "Bytes of stream events this worker may keep for resumption (limits.replay_budget_bytes)",
+            replay_budget_bytes.clone(),
+        );
         registry.register(
             "build",
             "mcpgw build information",
@@ -357,6 +371,8 @@ impl Metrics {
             mesh_cert_expiration,
             mesh_cert_reloads,
             mesh_cert_refused_pending,
+            replay_bytes,
+            replay_budget_bytes,
             known_tools: RwLock::new(vec![Vec::new(); upstreams]),
             other: Arc::new("other".to_owned()),
         }

@@ -95,6 +95,9 @@ reasons! {
     UpstreamTls => "upstream_tls",
     /// The worker runs its maximum of this stdio upstream's processes.
     ProcessLimit => "process_limit",
+    /// The principal (or client address) runs its maximum of this stdio upstream's
+    /// processes on the worker.
+    ProcessQuota => "process_quota",
     /// The stdio upstream's command could not be started.
     UpstreamSpawnFailed => "upstream_spawn_failed",
     /// The session's stdio process exited.

@@ -49,6 +49,8 @@ pub struct Worker {
     /// The mesh TLS material this worker follows (fleet workers on QUIC or TCP), for
     /// the certificate metrics and `/readyz`.
     pub mesh_tls: OnceLock<mcpgw_certs::MeshTlsSource>,
+    /// Bytes all replay logs of this worker's sessions may keep, and keep now.
+    pub replay_budget: Arc<crate::execute::streams::ReplayBudget>,
     /// Makes and exports spans (`--otlp-endpoint`); none: the gateway makes no spans.
     pub tracer: Option<crate::trace::Tracer>,
     /// Set once a drain begins (or the worker is fenced): no new sessions.
@@ -95,6 +97,9 @@ impl Worker {
             mesh_streams: OnceLock::new(),
             mesh_tls: OnceLock::new(),
             tracer,
+            replay_budget: crate::execute::streams::ReplayBudget::new(
+                config.limits.replay_budget_bytes,
+            ),
             upstreams,
             config,
             sessions: SessionRegistry::default(),
@@ -111,6 +116,14 @@ impl Worker {
         if self.fleet.set(fleet).is_err() {
             error!(worker = %self.id, "joined a fleet twice; keeping the first membership");
         }
+    }
+
+    /// The stream logs of a new session, within this worker's replay budget.
+    pub fn new_streams(&self) -> crate::execute::streams::SessionStreams {
+        crate::execute::streams::SessionStreams::new(
+            &self.replay_budget,
+            self.config.limits.replay_session_bytes,
+        )
     }
 
     pub fn fleet(&self) -> Option<&Arc<Fleet>> {

@@ -122,14 +122,15 @@ impl Worker {
             .with_id(id.clone())
         })?;
         let upstream_index = call.upstream;
-        let streams = SessionStreams::default();
+        let streams = self.new_streams();
         let (link, reply) = self
-            .open_link(
+            .open_link_for(
                 upstream_index,
                 call.headers,
                 call.body,
                 &session_id,
                 &streams,
+                Some(&quota_key),
             )
             .await
             .map_err(|e| upstream_error(e, id.clone()))?;
@@ -258,6 +259,18 @@ impl Worker {
                         self.session_lost(&session.id, &why).await;
                         return Err(self.session_gone(&why).with_id(id));
                     }
+                    // Written, then the process died: never "gone" (a client told
+                    // that re-initializes and runs the call again).
+                    Err(UpstreamError::ExitedWhileRunning { detail, .. }) => {
+                        let why = format!("its upstream process {detail}");
+                        self.session_lost(&session.id, &why).await;
+                        return Err(lost_while_running(
+                            self.upstreams[session.upstream].name(),
+                            &detail,
+                            "send initialize without Mcp-Session-Id to start a new session",
+                        )
+                        .with_id(id));
+                    }
                     Err(e) => return Err(upstream_error(e, id)),
                 };
                 if reply.status == StatusCode::NOT_FOUND
@@ -321,13 +334,10 @@ impl Worker {
                 event.owner
             )));
         }
-        let log = session.streams.find(event.stream).ok_or_else(|| {
-            replay_unavailable(format!(
-                "stream {} is no longer kept (a session keeps its newest {} streams)",
-                event.stream,
-                streams::MAX_STREAMS_PER_SESSION
-            ))
-        })?;
+        let log = session
+            .streams
+            .find(event.stream)
+            .ok_or_else(|| replay_unavailable(session.streams.why_not_found(event.stream)))?;
         let body = log
             .subscribe(Some(event.seq))
             .map_err(|gap| replay_unavailable(gap.to_string()))?;
@@ -412,6 +422,21 @@ impl Worker {
         session_id: &str,
         streams: &SessionStreams,
     ) -> Result<(UpstreamLink, UpstreamReply), UpstreamError> {
+        self.open_link_for(upstream, headers, body, session_id, streams, None)
+            .await
+    }
+
+    /// [`Worker::open_link`] for a client's own session: a stdio child counts against
+    /// the process quota of `principal` (its quota key) on this route and worker.
+    pub(crate) async fn open_link_for(
+        self: &Arc<Self>,
+        upstream: usize,
+        headers: HeaderMap,
+        body: Bytes,
+        session_id: &str,
+        streams: &SessionStreams,
+        principal: Option<&str>,
+    ) -> Result<(UpstreamLink, UpstreamReply), UpstreamError> {
         match &self.upstreams[upstream] {
             Upstream::Http(_) => {
                 let reply = self
@@ -425,6 +450,7 @@ impl Worker {
                 let process = stdio
                     .start(
                         session::tag_of(session_id),
+                        principal,
                         unsolicited,
                         self.on_process_exit(session_id),
                     )
@@ -658,11 +684,34 @@ pub(crate) fn quota_exceeded(quota: usize, quota_key: &str) -> GatewayError {
 /// them or as idle ones expire, not within a second.
 const QUOTA_RETRY_AFTER_SECONDS: u32 = 30;
 
+/// 502 `outcome_unknown` for a request written to a session's process that then ended
+/// before answering: it may have run, and the session ended with the process.
+/// `start_anew` tells the client how it gets a new session.
+pub(crate) fn lost_while_running(upstream: &str, detail: &str, start_anew: &str) -> GatewayError {
+    GatewayError::gateway(
+        StatusCode::BAD_GATEWAY,
+        Reason::OutcomeUnknown,
+        format!(
+            "outcome unknown: the process of upstream {upstream} for this session {detail} \
+             while running this request; it may have run, and it was not re-run. The \
+             session ended with it: check the upstream's state before retrying a \
+             non-idempotent call; {start_anew}"
+        ),
+    )
+    .with_data(json!({
+        "detail": format!("its upstream process {detail}"),
+        "session_ended": true,
+        "retryable": false,
+    }))
+}
+
 pub(crate) fn upstream_error(error: UpstreamError, id: serde_json::Value) -> GatewayError {
     let (status, reason) = error.status_and_reason();
     let message = match &error {
         // Its own words already say what to do.
-        UpstreamError::ProcessLimit { .. } => error.to_string(),
+        UpstreamError::ProcessLimit { .. } | UpstreamError::ProcessQuota { .. } => {
+            error.to_string()
+        }
         UpstreamError::Tls { .. } => {
             format!("{error}: fix the certificate or the upstream's tls settings")
         }
@@ -672,8 +721,32 @@ pub(crate) fn upstream_error(error: UpstreamError, id: serde_json::Value) -> Gat
             "{error}: it may still have run there, so check its state before retrying a \
              non-idempotent call"
         ),
+        // Refused or unresolved: the request never left the gateway.
+        UpstreamError::Unreachable { .. } => {
+            format!("{error}: the request was not sent; retry later or check the upstream")
+        }
+        // Found the process gone before the request was written to it.
+        UpstreamError::Exited { .. } => {
+            format!("{error}: the request was not sent to it; retry later or check the upstream")
+        }
+        UpstreamError::ExitedWhileRunning { .. } => format!(
+            "{error}: it may have run, and it was not re-run; check the upstream's state \
+             before retrying a non-idempotent call"
+        ),
+        // The exchange broke, perhaps after the request was sent: it may have run.
+        UpstreamError::Failed { .. } => format!(
+            "{error}: the request may have reached the upstream, so check its state before \
+             retrying a non-idempotent call"
+        ),
         _ => format!("{error}: retry later or check the upstream"),
     };
+    if let UpstreamError::ProcessQuota { max, scope, .. } = &error {
+        // Like the session quota: places free as sessions end, not within a second.
+        return GatewayError::gateway(status, reason, message)
+            .with_id(id)
+            .with_data(json!({ "scope": scope.replace(' ', "_"), "limit": max, "retryable": true }))
+            .with_retry_after(QUOTA_RETRY_AFTER_SECONDS);
+    }
     let mut error = GatewayError::gateway(status, reason, message).with_id(id);
     if status == StatusCode::SERVICE_UNAVAILABLE {
         error = error
@@ -696,6 +769,49 @@ mod tests {
         assert!(!accepts_json(&h));
         h.insert(ACCEPT, ACCEPT_BOTH);
         assert!(accepts_json(&h));
+    }
+
+    #[test]
+    fn only_a_request_that_provably_never_left_is_told_to_retry() {
+        let message = |error| upstream_error(error, json!(1)).message;
+        let (name, detail) = ("st".to_owned(), "was killed by signal 9".to_owned());
+        let unsent = message(UpstreamError::Unreachable {
+            name: name.clone(),
+            detail: "connection refused".into(),
+        });
+        assert!(unsent.contains("not sent; retry later"), "{unsent}");
+        let gone = message(UpstreamError::Exited {
+            name: name.clone(),
+            detail: detail.clone(),
+        });
+        assert!(gone.contains("not sent to it; retry later"), "{gone}");
+        for sent in [
+            UpstreamError::Failed {
+                name: name.clone(),
+                detail: "connection reset".into(),
+            },
+            UpstreamError::ExitedWhileRunning {
+                name: name.clone(),
+                detail: detail.clone(),
+            },
+        ] {
+            let text = message(sent);
+            assert!(text.contains("state before retrying"), "{text}");
+            assert!(!text.contains("retry later"), "{text}");
+        }
+        let running = upstream_error(UpstreamError::ExitedWhileRunning { name, detail }, json!(1));
+        assert_eq!(running.status, StatusCode::BAD_GATEWAY);
+        assert_eq!(running.data.as_ref().unwrap()["reason"], "outcome_unknown");
+        let lost = lost_while_running("st", "was killed by signal 9", "start anew");
+        let data = lost.data.as_ref().unwrap();
+        assert_eq!(data["reason"], "outcome_unknown");
+        assert_eq!(data["retryable"], false);
+        assert_eq!(data["session_ended"], true);
+        assert_eq!(
+            data["detail"],
+            "its upstream process was killed by signal 9"
+        );
+        assert!(lost.message.contains("may have run"), "{}", lost.message);
     }
 
     #[test]

@@ -26,9 +26,8 @@ use http_body_util::BodyExt;
 use serde_json::{Value, json};
 use tracing::{debug, info};
 
-use super::streams::SessionStreams;
 use super::upstream::{UpstreamError, UpstreamReply};
-use super::{ACCEPT_BOTH, is_sse, upstream_error};
+use super::{ACCEPT_BOTH, is_sse, lost_while_running, upstream_error};
 use mcpgw_mesh::directory::Claim;
 
 use crate::body;
@@ -234,7 +233,7 @@ impl Worker {
         self.admit_new_session()
             .map_err(|e| e.with_id(id.clone()))?;
         let upstream = call.upstream;
-        let streams = SessionStreams::default();
+        let streams = self.new_streams();
         let (link, reply) = self
             .open_link(
                 upstream,
@@ -380,11 +379,49 @@ impl Worker {
             }
             Ok(reply) => return Ok(self.modernize(reply, &session, cacheable(&method)).await),
             Err(UpstreamError::Exited { detail, .. }) => format!("its upstream process {detail}"),
+            // Written, then the process died: the call may have run ("gone" would have
+            // the client run it again); this answer also tells that the state is lost.
+            Err(UpstreamError::ExitedWhileRunning { detail, .. }) => {
+                self.session_lost(&session.id, &format!("its upstream process {detail}"))
+                    .await;
+                self.sessions.forget_retired(&session.id);
+                self.take_told_end(&session).await;
+                return Err(lost_while_running(
+                    self.upstreams[session.upstream].name(),
+                    &detail,
+                    "your next request starts a new one, without that state",
+                )
+                .with_id(id));
+            }
             Err(e) => return Err(upstream_error(e, id)),
         };
         self.session_lost(&session.id, &lost).await;
         self.sessions.forget_retired(&session.id);
+        self.take_told_end(&session).await;
         Err(self.shared_lost(session.upstream, &lost).with_id(id))
+    }
+
+    /// This call's answer tells that `session` ended: its directory record is made
+    /// sure gone and the directory's memory of it taken (as `find_shared` does for
+    /// `ForwardedThenLost`), so no later call is told again. The process's exit handler
+    /// may still be releasing the record: releasing again under the opening lock (no
+    /// new session of this id can be claimed here meanwhile; a release removes only
+    /// this worker's record) means the memory is there to take once it returns.
+    async fn take_told_end(&self, session: &Arc<Session>) {
+        let Some(fleet) = self.fleet() else {
+            return;
+        };
+        let opening = self.sessions.opening(&session.id);
+        let _guard = opening.lock().await;
+        if self
+            .sessions
+            .get(&session.id)
+            .is_some_and(|newer| !Arc::ptr_eq(&newer, session))
+        {
+            return;
+        }
+        fleet.release(session, &self.id).await;
+        let _ = fleet.directory.remembered_session(&session.id).await;
     }
 
     /// A legacy answer as a 2026-07-28 client expects it: results say they are

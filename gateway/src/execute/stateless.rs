@@ -10,7 +10,6 @@ use http_body_util::BodyExt;
 use tracing::debug;
 
 use super::ACCEPT_BOTH;
-use super::streams::SessionStreams;
 use super::upstream::UpstreamError;
 use crate::body;
 use crate::mcp::{self, GatewayError};
@@ -78,7 +77,7 @@ impl Worker {
         });
         // A temporary upstream session: its own upstream session id, or a child
         // process of its own for a stdio upstream.
-        let streams = SessionStreams::default();
+        let streams = self.new_streams();
         let (link, opened) = self
             .open_link(
                 call.upstream,

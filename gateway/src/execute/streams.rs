@@ -12,7 +12,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http_body::Frame;
@@ -26,11 +26,129 @@ use crate::body::{self, BoxError, ReplyBody};
 pub const MAX_EVENTS_PER_STREAM: usize = 1024;
 /// Bytes one stream keeps for resumption; older events are dropped past it.
 pub const MAX_BYTES_PER_STREAM: usize = 1024 * 1024;
-/// Streams one session keeps (the newest); an older finished one is forgotten first.
+/// Streams one session keeps for resumption. To make room only a finished one is
+/// forgotten (the oldest); while all of them are still running, a new answer is not
+/// kept (it reaches its client, but cannot be resumed) rather than cutting one off.
 pub const MAX_STREAMS_PER_SESSION: usize = 16;
+/// Numbers of never-kept streams a session remembers, to tell a resume why it fails.
+const NOT_KEPT_REMEMBERED: usize = 256;
 
 /// How long a reader waits for an event before it sends a keep-alive comment.
 const KEEPALIVE_AFTER: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// Bytes that replay logs may keep, shared by every log it covers: one for all the
+/// logs of a worker (`limits.replay_budget_bytes`), one for those of a session
+/// (`limits.replay_session_bytes`). Each kept event holds its bytes until it is
+/// evicted or its log is dropped; a push that does not fit is delivered, not kept.
+#[derive(Debug)]
+pub struct ReplayBudget {
+    limit: usize,
+    used: AtomicUsize,
+    /// A reservation was refused and nothing was given back since: new streams are
+    /// not kept (an almost full budget would refuse their first event anyway).
+    exhausted: AtomicBool,
+}
+
+impl ReplayBudget {
+    pub fn new(limit: usize) -> Arc<ReplayBudget> {
+        Arc::new(ReplayBudget {
+            limit,
+            used: AtomicUsize::new(0),
+            exhausted: AtomicBool::new(false),
+        })
+    }
+
+    fn unlimited() -> Arc<ReplayBudget> {
+        ReplayBudget::new(usize::MAX)
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Bytes kept now; never above [`ReplayBudget::limit`].
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Acquire)
+    }
+
+    /// Takes `bytes` when they fit under the limit; otherwise takes nothing.
+    fn try_reserve(&self, bytes: usize) -> bool {
+        let fits = self
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(bytes).filter(|total| *total <= self.limit)
+            })
+            .is_ok();
+        if !fits {
+            self.exhausted.store(true, Ordering::Release);
+        }
+        fits
+    }
+
+    /// Gives back `bytes` taken by [`ReplayBudget::try_reserve`].
+    fn release(&self, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        let before = self
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                Some(used.saturating_sub(bytes))
+            })
+            .unwrap_or(0);
+        debug_assert!(before >= bytes, "released more replay bytes than reserved");
+        self.exhausted.store(false, Ordering::Release);
+    }
+
+    /// Whether a new stream should not be kept: the budget refused an event and got
+    /// nothing back since, or it is full.
+    fn spent(&self) -> bool {
+        self.exhausted.load(Ordering::Acquire) || self.used() >= self.limit
+    }
+}
+
+/// The budgets a log's kept events count against: its worker's and its session's.
+#[derive(Clone)]
+struct Budgets {
+    worker: Arc<ReplayBudget>,
+    session: Arc<ReplayBudget>,
+}
+
+impl Budgets {
+    fn unlimited() -> Budgets {
+        Budgets {
+            worker: ReplayBudget::unlimited(),
+            session: ReplayBudget::unlimited(),
+        }
+    }
+
+    fn try_reserve(&self, bytes: usize) -> bool {
+        if !self.session.try_reserve(bytes) {
+            return false;
+        }
+        if !self.worker.try_reserve(bytes) {
+            self.session.release(bytes);
+            return false;
+        }
+        true
+    }
+
+    fn release(&self, bytes: usize) {
+        self.worker.release(bytes);
+        self.session.release(bytes);
+    }
+
+    /// Which budget is spent, for the client, if one is.
+    fn spent(&self) -> Option<&'static str> {
+        if self.worker.spent() {
+            Some("this worker's replay budget (limits.replay_budget_bytes)")
+        } else if self.session.spent() {
+            Some("this session's replay budget (limits.replay_session_bytes)")
+        } else {
+            None
+        }
+    }
+}
 
 /// Where an event sits: the owner that numbered it, its stream, its place.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,6 +188,15 @@ pub enum ReplayGap {
          (it keeps {MAX_EVENTS_PER_STREAM} events or {MAX_BYTES_PER_STREAM} bytes per stream)"
     )]
     Evicted { lost: u64 },
+    /// The replay budget was spent while the stream ran: from then on it kept no
+    /// event past the one its reader had.
+    #[error(
+        "{lost} event(s) after the last one you saw were not kept: the replay budget was \
+         spent (a worker keeps limits.replay_budget_bytes, a session \
+         limits.replay_session_bytes of events for resumption), so this stream keeps \
+         nothing its reader already had"
+    )]
+    BudgetSpent { lost: u64 },
     /// The id names an event this stream never had.
     #[error("the stream never had that event")]
     Unknown,
@@ -81,6 +208,11 @@ pub struct StreamLog {
     owner: Arc<str>,
     /// This stream's number within its session.
     number: u64,
+    /// Kept for resumption: it holds its last events even once they were delivered.
+    /// A stream that is not drops each event once its reader has it.
+    kept: bool,
+    /// What its kept events count against.
+    budgets: Budgets,
     state: Mutex<LogState>,
     /// Woken on every new event, on the end, and when a new reader takes over.
     changed: Notify,
@@ -95,6 +227,13 @@ struct LogState {
     next_seq: u64,
     /// Bytes held in `events`.
     bytes: usize,
+    /// How many of the oldest `events` count against the budgets, and their bytes:
+    /// every event pushed before the budget ran out (the rest were only passed on).
+    counted_events: usize,
+    counted_bytes: usize,
+    /// A push did not fit the budget: from then on the stream keeps nothing its
+    /// reader already has, like a stream that is not kept.
+    spent: bool,
     /// The stream's source ended: readers stop once they have everything.
     finished: bool,
     /// Highest number handed to a reader, so a reader without `Last-Event-ID` starts
@@ -106,15 +245,25 @@ struct LogState {
 }
 
 impl StreamLog {
+    #[cfg(test)]
     pub fn new(owner: Arc<str>, number: u64) -> Arc<StreamLog> {
+        StreamLog::with_keeping(owner, number, true, Budgets::unlimited())
+    }
+
+    fn with_keeping(owner: Arc<str>, number: u64, kept: bool, budgets: Budgets) -> Arc<StreamLog> {
         Arc::new(StreamLog {
             owner,
             number,
+            kept,
+            budgets,
             state: Mutex::new(LogState {
                 events: VecDeque::new(),
                 first_seq: 1,
                 next_seq: 1,
                 bytes: 0,
+                counted_events: 0,
+                counted_bytes: 0,
+                spent: false,
                 finished: false,
                 delivered: 0,
                 reader: 0,
@@ -142,19 +291,57 @@ impl StreamLog {
             };
             let event = with_id(event, &id.to_string());
             state.next_seq += 1;
+            if self.kept && !state.spent {
+                if self.budgets.try_reserve(event.len()) {
+                    state.counted_events += 1;
+                    state.counted_bytes += event.len();
+                } else {
+                    // Delivered all the same: only its replay is given up.
+                    state.spent = true;
+                    tracing::debug!(
+                        stream = self.number,
+                        event_bytes = event.len(),
+                        "replay budget spent: the stream is no longer kept for resumption"
+                    );
+                }
+            }
             state.bytes += event.len();
             state.events.push_back(event);
+            self.drop_delivered(&mut state);
             while state.events.len() > 1
                 && (state.events.len() > MAX_EVENTS_PER_STREAM
                     || state.bytes > MAX_BYTES_PER_STREAM)
             {
-                if let Some(dropped) = state.events.pop_front() {
-                    state.bytes -= dropped.len();
-                    state.first_seq += 1;
-                }
+                self.drop_oldest(&mut state);
             }
         }
         self.changed.notify_waiters();
+    }
+
+    /// Whether this stream holds events its reader already has, for a resume.
+    fn keeps(&self, state: &LogState) -> bool {
+        self.kept && !state.spent
+    }
+
+    /// Nobody can resume a stream that does not keep: what its reader has, it needs
+    /// no more.
+    fn drop_delivered(&self, state: &mut LogState) {
+        while !self.keeps(state) && state.first_seq <= state.delivered && !state.events.is_empty() {
+            self.drop_oldest(state);
+        }
+    }
+
+    fn drop_oldest(&self, state: &mut LogState) {
+        let Some(dropped) = state.events.pop_front() else {
+            return;
+        };
+        state.bytes -= dropped.len();
+        state.first_seq += 1;
+        if state.counted_events > 0 {
+            state.counted_events -= 1;
+            state.counted_bytes -= dropped.len();
+            self.budgets.release(dropped.len());
+        }
     }
 
     /// Appends one JSON-RPC message as an SSE event.
@@ -185,8 +372,11 @@ impl StreamLog {
             let next = match after {
                 Some(seen) if seen >= state.next_seq => return Err(ReplayGap::Unknown),
                 Some(seen) if seen + 1 < state.first_seq => {
-                    return Err(ReplayGap::Evicted {
-                        lost: state.first_seq - (seen + 1),
+                    let lost = state.first_seq - (seen + 1);
+                    return Err(if state.spent {
+                        ReplayGap::BudgetSpent { lost }
+                    } else {
+                        ReplayGap::Evicted { lost }
                     });
                 }
                 Some(seen) => seen + 1,
@@ -206,6 +396,14 @@ impl StreamLog {
             Some((Ok::<_, BoxError>(Frame::data(event)), reading))
         });
         Ok(StreamBody::new(events).boxed_unsync())
+    }
+}
+
+impl Drop for StreamLog {
+    // The last holder is gone (its session forgot it, its pump and readers ended).
+    fn drop(&mut self) {
+        let counted = self.state.get_mut().counted_bytes;
+        self.budgets.release(counted);
     }
 }
 
@@ -232,6 +430,7 @@ impl Reading {
                     let event = state.events.get(index)?.clone();
                     state.delivered = state.delivered.max(self.next);
                     self.next += 1;
+                    self.log.drop_delivered(&mut state);
                     return Some(event);
                 }
                 if state.finished {
@@ -249,15 +448,37 @@ impl Reading {
     }
 }
 
+/// Why a stream was never kept for resumption.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NotKept {
+    /// The session had [`MAX_STREAMS_PER_SESSION`] answers running.
+    SessionFull,
+    /// A replay budget was spent; which one, in words.
+    BudgetSpent(&'static str),
+}
+
 /// The streams of one session. Nothing is allocated until a stream exists: an idle
 /// session pays a few words for this.
-#[derive(Default)]
 pub struct SessionStreams {
     next_number: AtomicU64,
+    /// What kept events count against: the worker's budget and this session's.
+    budgets: Budgets,
     /// The session's `GET` stream, while its source lives.
     get: Mutex<Option<Arc<StreamLog>>>,
     /// Answers to POSTs, newest last, kept for resumption.
     posts: Mutex<VecDeque<Arc<StreamLog>>>,
+    /// Answers to POSTs that are not kept (the session had [`MAX_STREAMS_PER_SESSION`]
+    /// running when they began), while they run: they end with the session.
+    unkept: Mutex<Vec<Arc<StreamLog>>>,
+    /// The numbers of the newest streams that were not kept, and why.
+    not_kept: Mutex<VecDeque<(u64, NotKept)>>,
+}
+
+impl Default for SessionStreams {
+    /// Streams without a replay budget (tests, and logs no client resumes).
+    fn default() -> SessionStreams {
+        SessionStreams::with_budgets(Budgets::unlimited())
+    }
 }
 
 impl std::fmt::Debug for SessionStreams {
@@ -270,24 +491,106 @@ impl std::fmt::Debug for SessionStreams {
 }
 
 impl SessionStreams {
+    /// The streams of a new session: kept events count against `worker` (the
+    /// worker's budget) and a budget of `session_bytes` of the session's own.
+    pub fn new(worker: &Arc<ReplayBudget>, session_bytes: usize) -> SessionStreams {
+        SessionStreams::with_budgets(Budgets {
+            worker: Arc::clone(worker),
+            session: ReplayBudget::new(session_bytes),
+        })
+    }
+
+    fn with_budgets(budgets: Budgets) -> SessionStreams {
+        SessionStreams {
+            next_number: AtomicU64::new(0),
+            budgets,
+            get: Mutex::new(None),
+            posts: Mutex::new(VecDeque::new()),
+            unkept: Mutex::new(Vec::new()),
+            not_kept: Mutex::new(VecDeque::new()),
+        }
+    }
+
     /// A new log, numbered by `owner` (this worker's id).
     fn new_log(&self, owner: &str) -> Arc<StreamLog> {
         let number = self.next_number.fetch_add(1, Ordering::Relaxed) + 1;
-        StreamLog::new(Arc::from(owner), number)
+        StreamLog::with_keeping(Arc::from(owner), number, true, self.budgets.clone())
     }
 
-    /// A new log for a POST's answer.
+    /// A new log for a POST's answer: kept for resumption in place of the oldest
+    /// finished one when the session keeps its maximum; not kept when every kept one
+    /// is still running (a running answer is never cut off to make room).
+    /// Not kept either while a replay budget is spent once this session's finished
+    /// answers are forgotten to make room (running ones never are).
     pub fn new_post(&self, owner: &str) -> Arc<StreamLog> {
-        let log = self.new_log(owner);
         let mut posts = self.posts.lock();
         if posts.len() >= MAX_STREAMS_PER_SESSION {
-            let victim = posts.iter().position(|l| l.is_finished()).unwrap_or(0);
-            if let Some(old) = posts.remove(victim) {
-                old.finish();
+            match posts.iter().position(|l| l.is_finished()) {
+                Some(oldest_finished) => {
+                    posts.remove(oldest_finished);
+                }
+                None => {
+                    drop(posts);
+                    return self.new_unkept(owner, NotKept::SessionFull);
+                }
             }
         }
+        while self.budgets.spent().is_some() {
+            // A finished log's bytes come back when its last reader lets go of it.
+            let Some(oldest_finished) = posts.iter().position(|l| l.is_finished()) else {
+                break;
+            };
+            posts.remove(oldest_finished);
+        }
+        if let Some(which) = self.budgets.spent() {
+            drop(posts);
+            return self.new_unkept(owner, NotKept::BudgetSpent(which));
+        }
+        let log = self.new_log(owner);
         posts.push_back(Arc::clone(&log));
         log
+    }
+
+    fn new_unkept(&self, owner: &str, why: NotKept) -> Arc<StreamLog> {
+        let number = self.next_number.fetch_add(1, Ordering::Relaxed) + 1;
+        let log = StreamLog::with_keeping(Arc::from(owner), number, false, self.budgets.clone());
+        let mut unkept = self.unkept.lock();
+        unkept.retain(|l| !l.is_finished());
+        unkept.push(Arc::clone(&log));
+        let mut not_kept = self.not_kept.lock();
+        if not_kept.len() >= NOT_KEPT_REMEMBERED {
+            not_kept.pop_front();
+        }
+        not_kept.push_back((number, why));
+        log
+    }
+
+    /// Why stream `number` cannot be found (see [`SessionStreams::find`]), in words
+    /// for the client.
+    pub fn why_not_found(&self, number: u64) -> String {
+        let why = self
+            .not_kept
+            .lock()
+            .iter()
+            .find(|(n, _)| *n == number)
+            .map(|(_, why)| *why);
+        if let Some(NotKept::SessionFull) = why {
+            format!(
+                "stream {number} was never kept for resumption: it began while the session \
+                 had {MAX_STREAMS_PER_SESSION} answers running, and a running answer is never \
+                 cut off to make room"
+            )
+        } else if let Some(NotKept::BudgetSpent(which)) = why {
+            format!(
+                "stream {number} was never kept for resumption: the replay budget was spent \
+                 when it began ({which} was used up by streams still kept)"
+            )
+        } else {
+            format!(
+                "stream {number} is no longer kept (a session keeps its newest \
+                 {MAX_STREAMS_PER_SESSION} streams)"
+            )
+        }
     }
 
     /// A new log for the session's `GET` stream, replacing an ended one.
@@ -324,6 +627,9 @@ impl SessionStreams {
             get.finish();
         }
         for log in self.posts.lock().drain(..) {
+            log.finish();
+        }
+        for log in self.unkept.lock().drain(..) {
             log.finish();
         }
     }
@@ -519,6 +825,20 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_stream_that_is_not_kept_drops_what_its_reader_has() {
+        let log = StreamLog::with_keeping(Arc::from("w"), 3, false, Budgets::unlimited());
+        let mut reader = log.subscribe(None).unwrap();
+        log.push_message(b"1");
+        assert!(reader.frame().await.is_some());
+        log.push_message(b"2");
+        assert_eq!(log.state.lock().events.len(), 1, "event 1 was delivered");
+        log.finish();
+        let rest = read_all(reader).await;
+        assert_eq!(rest.len(), 1);
+        assert!(rest[0].contains("data: 2"), "{rest:?}");
+    }
+
+    #[tokio::test]
     async fn a_waiting_reader_wakes_for_new_events_and_the_end() {
         let log = log();
         let reader = log.subscribe(None).unwrap();
@@ -531,18 +851,150 @@ mod tests {
     }
 
     #[test]
-    fn a_session_keeps_a_bounded_number_of_streams() {
+    fn a_session_keeps_a_bounded_number_of_streams_and_never_cuts_a_running_one() {
         let streams = SessionStreams::default();
         let first = streams.new_post("w");
-        for _ in 0..MAX_STREAMS_PER_SESSION {
+        for _ in 1..MAX_STREAMS_PER_SESSION {
             streams.new_post("w");
         }
+        // All kept streams run: the next one is not kept, and none is cut off.
+        let unkept = streams.new_post("w");
+        assert!(streams.find(unkept.number()).is_none());
+        assert!(
+            streams
+                .why_not_found(unkept.number())
+                .contains("was never kept"),
+            "{}",
+            streams.why_not_found(unkept.number())
+        );
+        assert!(!first.is_finished(), "a running answer is never cut off");
+        assert!(streams.find(first.number()).is_some());
+        // Once one has finished, it makes room for the next.
+        first.finish();
+        let next = streams.new_post("w");
+        assert!(streams.find(next.number()).is_some());
         assert!(streams.find(first.number()).is_none());
-        assert!(first.is_finished());
+        assert!(
+            streams
+                .why_not_found(first.number())
+                .contains("no longer kept")
+        );
+        streams.close();
+        assert!(
+            unkept.is_finished(),
+            "an unkept stream ends with the session"
+        );
+        let streams = SessionStreams::default();
         let get = streams.new_get("w");
         assert!(streams.live_get().is_some());
         streams.close();
         assert!(get.is_finished());
         assert!(streams.live_get().is_none());
+    }
+
+    #[test]
+    fn a_budget_takes_only_what_fits_and_gets_it_back() {
+        let budget = ReplayBudget::new(100);
+        assert!(budget.try_reserve(60));
+        assert!(!budget.try_reserve(41), "60 + 41 is past the limit");
+        assert_eq!(budget.used(), 60, "a refused reservation takes nothing");
+        assert!(budget.spent(), "a refusal marks the budget spent");
+        assert!(budget.try_reserve(40), "what still fits is taken");
+        assert_eq!(budget.used(), 100);
+        assert!(!budget.try_reserve(1));
+        budget.release(100);
+        assert_eq!(budget.used(), 0);
+        assert!(!budget.spent(), "giving back ends the spent state");
+    }
+
+    /// A session's streams against a worker budget of `worker_bytes`.
+    fn budgeted(worker_bytes: usize, session_bytes: usize) -> (Arc<ReplayBudget>, SessionStreams) {
+        let worker = ReplayBudget::new(worker_bytes);
+        let streams = SessionStreams::new(&worker, session_bytes);
+        (worker, streams)
+    }
+
+    /// A message whose event (with its gateway id) is some 100 bytes.
+    fn message(n: usize) -> Vec<u8> {
+        format!("{{\"n\":{n},\"pad\":\"{}\"}}", "x".repeat(50)).into_bytes()
+    }
+
+    #[tokio::test]
+    async fn past_the_worker_budget_every_event_is_delivered_and_a_resume_is_told_why() {
+        let (worker, streams) = budgeted(1_000, usize::MAX);
+        let log = streams.new_post("w");
+        let mut reader = log.subscribe(None).unwrap();
+        for n in 1..=30 {
+            log.push_message(&message(n));
+            assert!(
+                worker.used() <= 1_000,
+                "used {} past the budget",
+                worker.used()
+            );
+            let event = reader.frame().await.unwrap().unwrap().into_data().unwrap();
+            let event = String::from_utf8_lossy(&event).into_owned();
+            assert!(event.contains(&format!("\"n\":{n},")), "event {n}: {event}");
+        }
+        assert!(
+            log.state.lock().spent,
+            "30 events of ~100 bytes exceed 1000"
+        );
+        assert_eq!(
+            worker.used(),
+            0,
+            "past its budget a stream gives back what its reader has"
+        );
+        match log.subscribe(Some(1)).err() {
+            Some(gap @ ReplayGap::BudgetSpent { .. }) => {
+                assert!(gap.to_string().contains("replay budget was spent"), "{gap}");
+            }
+            other => panic!("a resume past a dropped event: {other:?}"),
+        }
+        log.push_message(&message(31));
+        assert_eq!(
+            worker.used(),
+            0,
+            "a stream past its budget keeps nothing more, even unread"
+        );
+        assert!(reader.frame().await.is_some(), "yet its reader gets it");
+    }
+
+    #[tokio::test]
+    async fn a_new_stream_while_the_budget_is_spent_is_never_kept_and_a_resume_says_so() {
+        let (worker, streams) = budgeted(usize::MAX, 500);
+        let running = streams.new_post("w");
+        for n in 1..=10 {
+            running.push_message(&message(n));
+        }
+        let used = worker.used();
+        assert!(used > 0 && used <= 500, "the session keeps {used} bytes");
+        // The running answer holds the session budget and is never cut for the next.
+        let next = streams.new_post("w");
+        assert!(streams.find(next.number()).is_none());
+        let why = streams.why_not_found(next.number());
+        assert!(
+            why.contains("never kept") && why.contains("replay budget was spent"),
+            "{why}"
+        );
+        assert!(why.contains("replay_session_bytes"), "{why}");
+        assert_eq!(worker.used(), used, "the running answer is not cut");
+        let mut reader = next.subscribe(None).unwrap();
+        next.push_message(b"1");
+        assert!(
+            reader.frame().await.is_some(),
+            "a stream not kept is still delivered"
+        );
+        // Once it has finished, the old answer is forgotten to make room.
+        running.finish();
+        drop(running);
+        let kept = streams.new_post("w");
+        assert!(
+            streams.find(kept.number()).is_some(),
+            "{}",
+            streams.why_not_found(kept.number())
+        );
+        assert_eq!(worker.used(), 0, "the finished answer gave its bytes back");
+        kept.push_message(b"2");
+        assert!(worker.used() > 0);
     }
 }

@@ -175,28 +175,41 @@ impl Conversation {
     }
 
     /// The child stopped: every request in flight gets an error response that says so.
-    pub fn close(&mut self, why: &str) {
+    /// Each was written to the child, which may have run it before it stopped: the
+    /// outcome is unknown, never "gone" (a client told "gone" re-runs the call).
+    /// Returns their sinks, so the caller can wait until each answer was taken.
+    pub fn close(&mut self, why: &str) -> Vec<AnswerSink> {
         if self.closed.is_none() {
             self.closed = Some(why.to_owned());
         }
+        let mut told = Vec::with_capacity(self.pending.len());
         for (_, pending) in self.pending.drain() {
             let error = serde_json::json!({
                 "jsonrpc": "2.0",
                 "id": pending.client_id,
                 "error": {
-                    "code": crate::mcp::code::SESSION_NOT_FOUND,
+                    "code": crate::mcp::code::GATEWAY_ERROR,
                     "message": format!(
-                        "the upstream process {why}; the session ended: send initialize \
-                         without Mcp-Session-Id to start a new one"
+                        "outcome unknown: the upstream process {why} while running this \
+                         request; it may have run, and it was not re-run. The session \
+                         ended with the process: check the upstream's state before \
+                         retrying a non-idempotent call, in a new session"
                     ),
-                    "data": { "reason": Reason::SessionGone, "detail": why },
+                    "data": {
+                        "reason": Reason::OutcomeUnknown,
+                        "detail": why,
+                        "session_ended": true,
+                        "retryable": false,
+                    },
                 },
             });
             let _ = pending.sink.send(Answer::Ended {
                 why: why.to_owned(),
                 error: Bytes::from(error.to_string()),
             });
+            told.push(pending.sink);
         }
+        told
     }
 }
 
@@ -328,7 +341,7 @@ mod tests {
     }
 
     #[test]
-    fn closing_answers_every_request_in_flight() {
+    fn closing_tells_every_request_in_flight_its_outcome_is_unknown_and_the_session_ended() {
         let mut c = Conversation::default();
         let (tx, mut rx) = mpsc::unbounded_channel();
         c.request(object(json!({"jsonrpc":"2.0","id":5,"method":"x"})), tx);
@@ -338,7 +351,10 @@ mod tests {
         };
         let error = json_of(&bytes);
         assert_eq!(error["id"], 5);
-        assert_eq!(error["error"]["data"]["reason"], "session_gone");
+        assert_eq!(error["error"]["data"]["reason"], "outcome_unknown");
+        assert_eq!(error["error"]["data"]["session_ended"], true);
+        assert_eq!(error["error"]["data"]["retryable"], false);
+        assert_eq!(error["error"]["data"]["detail"], "exited with status 1");
         assert_eq!(c.closed(), Some("exited with status 1"));
     }
 }

@@ -59,6 +59,19 @@ pub enum UpstreamError {
          (another worker may have room) or end idle sessions"
     )]
     ProcessLimit { name: String, max: usize },
+    /// This worker already runs as many child processes of the upstream for one
+    /// principal (public mode: one client address) as allowed.
+    #[error(
+        "upstream {name}: this {scope} already runs its maximum of {max} processes of it \
+         on this worker: end sessions you no longer use (DELETE), or wait for idle ones \
+         to expire"
+    )]
+    ProcessQuota {
+        name: String,
+        max: usize,
+        /// `principal` or `client address`.
+        scope: &'static str,
+    },
     /// The upstream's process could not be started.
     #[error("upstream {name}: cannot start its process: {detail}")]
     Spawn { name: String, detail: String },
@@ -69,6 +82,13 @@ pub enum UpstreamError {
     /// The session's upstream process has exited; the session ended with it.
     #[error("upstream {name}: its process for this session {detail}")]
     Exited { name: String, detail: String },
+    /// The request was written to the session's process, which then ended before it
+    /// answered: the request may have run; the session ended with the process.
+    #[error(
+        "upstream {name}: its process for this session {detail} after this request was \
+         sent to it"
+    )]
+    ExitedWhileRunning { name: String, detail: String },
 }
 
 impl UpstreamError {
@@ -84,8 +104,14 @@ impl UpstreamError {
             UpstreamError::ProcessLimit { .. } => {
                 (StatusCode::SERVICE_UNAVAILABLE, Reason::ProcessLimit)
             }
+            UpstreamError::ProcessQuota { .. } => {
+                (StatusCode::TOO_MANY_REQUESTS, Reason::ProcessQuota)
+            }
             UpstreamError::Spawn { .. } => (StatusCode::BAD_GATEWAY, Reason::UpstreamSpawnFailed),
             UpstreamError::Exited { .. } => (StatusCode::BAD_GATEWAY, Reason::UpstreamExited),
+            UpstreamError::ExitedWhileRunning { .. } => {
+                (StatusCode::BAD_GATEWAY, Reason::OutcomeUnknown)
+            }
             UpstreamError::Config(_) => (StatusCode::INTERNAL_SERVER_ERROR, Reason::Config),
         }
     }

@@ -17,8 +17,8 @@
 //! Each child leads its own process group, so ending a session also ends the helper
 //! processes the server started.
 
+use std::collections::HashMap;
 use std::process::{ExitCode, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -62,8 +62,8 @@ const EXIT_STATUS_WAIT: Duration = Duration::from_millis(500);
 pub struct StdioUpstream {
     name: String,
     command: StdioCommand,
-    /// Children of this upstream alive in this worker.
-    running: Arc<AtomicUsize>,
+    /// Children of this upstream alive in this worker, in all and per principal.
+    running: Arc<Mutex<ProcessCounts>>,
 }
 
 impl StdioUpstream {
@@ -71,7 +71,7 @@ impl StdioUpstream {
         StdioUpstream {
             name: name.to_owned(),
             command,
-            running: Arc::new(AtomicUsize::new(0)),
+            running: Arc::default(),
         }
     }
 
@@ -80,21 +80,35 @@ impl StdioUpstream {
     }
 
     /// Starts the child of one session. `tag` labels its log lines (a short hash of the
-    /// session id, never the id); what it writes outside any request goes to
-    /// `unsolicited`; `on_exit` hears once why it stopped.
+    /// session id, never the id); `principal` is the quota key the child counts
+    /// against (see [`crate::request::Call::quota_key`]; `None`: only the upstream's
+    /// limit); what it writes outside any request goes to `unsolicited`; `on_exit`
+    /// hears once why it stopped.
     pub async fn start(
         &self,
         tag: SessionTag,
+        principal: Option<&str>,
         unsolicited: Arc<StreamLog>,
         on_exit: Box<dyn FnOnce(String) + Send>,
     ) -> Result<Arc<StdioProcess>, UpstreamError> {
-        let slot =
-            ProcessSlot::take(&self.running, self.command.max_processes).ok_or_else(|| {
-                UpstreamError::ProcessLimit {
-                    name: self.name.clone(),
-                    max: self.command.max_processes,
-                }
-            })?;
+        let slot = ProcessSlot::take(
+            &self.running,
+            self.command.max_processes,
+            principal.map(|key| (key, self.command.max_processes_per_principal)),
+        )
+        .map_err(|full| match full {
+            Full::Upstream => UpstreamError::ProcessLimit {
+                name: self.name.clone(),
+                max: self.command.max_processes,
+            },
+            Full::Principal => UpstreamError::ProcessQuota {
+                name: self.name.clone(),
+                max: self.command.max_processes_per_principal,
+                scope: principal
+                    .filter(|key| key.starts_with("addr:"))
+                    .map_or("principal", |_| "client address"),
+            },
+        })?;
         let spawn_error = |detail| UpstreamError::Spawn {
             name: self.name.clone(),
             detail,
@@ -131,6 +145,7 @@ impl StdioUpstream {
             exited: exited_tx,
             on_exit,
             slot,
+            lifetime: self.command.max_session_lifetime,
         }));
         debug!(upstream = %self.name, session = %tag, pid, "stdio upstream started");
         Ok(Arc::new(StdioProcess {
@@ -209,23 +224,70 @@ fn check_program(command: &StdioCommand) -> Result<(), String> {
     }
 }
 
-/// One place in an upstream's process limit, given back when the child is gone.
-struct ProcessSlot(Arc<AtomicUsize>);
+/// Living children of one upstream in this worker.
+#[derive(Default)]
+struct ProcessCounts {
+    all: usize,
+    /// By quota key; a key leaves the map with its last child.
+    per_principal: HashMap<String, usize>,
+}
+
+/// Which limit a child would pass.
+#[derive(Debug, PartialEq, Eq)]
+enum Full {
+    Upstream,
+    Principal,
+}
+
+/// One place in an upstream's process limits, given back when the child is gone.
+struct ProcessSlot {
+    counts: Arc<Mutex<ProcessCounts>>,
+    principal: Option<String>,
+}
 
 impl ProcessSlot {
-    fn take(running: &Arc<AtomicUsize>, max: usize) -> Option<ProcessSlot> {
-        running
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| ProcessSlot(Arc::clone(running)))
+    /// A place within `max` children in all and, for a principal, within its own
+    /// maximum. Only keys that name someone (`principal:…`, `addr:…`) have one: the
+    /// catch-all key of clients without an address would make them all share it.
+    fn take(
+        counts: &Arc<Mutex<ProcessCounts>>,
+        max: usize,
+        principal: Option<(&str, usize)>,
+    ) -> Result<ProcessSlot, Full> {
+        let principal =
+            principal.filter(|(key, _)| key.starts_with("principal:") || key.starts_with("addr:"));
+        let mut guard = counts.lock();
+        if let Some((key, own_max)) = principal
+            && guard.per_principal.get(key).copied().unwrap_or(0) >= own_max
+        {
+            return Err(Full::Principal);
+        }
+        if guard.all >= max {
+            return Err(Full::Upstream);
+        }
+        guard.all += 1;
+        if let Some((key, _)) = principal {
+            *guard.per_principal.entry(key.to_owned()).or_default() += 1;
+        }
+        Ok(ProcessSlot {
+            counts: Arc::clone(counts),
+            principal: principal.map(|(key, _)| key.to_owned()),
+        })
     }
 }
 
 impl Drop for ProcessSlot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        let mut counts = self.counts.lock();
+        counts.all = counts.all.saturating_sub(1);
+        if let Some(key) = &self.principal
+            && let Some(n) = counts.per_principal.get_mut(key)
+        {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                counts.per_principal.remove(key);
+            }
+        }
     }
 }
 
@@ -299,10 +361,10 @@ impl StdioProcess {
         .await;
         unanswered.armed = false;
         let first = match first {
-            // Ended before any answer: the same truthful error as a request that finds
-            // the child already gone (404 session_gone), whichever noticed first.
+            // The line was written, then the child ended before any answer: it may have
+            // read and run it. (A write that fails finds it gone first: `Exited` below.)
             Ok(Ok(Some(Answer::Ended { why, .. }))) => {
-                return Err(UpstreamError::Exited {
+                return Err(UpstreamError::ExitedWhileRunning {
                     name: self.name.clone(),
                     detail: why,
                 });
@@ -313,7 +375,14 @@ impl StdioProcess {
                     self.failed("the request was cancelled before the server answered it".into())
                 );
             }
-            Ok(Ok(None)) => return Err(self.exited()),
+            Ok(Ok(None)) => {
+                return Err(match self.exited() {
+                    UpstreamError::Exited { name, detail } => {
+                        UpstreamError::ExitedWhileRunning { name, detail }
+                    }
+                    other => other,
+                });
+            }
             Ok(Err(e)) => {
                 self.conversation.lock().abandon(id);
                 return Err(e);
@@ -544,13 +613,38 @@ struct Keeper {
     on_exit: Box<dyn FnOnce(String) + Send>,
     /// Held until the child is gone, so the limit counts living children.
     slot: ProcessSlot,
+    /// The session's maximum lifetime (`max_session_lifetime_ms`), if it has one.
+    lifetime: Option<Duration>,
 }
 
 /// Waits for the child to exit (or ends it when asked, or when its output closed),
 /// then answers what was in flight and reports why it stopped.
 async fn keep(mut keeper: Keeper) {
+    let lifetime = keeper.lifetime;
+    let expired = async move {
+        match lifetime {
+            Some(lifetime) => tokio::time::sleep(lifetime).await,
+            None => std::future::pending().await,
+        }
+    };
     let why = tokio::select! {
-        status = keeper.child.wait() => describe_exit(status),
+        status = keeper.child.wait() => {
+            // What it wrote before it ended (its last answer, say) is routed before
+            // the requests in flight hear it ended: its output ends with it, unless a
+            // process it started still holds the pipe.
+            let _ = tokio::time::timeout(EXIT_STATUS_WAIT, &mut keeper.output_done).await;
+            describe_exit(status)
+        }
+        // A held stream keeps a session from idling: this bounds how long one
+        // session can keep its place in the process limits.
+        () = expired => {
+            terminate(&mut keeper.child, keeper.pid).await;
+            format!(
+                "was ended at the session's maximum lifetime of {} ms \
+                 (max_session_lifetime_ms)",
+                lifetime.unwrap_or_default().as_millis()
+            )
+        }
         // Asked to stop, or the process handle was dropped: either way, end it.
         _ = &mut keeper.stop => {
             terminate(&mut keeper.child, keeper.pid).await;
@@ -569,10 +663,20 @@ async fn keep(mut keeper: Keeper) {
             }
         }
     };
-    keeper.conversation.lock().close(&why);
+    let told = keeper.conversation.lock().close(&why);
     // The place is free before anyone hears the child is gone.
     drop(keeper.slot);
     keeper.exited.send_replace(Some(why.clone()));
+    // Ending the session finishes its streams: a request answered by a stream gets
+    // its error event only if its pump took it first. Each request's reader drops its
+    // end once it has its answer (or its client went away).
+    let taken = futures_util::future::join_all(told.iter().map(|sink| sink.closed()));
+    if tokio::time::timeout(EXIT_GRACE, taken).await.is_err() {
+        debug!(
+            pid = keeper.pid,
+            "an answer of a request in flight was not taken in time"
+        );
+    }
     (keeper.on_exit)(why);
 }
 
@@ -701,6 +805,8 @@ mod tests {
                 .unwrap_or_default(),
             cwd: None,
             max_processes: 1,
+            max_processes_per_principal: 1,
+            max_session_lifetime: None,
         }
     }
 
