@@ -305,6 +305,16 @@ fn stdio_sessions_get_their_own_processes_which_live_and_die_with_them() {
     mcpgw_testkit::signal::send(worker_pid, mcpgw_testkit::signal::Signal::SIGKILL);
     for pid in orphans_to_be {
         wait_stopped(pid, "a child of a worker killed with SIGKILL");
+    // Until its worker has reaped the child, a request may still be written to a pipe
+    // the worker cannot yet tell is dead, and is then answered "may have run"
+    // (tests/tests/stdio_loss.rs); once the session's record is gone, the worker knows.
+    let record = format!("mcpgw:pool_owner:{a}");
+    mcpgw_testkit::eventually(std::time::Duration::from_secs(30), || {
+        match fleet.redis.command(&["EXISTS", &record]).as_str() {
+            "0" => Ok(()),
+            _ => Err("the session is still recorded"),
+        }
+    });
     }
 }
 
