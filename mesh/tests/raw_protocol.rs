@@ -14,7 +14,9 @@ use bytes::{BufMut, BytesMut};
 use common::*;
 use mcpgw_certs::{MESH_SERVER_NAME, MeshTls};
 use mcpgw_mesh::transport::{MESH_ALPN, MeshLimits, TransportKind};
-use mcpgw_wire::{ErrorKind, Frame, MeshCodec, MuxCodec, PROTOCOL_VERSION, WireError};
+use mcpgw_wire::{
+    ErrorKind, Frame, MeshCodec, MuxCodec, OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION, WireError,
+};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_util::codec::Decoder;
 
@@ -200,11 +202,17 @@ type TcpMuxed = Muxed<
 >;
 
 async fn greeted_tcp(mesh: &Mesh, max_frame: usize) -> TcpMuxed {
+    greeted_tcp_at(mesh, max_frame, PROTOCOL_VERSION).await
+}
+
+/// A raw TCP peer greeted as a caller whose newest protocol is `version`.
+async fn greeted_tcp_at(mesh: &Mesh, max_frame: usize, version: u32) -> TcpMuxed {
+    let offered = version;
     let mut raw = tcp_raw(mesh).await;
-    raw.send(&hello(PROTOCOL_VERSION)).await;
+    raw.send(&hello(offered)).await;
     match raw.next().await {
         Some(Ok(Frame::Welcome { version, worker_id })) => {
-            assert_eq!(version, PROTOCOL_VERSION);
+            assert_eq!(version, offered, "the owner agrees on the caller's version");
             assert_eq!(worker_id, OWNER);
         }
         other => panic!("expected Welcome, got {other:?}"),
@@ -300,11 +308,11 @@ async fn tcp_exchanges_of_one_connection_are_independent() {
 }
 
 #[tokio::test]
-async fn tcp_version_mismatch_is_refused_with_both_versions() {
+async fn tcp_a_caller_two_versions_older_is_refused_with_both_versions() {
     within_timeout(async {
         let mesh = Mesh::start(TransportKind::Tcp).await;
         let mut raw = tcp_raw(&mesh).await;
-        raw.send(&hello(PROTOCOL_VERSION + 1)).await;
+        raw.send(&hello(OLDEST_PROTOCOL_VERSION - 1)).await;
         match raw.next().await {
             Some(Ok(Frame::Welcome { version, .. })) => assert_eq!(version, PROTOCOL_VERSION),
             other => panic!("expected Welcome with the owner's version, got {other:?}"),
@@ -390,6 +398,57 @@ async fn quic_bad_streams_do_not_disturb_other_streams() {
         hanging.send(&Frame::Cancel).await;
         hanging.expect_error(ErrorKind::Cancelled).await;
         mesh.await_cancelled(1).await;
+    })
+    .await;
+}
+
+/// A caller newer than the owner is answered with the owner's newest version, which
+/// the caller then speaks (it speaks the version before its own too).
+#[tokio::test]
+async fn tcp_a_newer_caller_is_answered_with_the_owners_version() {
+    within_timeout(async {
+        let mesh = Mesh::start(TransportKind::Tcp).await;
+        let mut raw = tcp_raw(&mesh).await;
+        raw.send(&hello(PROTOCOL_VERSION + 1)).await;
+        match raw.next().await {
+            Some(Ok(Frame::Welcome { version, .. })) => assert_eq!(version, PROTOCOL_VERSION),
+            other => panic!("expected Welcome, got {other:?}"),
+        }
+    })
+    .await;
+}
+
+/// A draining owner tells a caller of protocol 4 to go away (`GoAway`, new in 4), and
+/// never sends that frame to a caller of protocol 3, which could not read it: that one
+/// learns of the drain from its next request's `Error(Draining)`.
+#[tokio::test]
+async fn tcp_a_draining_owner_sends_go_away_only_to_callers_that_read_it() {
+    within_timeout(async {
+        let mesh = Mesh::start(TransportKind::Tcp).await;
+        let mut current = greeted_tcp_at(&mesh, mcpgw_wire::DEFAULT_MAX_FRAME, 4).await;
+        let mut previous = greeted_tcp_at(
+            &mesh,
+            mcpgw_wire::DEFAULT_MAX_FRAME,
+            OLDEST_PROTOCOL_VERSION,
+        )
+        .await;
+        // Both connections work before the drain.
+        current
+            .send(1, &Frame::Request(Box::new(request("/echo", "a"))))
+            .await;
+        assert_eq!(current.expect_response(1).await, (200, b"a".to_vec()));
+        previous
+            .send(1, &Frame::Request(Box::new(request("/echo", "b"))))
+            .await;
+        assert_eq!(previous.expect_response(1).await, (200, b"b".to_vec()));
+        mesh.server.drain();
+        assert_eq!(current.next().await, (0, Frame::GoAway));
+        previous
+            .send(2, &Frame::Request(Box::new(request("/echo", "c"))))
+            .await;
+        // The first frame the older caller gets after the drain is its request's
+        // refusal: no GoAway came before it.
+        previous.expect_error(2, ErrorKind::Draining).await;
     })
     .await;
 }

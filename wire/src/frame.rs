@@ -1,21 +1,38 @@
 //! The frame types: what one mesh message can say.
 //!
 //! The enum and field order *is* the wire format (bincode encodes enum variants by
-//! their index and struct fields in declaration order). Append new variants at the
-//! end and bump [`PROTOCOL_VERSION`] when a frame's shape changes. `Hello` and
-//! `Welcome` keep their tag and layout in every version, so a peer of another
-//! version can always read them and refuse with a clear error.
+//! their index and struct fields in declaration order). A new frame is appended at the
+//! end, in a new [`PROTOCOL_VERSION`], and [`Frame::since`] names the version that
+//! introduced it; a frame's shape never changes within the versions a worker speaks.
+//! `Hello` and `Welcome` keep their tag and layout in every version, so a peer of
+//! another version can always read them: the caller's `Hello` names the newest version
+//! it speaks, the owner answers with the version both will speak ([`negotiate`]) or
+//! refuses with both numbers, and no frame newer than that version is sent on the
+//! connection. A worker speaks its own version and the one before
+//! ([`OLDEST_PROTOCOL_VERSION`]), so old and new workers forward to each other for
+//! the length of a rolling upgrade; `tests/golden.rs` keeps the previous version's
+//! frames as bytes its code wrote.
 
 use bytes::Bytes;
 use wincode::{SchemaRead, SchemaWrite};
 
-/// The mesh protocol version carried in [`Frame::Hello`] and [`Frame::Welcome`].
-/// Peers refuse a connection whose version differs from their own.
+/// The newest mesh protocol version this code speaks, carried in [`Frame::Hello`].
 ///
 /// History: 2 reshaped [`AuthContext`] (mode, subject, scopes, expiry, route) for edge
 /// authentication with JWTs, and (separately) added the TCP mesh's per-exchange credit
-/// frames; 3 is both together.
-pub const PROTOCOL_VERSION: u32 = 3;
+/// frames; 3 is both together; 4 adds [`Frame::GoAway`].
+pub const PROTOCOL_VERSION: u32 = 4;
+
+/// The oldest version this code still speaks: the one before [`PROTOCOL_VERSION`].
+pub const OLDEST_PROTOCOL_VERSION: u32 = 3;
+
+/// The version an owner that speaks `oldest..=newest` and a caller whose newest is
+/// `callers` will speak: the newest both know. `None` when they share none (two
+/// versions apart), which the owner refuses, naming both numbers.
+pub fn negotiate(oldest: u32, newest: u32, callers: u32) -> Option<u32> {
+    let agreed = newest.min(callers);
+    (agreed >= oldest).then_some(agreed)
+}
 
 /// One mesh message.
 #[derive(Debug, Clone, PartialEq, Eq, SchemaWrite, SchemaRead)]
@@ -57,12 +74,25 @@ pub enum Frame {
     /// reader from stalling the other exchanges on its connection (as HTTP/2's
     /// `WINDOW_UPDATE` does). QUIC has stream flow control of its own and never sends it.
     Credit(u32),
+    /// Owner → caller, on a multiplexed (TCP) connection, since version 4: the owner is
+    /// draining; exchanges in flight finish, and the caller sends no new one here (it
+    /// retires the connection, as at its maximum age).
+    GoAway,
 }
 
 impl Frame {
     /// Bytes a [`Frame::Chunk`] body adds to its payload (the `u32` enum tag and the
     /// `u64` length), so a sender can split a payload to fit the maximum frame size.
     pub const CHUNK_OVERHEAD: usize = 12;
+
+    /// The protocol version that introduced this frame: it is never sent on a
+    /// connection whose agreed version is older.
+    pub fn since(&self) -> u32 {
+        match self {
+            Frame::GoAway => 4,
+            _ => 3,
+        }
+    }
 
     /// The variant's name, for log lines that must not print request contents.
     pub fn name(&self) -> &'static str {
@@ -75,6 +105,7 @@ impl Frame {
             Frame::End => "End",
             Frame::Error(_) => "Error",
             Frame::Cancel => "Cancel",
+            Frame::GoAway => "GoAway",
             Frame::Credit(_) => "Credit",
         }
     }

@@ -26,7 +26,7 @@ mod mux;
 
 pub use codec::{DEFAULT_MAX_FRAME, MAX_FRAME_LIMIT, MeshCodec, WireError};
 pub use frame::{
-    AuthContext, AuthMode, ErrorFrame, ErrorKind, Frame, PROTOCOL_VERSION, RequestFrame,
-    ResponseHead,
+    AuthContext, AuthMode, ErrorFrame, ErrorKind, Frame, OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    RequestFrame, ResponseHead, negotiate,
 };
 pub use mux::{MuxCodec, MuxError};

@@ -131,7 +131,9 @@ fn frames_of_protocol_3_decode_and_current_frames_for_it_are_byte_identical() {
     let frames = v3_frames();
     write_golden_if_asked(3, &frames);
     let codec = MeshCodec::new(mcpgw_wire::DEFAULT_MAX_FRAME);
+    assert_eq!(Frame::GoAway.since(), 4, "GoAway is new in version 4");
     for (name, frame) in &frames {
+        assert_eq!(frame.since(), 3, "{name} is a frame of version 3");
         let path = golden_dir(3).join(format!("{name}.bin"));
         let golden = std::fs::read(&path)
             .unwrap_or_else(|e| panic!("{}: {e} (golden files are committed)", path.display()));

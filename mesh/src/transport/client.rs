@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::stream::{self, BoxStream, StreamExt};
-use mcpgw_wire::{Frame, MeshCodec, PROTOCOL_VERSION, RequestFrame, ResponseHead};
+use mcpgw_wire::{Frame, MeshCodec, OLDEST_PROTOCOL_VERSION, RequestFrame, ResponseHead};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::{Instant, timeout, timeout_at};
 
@@ -422,20 +422,22 @@ async fn read_head(exchange: &mut Exchange, deadline: Instant) -> Result<Respons
     Err(result)
 }
 
-/// Says `Hello` on a fresh link and reads `Welcome`: the real worker id at `addr`.
+/// Says `Hello` (offering protocol versions up to `newest`) on a fresh link and reads
+/// `Welcome`: the real worker id at `addr`, and the protocol version the owner chose.
 pub(crate) async fn greet<R, W>(
     addr: &str,
     local_worker_id: &str,
     expect_worker_id: &str,
+    newest: u32,
     reader: &mut FrameReader<R>,
     writer: &mut FrameWriter<W>,
-) -> Result<String, MeshError>
+) -> Result<(String, u32), MeshError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     let hello = Frame::Hello {
-        version: PROTOCOL_VERSION,
+        version: newest,
         worker_id: local_worker_id.to_owned(),
         expect_worker_id: expect_worker_id.to_owned(),
     };
@@ -449,14 +451,16 @@ where
     let sent = writer.send(&hello).await;
     match reader.next().await {
         Ok(Some(Frame::Welcome { version, worker_id })) => {
-            if version != PROTOCOL_VERSION {
+            // The owner answers with the version both speak; an owner too old or too
+            // new for us answers with its own, and refuses.
+            if !(OLDEST_PROTOCOL_VERSION..=newest).contains(&version) {
                 return Err(MeshError::VersionMismatch {
                     addr: addr.to_owned(),
-                    ours: PROTOCOL_VERSION,
+                    ours: newest,
                     theirs: version,
                 });
             }
-            Ok(worker_id)
+            Ok((worker_id, version))
         }
         Ok(Some(Frame::Error(e))) => Err(connect_err(format!("peer refused the greeting: {e}"))),
         Ok(Some(other)) => Err(MeshError::Protocol(format!(

@@ -79,10 +79,12 @@ pub enum MeshError {
         /// What the handshake rejected, and what to do.
         reason: String,
     },
-    /// The peer speaks another mesh protocol version. The request was not sent.
+    /// The peer's mesh protocol versions and ours have none in common (two releases
+    /// apart). The request was not sent.
     #[error(
-        "mesh peer {addr} speaks protocol version {theirs}, this worker {ours}: \
-         run the same mcpgw version on every worker"
+        "mesh peer {addr} speaks protocol version {theirs}, this worker up to {ours} and \
+         the one before: workers one release apart forward to each other, two apart do \
+         not; upgrade the older workers one release at a time"
     )]
     VersionMismatch {
         /// The address dialled.

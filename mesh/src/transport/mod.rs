@@ -199,6 +199,11 @@ pub struct MeshLimits {
     /// progress; the same refusal over it. Each costs a socket (TCP), a task and TLS
     /// state (a few KiB) until [`connect_timeout`](Self::connect_timeout) ends it.
     pub max_handshakes: usize,
+    /// The newest mesh protocol version this worker offers and accepts
+    /// ([`mcpgw_wire::PROTOCOL_VERSION`] by default). Lowering it to the version before
+    /// makes a worker speak only what the workers of the previous release speak: to
+    /// hold a fleet at the old version until every worker is upgraded, and in tests.
+    pub max_protocol_version: u32,
 }
 
 impl Default for MeshLimits {
@@ -214,6 +219,7 @@ impl Default for MeshLimits {
             max_connection_age: Duration::from_secs(600),
             max_handshakes_per_addr: 64,
             max_handshakes: 1024,
+            max_protocol_version: mcpgw_wire::PROTOCOL_VERSION,
         }
     }
 }
@@ -232,6 +238,9 @@ pub struct PeerInfo {
     pub worker_id: String,
     /// The transport the request came over.
     pub transport: TransportKind,
+    /// The mesh protocol version agreed with the peer at the greeting: no frame newer
+    /// than it is sent to the peer.
+    pub protocol: u32,
     /// Which of this server's connections carried the request (numbered from 1 as
     /// they are accepted; 0 over Redis), for logs: a caller replacing its connections
     /// shows up as new numbers.

@@ -266,7 +266,7 @@ async fn connection(
     let mut reader = FrameReader::new(recv, limits.max_frame);
     let mut writer = FrameWriter::new(send, limits.max_frame);
     let greeted = server_greet(&shared, remote, &identity.uri, &mut reader, &mut writer).await;
-    let Some(worker_id) = greeted else {
+    let Some((worker_id, protocol)) = greeted else {
         observe::handshake("owner", "greeting");
         let _ = writer.get_mut().finish();
         // Let the refusal reach the caller: it closes the connection when it has read
@@ -287,6 +287,7 @@ async fn connection(
         identity: identity.member,
         worker_id,
         transport: TransportKind::Quic,
+        protocol,
         connection: shared.next_connection(),
     };
     debug!(%remote, peer = %peer.worker_id, identity = %peer.identity, "mesh QUIC peer connected");
@@ -757,8 +758,15 @@ impl QuicClient {
             .map_err(|e| connection_error(peer_addr, &e))?;
         let mut writer = FrameWriter::new(send, self.limits.max_frame);
         let mut reader = FrameReader::new(recv, self.limits.max_frame);
-        let worker_id =
-            client_greet(peer_addr, &self.worker_id, expect, &mut reader, &mut writer).await?;
+        let (worker_id, _protocol) = client_greet(
+            peer_addr,
+            &self.worker_id,
+            expect,
+            self.limits.max_protocol_version,
+            &mut reader,
+            &mut writer,
+        )
+        .await?;
         let _ = writer.get_mut().finish();
         Ok(worker_id)
     }

@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures_util::{FutureExt, StreamExt};
-use mcpgw_wire::{ErrorFrame, ErrorKind, Frame, PROTOCOL_VERSION, RequestFrame, WireError};
+use mcpgw_wire::{
+    ErrorFrame, ErrorKind, Frame, OLDEST_PROTOCOL_VERSION, RequestFrame, WireError, negotiate,
+};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::{Instant, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
@@ -136,6 +138,7 @@ impl MeshServerHandle {
     /// tell callers this worker is gone while it still finishes its work.
     pub fn drain(&self) {
         self.shared.draining.store(true, Ordering::SeqCst);
+        self.shared.drain_started.cancel();
     }
 
     /// Drains and waits up to `grace` for the requests in flight to finish, while the
@@ -202,6 +205,9 @@ pub(crate) struct ServerShared {
     pub(crate) limits: MeshLimits,
     /// Set by [`MeshServerHandle::drain`]: new requests get `Error(Draining)`.
     pub(crate) draining: AtomicBool,
+    /// Cancelled with `draining` set: a multiplexed connection tells its caller
+    /// (`GoAway`, to callers of protocol 4 or newer) so it stops opening exchanges here.
+    pub(crate) drain_started: CancellationToken,
     /// Cancelled to stop everything at once.
     pub(crate) stop: CancellationToken,
     /// Every task the server spawned, so shutdown can wait for them.
@@ -251,6 +257,7 @@ impl ServerShared {
             service,
             limits,
             draining: AtomicBool::new(false),
+            drain_started: CancellationToken::new(),
             stop: CancellationToken::new(),
             tracker: TaskTracker::new(),
             exchanges: TaskTracker::new(),
@@ -283,19 +290,21 @@ impl ServerShared {
     }
 }
 
-/// Answers the caller's `Hello`. Returns the caller's worker id, or `None` when the
-/// connection must close (bad greeting, version mismatch, caller gone).
+/// Answers the caller's `Hello`. Returns the caller's worker id and the protocol
+/// version agreed, or `None` when the connection must close (bad greeting, versions
+/// two apart, caller gone).
 pub(crate) async fn greet<R, W>(
     shared: &ServerShared,
     remote: SocketAddr,
     presented: &str,
     reader: &mut FrameReader<R>,
     writer: &mut FrameWriter<W>,
-) -> Option<String>
+) -> Option<(String, u32)>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
+    let newest = shared.limits.max_protocol_version;
     let first = match timeout(shared.limits.connect_timeout, reader.next()).await {
         Err(_) => {
             warn!(%remote, "mesh peer sent no Hello within the connect timeout; closing");
@@ -319,28 +328,34 @@ where
             worker_id,
             expect_worker_id,
         } => {
-            let welcome = Frame::Welcome {
-                version: PROTOCOL_VERSION,
-                worker_id: shared.worker_id.clone(),
-            };
-            if version != PROTOCOL_VERSION {
-                warn!(%remote, peer_worker = %worker_id, theirs = version, ours = PROTOCOL_VERSION,
-                    "mesh peer speaks another protocol version; refusing");
+            let Some(agreed) = negotiate(OLDEST_PROTOCOL_VERSION, newest, version) else {
+                warn!(%remote, peer_worker = %worker_id, theirs = version, ours = newest,
+                    "mesh peer's protocol version is two or more apart from ours; refusing");
                 // `Welcome` keeps its layout in every version, so the caller can read our
                 // version from it and refuse with both numbers; the error frame says why
                 // the connection is about to close.
+                let welcome = Frame::Welcome {
+                    version: newest,
+                    worker_id: shared.worker_id.clone(),
+                };
                 let _ = writer.send(&welcome).await;
                 let _ = writer
                     .send(&Frame::Error(ErrorFrame::new(
                         ErrorKind::VersionMismatch,
                         format!(
-                            "this worker speaks mesh protocol version {PROTOCOL_VERSION}, \
-                             the caller {version}: run the same mcpgw version everywhere"
+                            "this worker speaks mesh protocol versions \
+                             {OLDEST_PROTOCOL_VERSION} to {newest}, the caller {version}: \
+                             workers one release apart forward to each other, two apart do \
+                             not; upgrade the older workers one release at a time"
                         ),
                     )))
                     .await;
                 return None;
-            }
+            };
+            let welcome = Frame::Welcome {
+                version: agreed,
+                worker_id: shared.worker_id.clone(),
+            };
             let registered = timeout(
                 shared.limits.connect_timeout,
                 shared.service.registered_identity(&worker_id),
@@ -370,7 +385,7 @@ where
                     "mesh peer expected another worker at this address");
             }
             writer.send(&welcome).await.ok()?;
-            Some(worker_id)
+            Some((worker_id, agreed))
         }
         other => {
             warn!(%remote, frame = other.name(), "mesh peer did not start with Hello; closing");

@@ -123,6 +123,7 @@ pub fn head(peer: &PeerInfo) -> ResponsePart {
             ("x-peer-identity".into(), peer.identity.clone()),
             ("x-peer-addr".into(), peer.addr.to_string()),
             ("x-peer-connection".into(), peer.connection.to_string()),
+            ("x-peer-protocol".into(), peer.protocol.to_string()),
         ],
     })
 }

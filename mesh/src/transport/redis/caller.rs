@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
-use mcpgw_wire::{Frame, MeshCodec, PROTOCOL_VERSION};
+use mcpgw_wire::{Frame, MeshCodec};
 use parking_lot::Mutex;
 use redis::Msg;
 use redis::aio::ConnectionManager;
@@ -21,7 +21,7 @@ use super::RedisTransportConfig;
 use super::conn::{
     RESUBSCRIBE_MAX, RESUBSCRIBE_MIN, Subscription, connect_publisher, open_client, publish,
 };
-use super::message::{decode_to_caller, encode_to_owner, version_mismatch};
+use super::message::{decode_to_caller, encode_to_owner, readable, version_mismatch};
 use crate::redis_conn::redact_url;
 use crate::transport::client::ExState;
 use crate::transport::error::LinkError;
@@ -385,7 +385,7 @@ impl RedisExchange {
             let Ok(reply) = decode_to_caller(payload) else {
                 continue;
             };
-            if reply.version != PROTOCOL_VERSION {
+            if !readable(reply.version) {
                 // Its frame may be laid out differently; the version says enough.
                 return Ok(Some(version_mismatch(reply.version)));
             }

@@ -2,7 +2,19 @@
 //! of `transport::redis` for the layout). Pure: no I/O, tested without Redis.
 
 use bytes::{BufMut, Bytes, BytesMut};
-use mcpgw_wire::{ErrorFrame, ErrorKind, Frame, MeshCodec, PROTOCOL_VERSION, WireError};
+use mcpgw_wire::{
+    ErrorFrame, ErrorKind, Frame, MeshCodec, OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION, WireError,
+};
+
+/// The version every message is stamped with: the baseline sends only frames that
+/// every version this worker speaks reads (never a frame newer than the oldest), so
+/// workers one release apart read each other's messages.
+pub(super) const MESSAGE_VERSION: u32 = OLDEST_PROTOCOL_VERSION;
+
+/// Whether a message of `version` is one this worker reads.
+pub(super) fn readable(version: u32) -> bool {
+    (OLDEST_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version)
+}
 use tokio_util::codec::Encoder;
 
 /// Bytes before the frame in a message to the caller: version and exchange id.
@@ -41,7 +53,7 @@ pub(super) fn encode_to_owner(
     let caller_len = u16::try_from(caller.len())
         .map_err(|_| WireError::Unencodable("the worker id is longer than 65535 bytes".into()))?;
     let mut buf = BytesMut::with_capacity(REPLY_HEADER + 2 + caller.len());
-    buf.put_u32(PROTOCOL_VERSION);
+    buf.put_u32(MESSAGE_VERSION);
     buf.put_u64(exchange);
     buf.put_u16(caller_len);
     buf.put_slice(caller.as_bytes());
@@ -57,7 +69,7 @@ pub(super) fn encode_to_caller(
     frame: Option<&Frame>,
 ) -> Result<Bytes, WireError> {
     let mut buf = BytesMut::with_capacity(REPLY_HEADER);
-    buf.put_u32(PROTOCOL_VERSION);
+    buf.put_u32(MESSAGE_VERSION);
     buf.put_u64(exchange);
     if let Some(frame) = frame {
         codec.encode(frame, &mut buf)?;
@@ -123,8 +135,9 @@ pub(super) fn version_mismatch(theirs: u32) -> Frame {
     Frame::Error(ErrorFrame::new(
         ErrorKind::VersionMismatch,
         format!(
-            "this worker speaks mesh protocol version {PROTOCOL_VERSION}, the peer {theirs}: \
-             run the same mcpgw version on every worker"
+            "this worker speaks mesh protocol versions {OLDEST_PROTOCOL_VERSION} to \
+             {PROTOCOL_VERSION}, the peer {theirs}: workers one release apart forward to each \
+             other, two apart do not; upgrade the older workers one release at a time"
         ),
     ))
 }
@@ -138,7 +151,7 @@ mod tests {
         let mut codec = MeshCodec::default();
         let payload = encode_to_owner(&mut codec, 42, "caller-1", &Frame::Cancel).unwrap();
         let m = decode_to_owner(&payload).unwrap();
-        assert_eq!(m.version, PROTOCOL_VERSION);
+        assert_eq!(m.version, MESSAGE_VERSION);
         assert_eq!(m.exchange, 42);
         assert_eq!(m.caller, "caller-1");
         assert_eq!(codec.decode_frame(m.frame).unwrap(), Frame::Cancel);
@@ -150,7 +163,7 @@ mod tests {
         let chunk = Frame::Chunk(Bytes::from_static(b"data: 1\n\n"));
         let payload = encode_to_caller(&mut codec, u64::MAX, Some(&chunk)).unwrap();
         let m = decode_to_caller(&payload).unwrap();
-        assert_eq!((m.version, m.exchange), (PROTOCOL_VERSION, u64::MAX));
+        assert_eq!((m.version, m.exchange), (MESSAGE_VERSION, u64::MAX));
         assert_eq!(codec.decode_frame(m.frame).unwrap(), chunk);
         let keepalive = encode_to_caller(&mut codec, 3, None).unwrap();
         assert!(decode_to_caller(&keepalive).unwrap().frame.is_empty());

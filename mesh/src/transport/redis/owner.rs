@@ -25,7 +25,9 @@ use super::RedisTransportConfig;
 use super::conn::{
     STOP_GRACE, Subscription, connect_publisher, keepalive_interval, open_client, publish, scrub,
 };
-use super::message::{decode_to_owner, encode_to_caller, valid_worker_id, version_mismatch};
+use super::message::{
+    MESSAGE_VERSION, decode_to_owner, encode_to_caller, readable, valid_worker_id, version_mismatch,
+};
 use crate::redis_conn::redact_url;
 use crate::transport::budget::{StreamClass, is_event_stream};
 use crate::transport::server::ServerShared;
@@ -150,7 +152,7 @@ impl Owner {
             warn!(channel = %self.channel, caller = ?m.caller, "dropped a mesh message whose caller id names no reply channel");
             return;
         }
-        if m.version != PROTOCOL_VERSION {
+        if !readable(m.version) {
             warn!(peer_worker = %m.caller, theirs = m.version, ours = PROTOCOL_VERSION,
                 "mesh peer speaks another protocol version; refusing its request");
             self.answer(m.caller, m.exchange, version_mismatch(m.version));
@@ -266,6 +268,7 @@ impl Owner {
             identity: String::new(),
             worker_id: caller.to_owned(),
             transport: TransportKind::Redis,
+            protocol: MESSAGE_VERSION,
             connection: 0,
         };
         let mut response = shared.service.serve(request, peer);

@@ -275,6 +275,8 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
             read = reader.next() => read,
         };
         match read {
+            // The owner drains: no new exchange here; those in flight finish.
+            MuxRead::Frame(_, Frame::GoAway) => conn.retire(),
             MuxRead::Frame(id, frame) => conn.route(id, frame),
             MuxRead::Bad(Some(id), error) => {
                 debug!(exchange = id, %error, "mesh owner sent a bad frame");

@@ -182,7 +182,7 @@ async fn connection(
     let mut reader = FrameReader::new(read, limits.max_frame);
     let mut writer = FrameWriter::new(write, limits.max_frame);
     let greeted = server_greet(&shared, remote, &identity.uri, &mut reader, &mut writer).await;
-    let Some(worker_id) = greeted else {
+    let Some((worker_id, protocol)) = greeted else {
         observe::handshake("owner", "greeting");
         let _ = writer.get_mut().shutdown().await;
         return;
@@ -197,6 +197,7 @@ async fn connection(
         identity: identity.member,
         worker_id,
         transport: TransportKind::Tcp,
+        protocol,
         connection: shared.next_connection(),
     };
     debug!(%remote, peer = %peer.worker_id, identity = %peer.identity, "mesh TCP peer connected");
@@ -462,8 +463,15 @@ impl Dialer {
             let (read, write) = tokio::io::split(tls);
             let mut reader = FrameReader::new(read, limits.max_frame);
             let mut writer = FrameWriter::new(write, limits.max_frame);
-            let worker_id =
-                client_greet(peer_addr, &self.worker_id, expect, &mut reader, &mut writer).await?;
+            let (worker_id, _protocol) = client_greet(
+                peer_addr,
+                &self.worker_id,
+                expect,
+                limits.max_protocol_version,
+                &mut reader,
+                &mut writer,
+            )
+            .await?;
             Ok::<_, MeshError>((reader, writer, worker_id, identity))
         };
         let (reader, writer, worker_id, identity) = timeout(limits.connect_timeout, attempt)

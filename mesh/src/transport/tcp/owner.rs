@@ -106,12 +106,21 @@ pub(super) async fn serve_connection<R, W>(
     // Made once: each `cancelled()` future takes the token's lock when first polled.
     let (stopped, failed) = (shared.stop.cancelled(), write_failed.cancelled());
     let too_old = tokio::time::sleep_until(close_at);
-    tokio::pin!(stopped, failed, too_old);
+    let draining = shared.drain_started.cancelled();
+    // A caller of an older protocol cannot read `GoAway`: it learns of the drain from
+    // each new request's `Error(Draining)` instead.
+    let mut told_to_go = peer.protocol < Frame::GoAway.since();
+    tokio::pin!(stopped, failed, too_old, draining);
     loop {
         let read = tokio::select! {
             biased;
             () = &mut stopped => break,
             () = &mut failed => break,
+            () = &mut draining, if !told_to_go => {
+                told_to_go = true;
+                let _ = conn.outbox.push(0, &Frame::GoAway);
+                continue;
+            }
             () = &mut too_old => {
                 // The caller should have moved on at the maximum age; one that did not,
                 // or whose certificate just expired, is cut off here.
