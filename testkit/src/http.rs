@@ -292,6 +292,12 @@ pub fn mcp_headers(session: Option<&str>) -> Vec<(&str, &str)> {
     headers
 }
 
+/// `DELETE` of a legacy session (its client ending it); the answer, unchecked.
+#[track_caller]
+pub fn delete_session(addr: &str, path: &str, session: &str) -> Response {
+    request(addr, "DELETE", path, &mcp_headers(Some(session)), b"")
+}
+
 /// The body of a legacy `initialize`.
 pub fn initialize_body(id: u64) -> Vec<u8> {
     json!({

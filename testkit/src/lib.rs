@@ -18,6 +18,7 @@
 #![deny(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
+pub mod admin;
 pub mod fleet;
 pub mod gateway;
 pub mod http;

@@ -5,7 +5,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -275,6 +275,37 @@ fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// A shared HMAC secret of the suite (`kid = "hs-1"` where configured).
+const HMAC_SECRET: &[u8] = b"a shared HMAC secret of 32+ bytes!!";
+
+/// `dir/hs.secret`, holding [`HMAC_SECRET`].
+fn hmac_secret_file(dir: &Path) -> PathBuf {
+    let secret = dir.join("hs.secret");
+    std::fs::write(&secret, HMAC_SECRET).expect("secret");
+    secret
+}
+
+/// `dir/tokens`: the API key file naming alice's [`API_KEY_ALICE`].
+fn tokens_file(dir: &Path) -> PathBuf {
+    let tokens = dir.join("tokens");
+    std::fs::write(&tokens, format!("alice:{API_KEY_ALICE}\n")).expect("tokens file");
+    tokens
+}
+
+/// `dir/jwks.json`, a JWKS file of `keys`.
+fn jwks_file(dir: &Path, keys: &[&SigningKey]) -> PathBuf {
+    let file = dir.join("jwks.json");
+    std::fs::write(&file, jwks_json(keys)).expect("JWKS file");
+    file
+}
+
+/// `dir/mcpgw.toml`, holding `text`.
+fn write_config(dir: &Path, text: &str) -> PathBuf {
+    let config = dir.join("mcpgw.toml");
+    std::fs::write(&config, text).expect("config");
+    config
+}
+
 /// `mcpgw serve` whose stderr (every worker's log) goes to a file, so a test can
 /// check that no token was logged.
 struct LoggedGateway {
@@ -318,6 +349,14 @@ impl LoggedGateway {
             }
         };
         LoggedGateway { process, addr, log }
+    }
+
+    /// `mcpgw serve --config CONFIG`, logging to `dir/gateway.log`.
+    fn with_config(config: &Path, dir: &Path) -> LoggedGateway {
+        LoggedGateway::start(
+            &["--config", &config.display().to_string()],
+            dir.join("gateway.log"),
+        )
     }
 
     fn log(&self) -> String {
@@ -435,12 +474,10 @@ fn tokens_are_verified_and_refused_ones_never_reach_the_upstream() {
     let ec = SigningKey::generate("ec-1", Algorithm::ES256);
     let ed = SigningKey::generate("ed-1", Algorithm::EdDSA);
     let jwks = JwksServer::start(jwks_json(&[&rsa, &ec, &ed]));
-    let secret = dir.join("hs.secret");
-    std::fs::write(&secret, b"a shared HMAC secret of 32+ bytes!!").expect("secret");
-    let config = dir.join("mcpgw.toml");
-    std::fs::write(
-        &config,
-        format!(
+    let secret = hmac_secret_file(&dir);
+    let config = write_config(
+        &dir,
+        &format!(
             r#"
 [[upstream]]
 name = "demo"
@@ -470,16 +507,12 @@ tool_scopes = {{ counter_increment = ["mcp:write"] }}
             ca = jwks.ca.ca_file().display(),
             secret = secret.display(),
         ),
-    )
-    .expect("config");
-    let gateway = LoggedGateway::start(
-        &["--config", &config.display().to_string()],
-        dir.join("gateway.log"),
     );
+    let gateway = LoggedGateway::with_config(&config, &dir);
     let addr = gateway.addr.as_str();
 
     // Valid tokens of each algorithm open sessions and call tools.
-    let hs = EncodingKey::from_secret(b"a shared HMAC secret of 32+ bytes!!").expect("HMAC key");
+    let hs = EncodingKey::from_secret(HMAC_SECRET).expect("HMAC key");
     let mut good_tokens = Vec::new();
     for key in [&rsa, &ec, &ed] {
         good_tokens.push((
@@ -724,10 +757,9 @@ fn jwks_rotation_refreshes_once_and_unknown_kids_do_not_hammer() {
     let old = SigningKey::generate("2026-old", Algorithm::ES256);
     let new = SigningKey::generate("2026-new", Algorithm::RS256);
     let jwks = JwksServer::start(jwks_json(&[&old]));
-    let config = dir.join("mcpgw.toml");
-    std::fs::write(
-        &config,
-        format!(
+    let config = write_config(
+        &dir,
+        &format!(
             "[[upstream]]\nname = \"demo\"\nurl = \"{}\"\n[auth]\nmode = \"jwt\"\n[auth.jwt]\n\
              issuer = \"{ISSUER}\"\naudience = \"{AUDIENCE}\"\njwks = \"{}\"\njwks_ca = \"{}\"\n\
              jwks_refresh_interval_ms = 3600000\n",
@@ -735,8 +767,7 @@ fn jwks_rotation_refreshes_once_and_unknown_kids_do_not_hammer() {
             jwks.url,
             jwks.ca.ca_file().display()
         ),
-    )
-    .expect("config");
+    );
     let gateway = Gateway::start(&["--config", &config.display().to_string()]);
     let addr = gateway.addr.as_str();
 
@@ -801,14 +832,11 @@ impl AuthFleet {
         let upstream = Upstream::start();
         let certs = MeshCerts::create(&["host-a", "host-b"]);
         let key = SigningKey::generate("fleet-1", Algorithm::ES256);
-        let jwks_file = dir.join("jwks.json");
-        std::fs::write(&jwks_file, jwks_json(&[&key])).expect("JWKS file");
-        let tokens = dir.join("tokens");
-        std::fs::write(&tokens, format!("alice:{API_KEY_ALICE}\n")).expect("tokens file");
-        let config = dir.join("mcpgw.toml");
-        std::fs::write(
-            &config,
-            format!(
+        let jwks_file = jwks_file(&dir, &[&key]);
+        let tokens = tokens_file(&dir);
+        let config = write_config(
+            &dir,
+            &format!(
                 r#"
 [[upstream]]
 name = "open"
@@ -842,8 +870,7 @@ scopes = ["mcp"]
                 tokens = tokens.display(),
                 jwks = jwks_file.display(),
             ),
-        )
-        .expect("config");
+        );
         let start = |member: &str| {
             let mut args = supervisor_flags(&redis.url(), 2, "quic", &certs, member);
             args.extend(["--config".into(), config.display().to_string()]);
@@ -1183,8 +1210,7 @@ fn sdk_client_with_a_bearer_token_in_both_modes_and_refused_without_one() {
     let dir = temp_dir("sdk");
     let upstream = Upstream::start();
     let key = SigningKey::generate("sdk-1", Algorithm::RS256);
-    let jwks_file = dir.join("jwks.json");
-    std::fs::write(&jwks_file, jwks_json(&[&key])).expect("JWKS file");
+    let jwks_file = jwks_file(&dir, &[&key]);
     let gateway = Gateway::start(&[
         "--upstream",
         &format!("demo={}", upstream.url),
@@ -1295,12 +1321,10 @@ fn signing_keys_that_cannot_be_loaded_get_503_keys_unavailable() {
     let key = SigningKey::generate("kid-1", Algorithm::ES256);
     let jwks = JwksServer::start(jwks_json(&[&key]));
     jwks.set_down(true);
-    let jwks_file = dir.join("jwks.json");
-    std::fs::write(&jwks_file, jwks_json(&[&key])).expect("JWKS file");
-    let config = dir.join("mcpgw.toml");
-    std::fs::write(
-        &config,
-        format!(
+    let jwks_file = jwks_file(&dir, &[&key]);
+    let config = write_config(
+        &dir,
+        &format!(
             r#"
 [[upstream]]
 name = "fetched"
@@ -1326,8 +1350,7 @@ jwks = "{file}"
             ca = jwks.ca.ca_file().display(),
             file = jwks_file.display(),
         ),
-    )
-    .expect("config");
+    );
     // The file is read at start (a bad one stops it); gone afterwards, it cannot be
     // loaded on first use.
     let gateway = Gateway::start(&["--config", &config.display().to_string()]);
@@ -1406,12 +1429,10 @@ fn rate_limiter_without_redis_fails_open_or_closed_as_configured() {
         let dir = temp_dir(&format!("limiter-{case}"));
         // The limiter's own Redis: pausing it leaves nothing else without Redis.
         let redis = RedisServer::start();
-        let tokens = dir.join("tokens");
-        std::fs::write(&tokens, format!("alice:{API_KEY_ALICE}\n")).expect("tokens file");
-        let config = dir.join("mcpgw.toml");
-        std::fs::write(
-            &config,
-            format!(
+        let tokens = tokens_file(&dir);
+        let config = write_config(
+            &dir,
+            &format!(
                 "[[upstream]]\nname = \"demo\"\nurl = \"{}\"\n[auth]\ntokens_file = \"{}\"\n\
                  [auth.rate_limit]\nper_second = 1000.0\nburst = 1000\nredis_url = \"{}\"\n\
                  timeout_ms = 250\n{}",
@@ -1420,12 +1441,8 @@ fn rate_limiter_without_redis_fails_open_or_closed_as_configured() {
                 redis.url(),
                 setting.map_or(String::new(), |s| format!("on_redis_error = \"{s}\"\n")),
             ),
-        )
-        .expect("config");
-        let gateway = LoggedGateway::start(
-            &["--config", &config.display().to_string()],
-            dir.join("gateway.log"),
         );
+        let gateway = LoggedGateway::with_config(&config, &dir);
         let addr = gateway.addr.as_str();
         let counted = || -> u64 {
             redis
@@ -1535,10 +1552,9 @@ fn a_static_key_is_trusted_only_by_the_routes_of_its_issuer() {
     let beta_key = SigningKey::generate("beta-ec", Algorithm::ES256);
     std::fs::write(dir.join("beta-jwks.json"), jwks_json(&[&beta_key])).expect("JWKS");
     let (beta_iss, gamma_iss) = ("https://beta-issuer.test", "https://gamma-issuer.test");
-    let config = dir.join("mcpgw.toml");
-    std::fs::write(
-        &config,
-        format!(
+    let config = write_config(
+        &dir,
+        &format!(
             r#"
 [[upstream]]
 name = "alpha"
@@ -1578,12 +1594,8 @@ secret_file = "{dir}/gamma.secret"
             url = upstream.url,
             dir = dir.display(),
         ),
-    )
-    .expect("config");
-    let gateway = LoggedGateway::start(
-        &["--config", &config.display().to_string()],
-        dir.join("gateway.log"),
     );
+    let gateway = LoggedGateway::with_config(&config, &dir);
     let addr = gateway.addr.as_str();
     let alpha_key = EncodingKey::from_secret(alpha_secret).expect("HMAC key");
     let gamma_key = EncodingKey::from_secret(gamma_secret).expect("HMAC key");
@@ -1677,12 +1689,10 @@ secret_file = "{dir}/gamma.secret"
 fn the_not_found_of_an_auth_enabled_gateway_names_no_route() {
     let dir = temp_dir("not-found");
     let upstream = Upstream::start();
-    let tokens = dir.join("tokens");
-    std::fs::write(&tokens, format!("alice:{API_KEY_ALICE}\n")).expect("tokens file");
-    let config = dir.join("mcpgw.toml");
-    std::fs::write(
-        &config,
-        format!(
+    let tokens = tokens_file(&dir);
+    let config = write_config(
+        &dir,
+        &format!(
             "[[upstream]]\nname = \"open-route-x\"\nurl = \"{url}\"\n\
              [[upstream]]\nname = \"private-route-y\"\nurl = \"{url}\"\n\
              [auth]\ntokens_file = \"{tokens}\"\n\
@@ -1690,8 +1700,7 @@ fn the_not_found_of_an_auth_enabled_gateway_names_no_route() {
             url = upstream.url,
             tokens = tokens.display(),
         ),
-    )
-    .expect("config");
+    );
     let gateway = Gateway::start(&["--config", &config.display().to_string()]);
     for path in ["/nope", "/servers/unknown/mcp", "/mcp"] {
         let response = post(&gateway.addr, path, None, None, &initialize_body());
@@ -1778,12 +1787,8 @@ fn key_problems_name_the_key_location_in_the_log_and_never_to_the_client() {
             down.ca.ca_file().display()
         ),
     );
-    let config_file = dir.join("mcpgw.toml");
-    std::fs::write(&config_file, &config).expect("config");
-    let gateway = LoggedGateway::start(
-        &["--config", &config_file.display().to_string()],
-        dir.join("gateway.log"),
-    );
+    let config_file = write_config(&dir, &config);
+    let gateway = LoggedGateway::with_config(&config_file, &dir);
     std::fs::remove_file(&gone_file).expect("remove the JWKS file after the start");
     let addr = gateway.addr.as_str();
     let known = key.sign(&claims("alice", "", 300));
@@ -1938,26 +1943,20 @@ secret_file = "{dir}/{beta_secret}"
 fn a_held_stream_ends_at_its_tokens_expiry_with_an_error_event() {
     let dir = temp_dir("stream-expiry");
     let upstream = Upstream::start();
-    let secret = dir.join("hs.secret");
-    std::fs::write(&secret, b"a shared HMAC secret of 32+ bytes!!").expect("secret");
-    let config = dir.join("mcpgw.toml");
-    std::fs::write(
-        &config,
-        format!(
+    let secret = hmac_secret_file(&dir);
+    let config = write_config(
+        &dir,
+        &format!(
             "[[upstream]]\nname = \"demo\"\nurl = \"{}\"\n[auth]\nmode = \"jwt\"\n\
              [auth.jwt]\nissuer = \"{ISSUER}\"\naudience = \"{AUDIENCE}\"\nleeway_secs = 0\n\
              [[auth.jwt.keys]]\nkid = \"hs-1\"\nalg = \"HS256\"\nsecret_file = \"{}\"\n",
             upstream.url,
             secret.display()
         ),
-    )
-    .expect("config");
-    let gateway = LoggedGateway::start(
-        &["--config", &config.display().to_string()],
-        dir.join("gateway.log"),
     );
+    let gateway = LoggedGateway::with_config(&config, &dir);
     let addr = gateway.addr.as_str();
-    let key = EncodingKey::from_secret(b"a shared HMAC secret of 32+ bytes!!").expect("HMAC key");
+    let key = EncodingKey::from_secret(HMAC_SECRET).expect("HMAC key");
     let ttl = 4;
     let token_claims = claims("alice", "", ttl);
     let expires = token_claims["exp"].as_u64().expect("exp");
@@ -1991,7 +1990,10 @@ fn a_held_stream_ends_at_its_tokens_expiry_with_an_error_event() {
             .is_some_and(|m| m.contains("expired") && m.contains("open the stream again")),
         "{last}"
     );
-    assert!(!body_text(&stream).contains(&token), "the token is never echoed");
+    assert!(
+        !body_text(&stream).contains(&token),
+        "the token is never echoed"
+    );
     // It ended because the token did, not before: the token was honoured until then.
     assert!(now_secs() + 1 >= expires, "ended before the token expired");
     let _ = std::fs::remove_dir_all(&dir);

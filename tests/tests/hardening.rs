@@ -4,48 +4,23 @@
 //! floods, dead workers nobody asks about, a Redis stall under a crowd of requests, and
 //! a configuration that would trust Redis with identities.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::{Arc, Barrier, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use mcpgw_testkit::admin::{admin_of, scrape};
 use mcpgw_testkit::fleet::{LocalFleet, PREFIX, leases, owner_of, recorded_owner};
 use mcpgw_testkit::http::{self, call_tool, initialize, mcp_headers};
 use mcpgw_testkit::redis::RanCommand;
 use mcpgw_testkit::signal::{self, Signal};
-use mcpgw_testkit::{Gateway, RedisServer, Upstream, eventually};
+use mcpgw_testkit::{Gateway, Upstream, eventually};
 use serde_json::json;
 
 /// Bound of every wait: only a hang reaches it.
 const WITHIN: Duration = Duration::from_secs(60);
-
-/// The admin listener's address of worker `id`, from its lease in the directory.
-fn admin_of(redis: &RedisServer, id: &str) -> String {
-    let lease = redis
-        .get(&format!("{PREFIX}worker:{id}"))
-        .unwrap_or_else(|| panic!("{id} holds no lease"));
-    let lease: serde_json::Value = serde_json::from_str(&lease).expect("lease JSON");
-    lease["admin"]
-        .as_str()
-        .unwrap_or_else(|| panic!("{id}'s lease names no admin listener: {lease}"))
-        .to_owned()
-}
-
-/// One scrape of a worker's `/metrics`: sample line (name and labels) → value.
-fn scrape(admin: &str) -> HashMap<String, f64> {
-    let r = http::request(admin, "GET", "/metrics", &[], b"");
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.text()
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .filter_map(|l| {
-            let (sample, value) = l.rsplit_once(' ')?;
-            Some((sample.to_owned(), value.parse().ok()?))
-        })
-        .collect()
-}
 
 /// A configuration file holding `toml`, for settings that have no flag.
 fn config_file(toml: &str) -> tempfile::NamedTempFile {
@@ -372,13 +347,7 @@ fn past_max_sessions_a_worker_answers_initialize_503_until_a_session_ends() {
         "the refused initialize opened nothing upstream"
     );
     // The limit counts live sessions: ending one makes room.
-    let ended = http::request(
-        &gateway.addr,
-        "DELETE",
-        "/mcp",
-        &mcp_headers(Some(&first)),
-        b"",
-    );
+    let ended = http::delete_session(&gateway.addr, "/mcp", &first);
     assert_eq!(ended.status, 200, "{}", ended.text());
     initialize(&gateway.addr, "/mcp");
 }

@@ -2,13 +2,13 @@
 //! readiness), trace context through a forward, and log lines that never carry a
 //! token or a whole session id.
 
-use std::collections::HashMap;
 use std::io::Write;
 use std::thread;
 use std::time::Duration;
 
+use mcpgw_testkit::admin::{admin_of, moved, scrape};
 use mcpgw_testkit::fleet::{
-    LocalFleet, MeshCerts, PREFIX, leases, owner_of, recorded_owner, supervisor_flags,
+    LocalFleet, MeshCerts, leases, owner_of, recorded_owner, supervisor_flags,
 };
 use mcpgw_testkit::http::{self, call_tool, initialize, mcp_headers};
 use mcpgw_testkit::signal::{self, Signal};
@@ -16,37 +16,6 @@ use mcpgw_testkit::{Gateway, RedisServer, Upstream, eventually};
 use serde_json::json;
 
 const WITHIN: Duration = Duration::from_secs(60);
-
-/// The admin listener's address of worker `id`, from its lease in the directory.
-fn admin_of(redis: &RedisServer, id: &str) -> String {
-    let lease = redis
-        .get(&format!("{PREFIX}worker:{id}"))
-        .unwrap_or_else(|| panic!("{id} holds no lease"));
-    let lease: serde_json::Value = serde_json::from_str(&lease).expect("lease JSON");
-    lease["admin"]
-        .as_str()
-        .unwrap_or_else(|| panic!("{id}'s lease names no admin listener: {lease}"))
-        .to_owned()
-}
-
-/// One scrape of a worker's `/metrics`: sample line (name and labels) → value.
-fn scrape(admin: &str) -> HashMap<String, f64> {
-    let r = http::request(admin, "GET", "/metrics", &[], b"");
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.text()
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .filter_map(|l| {
-            let (sample, value) = l.rsplit_once(' ')?;
-            Some((sample.to_owned(), value.parse().ok()?))
-        })
-        .collect()
-}
-
-/// How much `sample` moved between two scrapes (absent counts as 0).
-fn moved(before: &HashMap<String, f64>, after: &HashMap<String, f64>, sample: &str) -> f64 {
-    after.get(sample).copied().unwrap_or(0.0) - before.get(sample).copied().unwrap_or(0.0)
-}
 
 #[test]
 fn local_forwarded_failed_expired_and_refused_requests_move_exactly_their_metrics() {
@@ -232,7 +201,7 @@ struct Collector {
 
 impl Collector {
     fn start() -> Collector {
-        use std::io::{BufRead, BufReader, Read};
+        use std::io::BufReader;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("addr").to_string();
         let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -246,30 +215,13 @@ impl Collector {
                     let mut reader = BufReader::new(stream);
                     // Keep-alive: one request after another until the client closes.
                     loop {
-                        let mut length = 0usize;
-                        let mut line = String::new();
-                        loop {
-                            line.clear();
-                            if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                                return;
+                        let Some(body) = read_request(&mut reader, |name, value| {
+                            if name.eq_ignore_ascii_case("authorization") {
+                                seen.lock().expect("lock").push(value.to_owned());
                             }
-                            let header = line.trim_end();
-                            if header.is_empty() {
-                                break;
-                            }
-                            let Some((name, value)) = header.split_once(':') else {
-                                continue;
-                            };
-                            if name.eq_ignore_ascii_case("content-length") {
-                                length = value.trim().parse().unwrap_or(0);
-                            } else if name.eq_ignore_ascii_case("authorization") {
-                                seen.lock().expect("lock").push(value.trim().to_owned());
-                            }
-                        }
-                        let mut body = vec![0u8; length];
-                        if reader.read_exact(&mut body).is_err() {
+                        }) else {
                             return;
-                        }
+                        };
                         if let Ok(json) = serde_json::from_slice(&body) {
                             kept.lock().expect("lock").push(json);
                         }
@@ -525,6 +477,22 @@ fn readyz_follows_redis_and_the_drain() {
     );
 }
 
+/// A supervisor of one worker for `member` of a fleet on `redis`, with `flags` on top,
+/// its stderr (the workers' log lines) appended to `log`.
+fn logged_supervisor(
+    redis: &RedisServer,
+    transport: &str,
+    certs: &MeshCerts,
+    member: &str,
+    flags: &[&str],
+    log: &std::path::Path,
+) -> Gateway {
+    let mut args = supervisor_flags(&redis.url(), 1, transport, certs, member);
+    args.extend(flags.iter().map(|s| s.to_string()));
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    Gateway::start_logged(&refs, log)
+}
+
 #[test]
 fn no_log_line_carries_a_token_or_a_whole_session_id() {
     let logs = tempfile::tempdir().expect("log dir");
@@ -536,30 +504,18 @@ fn no_log_line_carries_a_token_or_a_whole_session_id() {
     let token = "a-secret-token-never-logged-7f3c";
     writeln!(tokens, "alice:{token}").unwrap();
     let tokens_path = tokens.path().display().to_string();
+    let demo = format!("demo={}", upstream.url);
     let start = |member: &str| {
-        let mut args: Vec<String> = [
-            "--workers",
-            "1",
-            "--redis",
-            &redis.url(),
+        let flags = [
             "--upstream",
-            &format!("demo={}", upstream.url),
-            "--mesh-transport",
-            "quic",
-            "--mesh-listen",
-            "127.0.0.1:0",
+            &demo,
             "--auth-tokens-file",
             &tokens_path,
             "--log-requests",
             "--session-idle-timeout-ms",
             "3000",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        args.extend(certs.flags(member));
-        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-        Gateway::start_logged(&refs, &log)
+        ];
+        logged_supervisor(&redis, "quic", &certs, member, &flags, &log)
     };
     let (a, b) = (start("host-a"), start("host-b"));
     let bearer = format!("Bearer {token}");
@@ -750,16 +706,10 @@ fn a_failed_request_gets_one_json_log_line_with_a_hash_of_its_session_never_the_
     let redis = RedisServer::start();
     let upstream = Upstream::start();
     let certs = MeshCerts::create(&["host-a", "host-b"]);
+    let demo = format!("demo={}", upstream.url);
     let start = |member: &str| {
-        let mut args = supervisor_flags(&redis.url(), 1, "tcp", &certs, member);
-        args.extend([
-            "--upstream".to_owned(),
-            format!("demo={}", upstream.url),
-            "--log-format".to_owned(),
-            "json".to_owned(),
-        ]);
-        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-        Gateway::start_logged(&refs, &log)
+        let flags = ["--upstream", &demo, "--log-format", "json"];
+        logged_supervisor(&redis, "tcp", &certs, member, &flags, &log)
     };
     let (a, b) = (start("host-a"), start("host-b"));
     // Succeeded, here and forwarded: no line.
@@ -770,7 +720,7 @@ fn a_failed_request_gets_one_json_log_line_with_a_hash_of_its_session_never_the_
     }
     // Failed at the session's owner, and at another worker: a session that ended.
     let ended = initialize(&a.addr, "/mcp");
-    let deleted = http::request(&a.addr, "DELETE", "/mcp", &mcp_headers(Some(&ended)), b"");
+    let deleted = http::delete_session(&a.addr, "/mcp", &ended);
     assert_eq!(deleted.status, 200, "{}", deleted.text());
     let at_owner = call_tool(&a.addr, "/mcp", &ended, 3, "echo", json!({"text": "x"}));
     let elsewhere = call_tool(&b.addr, "/mcp", &ended, 4, "echo", json!({"text": "x"}));
@@ -871,9 +821,39 @@ struct HungCollector {
     received: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
+/// Reads one HTTP/1.1 request from `reader`: each header's name and trimmed value
+/// to `header`, then its `Content-Length` body. `None` once the client has closed.
+fn read_request(
+    reader: &mut impl std::io::BufRead,
+    mut header: impl FnMut(&str, &str),
+) -> Option<Vec<u8>> {
+    let mut length = 0usize;
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            return None;
+        }
+        let head = line.trim_end();
+        if head.is_empty() {
+            break;
+        }
+        let Some((name, value)) = head.split_once(':') else {
+            continue;
+        };
+        if name.eq_ignore_ascii_case("content-length") {
+            length = value.trim().parse().unwrap_or(0);
+        }
+        header(name, value.trim());
+    }
+    let mut body = vec![0u8; length];
+    reader.read_exact(&mut body).ok()?;
+    Some(body)
+}
+
 impl HungCollector {
     fn start() -> HungCollector {
-        use std::io::{BufRead, BufReader, Read};
+        use std::io::BufReader;
         use std::sync::atomic::Ordering;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("addr").to_string();
@@ -884,28 +864,7 @@ impl HungCollector {
                 let counter = counter.clone();
                 thread::spawn(move || {
                     let mut reader = BufReader::new(stream);
-                    loop {
-                        let mut length = 0usize;
-                        let mut line = String::new();
-                        loop {
-                            line.clear();
-                            if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                                return;
-                            }
-                            let header = line.trim_end();
-                            if header.is_empty() {
-                                break;
-                            }
-                            if let Some((name, value)) = header.split_once(':')
-                                && name.eq_ignore_ascii_case("content-length")
-                            {
-                                length = value.trim().parse().unwrap_or(0);
-                            }
-                        }
-                        let mut body = vec![0u8; length];
-                        if reader.read_exact(&mut body).is_err() {
-                            return;
-                        }
+                    while read_request(&mut reader, |_, _| {}).is_some() {
                         counter.fetch_add(1, Ordering::SeqCst);
                     }
                 });

@@ -4,14 +4,22 @@
 use std::time::Duration;
 
 use mcpgw_testkit::http::{
-    self, call_tool, initialize, mcp_headers, modern_body, modern_headers, request,
+    self, call_tool, delete_session, initialize, mcp_headers, modern_body, modern_headers, request,
 };
 use mcpgw_testkit::{Gateway, Upstream, eventually};
 use serde_json::json;
 
 fn start() -> (Upstream, Gateway) {
+    start_with(&[])
+}
+
+/// The demo upstream and a gateway in front of it, started with `flags` too.
+fn start_with(flags: &[&str]) -> (Upstream, Gateway) {
     let upstream = Upstream::start();
-    let gateway = Gateway::start(&["--upstream", &format!("demo={}", upstream.url)]);
+    let route = format!("demo={}", upstream.url);
+    let mut args = vec!["--upstream", route.as_str()];
+    args.extend_from_slice(flags);
+    let gateway = Gateway::start(&args);
     (upstream, gateway)
 }
 
@@ -61,7 +69,7 @@ fn legacy_sessions_are_isolated_and_end_with_delete() {
             "1",
             "a second session starts at 1: one upstream session per client session"
         );
-        let deleted = request(addr, "DELETE", path, &mcp_headers(Some(&a)), b"");
+        let deleted = delete_session(addr, path, &a);
         assert_eq!(deleted.status, 200);
         let after = call_tool(addr, path, &a, 4, "counter_increment", json!({}));
         assert_eq!(
@@ -128,13 +136,7 @@ fn still_open(stream: &mut std::net::TcpStream) -> Result<(), String> {
 /// ends". A session beside it that is left idle shows that the timeout has passed.
 #[test]
 fn notifications_get_202_and_a_held_get_stream_stays_open_and_keeps_its_session() {
-    let upstream = Upstream::start();
-    let gateway = Gateway::start(&[
-        "--upstream",
-        &format!("demo={}", upstream.url),
-        "--session-idle-timeout-ms",
-        "1000",
-    ]);
+    let (_upstream, gateway) = start_with(&["--session-idle-timeout-ms", "1000"]);
     let addr = &gateway.addr;
     let admin = gateway
         .admin
@@ -276,13 +278,7 @@ fn modern_requests_pass_through_without_sessions() {
 /// serving: a good session works after all of them.
 #[test]
 fn bad_input_is_refused_clearly_and_the_gateway_keeps_serving() {
-    let upstream = Upstream::start();
-    let gateway = Gateway::start(&[
-        "--upstream",
-        &format!("demo={}", upstream.url),
-        "--max-body-bytes",
-        "4096",
-    ]);
+    let (_upstream, gateway) = start_with(&["--max-body-bytes", "4096"]);
     let addr = &gateway.addr;
     let session = initialize(addr, "/mcp");
     let json = ("Content-Type", "application/json");
@@ -460,13 +456,7 @@ fn an_unreachable_upstream_gets_a_gateway_error() {
 /// upstream timeout bounds the slow call alone.
 #[test]
 fn a_call_the_upstream_does_not_answer_in_time_gets_504_and_may_have_run() {
-    let upstream = Upstream::start();
-    let gateway = Gateway::start(&[
-        "--upstream",
-        &format!("demo={}", upstream.url),
-        "--upstream-timeout-ms",
-        "300",
-    ]);
+    let (upstream, gateway) = start_with(&["--upstream-timeout-ms", "300"]);
     let slow = request(
         &gateway.addr,
         "POST",

@@ -74,6 +74,30 @@ fn stateful_stdio(name: &str) -> String {
     )
 }
 
+/// `tests/python/NAME.py http PORT` on a free port, once it listens: the process
+/// (the server lives as long as it) and the port.
+fn python_http_server(name: &str) -> (Child, u16) {
+    let port = mcpgw_testkit::free_port();
+    let mut server = Child::spawn(
+        name,
+        &python(),
+        &[
+            python_script(&format!("{name}.py")).display().to_string(),
+            "http".into(),
+            port.to_string(),
+        ],
+    );
+    server.wait_for_line(
+        &format!("{name} listening"),
+        std::time::Duration::from_secs(30),
+    );
+    mcpgw_testkit::wait_for_listener(
+        &format!("127.0.0.1:{port}"),
+        std::time::Duration::from_secs(30),
+    );
+    (server, port)
+}
+
 /// Every request to the next worker in turn: each of them sees the session.
 fn round_robin(_method: &str, _body: &[u8]) -> usize {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
@@ -272,7 +296,7 @@ fn stdio_sessions_get_their_own_processes_which_live_and_die_with_them() {
     );
 
     // Ending a session ends its process.
-    let ended = http::request(there, "DELETE", "/mcp", &mcp_headers(Some(&b)), b"");
+    let ended = http::delete_session(there, "/mcp", &b);
     assert_eq!(ended.status, 200);
     wait_stopped(pid_b, "the process of an ended session");
     let after = call_tool(there, "/mcp", &b, 3, "counter_increment", json!({}));
@@ -281,6 +305,16 @@ fn stdio_sessions_get_their_own_processes_which_live_and_die_with_them() {
     // A child that dies ends its session truthfully, never with a fresh process.
     mcpgw_testkit::signal::send(pid_a, mcpgw_testkit::signal::Signal::SIGKILL);
     wait_stopped(pid_a, "the killed child");
+    // Until its worker has reaped the child, a request may still be written to a pipe
+    // the worker cannot yet tell is dead, and is then answered "may have run"
+    // (tests/tests/stdio_loss.rs); once the session's record is gone, the worker knows.
+    let record = format!("mcpgw:pool_owner:{a}");
+    mcpgw_testkit::eventually(std::time::Duration::from_secs(30), || {
+        match fleet.redis.command(&["EXISTS", &record]).as_str() {
+            "0" => Ok(()),
+            _ => Err("the session is still recorded"),
+        }
+    });
     for addr in [there, here] {
         let answer = call_tool(addr, "/mcp", &a, 4, "counter_increment", json!({}));
         eprintln!(
@@ -305,16 +339,6 @@ fn stdio_sessions_get_their_own_processes_which_live_and_die_with_them() {
     mcpgw_testkit::signal::send(worker_pid, mcpgw_testkit::signal::Signal::SIGKILL);
     for pid in orphans_to_be {
         wait_stopped(pid, "a child of a worker killed with SIGKILL");
-    // Until its worker has reaped the child, a request may still be written to a pipe
-    // the worker cannot yet tell is dead, and is then answered "may have run"
-    // (tests/tests/stdio_loss.rs); once the session's record is gone, the worker knows.
-    let record = format!("mcpgw:pool_owner:{a}");
-    mcpgw_testkit::eventually(std::time::Duration::from_secs(30), || {
-        match fleet.redis.command(&["EXISTS", &record]).as_str() {
-            "0" => Ok(()),
-            _ => Err("the session is still recorded"),
-        }
-    });
     }
 }
 
@@ -345,13 +369,7 @@ fn the_process_limit_is_a_clear_503_and_a_place_frees_when_a_session_ends() {
         message.contains("st") && message.contains("maximum of 1"),
         "{message}"
     );
-    let ended = http::request(
-        &gateway.addr,
-        "DELETE",
-        "/mcp",
-        &mcp_headers(Some(&first)),
-        b"",
-    );
+    let ended = http::delete_session(&gateway.addr, "/mcp", &first);
     assert_eq!(ended.status, 200);
     let next = initialize(&gateway.addr, "/mcp");
     let answer = call_tool(
@@ -383,24 +401,7 @@ fn by_role(method: &str, body: &[u8]) -> usize {
 
 #[test]
 fn an_elicitation_mid_call_is_answered_through_a_third_worker() {
-    let port = mcpgw_testkit::free_port();
-    let mut server = Child::spawn(
-        "stateful_server",
-        &python(),
-        &[
-            python_script("stateful_server.py").display().to_string(),
-            "http".into(),
-            port.to_string(),
-        ],
-    );
-    server.wait_for_line(
-        "stateful_server listening",
-        std::time::Duration::from_secs(30),
-    );
-    mcpgw_testkit::wait_for_listener(
-        &format!("127.0.0.1:{port}"),
-        std::time::Duration::from_secs(30),
-    );
+    let (_server, port) = python_http_server("stateful_server");
     let fleet = Fleet::start(
         3,
         &[
@@ -470,6 +471,18 @@ fn modern_clients_keep_state_per_principal_on_a_session_based_upstream() {
     // that her state is lost, and the call after starts afresh: she never silently
     // sees a fresh counter where she expected hers, and is not told twice. First with
     // a call of hers running when it dies, then with none.
+    // Told once: the call after the one told runs, in a new upstream session.
+    let told_once_then_afresh = |addr: &str| {
+        let fresh = alice(addr, "counter_increment", json!({})).unwrap();
+        assert_eq!(
+            fresh.status,
+            200,
+            "told once: the call after runs: {}",
+            fresh.text()
+        );
+        assert_eq!(tool_text(&fresh), "1", "in a new upstream session");
+        fresh
+    };
     let seventh = alice(fleet.addr(0), "counter_increment", json!({})).unwrap();
     assert_eq!(tool_text(&seventh), "7");
     let first = worker_index(&fleet, &seventh, &[0, 1, 2, 3]);
@@ -498,14 +511,7 @@ fn modern_clients_keep_state_per_principal_on_a_session_based_upstream() {
         "{}",
         told.text()
     );
-    let fresh = alice(fleet.addr(elsewhere), "counter_increment", json!({})).unwrap();
-    assert_eq!(
-        fresh.status,
-        200,
-        "told once: the call after runs: {}",
-        fresh.text()
-    );
-    assert_eq!(tool_text(&fresh), "1", "in a new upstream session");
+    let fresh = told_once_then_afresh(fleet.addr(elsewhere));
     let others: Vec<usize> = (0..4).filter(|&i| i != first).collect();
     let second = worker_index(&fleet, &fresh, &others);
 
@@ -537,14 +543,7 @@ fn modern_clients_keep_state_per_principal_on_a_session_based_upstream() {
         "{}",
         told.text()
     );
-    let fresh = alice(replacement, "counter_increment", json!({})).unwrap();
-    assert_eq!(
-        fresh.status,
-        200,
-        "told once: the call after runs: {}",
-        fresh.text()
-    );
-    assert_eq!(tool_text(&fresh), "1", "in a new upstream session");
+    told_once_then_afresh(replacement);
 }
 
 /// A 2026-07-28 call of alice's through `addr`; no HTTP answer is an `Err`.
@@ -890,24 +889,7 @@ fn stdio_children_get_the_gateway_environment_without_its_mcpgw_variables() {
 
 #[test]
 fn an_upstream_asking_a_2026_client_hears_method_not_found_and_the_client_a_comment() {
-    let port = mcpgw_testkit::free_port();
-    let mut server = Child::spawn(
-        "asking_server",
-        &python(),
-        &[
-            python_script("asking_server.py").display().to_string(),
-            "http".into(),
-            port.to_string(),
-        ],
-    );
-    server.wait_for_line(
-        "asking_server listening",
-        std::time::Duration::from_secs(30),
-    );
-    mcpgw_testkit::wait_for_listener(
-        &format!("127.0.0.1:{port}"),
-        std::time::Duration::from_secs(30),
-    );
+    let (_server, port) = python_http_server("asking_server");
     let config = temp_file(
         "mcpgw.toml",
         &format!(
@@ -967,22 +949,8 @@ fn an_upstream_asking_a_2026_client_hears_method_not_found_and_the_client_a_comm
 
 #[test]
 fn a_client_that_goes_away_cancels_its_forwarded_json_call_at_the_upstream() {
-    let port = mcpgw_testkit::free_port();
-    let mut server = Child::spawn(
-        "ticking_server",
-        &python(),
-        &[
-            python_script("ticking_server.py").display().to_string(),
-            "http".into(),
-            port.to_string(),
-        ],
-    );
-    server.wait_for_line(
-        "ticking_server listening",
-        std::time::Duration::from_secs(30),
-    );
+    let (_server, port) = python_http_server("ticking_server");
     let web = format!("127.0.0.1:{port}");
-    mcpgw_testkit::wait_for_listener(&web, std::time::Duration::from_secs(30));
     let fleet = Fleet::start(
         2,
         &[

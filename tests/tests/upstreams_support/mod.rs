@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 use mcpgw_testkit::fleet::{MeshCerts, supervisor_flags};
 use mcpgw_testkit::{Gateway, RedisServer};
 
+// Not every test file that includes this module uses both.
+#[allow(unused_imports)]
 pub use mcpgw_testkit::process::{children_of, running};
 
 /// Redis and `n` supervisors of one worker each: worker `i` is reached at `addr(i)`.
@@ -180,30 +182,20 @@ pub fn read_stream(
         pending.push_str(&String::from_utf8_lossy(&chunk));
         while let Some(end) = pending.find("\n\n") {
             let raw: String = pending.drain(..end + 2).collect();
-            let mut id = None;
-            let mut data = Vec::new();
-            for line in raw.lines() {
-                if let Some(v) = line.strip_prefix("id:") {
-                    id = Some(v.trim().to_owned());
-                } else if let Some(v) = line.strip_prefix("data:") {
-                    data.push(v.trim_start().to_owned());
-                } else if let Some(text) = line.strip_prefix(':') {
-                    read.comments.push(Comment {
-                        text: text.trim().to_owned(),
-                        after: sent.elapsed(),
-                    });
-                    if matches!(until, Until::Comment) {
-                        break 'reading;
-                    }
+            let (event, comments) = parse_block(&raw);
+            for text in comments {
+                read.comments.push(Comment {
+                    text,
+                    after: sent.elapsed(),
+                });
+                if matches!(until, Until::Comment) {
+                    break 'reading;
                 }
             }
-            if data.is_empty() {
-                continue;
-            }
-            let Ok(data) = serde_json::from_str(&data.join("\n")) else {
+            let Some(event) = event else {
                 continue;
             };
-            read.events.push(Event { id, data });
+            read.events.push(event);
             if matches!(until, Until::Events(n) if read.events.len() >= n) {
                 break 'reading;
             }
@@ -254,18 +246,27 @@ pub fn send_request(
 /// The events (with data) in a whole SSE body.
 pub fn events_in(text: &str) -> Vec<Event> {
     text.split("\n\n")
-        .filter_map(|raw| {
-            let mut id = None;
-            let mut data = Vec::new();
-            for line in raw.lines() {
-                if let Some(v) = line.strip_prefix("id:") {
-                    id = Some(v.trim().to_owned());
-                } else if let Some(v) = line.strip_prefix("data:") {
-                    data.push(v.trim_start());
-                }
-            }
-            let data = serde_json::from_str(&data.join("\n")).ok()?;
-            Some(Event { id, data })
-        })
+        .filter_map(|raw| parse_block(raw).0)
         .collect()
+}
+
+/// One SSE block (the lines up to a blank one): its event, when its `data:` lines hold
+/// JSON, and the text of its comment lines.
+fn parse_block(raw: &str) -> (Option<Event>, Vec<String>) {
+    let mut id = None;
+    let mut data = Vec::new();
+    let mut comments = Vec::new();
+    for line in raw.lines() {
+        if let Some(v) = line.strip_prefix("id:") {
+            id = Some(v.trim().to_owned());
+        } else if let Some(v) = line.strip_prefix("data:") {
+            data.push(v.trim_start());
+        } else if let Some(text) = line.strip_prefix(':') {
+            comments.push(text.trim().to_owned());
+        }
+    }
+    let event = serde_json::from_str(&data.join("\n"))
+        .ok()
+        .map(|data| Event { id, data });
+    (event, comments)
 }
