@@ -338,6 +338,10 @@ pub struct MeshConfig {
     /// Period of the fallback check of the certificate files (a file watcher sees
     /// most changes at once).
     pub cert_reload_interval: Duration,
+    /// The newest mesh protocol version this worker offers: the current one by
+    /// default; the one before holds a fleet at the previous release's protocol while
+    /// a rolling upgrade runs (then raise it, one worker at a time again).
+    pub protocol_version: u32,
 }
 
 impl Default for Config {
@@ -388,6 +392,7 @@ impl Default for Config {
                 trust_domain: mcpgw_certs::DEFAULT_TRUST_DOMAIN.to_owned(),
                 max_connection_age: Duration::from_secs(600),
                 cert_reload_interval: Duration::from_secs(10),
+                protocol_version: mcpgw_wire::PROTOCOL_VERSION,
             },
             auth: AuthConfig::default(),
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -473,6 +478,10 @@ pub struct ServeArgs {
     /// 10000; a file watcher sees most changes at once).
     #[arg(long, env = "MCPGW_MESH_CERT_RELOAD_INTERVAL_MS")]
     pub mesh_cert_reload_interval_ms: Option<u64>,
+    /// Newest mesh protocol version to offer (default: the current one; the one
+    /// before holds the fleet at the previous release's protocol during an upgrade).
+    #[arg(long, env = "MCPGW_MESH_PROTOCOL_VERSION")]
+    pub mesh_protocol_version: Option<u32>,
     /// Largest request body in bytes.
     #[arg(long, env = "MCPGW_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
@@ -644,6 +653,7 @@ struct FileMesh {
     max_streams_per_peer: Option<usize>,
     tcp_connections_per_peer: Option<usize>,
     stream_window_bytes: Option<usize>,
+    protocol_version: Option<u32>,
     trust_domain: Option<String>,
     max_connection_age_ms: Option<u64>,
     cert_reload_interval_ms: Option<u64>,
@@ -779,6 +789,7 @@ impl Config {
             m.tcp_connections_per_peer,
         );
         set(&mut self.mesh.stream_window_bytes, m.stream_window_bytes);
+        set(&mut self.mesh.protocol_version, m.protocol_version);
         set(&mut self.mesh.trust_domain, m.trust_domain);
         set_ms(&mut self.mesh.max_connection_age, m.max_connection_age_ms);
         set_ms(
@@ -839,6 +850,7 @@ impl Config {
             &mut self.mesh.cert_reload_interval,
             a.mesh_cert_reload_interval_ms,
         );
+        set(&mut self.mesh.protocol_version, a.mesh_protocol_version);
         set(&mut self.limits.max_body_bytes, a.max_body_bytes);
         set_ms(
             &mut self.limits.upstream_request_timeout,
@@ -1049,6 +1061,19 @@ impl Config {
             if value == 0 {
                 return Err(invalid(field, "must be at least 1"));
             }
+        }
+        let spoken = mcpgw_wire::OLDEST_PROTOCOL_VERSION..=mcpgw_wire::PROTOCOL_VERSION;
+        if !spoken.contains(&self.mesh.protocol_version) {
+            return Err(invalid(
+                "mesh.protocol_version",
+                format!(
+                    "{} is not a version this build speaks: use {} (the current one) or {} \
+                     (the one before, to hold the fleet at it during an upgrade)",
+                    self.mesh.protocol_version,
+                    spoken.end(),
+                    spoken.start()
+                ),
+            ));
         }
         if let Some(endpoint) = &self.otlp_endpoint {
             let parsed = endpoint.parse::<http::Uri>();
@@ -1454,6 +1479,27 @@ mod tests {
         a.otlp_headers = None;
         a.otlp_endpoint = Some("https://collector.example:4318/v1/traces".into());
         assert!(Config::load(&a).is_ok(), "https collectors are taken");
+    }
+
+    #[test]
+    fn the_mesh_protocol_version_is_one_this_build_speaks() {
+        let mut a = args(&["demo=http://127.0.0.1:9000/mcp"]);
+        let config = Config::load(&a).unwrap();
+        assert_eq!(config.mesh.protocol_version, mcpgw_wire::PROTOCOL_VERSION);
+        a.mesh_protocol_version = Some(mcpgw_wire::OLDEST_PROTOCOL_VERSION);
+        let held = Config::load(&a).unwrap();
+        assert_eq!(
+            held.mesh.protocol_version,
+            mcpgw_wire::OLDEST_PROTOCOL_VERSION
+        );
+        for bad in [
+            mcpgw_wire::OLDEST_PROTOCOL_VERSION - 1,
+            mcpgw_wire::PROTOCOL_VERSION + 1,
+        ] {
+            a.mesh_protocol_version = Some(bad);
+            let error = Config::load(&a).unwrap_err();
+            assert_eq!(error.field, "mesh.protocol_version", "{bad}");
+        }
     }
 
     #[test]

@@ -332,6 +332,7 @@ async fn join_fleet(
         stream_window: mesh.stream_window_bytes,
         connect_timeout: mesh.connect_timeout,
         max_connection_age: mesh.max_connection_age,
+        max_protocol_version: mesh.protocol_version,
         ..MeshLimits::default()
     };
     let service = Arc::new(OwnerService(Arc::clone(worker)));
