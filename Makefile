@@ -24,11 +24,13 @@ test: deps build
 
 ## Every forwarding configuration side by side (direct, sticky, QUIC, TCP, Redis
 ## pub/sub, round-robin) at several concurrency levels, plus idle-session memory:
-## about two minutes on 2 cores. Pass options with BENCH_ARGS="--duration 10s ...".
+## about two minutes on 2 cores, then an open-loop sweep at fixed offered rates
+## (up to another 1.5 minutes; each configuration stops at its saturation rate).
+## Pass options with BENCH_ARGS="--duration 10s ...".
 ## Then the scale scenario: 4 workers, 10,000 sessions holding GET streams, a
 ## round-robin tools/call load on top (about 30 s; options in SCALE_ARGS).
 bench: deps build-release
-	$(CARGO) run -j$(JOBS) --quiet --release -p mcpgw-perf --bin mcpgw-bench -- compare $(BENCH_ARGS)
+	$(CARGO) run -j$(JOBS) --quiet --release -p mcpgw-perf --bin mcpgw-bench -- compare --rates 1000,2000,4000,8000 $(BENCH_ARGS)
 	$(CARGO) run -j$(JOBS) --quiet --release -p mcpgw-perf --bin mcpgw-bench -- scale --duration 5s $(SCALE_ARGS)
 
 ## The container fleet (compose/): Redis, the demo upstream, 3 gateway containers with

@@ -32,7 +32,7 @@ use super::loopback::{self, LoopbackRtt};
 use super::mix::{Era, Mix};
 use super::report;
 use super::routing::Routing;
-use super::run::{LoadSpec, RunResult, run_load};
+use super::run::{LoadSpec, RunResult, parse_rate, run_load};
 use super::sessions::{self, SessionsPlan, SessionsReport, now_unix};
 use super::svg;
 use super::targets::{self, TargetCheck};
@@ -60,6 +60,14 @@ pub struct CompareArgs {
     /// Measured time per run.
     #[arg(long, default_value = "3s", value_parser = parse_duration)]
     pub duration: Duration,
+    /// Open-loop rate sweep after the concurrency sweep: offered requests per
+    /// second, e.g. 500,1000,2000,4000. Each configuration runs at each rate (lowest
+    /// first) until it saturates; latency counts from the intended send time.
+    #[arg(long, value_delimiter = ',', value_parser = parse_rate)]
+    pub rates: Vec<f64>,
+    /// Sessions of each open-loop run (the offered rate is spread over them).
+    #[arg(long, default_value_t = 64)]
+    pub rate_sessions: usize,
     /// Unmeasured load before each run's measurement.
     #[arg(long, default_value = "500ms", value_parser = parse_duration)]
     pub warmup: Duration,
@@ -173,6 +181,63 @@ pub struct ConfigOutcome {
     pub not_available: Option<String>,
     /// One run per concurrency level, in sweep order.
     pub runs: Vec<RunResult>,
+    /// One open-loop run per offered rate (`--rates`), lowest first, up to and
+    /// including the first saturated rate.
+    pub sweep: Vec<RunResult>,
+    /// Where the open-loop sweep saturated this configuration; null without one.
+    pub saturation: Option<Saturation>,
+}
+
+/// A rate is sustained when the achieved rate is at least [`ACHIEVED_SHARE`] of
+/// the offered one, no request was left unsent, at most [`ERROR_SHARE`] of the
+/// requests failed, and p99 stays within [`P99_GROWTH`] × the p99 at the lowest
+/// swept rate. The saturation rate is the lowest offered rate that is not.
+#[derive(Debug, Clone, Serialize)]
+pub struct Saturation {
+    /// The highest offered rate below the saturation rate (req/s); null when the
+    /// lowest rate already saturated.
+    pub sustained_rps: Option<f64>,
+    /// The lowest offered rate that was not sustained; null when every swept rate was.
+    pub saturated_at_rps: Option<f64>,
+    /// Why that rate counts as saturated.
+    pub reason: Option<String>,
+}
+
+pub const ACHIEVED_SHARE: f64 = 0.95;
+pub const ERROR_SHARE: f64 = 0.01;
+pub const P99_GROWTH: f64 = 10.0;
+
+/// Why `run` is not sustained, judged against the configuration's p99 at its
+/// lowest swept rate (`base_p99_us`); None when it is sustained.
+pub fn saturated_because(run: &RunResult, base_p99_us: u64) -> Option<String> {
+    let offered = run.offered_rps?;
+    let errors: u64 = run.errors.values().sum();
+    if run.unsent > 0 {
+        return Some(format!("{} requests never sent", grouped(run.unsent)));
+    }
+    if run.throughput_rps < offered * ACHIEVED_SHARE {
+        return Some(format!(
+            "achieved {} of {} req/s offered (< {:.0} %)",
+            grouped(run.throughput_rps.round() as u64),
+            grouped(offered.round() as u64),
+            ACHIEVED_SHARE * 100.0
+        ));
+    }
+    if errors as f64 > run.requests as f64 * ERROR_SHARE {
+        return Some(format!(
+            "{} errors of {} requests",
+            grouped(errors),
+            grouped(run.requests)
+        ));
+    }
+    if run.latency.p99_us as f64 > base_p99_us.max(1) as f64 * P99_GROWTH {
+        return Some(format!(
+            "p99 {} ms > {P99_GROWTH:.0} × {} ms at the lowest rate",
+            ms(run.latency.p99_us),
+            ms(base_p99_us)
+        ));
+    }
+    None
 }
 
 /// Everything `compare` measured: report.json.
@@ -198,6 +263,9 @@ pub struct Machine {
 #[derive(Debug, Clone, Serialize)]
 pub struct Settings {
     pub concurrency: Vec<usize>,
+    /// Offered rates of the open-loop sweep (req/s); empty without one.
+    pub rates: Vec<f64>,
+    pub rate_sessions: usize,
     pub duration_s: f64,
     pub warmup_s: f64,
     pub mix: String,
@@ -232,6 +300,9 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<()> {
     let bins = Bins::locate(args.bin_dir.as_deref()).map_err(anyhow::Error::msg)?;
     if args.concurrency.contains(&0) {
         anyhow::bail!("--concurrency levels must be at least 1");
+    }
+    if !args.rates.is_empty() && args.rate_sessions == 0 {
+        anyhow::bail!("--rate-sessions must be at least 1");
     }
     let mut configs = args.configs.clone();
     configs.dedup();
@@ -300,6 +371,8 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<()> {
                 .and_then(|t| fleets.get(t))
                 .and_then(|f| f.as_ref().err().cloned()),
             runs: Vec::new(),
+            sweep: Vec::new(),
+            saturation: None,
         })
         .collect();
     for &concurrency in &args.concurrency {
@@ -328,6 +401,7 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<()> {
                 mix: args.mix,
                 duration: args.duration,
                 requests: None,
+                rate: None,
                 warmup: args.warmup,
                 timeout: args.timeout,
                 redis_url,
@@ -345,6 +419,77 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<()> {
                     eprintln!("{name} c={concurrency}: failed: {e}");
                     outcome.not_available =
                         Some(format!("run at concurrency {concurrency} failed: {e}"));
+                }
+            }
+        }
+    }
+    let mut rates = args.rates.clone();
+    rates.sort_by(f64::total_cmp);
+    rates.dedup();
+    // Rates in the outer loop, as concurrency above, so drift touches every
+    // configuration alike; a configuration stops at its first saturated rate.
+    for &rate in &rates {
+        for outcome in outcomes.iter_mut() {
+            let saturated = outcome
+                .saturation
+                .as_ref()
+                .is_some_and(|s| s.saturated_at_rps.is_some());
+            if outcome.not_available.is_some() || saturated {
+                continue;
+            }
+            let name = outcome.name;
+            let (urls, redis_url, pids) = match name.transport() {
+                None => (vec![upstream_url.clone()], None, Vec::new()),
+                Some(transport) => match fleets.get(transport) {
+                    Some(Ok(f)) => (
+                        f.fleet.urls.clone(),
+                        Some(f.redis_url.clone()),
+                        f.fleet.pids(),
+                    ),
+                    _ => continue,
+                },
+            };
+            let spec = LoadSpec {
+                label: name.as_str().into(),
+                urls,
+                sessions: args.rate_sessions,
+                era: name.era(),
+                routing: name.routing(),
+                mix: args.mix,
+                duration: args.duration,
+                requests: None,
+                rate: Some(rate),
+                warmup: args.warmup,
+                timeout: args.timeout,
+                redis_url,
+                pids,
+                upstream_pid,
+                progress: true,
+                cleanup: true,
+            };
+            match run_load(&spec).await {
+                Ok(result) => {
+                    eprintln!("{}", summary_line(&result));
+                    let base = outcome.sweep.first().unwrap_or(&result).latency.p99_us;
+                    let reason = saturated_because(&result, base);
+                    let sustained = outcome.saturation.as_ref().and_then(|s| s.sustained_rps);
+                    outcome.saturation = Some(match reason {
+                        None => Saturation {
+                            sustained_rps: Some(rate),
+                            saturated_at_rps: None,
+                            reason: None,
+                        },
+                        Some(reason) => Saturation {
+                            sustained_rps: sustained,
+                            saturated_at_rps: Some(rate),
+                            reason: Some(reason),
+                        },
+                    });
+                    outcome.sweep.push(result);
+                }
+                Err(e) => {
+                    eprintln!("{name} at {rate} req/s: failed: {e}");
+                    outcome.not_available = Some(format!("run at {rate} req/s failed: {e}"));
                 }
             }
         }
@@ -386,6 +531,8 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<()> {
     };
     let settings = Settings {
         concurrency: args.concurrency.clone(),
+        rates,
+        rate_sessions: args.rate_sessions,
         duration_s: args.duration.as_secs_f64(),
         warmup_s: args.warmup.as_secs_f64(),
         mix: args.mix.to_string(),
@@ -457,8 +604,11 @@ async fn start_fleet(
 }
 
 fn summary_line(result: &RunResult) -> String {
+    let offered = result.offered_rps.map_or(String::new(), |rate| {
+        format!(" offered {}", grouped(rate.round() as u64))
+    });
     format!(
-        "{:<12} c={:<4} {:>8} req/s  p50 {} ms  p99 {} ms  forwarded {}  errors {}  other load {} cores",
+        "{:<12} c={:<4}{offered} {:>8} req/s  p50 {} ms  p99 {} ms  forwarded {}  errors {}  other load {} cores",
         result.label,
         result.sessions,
         grouped(result.throughput_rps.round() as u64),
@@ -496,4 +646,38 @@ fn write_report(out: &Path, report: &CompareReport) -> anyhow::Result<()> {
         svg::chart(&svg::ChartData::from_report(report)),
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::report::tests::sample;
+
+    fn open(offered: f64, achieved: f64, p99_us: u64) -> RunResult {
+        let mut run = sample("sticky", 64, p99_us / 3, achieved);
+        run.offered_rps = Some(offered);
+        run.latency.p99_us = p99_us;
+        run
+    }
+
+    #[test]
+    fn a_rate_is_sustained_until_it_falls_short_fails_or_its_p99_explodes() {
+        assert_eq!(saturated_because(&open(1000.0, 990.0, 900), 600), None);
+        let short = saturated_because(&open(1000.0, 900.0, 900), 600).unwrap_or_default();
+        assert!(short.contains("achieved 900 of 1,000"), "{short}");
+        let slow = saturated_because(&open(1000.0, 1000.0, 6_001), 600).unwrap_or_default();
+        assert!(slow.starts_with("p99 6.001 ms > 10 ×"), "{slow}");
+        let mut unsent = open(1000.0, 1000.0, 900);
+        unsent.unsent = 3;
+        assert_eq!(
+            saturated_because(&unsent, 600).as_deref(),
+            Some("3 requests never sent")
+        );
+        let mut failing = open(1000.0, 1000.0, 900);
+        failing.errors.insert("http 503".into(), 11);
+        let failed = saturated_because(&failing, 600).unwrap_or_default();
+        assert!(failed.starts_with("11 errors of 1,000"), "{failed}");
+        // A closed-loop run has no offered rate to fall short of.
+        assert_eq!(saturated_because(&sample("sticky", 64, 100, 1.0), 1), None);
+    }
 }

@@ -47,6 +47,88 @@ pub fn runs_markdown(results: &[RunResult]) -> String {
     out
 }
 
+/// One Markdown table of open-loop runs (`--rate`), a row per run: offered and
+/// achieved rate, latency from the intended send time (coordinated omission
+/// corrected), and the service time alone (from the actual send) for contrast.
+pub fn open_loop_markdown(results: &[RunResult]) -> String {
+    let mut out = String::new();
+    out.push_str(
+        "| configuration | sessions | offered req/s | achieved req/s | p50 ms | p90 ms | p99 ms \
+         | p99.9 ms | max ms | service p99 ms | unsent | errors |\n",
+    );
+    out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    for r in results {
+        let l = &r.latency;
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            cell(&r.label),
+            r.sessions,
+            r.offered_rps
+                .map_or("–".into(), |rate| grouped(rate.round() as u64)),
+            grouped(r.throughput_rps.round() as u64),
+            ms(l.p50_us),
+            ms(l.p90_us),
+            ms(l.p99_us),
+            ms(l.p999_us),
+            ms(l.max_us),
+            r.service_latency.map_or("–".into(), |s| ms(s.p99_us)),
+            grouped(r.unsent),
+            errors_with_unmeasured(r),
+        );
+    }
+    out
+}
+
+/// The open-loop sweep of `compare --rates`: where each configuration saturates,
+/// then every run. Empty without a sweep.
+pub fn open_loop_section(report: &CompareReport) -> String {
+    let mut out = String::new();
+    if report.settings.rates.is_empty() {
+        return out;
+    }
+    let _ = writeln!(
+        out,
+        "\n## Open loop: latency at a fixed offered rate\n\n\
+         {} sessions share each offered rate; a request's latency counts from when it was \
+         due, so waiting for a busy session is included (coordinated omission corrected). \
+         A rate is sustained when at least {:.0} % of it is achieved, no request is left \
+         unsent, at most {:.0} % fail, and p99 stays within {:.0} × the p99 at the lowest \
+         rate; the saturation rate is the lowest offered rate that is not. Each \
+         configuration stops at its saturation rate.\n\n\
+         | configuration | sustained req/s | saturated at req/s | why |\n|---|---:|---:|---|",
+        report.settings.rate_sessions,
+        super::compare::ACHIEVED_SHARE * 100.0,
+        super::compare::ERROR_SHARE * 100.0,
+        super::compare::P99_GROWTH,
+    );
+    let rate =
+        |r: Option<f64>, none: &str| r.map_or(none.to_owned(), |r| grouped(r.round() as u64));
+    let mut runs = Vec::new();
+    for config in &report.configurations {
+        let Some(saturation) = &config.saturation else {
+            continue;
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} |",
+            config.name,
+            rate(saturation.sustained_rps, "none"),
+            rate(saturation.saturated_at_rps, "not reached"),
+            cell(saturation.reason.as_deref().unwrap_or("–")),
+        );
+        runs.extend(config.sweep.iter().cloned());
+    }
+    runs.sort_by(|a, b| {
+        a.offered_rps
+            .unwrap_or(0.0)
+            .total_cmp(&b.offered_rps.unwrap_or(0.0))
+    });
+    out.push('\n');
+    out.push_str(&open_loop_markdown(&runs));
+    out
+}
+
 /// Text made safe for a Markdown table cell (a `|` would end the cell).
 pub fn cell(text: &str) -> String {
     text.replace('|', "\\|").replace('\n', " ")
@@ -233,6 +315,8 @@ pub fn compare_markdown(report: &CompareReport) -> String {
         out.push_str(&runs_markdown(&runs));
     }
 
+    out.push_str(&open_loop_section(report));
+
     out.push_str(
         "\n## Forwarding cost: `tools/call` latency added over sticky, CPU and packets per request\n\n\
          | sessions | configuration | added p50 µs | added p99 µs | req/s | tools/call/s | gateway CPU s/1k req | Redis CPU s/1k req | TCP segments/req | UDP datagrams/req | UDP drops, TCP resends |\n\
@@ -406,6 +490,8 @@ pub(crate) mod tests {
             sessions,
             setup_s: 0.1,
             window_s: 5.0,
+            offered_rps: None,
+            unsent: 0,
             requests: 1000,
             ok: 1000,
             errors: BTreeMap::new(),
@@ -420,6 +506,7 @@ pub(crate) mod tests {
                 max_us: p50_us * 5,
                 mean_us: p50_us as f64,
             },
+            service_latency: None,
             tools_call_latency: LatencySummary {
                 p50_us,
                 p99_us: p50_us * 3,

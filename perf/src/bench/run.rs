@@ -1,8 +1,17 @@
-//! `mcpgw-bench run`: closed-loop load against one or more gateway URLs.
+//! `mcpgw-bench run`: closed-loop or open-loop load against one or more gateway URLs.
 //!
-//! Every load session is a task that sends its next request when the previous answer
-//! is complete (a closed loop: offered load follows the system's speed, so latency
-//! is not inflated by a queue the generator built itself). Legacy sessions open with
+//! Closed loop (the default): every load session is a task that sends its next
+//! request when the previous answer is complete, so offered load follows the
+//! system's speed. A slow moment then hides itself: the sessions simply wait, and
+//! the requests they would have sent meanwhile are never measured (coordinated
+//! omission).
+//!
+//! Open loop (`--rate N`): requests are due on a fixed schedule, request k at
+//! `k / N` seconds, dealt round-robin to the sessions (each still sends one request
+//! at a time). A session that is still busy when its next request is due sends it
+//! as soon as it is free, and that request's latency counts from when it was due,
+//! not from when it was sent: the wait a user would have seen is in the figures
+//! (coordinated omission corrected, as wrk2 and k6's constant-arrival-rate do). Legacy sessions open with
 //! `initialize` and learn their owner from the `mcpgw-owner-worker` header; the
 //! routing mode then decides, per request, which URL (which worker) gets it.
 //!
@@ -58,6 +67,12 @@ pub struct RunArgs {
     /// Measure this many requests instead of a duration.
     #[arg(long)]
     pub requests: Option<u64>,
+    /// Open loop: offer this many requests per second in total, spread evenly over
+    /// the sessions, and measure latency from each request's intended send time.
+    /// Without it the load is closed-loop. Give enough --sessions for the latency
+    /// at this rate (a session sends one request at a time).
+    #[arg(long, value_parser = parse_rate)]
+    pub rate: Option<f64>,
     /// Unmeasured load before measuring starts.
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     pub warmup: Duration,
@@ -96,6 +111,8 @@ pub struct LoadSpec {
     pub mix: Mix,
     pub duration: Duration,
     pub requests: Option<u64>,
+    /// Open loop at this many requests per second; None: closed loop.
+    pub rate: Option<f64>,
     pub warmup: Duration,
     pub timeout: Duration,
     pub redis_url: Option<String>,
@@ -120,6 +137,7 @@ impl From<&RunArgs> for LoadSpec {
             mix: args.mix,
             duration: args.duration,
             requests: args.requests,
+            rate: args.rate,
             warmup: args.warmup,
             timeout: args.timeout,
             redis_url: args.redis.clone(),
@@ -146,6 +164,12 @@ pub struct RunResult {
     pub setup_s: f64,
     /// Measured time: from the start of measuring until the last counted answer.
     pub window_s: f64,
+    /// Open loop: the offered rate (requests per second); null for a closed loop.
+    pub offered_rps: Option<f64>,
+    /// Open loop: counted requests that were due but never sent, because their
+    /// session was still behind when the window's grace time (as long as the
+    /// window, at least 1 s) ran out. Non-zero means far past saturation.
+    pub unsent: u64,
     /// Counted requests: successes plus errors.
     pub requests: u64,
     pub ok: u64,
@@ -153,10 +177,14 @@ pub struct RunResult {
     pub errors: BTreeMap<String, u64>,
     /// Errors during set-up and warm-up, not part of `requests`.
     pub unmeasured_errors: BTreeMap<String, u64>,
-    /// Successful requests per second.
+    /// Successful requests per second (open loop: the rate actually achieved).
     pub throughput_rps: f64,
-    /// Latency of every successful request.
+    /// Latency of every successful request. Open loop: from the request's intended
+    /// send time to its answer (coordinated omission corrected).
     pub latency: LatencySummary,
+    /// Open loop: latency from the actual send to the answer, as a closed loop
+    /// would measure it; the gap to `latency` is time spent waiting to be sent.
+    pub service_latency: Option<LatencySummary>,
     /// Latency of the successful `tools/call` requests alone.
     pub tools_call_latency: LatencySummary,
     /// Share of successful answers whose edge and owner workers differ; null when
@@ -207,7 +235,10 @@ pub async fn main(args: RunArgs) -> anyhow::Result<()> {
     let result = run_load(&LoadSpec::from(&args))
         .await
         .map_err(anyhow::Error::msg)?;
-    let table = report::runs_markdown(std::slice::from_ref(&result));
+    let table = match result.offered_rps {
+        Some(_) => report::open_loop_markdown(std::slice::from_ref(&result)),
+        None => report::runs_markdown(std::slice::from_ref(&result)),
+    };
     print!("{table}");
     if let Some(path) = &args.json {
         let json = serde_json::to_string_pretty(&result)?;
@@ -249,11 +280,35 @@ struct Flags {
     failed: AtomicU64,
 }
 
+/// The open-loop timetable: request k (over all sessions) is due at
+/// `start + k / rate`; requests `first..end` are counted.
+#[derive(Debug, Clone, Copy)]
+struct Schedule {
+    start: Instant,
+    rate: f64,
+    sessions: u64,
+    first: u64,
+    end: u64,
+    /// No request is sent after this instant; the rest count as unsent.
+    deadline: Instant,
+}
+
+impl Schedule {
+    fn due(&self, k: u64) -> Instant {
+        self.start + Duration::from_secs_f64(k as f64 / self.rate)
+    }
+}
+
 /// One session's measurements, merged at the end.
 struct SessionStats {
     all: Histogram<u64>,
     calls: Histogram<u64>,
+    /// Open loop: latency from the actual send.
+    service: Histogram<u64>,
     ok: u64,
+    unsent: u64,
+    /// When the last counted answer came.
+    last_answer: Option<Instant>,
     errors: BTreeMap<String, u64>,
     unmeasured_errors: BTreeMap<String, u64>,
     /// Successful answers that crossed the mesh.
@@ -267,7 +322,10 @@ impl SessionStats {
         SessionStats {
             all: new_histogram(),
             calls: new_histogram(),
+            service: new_histogram(),
             ok: 0,
+            unsent: 0,
+            last_answer: None,
             errors: BTreeMap::new(),
             unmeasured_errors: BTreeMap::new(),
             forwarded: 0,
@@ -279,7 +337,10 @@ impl SessionStats {
         // Histograms of the same precision always merge.
         let _ = self.all.add(&other.all);
         let _ = self.calls.add(&other.calls);
+        let _ = self.service.add(&other.service);
         self.ok += other.ok;
+        self.unsent += other.unsent;
+        self.last_answer = self.last_answer.max(other.last_answer);
         merge_counts(&mut self.errors, &other.errors);
         merge_counts(&mut self.unmeasured_errors, &other.unmeasured_errors);
         self.forwarded += other.forwarded;
@@ -309,6 +370,13 @@ struct SessionOutcome {
 pub async fn run_load(spec: &LoadSpec) -> Result<RunResult, String> {
     if spec.sessions == 0 {
         return Err("--sessions must be at least 1".into());
+    }
+    if let Some(rate) = spec.rate
+        && !(rate.is_finite() && rate > 0.0)
+    {
+        return Err(format!(
+            "--rate must be a positive number of requests per second, not {rate}"
+        ));
     }
     let targets = spec
         .urls
@@ -367,6 +435,7 @@ pub async fn run_load(spec: &LoadSpec) -> Result<RunResult, String> {
         ..Flags::default()
     });
     let ready = Arc::new(Barrier::new(spec.sessions + 1));
+    let (timetable, schedule_rx) = tokio::sync::watch::channel(None);
     let setup_started = Instant::now();
     let handles: Vec<_> = (0..spec.sessions)
         .map(|index| {
@@ -375,27 +444,61 @@ pub async fn run_load(spec: &LoadSpec) -> Result<RunResult, String> {
                 Arc::clone(&plan),
                 Arc::clone(&flags),
                 Arc::clone(&ready),
+                schedule_rx.clone(),
             ))
         })
         .collect();
+    drop(schedule_rx);
     ready.wait().await;
     let setup = setup_started.elapsed();
-    tokio::time::sleep(spec.warmup).await;
+    // Open loop: the measured window is fixed by the timetable, not by a stop flag.
+    let (duration, schedule) = match spec.rate {
+        Some(rate) => {
+            let duration = match spec.requests {
+                Some(requests) => Duration::from_secs_f64(requests as f64 / rate),
+                None => spec.duration,
+            };
+            let start = Instant::now();
+            let first = (spec.warmup.as_secs_f64() * rate).ceil() as u64;
+            let counted = spec
+                .requests
+                .unwrap_or_else(|| (duration.as_secs_f64() * rate).round() as u64);
+            let schedule = Schedule {
+                start,
+                rate,
+                sessions: spec.sessions as u64,
+                first,
+                end: first + counted,
+                deadline: start + spec.warmup + duration + duration.max(Duration::from_secs(1)),
+            };
+            (duration, Some(schedule))
+        }
+        None => (spec.duration, None),
+    };
+    // Sessions that could not open have returned; nobody listening is fine.
+    let _ = timetable.send(Some(schedule));
+    match &schedule {
+        Some(schedule) => tokio::time::sleep_until(schedule.due(schedule.first).into()).await,
+        None => tokio::time::sleep(spec.warmup).await,
+    }
 
     let clock = procfs::clock_ticks_per_second();
     let before = Snapshot::take(&gateway_pids, redis_pid, spec.upstream_pid, redis.as_mut()).await;
     flags.measuring.store(true, Ordering::Relaxed);
-    let started = Instant::now();
+    let started = match &schedule {
+        Some(schedule) => schedule.due(schedule.first),
+        None => Instant::now(),
+    };
     let progress = (spec.progress && std::io::stderr().is_terminal()).then(|| {
         tokio::spawn(show_progress(
             spec.label.clone(),
             Arc::clone(&flags),
             started,
-            spec.duration,
+            duration,
             spec.requests,
         ))
     });
-    if spec.requests.is_none() {
+    if spec.requests.is_none() && schedule.is_none() {
         tokio::time::sleep(spec.duration).await;
         flags.stop.store(true, Ordering::Relaxed);
     }
@@ -408,7 +511,12 @@ pub async fn run_load(spec: &LoadSpec) -> Result<RunResult, String> {
         totals.merge(&outcome.stats);
         leftovers.extend(outcome.leftover);
     }
-    let window = started.elapsed();
+    // Open loop: the window ends with the last counted answer, so a run that fell
+    // behind shows a longer window and a lower achieved rate.
+    let window = match (&schedule, totals.last_answer) {
+        (Some(_), Some(last)) => last.saturating_duration_since(started),
+        _ => started.elapsed(),
+    };
     let after = Snapshot::take(&gateway_pids, redis_pid, spec.upstream_pid, redis.as_mut()).await;
     if let Some(progress) = progress {
         progress.abort();
@@ -461,6 +569,8 @@ pub async fn run_load(spec: &LoadSpec) -> Result<RunResult, String> {
         sessions: spec.sessions,
         setup_s: setup.as_secs_f64(),
         window_s,
+        offered_rps: spec.rate,
+        unsent: totals.unsent,
         requests,
         ok: totals.ok,
         throughput_rps: if window_s > 0.0 {
@@ -469,6 +579,7 @@ pub async fn run_load(spec: &LoadSpec) -> Result<RunResult, String> {
             0.0
         },
         latency: LatencySummary::of(&totals.all),
+        service_latency: schedule.map(|_| LatencySummary::of(&totals.service)),
         tools_call_latency: LatencySummary::of(&totals.calls),
         forwarded_fraction: (totals.with_worker_headers > 0)
             .then(|| totals.forwarded as f64 / totals.with_worker_headers as f64),
@@ -511,6 +622,7 @@ async fn drive_session(
     plan: Arc<Plan>,
     flags: Arc<Flags>,
     ready: Arc<Barrier>,
+    mut timetable: tokio::sync::watch::Receiver<Option<Option<Schedule>>>,
 ) -> SessionOutcome {
     let url_count = plan.targets.len();
     let home = index % url_count;
@@ -543,18 +655,49 @@ async fn drive_session(
         .and_then(|o| o.owner.as_deref())
         .and_then(|worker| plan.owner_urls.get(worker).copied());
 
+    // Some(schedule): open loop; None: closed loop.
+    let schedule = timetable
+        .wait_for(Option::is_some)
+        .await
+        .ok()
+        .and_then(|published| *published)
+        .flatten();
+
     let mut seq: u64 = 0;
+    let mut next_due = index as u64;
     loop {
-        if flags.stop.load(Ordering::Relaxed) {
-            break;
-        }
-        let counted = flags.measuring.load(Ordering::Relaxed);
-        if counted
-            && let Some(budget) = flags.budget
-            && flags.claimed.fetch_add(1, Ordering::Relaxed) >= budget
-        {
-            break;
-        }
+        let (counted, due) = match &schedule {
+            None => {
+                if flags.stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                let counted = flags.measuring.load(Ordering::Relaxed);
+                if counted
+                    && let Some(budget) = flags.budget
+                    && flags.claimed.fetch_add(1, Ordering::Relaxed) >= budget
+                {
+                    break;
+                }
+                (counted, None)
+            }
+            Some(schedule) => {
+                let k = next_due;
+                if k >= schedule.end {
+                    break;
+                }
+                let due = schedule.due(k);
+                let now = Instant::now();
+                if now > schedule.deadline {
+                    stats.unsent += counted_from(k, schedule);
+                    break;
+                }
+                if due > now {
+                    tokio::time::sleep_until(due.into()).await;
+                }
+                next_due += schedule.sessions;
+                (k >= schedule.first, Some(due))
+            }
+        };
         // Offsetting the mix by the session index spreads the tools/list requests.
         let op = plan.mix.op(seq + index as u64);
         let url = pick_url(plan.routing, url_count, home, owner, seq);
@@ -569,7 +712,13 @@ async fn drive_session(
         };
         let sent = Instant::now();
         let outcome = client::exchange_on(&mut slots[url], target, request, plan.timeout).await;
-        let micros = u64::try_from(sent.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let answered = Instant::now();
+        let since = |from: Instant| {
+            u64::try_from(answered.saturating_duration_since(from).as_micros()).unwrap_or(u64::MAX)
+        };
+        // Open loop: from when the request was due, so time spent waiting for this
+        // session to be free is part of the latency.
+        let micros = since(due.unwrap_or(sent));
         let error = match &outcome {
             Ok(answer) => answer.error_class(),
             Err(failure) => Some(failure.class()),
@@ -577,7 +726,11 @@ async fn drive_session(
         match (error, counted) {
             (None, true) => {
                 stats.ok += 1;
+                stats.last_answer = Some(answered);
                 latency::record(&mut stats.all, micros);
+                if due.is_some() {
+                    latency::record(&mut stats.service, since(sent));
+                }
                 if op == Op::CallEcho {
                     latency::record(&mut stats.calls, micros);
                 }
@@ -588,6 +741,7 @@ async fn drive_session(
                 flags.completed.fetch_add(1, Ordering::Relaxed);
             }
             (Some(class), true) => {
+                stats.last_answer = Some(answered);
                 *stats.errors.entry(class).or_default() += 1;
                 flags.completed.fetch_add(1, Ordering::Relaxed);
                 flags.failed.fetch_add(1, Ordering::Relaxed);
@@ -608,6 +762,25 @@ async fn drive_session(
         session,
     });
     SessionOutcome { stats, leftover }
+}
+
+/// How many counted requests of the session whose next one is `k` remain: those
+/// `k + j × sessions` in `first..end`.
+fn counted_from(k: u64, schedule: &Schedule) -> u64 {
+    let step = schedule.sessions.max(1);
+    let skip = schedule.first.saturating_sub(k).div_ceil(step);
+    let upto = schedule.end.saturating_sub(k).div_ceil(step);
+    upto.saturating_sub(skip)
+}
+
+/// `--rate`: a positive, finite number of requests per second.
+pub fn parse_rate(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(rate) if rate.is_finite() && rate > 0.0 => Ok(rate),
+        _ => Err(format!(
+            "{text:?} is no rate: give requests per second as a positive number, e.g. 1000"
+        )),
+    }
 }
 
 /// Deletes the load's sessions, a bounded number at a time.

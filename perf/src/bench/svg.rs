@@ -1,6 +1,7 @@
 //! The compare chart, as hand-written SVG (no plotting dependency): latency bars
 //! (p50 and p99) and throughput bars per configuration at one concurrency level,
-//! then p99 latency and throughput over concurrency, one line per configuration.
+//! then p99 latency and throughput over concurrency, one line per configuration,
+//! and, after an open-loop sweep (`--rates`), p99 latency over the offered rate.
 //! Latency axes are logarithmic, because the configurations differ by orders of
 //! magnitude under load; throughput axes are linear from zero.
 
@@ -28,6 +29,10 @@ pub struct ChartData {
     pub title: String,
     pub concurrency: Vec<usize>,
     pub series: Vec<Series>,
+    /// Offered rates of the open-loop sweep (req/s); empty without one.
+    pub rates: Vec<f64>,
+    /// Aligned with [`ChartData::rates`]; `rps` is the achieved rate.
+    pub rate_series: Vec<Series>,
 }
 
 impl ChartData {
@@ -51,6 +56,28 @@ impl ChartData {
                     .collect(),
             })
             .collect();
+        let rates = report.settings.rates.clone();
+        let rate_series = report
+            .configurations
+            .iter()
+            .filter(|c| !c.sweep.is_empty())
+            .map(|c| Series {
+                name: c.name.to_string(),
+                points: rates
+                    .iter()
+                    .map(|&rate| {
+                        c.sweep
+                            .iter()
+                            .find(|r| r.offered_rps == Some(rate))
+                            .map(|r| Point {
+                                p50_ms: r.latency.p50_us as f64 / 1000.0,
+                                p99_ms: r.latency.p99_us as f64 / 1000.0,
+                                rps: r.throughput_rps,
+                            })
+                    })
+                    .collect(),
+            })
+            .collect();
         ChartData {
             title: format!(
                 "mcpgw-bench compare {} — {} cores, {} workers, mix {}",
@@ -61,6 +88,8 @@ impl ChartData {
             ),
             concurrency,
             series,
+            rates,
+            rate_series,
         }
     }
 
@@ -74,6 +103,8 @@ impl ChartData {
 
 const WIDTH: f64 = 1000.0;
 const HEIGHT: f64 = 800.0;
+/// Extra height for the open-loop panel, drawn only after a rate sweep.
+const RATE_PANEL_HEIGHT: f64 = 340.0;
 const PALETTE: [&str; 8] = [
     "#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#9c755f",
 ];
@@ -189,13 +220,18 @@ fn escape(text: &str) -> String {
 /// Renders the chart. Every coordinate is finite whatever the data.
 pub fn chart(data: &ChartData) -> String {
     let mut svg = String::new();
+    let height = if data.rates.is_empty() {
+        HEIGHT
+    } else {
+        HEIGHT + RATE_PANEL_HEIGHT
+    };
     let _ = writeln!(
         svg,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">"#
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="12">"#
     );
     let _ = writeln!(
         svg,
-        r#"<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>"#
+        r#"<rect width="{WIDTH}" height="{height}" fill="white"/>"#
     );
     text(&mut svg, WIDTH / 2.0, 24.0, "middle", 15.0, &data.title);
     legend(&mut svg, data);
@@ -249,6 +285,23 @@ pub fn chart(data: &ChartData) -> String {
         "Throughput by concurrency (req/s)",
         false,
     );
+    if !data.rates.is_empty() {
+        let labels: Vec<String> = data.rates.iter().map(|&r| label(r)).collect();
+        over_levels(
+            &mut svg,
+            &labels,
+            &data.rate_series,
+            Frame {
+                x: 70.0,
+                y: HEIGHT + 20.0,
+                w: 900.0,
+                h: RATE_PANEL_HEIGHT - 80.0,
+            },
+            "Open loop: p99 latency by offered rate (ms, log scale; from the intended send time)",
+            "offered requests/s",
+            true,
+        );
+    }
     svg.push_str("</svg>\n");
     svg
 }
@@ -409,9 +462,30 @@ fn throughput_bars(svg: &mut String, data: &ChartData, index: usize, frame: Fram
 }
 
 fn over_concurrency(svg: &mut String, data: &ChartData, frame: Frame, title: &str, latency: bool) {
+    let labels: Vec<String> = data.concurrency.iter().map(usize::to_string).collect();
+    over_levels(
+        svg,
+        &labels,
+        &data.series,
+        frame,
+        title,
+        "concurrent sessions",
+        latency,
+    );
+}
+
+/// One line per series over evenly spaced levels (concurrency, offered rate).
+fn over_levels(
+    svg: &mut String,
+    labels: &[String],
+    series: &[Series],
+    frame: Frame,
+    title: &str,
+    x_title: &str,
+    latency: bool,
+) {
     let value = |p: &Point| if latency { p.p99_ms } else { p.rps };
-    let all = data
-        .series
+    let all = series
         .iter()
         .flat_map(|s| s.points.iter().flatten().map(value));
     let scale = if latency {
@@ -420,17 +494,17 @@ fn over_concurrency(svg: &mut String, data: &ChartData, frame: Frame, title: &st
         Scale::linear(all)
     };
     axes(svg, frame, scale, title);
-    let levels = data.concurrency.len().max(1);
+    let levels = labels.len().max(1);
     let step = frame.w / levels as f64;
     let x_of = |i: usize| frame.x + step * (i as f64 + 0.5);
-    for (i, level) in data.concurrency.iter().enumerate() {
+    for (i, level) in labels.iter().enumerate() {
         text(
             svg,
             x_of(i),
             frame.y + frame.h + 16.0,
             "middle",
             11.0,
-            &level.to_string(),
+            level,
         );
     }
     text(
@@ -439,9 +513,9 @@ fn over_concurrency(svg: &mut String, data: &ChartData, frame: Frame, title: &st
         frame.y + frame.h + 32.0,
         "middle",
         11.0,
-        "concurrent sessions",
+        x_title,
     );
-    for (s, series) in data.series.iter().enumerate() {
+    for (s, series) in series.iter().enumerate() {
         let coords: Vec<String> = series
             .points
             .iter()
@@ -502,7 +576,27 @@ mod tests {
                     points: vec![point(0.9, 3000.0), None, point(90.0, 4000.0)],
                 },
             ],
+            rates: vec![],
+            rate_series: vec![],
         }
+    }
+
+    #[test]
+    fn a_rate_sweep_adds_a_line_per_configuration_over_the_offered_rate() {
+        let mut data = data();
+        let without = chart(&data);
+        assert!(!without.contains("offered requests/s"));
+        data.rates = vec![1000.0, 2000.0, 4000.0];
+        data.rate_series = data.series.clone();
+        let svg = chart(&data);
+        assert!(svg.contains("offered requests/s") && svg.contains(">2k</text>"));
+        assert!(
+            svg.contains(r#"height="1140""#),
+            "the canvas grows for the panel"
+        );
+        // Four lines as before, plus one per configuration over the offered rate.
+        assert_eq!(svg.matches("stroke-width=\"2\"").count(), 6);
+        assert!(!svg.contains("NaN") && !svg.contains("inf"));
     }
 
     #[test]
@@ -541,6 +635,8 @@ mod tests {
             title: "empty".into(),
             concurrency: vec![],
             series: vec![],
+            rates: vec![],
+            rate_series: vec![],
         });
         assert!(svg.contains("</svg>") && !svg.contains("NaN"));
     }

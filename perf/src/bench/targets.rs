@@ -370,6 +370,8 @@ mod tests {
             description: String::new(),
             not_available: None,
             runs,
+            sweep: Vec::new(),
+            saturation: None,
         }
     }
 

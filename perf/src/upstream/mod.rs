@@ -43,6 +43,16 @@ pub struct UpstreamConfig {
     /// does, instead of a single application/json body.
     #[arg(long)]
     pub sse_always: bool,
+    /// Stall once: when the Nth POST to /mcp arrives (initialize included), the
+    /// server answers nothing for --stall-ms, as a garbage-collection pause or a
+    /// stuck disk would; every POST arriving meanwhile waits for the stall to end.
+    /// Shows whether a load generator's latency figures see a slow moment.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub stall_after: Option<u64>,
+    /// Length of the --stall-after stall, in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 200, requires = "stall_after",
+          value_parser = clap::value_parser!(u64).range(1..=tools::MAX_SLEEP_MS))]
+    pub stall_ms: u64,
 }
 
 /// Binds, announces the address on stdout, and serves until SIGINT or SIGTERM.
@@ -66,8 +76,12 @@ pub async fn run(config: UpstreamConfig) -> anyhow::Result<()> {
         .context("cannot write to stdout")?;
         stdout.flush().context("cannot flush stdout")?;
     }
-    tracing::info!(%address, sse_always = config.sse_always, "upstream MCP server ready");
-    let upstream = Arc::new(Upstream::new(config.sse_always));
+    tracing::info!(%address, sse_always = config.sse_always, stall_after = config.stall_after, "upstream MCP server ready");
+    let mut upstream = Upstream::new(config.sse_always);
+    if let Some(after) = config.stall_after {
+        upstream = upstream.with_stall(after, Duration::from_millis(config.stall_ms));
+    }
+    let upstream = Arc::new(upstream);
     tokio::select! {
         () = serve(listener, upstream) => Ok(()),
         result = shutdown_signal() => result,

@@ -2,7 +2,8 @@
 //! `protocol` and `methods` decide, and writes the answer.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{ACCEPT, ALLOW, CACHE_CONTROL, CONTENT_TYPE};
@@ -39,6 +40,35 @@ pub struct Upstream {
     sse_always: bool,
     sessions: SessionStore,
     stats: Stats,
+    stall: Option<Stall>,
+}
+
+/// `--stall-after`: one server-wide pause, triggered by the Nth POST.
+#[derive(Debug)]
+struct Stall {
+    after: u64,
+    length: Duration,
+    posts: AtomicU64,
+    /// When the stall ends, once it has begun.
+    until: parking_lot::Mutex<Option<Instant>>,
+}
+
+impl Stall {
+    /// Counts this POST and returns the end of the stall it must wait for, if any.
+    fn check(&self) -> Option<Instant> {
+        let n = self.posts.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut until = self.until.lock();
+        if n == self.after {
+            let end = Instant::now() + self.length;
+            tracing::info!(
+                post = n,
+                ms = self.length.as_millis() as u64,
+                "stalling once (--stall-after)"
+            );
+            *until = Some(end);
+        }
+        (*until).filter(|end| *end > Instant::now())
+    }
 }
 
 impl Upstream {
@@ -47,7 +77,19 @@ impl Upstream {
             sse_always,
             sessions: SessionStore::default(),
             stats: Stats::default(),
+            stall: None,
         }
+    }
+
+    /// Makes the Nth POST (1-based) begin a server-wide pause of `length`.
+    pub fn with_stall(mut self, after: u64, length: Duration) -> Self {
+        self.stall = Some(Stall {
+            after,
+            length,
+            posts: AtomicU64::new(0),
+            until: parking_lot::Mutex::new(None),
+        });
+        self
     }
 
     /// Answers one HTTP request. Every failure becomes a response, so a
@@ -95,6 +137,9 @@ impl Upstream {
     }
 
     async fn post(&self, era: Era, parts: &Parts, body: Incoming) -> Response<Body> {
+        if let Some(end) = self.stall.as_ref().and_then(Stall::check) {
+            tokio::time::sleep_until(end.into()).await;
+        }
         if let Some(traceparent) = parts
             .headers
             .get("traceparent")
