@@ -31,3 +31,8 @@ if [ ! -x "$VENV/bin/python" ] || ! cmp -s tests/python/requirements.txt "$stamp
   "$VENV/bin/pip" install -q --disable-pip-version-check -r tests/python/requirements.txt
   cp tests/python/requirements.txt "$stamp"
 fi
+# kubectl (>= 1.27, for `kubectl kustomize` with kustomize 5) renders the Kubernetes
+# manifests in tests/tests/kubernetes.rs; Debian's kubernetes-client is too old, so it
+# is not installed here. Without it the test checks the base's files unrendered.
+command -v kubectl >/dev/null ||
+  echo "deps: kubectl not found: tests/tests/kubernetes.rs will check deploy/kubernetes/base unrendered and skip the overlay (install kubectl from https://kubernetes.io/docs/tasks/tools/)"
