@@ -969,11 +969,31 @@ impl Config {
             ));
         }
         if let Some(url) = &self.fleet.redis_url
-            && !(url.starts_with("redis://") || url.starts_with("rediss://"))
+            && !(url.starts_with("redis://")
+                || url.starts_with("rediss://")
+                || url.starts_with("redis+sentinel://"))
         {
             return Err(invalid(
                 "fleet.redis_url",
-                "must start with redis:// or rediss://",
+                if url.starts_with("rediss+sentinel://") {
+                    "TLS to Sentinel (rediss+sentinel://) is not supported yet; use \
+                     redis+sentinel:// on a trusted network"
+                } else {
+                    "must start with redis://, rediss:// or redis+sentinel://"
+                },
+            ));
+        }
+        if self.mesh.transport == MeshTransport::Redis
+            && self
+                .fleet
+                .redis_url
+                .as_deref()
+                .is_some_and(|url| url.starts_with("redis+sentinel://"))
+        {
+            return Err(invalid(
+                "mesh.transport",
+                "the redis mesh transport (a benchmark baseline) needs a standalone Redis, \
+                 not redis+sentinel://",
             ));
         }
         if self.fleet.worker_id.is_some() && self.fleet.workers != 1 {

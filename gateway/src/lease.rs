@@ -74,6 +74,10 @@ pub enum LeaseCheck {
     /// its sessions. The listed ones were claimed by another worker meanwhile: drop
     /// them here.
     Rebuilt { taken: Vec<String> },
+    /// Redis failed over to a replica, which may lack the last writes: the worker
+    /// re-asserted its lease and re-claimed its sessions. The listed ones were claimed
+    /// by another worker meanwhile: drop them here.
+    FailedOver { taken: Vec<String> },
     /// Another worker declared this one dead (or took its id): fence.
     Lost,
     /// Renewed, and an operator asked this worker to drain (`mcpgw drain`): stop as on
@@ -174,6 +178,9 @@ impl LeaseHolder {
 
     async fn attempt(&self, held_sessions: impl FnOnce() -> Vec<String>) -> LeaseCheck {
         let lease = self.lease.lock().clone();
+        if self.directory.take_failover() {
+            return self.reassert(&lease, held_sessions()).await;
+        }
         let sent_at = Instant::now();
         match self.directory.renew_lease(&lease).await {
             Ok(LeaseRenewal::Renewed { .. }) => {
@@ -290,6 +297,64 @@ impl LeaseHolder {
                 self.in_doubt()
             }
         }
+    }
+
+    /// After a failover: writes the lease and the session records again at once, as
+    /// after a Redis that came back empty, since the new primary may lack any of them.
+    async fn reassert(&self, old: &Lease, held: Vec<String>) -> LeaseCheck {
+        let sent_at = Instant::now();
+        match self.directory.reassert_after_failover(old).await {
+            Ok(Some(lease)) => {
+                *self.lease.lock() = lease;
+                match self
+                    .directory
+                    .reclaim_sessions_after_loss(old.id(), &held)
+                    .await
+                {
+                    Ok(taken) => {
+                        let shared: Vec<String> = held
+                            .iter()
+                            .filter(|sid| crate::session::is_shared_id(sid) && !taken.contains(sid))
+                            .cloned()
+                            .collect();
+                        if let Err(e) = self.directory.remember_sessions(&shared).await {
+                            warn!(error = %e, sessions = shared.len(), "re-marking shared sessions after the failover failed");
+                        }
+                        self.clock.lock().renewed(sent_at);
+                        info!(
+                            worker = old.id(),
+                            sessions = held.len(),
+                            "lease and sessions re-asserted after a Redis failover"
+                        );
+                        LeaseCheck::FailedOver { taken }
+                    }
+                    Err(e) => {
+                        warn!(error = %e, "re-claiming sessions after a failover failed; will retry");
+                        self.directory.failover_unhandled();
+                        self.in_doubt()
+                    }
+                }
+            }
+            Ok(None) => {
+                error!(
+                    worker = old.id(),
+                    "after the failover, this worker's id is held by another process or it was reclaimed"
+                );
+                self.revoke();
+                LeaseCheck::Lost
+            }
+            Err(e) => {
+                warn!(error = %e, "re-asserting the lease after a failover failed; will retry");
+                self.directory.failover_unhandled();
+                self.in_doubt()
+            }
+        }
+    }
+
+    /// Resolves when the directory saw a Redis failover, so the heartbeat re-asserts
+    /// at once rather than at its next turn.
+    pub async fn failover_seen(&self) {
+        self.directory.failover_seen().await;
     }
 
     fn in_doubt(&self) -> LeaseCheck {

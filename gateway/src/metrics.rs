@@ -159,6 +159,7 @@ pub struct Metrics {
     pub workers_reclaimed: Counter,
     pub sessions_reclaimed: Counter,
     pub leases_in_doubt: Counter,
+    pub directory_failovers: Counter,
     pub lease_valid: Gauge,
     pub draining: Gauge,
     pub mesh_streams: Family<StreamLabels, Gauge>,
@@ -258,6 +259,12 @@ impl Metrics {
             "leases_in_doubt",
             "Renewals that could not confirm this worker's lease in time",
             leases_in_doubt.clone(),
+        );
+        let directory_failovers = Counter::default();
+        registry.register(
+            "directory_failovers",
+            "Redis failovers this worker saw (a new primary behind Sentinel) and re-asserted its lease and sessions after",
+            directory_failovers.clone(),
         );
         let lease_valid = Gauge::default();
         registry.register(
@@ -360,6 +367,7 @@ impl Metrics {
             workers_reclaimed,
             sessions_reclaimed,
             leases_in_doubt,
+            directory_failovers,
             lease_valid,
             draining,
             mesh_streams,

@@ -301,9 +301,18 @@ async fn heartbeat(worker: Arc<Worker>, mut stop: watch::Receiver<Option<Duratio
     loop {
         tokio::select! {
             () = tokio::time::sleep(period) => {}
+            () = failover_seen(&worker) => {}
             _ = stop.wait_for(Option::is_some) => return,
         }
         worker.renew_lease(false).await;
+    }
+}
+
+/// Resolves when the fleet directory saw a Redis failover (never without a fleet).
+async fn failover_seen(worker: &Worker) {
+    match worker.fleet() {
+        Some(fleet) => fleet.lease.failover_seen().await,
+        None => std::future::pending().await,
     }
 }
 

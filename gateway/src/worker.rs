@@ -157,6 +157,14 @@ impl Worker {
                 self.metrics.leases_in_doubt.inc();
                 false
             }
+            LeaseCheck::FailedOver { taken } => {
+                self.metrics.directory_failovers.inc();
+                for sid in taken {
+                    warn!(session = %crate::session::tag_of(&sid), "session now owned elsewhere; dropping it here");
+                    self.sessions.remove(&sid);
+                }
+                true
+            }
             LeaseCheck::Rebuilt { taken } => {
                 for sid in taken {
                     warn!(session = %crate::session::tag_of(&sid), "session now owned elsewhere; dropping it here");

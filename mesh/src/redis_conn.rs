@@ -11,11 +11,334 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::io::tcp::TcpSettings;
-use redis::{IntoConnectionInfo, ProtocolVersion};
+use redis::{ConnectionAddr, IntoConnectionInfo, ProtocolVersion, RedisConnectionInfo};
 use tokio::time::{Instant, sleep, timeout_at};
 
 /// Pause between attempts of a first connection to a Redis that is not answering yet.
 const CONNECT_RETRY: Duration = Duration::from_millis(100);
+
+/// URL schemes that name a Redis Sentinel deployment rather than one server.
+const SENTINEL_SCHEME: &str = "redis+sentinel://";
+const SENTINEL_TLS_SCHEME: &str = "rediss+sentinel://";
+
+/// What a Redis URL names: one server, or a primary found through Sentinel.
+#[derive(Clone)]
+pub(crate) enum RedisTarget {
+    /// `redis://`, `rediss://`, `redis+unix://`: that server.
+    Standalone(redis::Client),
+    /// `redis+sentinel://`: whichever server the sentinels name as primary.
+    Sentinel(SentinelSpec),
+}
+
+/// A parsed `redis+sentinel://[user:password@]host:port[,host:port...]/<primary
+/// name>[/<db>][?sentinel_password=...]` URL. The user and password are the data
+/// servers'; `sentinel_password` is the sentinels' own (`requirepass` in
+/// sentinel.conf), when they have one.
+#[derive(Clone)]
+pub(crate) struct SentinelSpec {
+    pub(crate) sentinels: Vec<(String, u16)>,
+    pub(crate) name: String,
+    pub(crate) db: i64,
+    pub(crate) username: Option<String>,
+    pub(crate) password: Option<String>,
+    pub(crate) sentinel_password: Option<String>,
+}
+
+impl SentinelSpec {
+    /// The passwords in this URL, for scrubbing.
+    pub(crate) fn secrets(&self) -> Vec<String> {
+        self.password
+            .iter()
+            .chain(self.sentinel_password.iter())
+            .filter(|p| !p.is_empty())
+            .cloned()
+            .collect()
+    }
+}
+
+/// The primary a lookup through the sentinels reached, checked to call itself master.
+pub(crate) struct Primary {
+    /// A client for it, carrying the data servers' credentials and db.
+    pub(crate) client: redis::Client,
+    /// `host:port`, as the sentinels named it.
+    pub(crate) addr: String,
+    /// Its `master_replid`: a promoted replica takes a new one, so a change means a
+    /// failover (and writes the old primary had not replicated may be gone).
+    pub(crate) replid: String,
+    /// Its replicas, `host:port`, from `INFO replication`.
+    pub(crate) replicas: Vec<String>,
+}
+
+/// Parses any Redis URL the gateway accepts. Errors never quote the URL's secrets.
+pub(crate) fn parse_target(url: &str, tcp: Option<TcpSettings>) -> Result<RedisTarget, String> {
+    if url.starts_with(SENTINEL_TLS_SCHEME) {
+        return Err(format!(
+            "Redis URL {}: TLS to Sentinel deployments (rediss+sentinel://) is not supported \
+             yet; use redis+sentinel:// on a trusted network",
+            redact_url(url)
+        ));
+    }
+    match url.strip_prefix(SENTINEL_SCHEME) {
+        Some(rest) => parse_sentinel(rest)
+            .map(RedisTarget::Sentinel)
+            .map_err(|why| {
+                format!(
+                    "Redis URL {} does not parse: {why}; expected \
+                 redis+sentinel://[user:password@]host:port[,host:port...]/<primary name>[/<db>]\
+                 [?sentinel_password=...]",
+                    redact_url(url)
+                )
+            }),
+        None => open_client(url, tcp).map(RedisTarget::Standalone),
+    }
+}
+
+fn parse_sentinel(rest: &str) -> Result<SentinelSpec, &'static str> {
+    let (rest, query) = match rest.split_once('?') {
+        Some((r, q)) => (r, Some(q)),
+        None => (rest, None),
+    };
+    let (authority, path) = rest.split_once('/').ok_or("no primary name")?;
+    let (userinfo, hosts) = match authority.rsplit_once('@') {
+        Some((u, h)) => (Some(u), h),
+        None => (None, authority),
+    };
+    let (username, password) = match userinfo {
+        None => (None, None),
+        Some(u) => {
+            let (user, pass) = match u.split_once(':') {
+                Some((user, pass)) => (user, Some(pass)),
+                None => (u, None),
+            };
+            let user = percent_decode(user).ok_or("bad percent-encoding in the user")?;
+            let pass = pass
+                .map(|p| percent_decode(p).ok_or("bad percent-encoding in the password"))
+                .transpose()?;
+            ((!user.is_empty()).then_some(user), pass)
+        }
+    };
+    let mut sentinels = Vec::new();
+    for host in hosts.split(',') {
+        let (h, port) = host.rsplit_once(':').ok_or("a sentinel without a port")?;
+        let port: u16 = port
+            .parse()
+            .map_err(|_| "a sentinel port is not a number")?;
+        let h = h.trim_start_matches('[').trim_end_matches(']');
+        if h.is_empty() || port == 0 {
+            return Err("an empty sentinel address");
+        }
+        sentinels.push((h.to_owned(), port));
+    }
+    let mut segments = path.split('/');
+    let name = segments.next().unwrap_or("");
+    if name.is_empty() {
+        return Err("no primary name");
+    }
+    let name = percent_decode(name).ok_or("bad percent-encoding in the primary name")?;
+    let db = match segments.next() {
+        None | Some("") => 0,
+        Some(db) => db.parse().map_err(|_| "the db is not a number")?,
+    };
+    if segments.next().is_some() {
+        return Err("too many path segments");
+    }
+    let mut sentinel_password = None;
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("sentinel_password", v)) => {
+                sentinel_password =
+                    Some(percent_decode(v).ok_or("bad percent-encoding in sentinel_password")?);
+            }
+            _ => return Err("unknown query parameter (only sentinel_password is accepted)"),
+        }
+    }
+    Ok(SentinelSpec {
+        sentinels,
+        name,
+        db,
+        username,
+        password,
+        sentinel_password,
+    })
+}
+
+fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = s.get(i + 1..i + 3)?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// Asks the sentinels, in order, which server is primary for the spec's name, then
+/// connects to it and checks that it calls itself master (a server the sentinels
+/// still name while it is being demoted is refused). `op_timeout` bounds each step.
+/// The error is scrubbed of both passwords.
+pub(crate) async fn resolve_primary(
+    spec: &SentinelSpec,
+    op_timeout: Duration,
+    tcp: Option<TcpSettings>,
+) -> Result<Primary, String> {
+    let secrets = spec.secrets();
+    let clean = |text: String| scrub_all(&text, &secrets);
+    let cfg = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(op_timeout))
+        .set_response_timeout(Some(op_timeout));
+    let mut last_error = String::from("no sentinel answered");
+    for (host, port) in &spec.sentinels {
+        let mut settings = RedisConnectionInfo::default();
+        if let Some(p) = &spec.sentinel_password {
+            settings = settings.set_password(p);
+        }
+        let info = ConnectionAddr::Tcp(host.clone(), *port)
+            .into_connection_info()
+            .map_err(|e| clean(e.to_string()))?
+            .set_redis_settings(settings);
+        let asked = async {
+            let client = redis::Client::open(info)?;
+            let mut c = client
+                .get_multiplexed_async_connection_with_config(&cfg)
+                .await?;
+            redis::cmd("SENTINEL")
+                .arg("get-master-addr-by-name")
+                .arg(&spec.name)
+                .query_async::<Option<(String, u16)>>(&mut c)
+                .await
+        };
+        let (phost, pport) = match tokio::time::timeout(op_timeout * 2, asked).await {
+            Ok(Ok(Some(addr))) => addr,
+            Ok(Ok(None)) => {
+                last_error = format!(
+                    "sentinel {host}:{port} knows no primary named {:?}",
+                    spec.name
+                );
+                continue;
+            }
+            Ok(Err(e)) => {
+                last_error = format!("sentinel {host}:{port}: {}", clean(e.to_string()));
+                continue;
+            }
+            Err(_) => {
+                last_error = format!("sentinel {host}:{port} did not answer in time");
+                continue;
+            }
+        };
+        match check_primary(spec, &phost, pport, &cfg, op_timeout, tcp.clone()).await {
+            Ok(primary) => return Ok(primary),
+            Err(e) => last_error = clean(e),
+        }
+    }
+    Err(last_error)
+}
+
+async fn check_primary(
+    spec: &SentinelSpec,
+    host: &str,
+    port: u16,
+    cfg: &redis::AsyncConnectionConfig,
+    op_timeout: Duration,
+    tcp: Option<TcpSettings>,
+) -> Result<Primary, String> {
+    let addr = format!("{host}:{port}");
+    let mut settings = RedisConnectionInfo::default().set_db(spec.db);
+    if let Some(u) = &spec.username {
+        settings = settings.set_username(u);
+    }
+    if let Some(p) = &spec.password {
+        settings = settings.set_password(p);
+    }
+    let info = ConnectionAddr::Tcp(host.to_owned(), port)
+        .into_connection_info()
+        .map_err(|e| e.to_string())?
+        .set_redis_settings(settings);
+    let info = match tcp {
+        Some(tcp) => info.set_tcp_settings(tcp),
+        None => info,
+    };
+    let client = redis::Client::open(info).map_err(|e| e.to_string())?;
+    let asked = async {
+        let mut c = client
+            .get_multiplexed_async_connection_with_config(cfg)
+            .await?;
+        redis::cmd("INFO")
+            .arg("replication")
+            .query_async::<String>(&mut c)
+            .await
+    };
+    let text = match tokio::time::timeout(op_timeout * 2, asked).await {
+        Ok(Ok(text)) => text,
+        Ok(Err(e)) => return Err(format!("primary {addr} named by the sentinels: {e}")),
+        Err(_) => {
+            return Err(format!(
+                "primary {addr} named by the sentinels did not answer"
+            ));
+        }
+    };
+    let replication = parse_replication(&text);
+    if replication.role != "master" {
+        return Err(format!(
+            "{addr}, named primary by the sentinels, says it is {:?}: a failover is under way",
+            replication.role
+        ));
+    }
+    Ok(Primary {
+        client,
+        addr,
+        replid: replication.replid,
+        replicas: replication.replicas,
+    })
+}
+
+/// The fields of `INFO replication` this crate reads.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Replication {
+    pub(crate) role: String,
+    pub(crate) replid: String,
+    pub(crate) replicas: Vec<String>,
+}
+
+pub(crate) fn parse_replication(text: &str) -> Replication {
+    let mut out = Replication::default();
+    for line in text.lines() {
+        let Some((key, value)) = line.trim().split_once(':') else {
+            continue;
+        };
+        match key {
+            "role" => out.role = value.to_owned(),
+            "master_replid" => out.replid = value.to_owned(),
+            k if k.starts_with("slave") && k[5..].bytes().all(|b| b.is_ascii_digit()) => {
+                // slave0:ip=127.0.0.1,port=6380,state=online,offset=..,lag=..
+                let field = |name: &str| {
+                    value
+                        .split(',')
+                        .find_map(|kv| kv.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
+                        .unwrap_or("?")
+                        .to_owned()
+                };
+                out.replicas
+                    .push(format!("{}:{}", field("ip"), field("port")));
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Removes every one of `secrets` from a text.
+pub(crate) fn scrub_all(text: &str, secrets: &[String]) -> String {
+    secrets
+        .iter()
+        .fold(text.to_owned(), |t, s| scrub(&t, Some(s)))
+}
 
 /// A Redis client for `url`, with `tcp` socket settings when given.
 ///
@@ -187,6 +510,66 @@ mod tests {
         let err = open_client("redis://u:s3cret@[bad", None).expect_err("does not parse");
         assert!(!err.contains("s3cret"), "{err}");
         assert!(err.contains("does not parse"), "{err}");
+    }
+
+    #[test]
+    fn sentinel_urls_parse_with_both_passwords() {
+        let Ok(RedisTarget::Sentinel(spec)) = parse_target(
+            "redis+sentinel://app:p%40ss@10.0.0.1:26379,[::1]:26380/mymaster/3?sentinel_password=s%26p",
+            None,
+        ) else {
+            panic!("a Sentinel URL")
+        };
+        assert_eq!(
+            spec.sentinels,
+            [("10.0.0.1".to_owned(), 26379), ("::1".to_owned(), 26380)]
+        );
+        assert_eq!(spec.name, "mymaster");
+        assert_eq!(spec.db, 3);
+        assert_eq!(spec.username.as_deref(), Some("app"));
+        assert_eq!(spec.password.as_deref(), Some("p@ss"));
+        assert_eq!(spec.sentinel_password.as_deref(), Some("s&p"));
+    }
+
+    #[test]
+    fn bad_sentinel_urls_say_why_without_their_secrets() {
+        for (url, why) in [
+            ("redis+sentinel://:s3cret@h:1", "no primary name"),
+            ("redis+sentinel://:s3cret@h:1/", "no primary name"),
+            ("redis+sentinel://:s3cret@h/m", "without a port"),
+            ("redis+sentinel://:s3cret@h:x/m", "not a number"),
+            ("redis+sentinel://:s3cret@h:1/m/x", "db is not a number"),
+            (
+                "redis+sentinel://:s3cret@h:1/m?pw=s3cret",
+                "unknown query parameter",
+            ),
+        ] {
+            let Err(err) = parse_target(url, None) else {
+                panic!("{url} parsed")
+            };
+            assert!(err.contains(why), "{url}: {err}");
+            assert!(!err.contains("s3cret"), "{url}: {err}");
+        }
+        let Err(err) = parse_target("rediss+sentinel://:s3cret@h:1/m", None) else {
+            panic!("TLS Sentinel accepted")
+        };
+        assert!(err.contains("not supported yet"), "{err}");
+        assert!(!err.contains("s3cret"), "{err}");
+    }
+
+    #[test]
+    fn replication_info_names_role_replid_and_replicas() {
+        let text = "# Replication\r\nrole:master\r\nconnected_slaves:1\r\n\
+                    slave0:ip=127.0.0.1,port=6380,state=online,offset=1,lag=0\r\n\
+                    master_replid:abc123\r\nmaster_replid2:0000\r\n";
+        assert_eq!(
+            parse_replication(text),
+            Replication {
+                role: "master".into(),
+                replid: "abc123".into(),
+                replicas: vec!["127.0.0.1:6380".into()],
+            }
+        );
     }
 
     #[test]

@@ -29,6 +29,7 @@ pub mod process;
 pub mod python;
 pub mod redis;
 pub mod scatter;
+pub mod sentinel;
 pub mod signal;
 pub mod tls;
 pub mod upstream;

@@ -91,6 +91,14 @@ impl RedisServer {
         });
     }
 
+    /// Kills the server (SIGKILL) and reaps it: a Redis host that dies at once. When
+    /// this returns its sockets are closed.
+    pub fn kill(&self) {
+        let mut process = self.process.lock().unwrap_or_else(|e| e.into_inner());
+        crate::signal::kill_group(process.id());
+        let _ = process.wait();
+    }
+
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
     }
@@ -397,7 +405,7 @@ fn wait_ready(process: &mut std::process::Child, port: u16) -> Result<(), String
     }
 }
 
-fn query(port: u16, args: &[&str]) -> Result<Resp, String> {
+pub(crate) fn query(port: u16, args: &[&str]) -> Result<Resp, String> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
     stream
         .set_read_timeout(Some(COMMAND_TIMEOUT))
@@ -414,13 +422,13 @@ fn query(port: u16, args: &[&str]) -> Result<Resp, String> {
 
 /// A RESP reply, as much of it as tests need. Errors are text starting with `-`.
 #[derive(Debug)]
-enum Resp {
+pub(crate) enum Resp {
     Text(String),
     Nil,
     Array(Vec<Resp>),
 }
 
-fn texts(items: Vec<Resp>) -> Vec<String> {
+pub(crate) fn texts(items: Vec<Resp>) -> Vec<String> {
     items
         .into_iter()
         .filter_map(|item| match item {

@@ -78,6 +78,14 @@ impl RateLimiter {
         redis_url: &str,
         key_prefix: &str,
     ) -> Result<RateLimiter, String> {
+        if redis_url.starts_with("redis+sentinel://") || redis_url.starts_with("rediss+sentinel://")
+        {
+            return Err(
+                "the rate limiter cannot follow Redis Sentinel yet: give it a standalone \
+                        Redis with its own redis_url"
+                    .to_owned(),
+            );
+        }
         // The parse error may quote the URL (and its password): not passed on.
         let client = redis::Client::open(redis_url).map_err(|_| {
             "the Redis URL does not parse: expected redis://[user:password@]host:port[/db]"

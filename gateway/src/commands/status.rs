@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use mcpgw_mesh::directory::{
-    Directory, DirectoryConfig, DirectoryError, FleetSnapshot, LeaseView, WorkerSnapshot,
+    Directory, DirectoryConfig, DirectoryError, FleetSnapshot, LeaseView, Topology, WorkerSnapshot,
 };
 use serde::Serialize;
 
@@ -363,11 +363,12 @@ pub fn run(args: StatusArgs) -> ExitCode {
         lease: Duration::from_millis(args.lease_ms.max(1)),
         cert_warning: Duration::from_millis(u64::from(args.warn_days) * DAY_MS),
     };
-    let snapshot = match block_on(async {
+    let (snapshot, topology) = match block_on(async {
         let directory = connect(&args.directory, policy.lease).await?;
-        directory.fleet_snapshot().await
+        let snapshot = directory.fleet_snapshot().await?;
+        Ok::<_, DirectoryError>((snapshot, directory.topology()))
     }) {
-        Ok(Ok(snapshot)) => snapshot,
+        Ok(Ok(found)) => found,
         Ok(Err(e)) => {
             eprintln!("mcpgw status: cannot read the fleet directory: {e}");
             return ExitCode::from(2);
@@ -379,8 +380,13 @@ pub fn run(args: StatusArgs) -> ExitCode {
     };
     let problems = find_problems(&snapshot, &policy);
     if args.json {
-        println!("{}", to_json(&snapshot, &problems));
+        let mut json = to_json(&snapshot, &problems);
+        if let Some(fields) = json.as_object_mut() {
+            fields.insert("redis".into(), topology_json(&topology));
+        }
+        println!("{json}");
     } else {
+        println!("redis: {topology}");
         print!("{}", table(&snapshot, &problems));
     }
     if problems.is_empty() {
@@ -548,6 +554,23 @@ fn to_json(snapshot: &FleetSnapshot, problems: &[Problem]) -> serde_json::Value 
         "session_records": snapshot.session_records,
         "problems": problems,
     })
+}
+
+/// The Redis deployment `mcpgw status` reached.
+fn topology_json(topology: &Topology) -> serde_json::Value {
+    match topology {
+        Topology::Standalone => serde_json::json!({ "topology": "standalone" }),
+        Topology::Sentinel {
+            name,
+            primary,
+            replicas,
+        } => serde_json::json!({
+            "topology": "sentinel",
+            "primary_name": name,
+            "primary": primary,
+            "replicas": replicas,
+        }),
+    }
 }
 
 /// `n thing` or `n things`.

@@ -243,6 +243,44 @@ impl Directory {
         })
     }
 
+    /// After a failover (see [`Directory::take_failover`]): writes this worker's lease
+    /// again under its own token, whether or not the new primary had it, and takes the
+    /// new generation. The new primary may lack the last renewal or the registration
+    /// itself; what it cannot lack is a record that this worker was reclaimed or that
+    /// another process took its id, which is `Lost`.
+    pub async fn reassert_after_failover(
+        &self,
+        lease: &Lease,
+    ) -> Result<Option<Lease>, DirectoryError> {
+        let fresh_generation = random_token()?;
+        let sent = Instant::now();
+        let fresh_ref = &fresh_generation;
+        let generation: Option<String> = self
+            .run("reassert_after_failover", |mut c, s| async move {
+                s.reassert
+                    .key(self.key_worker(&lease.id))
+                    .key(self.key_addr(&lease.id))
+                    .key(self.key_workers())
+                    .key(self.key_generation())
+                    .key(self.key_cert(&lease.id))
+                    .key(self.key_gone(&lease.id))
+                    .arg(&lease.value)
+                    .arg(&lease.addr)
+                    .arg(self.lease_px())
+                    .arg(fresh_ref)
+                    .arg(&lease.id)
+                    .arg(cert_arg(lease.cert_not_after_ms))
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(generation.map(|generation| Lease {
+            generation,
+            valid_until: sent + self.inner.cfg.lease,
+            ..lease.clone()
+        }))
+    }
+
     /// Extends the lease if Redis still holds our token; see [`LeaseRenewal`] for what
     /// the caller must do otherwise.
     pub async fn renew_lease(&self, lease: &Lease) -> Result<LeaseRenewal, DirectoryError> {
@@ -415,6 +453,24 @@ redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 redis.call('ZADD', KEYS[3], now_ms(), ARGV[5])
 if ARGV[6] ~= '' then redis.call('SET', KEYS[5], ARGV[6], 'PX', ARGV[3]) end
 redis.call('DEL', KEYS[6])
+return generation(KEYS[4], ARGV[4])
+"#
+    ))
+}
+
+/// KEYS: worker, addr, workers, generation, cert, gone. ARGV: value, addr, px,
+/// fresh gen, id, leaf not-after ms or ''. Returns the generation, or false if the
+/// id is held by another registration or this worker was reclaimed.
+pub(super) fn reassert() -> Script {
+    Script::new(&format!(
+        r#"{GEN_LUA}
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[1] then return false end
+if redis.call('EXISTS', KEYS[6]) == 1 then return false end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+redis.call('ZADD', KEYS[3], now_ms(), ARGV[5])
+if ARGV[6] ~= '' then redis.call('SET', KEYS[5], ARGV[6], 'PX', ARGV[3]) end
 return generation(KEYS[4], ARGV[4])
 "#
     ))

@@ -17,7 +17,8 @@
 //! | `{p}worker_cert:{id}` | not-after of the worker's mesh leaf, unix ms (only workers with a leaf) | PX lease, rewritten by every renewal |
 //! | `{p}drain:{id}` | an operator asked this worker to drain (`mcpgw drain`); its next renewal tells it | PX two to three leases; deleted when the worker registers or deregisters |
 //! | `{p}session_seen:{sid}` | a remembered session (a 2026-07-28 principal's shared one) existed; the first lookup after its end takes it | no TTL while it lives; PX [`REMEMBER_ENDED`] from its end |
-//! | `{p}rebuilt` | a worker registered again after Redis lost its data | PX two leases |
+//! | `{p}rebuilt` | a worker registered again after Redis lost its data, or saw a Sentinel failover | PX two leases |
+//! | `{p}failover_seen` | `master_replid` of the primary whose failover was marked (the generation was renewed once for it) | PX four leases |
 //!
 //! By concern: [`lease`] (registration, renewal, what a lease proves), [`sessions`]
 //! (claims, releases, the memory of an end, reclaim) and [`fleet`] (workers, the
@@ -44,7 +45,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::RwLock;
@@ -53,7 +54,7 @@ use redis::{RedisError, Script};
 use serde::{Deserialize, Serialize};
 
 pub use crate::redis_conn::redact_url;
-use crate::redis_conn::{self, ConnectFailure, scrub};
+use crate::redis_conn::{self, ConnectFailure, RedisTarget, SentinelSpec, scrub_all};
 
 mod fleet;
 mod lease;
@@ -66,8 +67,9 @@ pub use sessions::{Claim, REMEMBER_ENDED, Remembered, SessionQuota};
 /// Settings of the directory client.
 #[derive(Clone, PartialEq, Eq)]
 pub struct DirectoryConfig {
-    /// `redis://[user:password@]host:port[/db]`. The password never appears in errors
-    /// or logs.
+    /// `redis://[user:password@]host:port[/db]`, or
+    /// `redis+sentinel://[user:password@]host:port[,host:port...]/<primary>[/<db>]
+    /// [?sentinel_password=...]`. No password ever appears in errors or logs.
     pub redis_url: String,
     /// Prepended to every key, so several fleets can share one Redis.
     pub prefix: String,
@@ -193,11 +195,27 @@ pub struct Directory {
 }
 
 struct Inner {
+    /// Behind Sentinel, the current primary's `master_replid` (a new one means a
+    /// failover).
+    replid: RwLock<Option<String>>,
     /// Multiplexed connection that reconnects by itself after connection errors. It is
-    /// replaced after repeated timeouts (see [`STALE_AFTER_TIMEOUTS`]).
+    /// replaced after repeated timeouts (see [`STALE_AFTER_TIMEOUTS`]), and, behind
+    /// Sentinel, by one to the new primary after a failover.
     conn: RwLock<ConnectionManager>,
-    /// Kept to build a replacement connection.
-    client: redis::Client,
+    /// Kept to build a replacement connection; behind Sentinel, the current primary's.
+    client: RwLock<redis::Client>,
+    /// Set behind Sentinel: how to find the primary again.
+    sentinel: Option<SentinelSpec>,
+    /// What the connection reached, for `mcpgw status`.
+    topology: RwLock<Topology>,
+    /// A lookup of the primary through the sentinels is running (one at a time).
+    following: AtomicBool,
+    /// Failovers this directory saw (the primary's replication id changed).
+    failovers: AtomicU64,
+    /// A failover was seen and the lease holder has not re-asserted its records yet.
+    failover_pending: AtomicBool,
+    /// Wakes the lease holder when a failover is seen.
+    failover_notify: tokio::sync::Notify,
     /// Kept to build a replacement connection.
     manager_cfg: ConnectionManagerConfig,
     /// Timeouts in a row; reset by any answer from Redis.
@@ -206,13 +224,63 @@ struct Inner {
     cfg: DirectoryConfig,
     /// Redis URL without credentials, for errors and logs.
     url: String,
-    /// Decoded password, scrubbed from Redis error texts just in case one echoes it.
-    password: Option<String>,
+    /// Decoded passwords (the data servers' and the sentinels'), scrubbed from Redis
+    /// error texts just in case one echoes them.
+    secrets: Vec<String>,
     /// The Lua scripts, hashed once.
     scripts: Scripts,
     /// Told about every call (for metrics), once someone watches.
     observer: std::sync::OnceLock<Arc<dyn DirectoryObserver>>,
 }
+
+/// The Redis deployment the directory reached.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Topology {
+    /// One server, named by the URL.
+    Standalone,
+    /// A primary found through Sentinel.
+    Sentinel {
+        /// The primary's name in the sentinels' configuration.
+        name: String,
+        /// The primary reached, `host:port`.
+        primary: String,
+        /// Its replicas as it reported them, `host:port`.
+        replicas: Vec<String>,
+    },
+}
+
+impl fmt::Display for Topology {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Topology::Standalone => f.write_str("standalone"),
+            Topology::Sentinel {
+                name,
+                primary,
+                replicas,
+            } => write!(
+                f,
+                "sentinel {name:?}: primary {primary}, replicas [{}]",
+                replicas.join(", ")
+            ),
+        }
+    }
+}
+
+/// How often the primary is looked up again while a lookup finds none.
+const FOLLOW_RETRY: Duration = Duration::from_millis(200);
+
+/// Marks a failover once per new primary: the directory counts as rebuilt (a missing
+/// record is unknown for a lease) and the generation is renewed so every worker's
+/// judgement treats it as young until its owner re-asserts. KEYS: rebuilt, generation,
+/// failover_seen. ARGV: rebuilt px, new primary's replid, fresh token, seen px.
+/// Returns 1 if this call renewed the generation, 0 if another worker did.
+const FAILOVER_LUA: &str = r#"
+redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+if redis.call('GET', KEYS[3]) == ARGV[2] then return 0 end
+redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[4])
+redis.call('SET', KEYS[2], ARGV[3] .. '@' .. string.format('%d', now_ms()))
+return 1
+"#;
 
 /// Watches the directory's calls: one report per call with its operation name (from
 /// a fixed set), how long it took, and whether Redis answered.
@@ -242,6 +310,8 @@ struct Scripts {
     lease_state: Script,
     gone: Script,
     request_drain: Script,
+    failover: Script,
+    reassert: Script,
 }
 
 /// Reads a `worker_gone` record: {how, ms ago}, or {'', -1} when there is none.
@@ -292,6 +362,8 @@ impl Scripts {
             reclaim: sessions::reclaim(),
             reclaim_after_loss: sessions::reclaim_after_loss(),
             request_drain: fleet::request_drain(),
+            failover: Script::new(&format!("{GEN_LUA}\n{FAILOVER_LUA}")),
+            reassert: lease::reassert(),
         }
     }
 }
@@ -311,9 +383,8 @@ impl Directory {
                 "op_timeout and connect_timeout must be positive".into(),
             ));
         }
-        let client =
-            redis_conn::open_client(&cfg.redis_url, None).map_err(DirectoryError::InvalidConfig)?;
-        let password = redis_conn::password(&client);
+        let target = redis_conn::parse_target(&cfg.redis_url, None)
+            .map_err(DirectoryError::InvalidConfig)?;
         let manager_cfg = ConnectionManagerConfig::new()
             // Each (re)connection attempt and each response is bounded inside redis-rs
             // too, so a reconnect never hangs on a frozen server; our own timeout below
@@ -321,21 +392,51 @@ impl Directory {
             .set_connection_timeout(Some(cfg.op_timeout))
             .set_response_timeout(Some(cfg.op_timeout))
             .set_max_delay(Duration::from_secs(1));
+        let connect_error = |reason| DirectoryError::Connect {
+            url: url.clone(),
+            reason,
+        };
+        let (client, sentinel, topology, secrets, replid) = match target {
+            RedisTarget::Standalone(client) => {
+                let secrets = redis_conn::password(&client).into_iter().collect();
+                (client, None, Topology::Standalone, secrets, None)
+            }
+            RedisTarget::Sentinel(spec) => {
+                let primary = first_primary(&spec, &cfg).await.map_err(connect_error)?;
+                let topology = Topology::Sentinel {
+                    name: spec.name.clone(),
+                    primary: primary.addr,
+                    replicas: primary.replicas,
+                };
+                let secrets = spec.secrets();
+                (
+                    primary.client,
+                    Some(spec),
+                    topology,
+                    secrets,
+                    Some(primary.replid),
+                )
+            }
+        };
         let conn = connect_first(&client, &manager_cfg, &cfg)
             .await
-            .map_err(|reason| DirectoryError::Connect {
-                url: url.clone(),
-                reason,
-            })?;
+            .map_err(|reason| connect_error(scrub_all(&reason, &secrets)))?;
         Ok(Self {
             inner: Arc::new(Inner {
+                replid: RwLock::new(replid),
                 conn: RwLock::new(conn),
-                client,
+                client: RwLock::new(client),
+                sentinel,
+                topology: RwLock::new(topology),
+                following: AtomicBool::new(false),
+                failovers: AtomicU64::new(0),
+                failover_pending: AtomicBool::new(false),
+                failover_notify: tokio::sync::Notify::new(),
                 manager_cfg,
                 timeouts_in_a_row: AtomicU32::new(0),
                 cfg,
                 url,
-                password,
+                secrets,
                 scripts: Scripts::new(),
                 observer: std::sync::OnceLock::new(),
             }),
@@ -350,6 +451,144 @@ impl Directory {
     /// The settings this directory was made with.
     pub fn config(&self) -> &DirectoryConfig {
         &self.inner.cfg
+    }
+
+    /// The deployment reached: standalone, or the Sentinel primary and its replicas.
+    pub fn topology(&self) -> Topology {
+        self.inner.topology.read().clone()
+    }
+
+    /// How many failovers (a new primary behind Sentinel) this directory saw.
+    pub fn failovers_seen(&self) -> u64 {
+        self.inner.failovers.load(Ordering::Relaxed)
+    }
+
+    /// Whether a failover was seen since the last call; the caller must re-assert its
+    /// lease and session records ([`Directory::reassert_after_failover`],
+    /// [`Directory::reclaim_sessions_after_loss`]) and call
+    /// [`Directory::failover_unhandled`] if that fails.
+    pub fn take_failover(&self) -> bool {
+        self.inner.failover_pending.swap(false, Ordering::AcqRel)
+    }
+
+    /// Puts a failover taken with [`Directory::take_failover`] back: its re-assertion
+    /// failed and must be tried again.
+    pub fn failover_unhandled(&self) {
+        self.inner.failover_pending.store(true, Ordering::Release);
+    }
+
+    /// Resolves when a failover is seen (at once if one is pending).
+    pub async fn failover_seen(&self) {
+        loop {
+            let notified = self.inner.failover_notify.notified();
+            if self.inner.failover_pending.load(Ordering::Acquire) {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Behind Sentinel, looks the primary up again in the background (one lookup at a
+    /// time), after a call found the connection broken or the server read-only. A
+    /// new primary is marked as a failover (see [`FAILOVER_LUA`]) before any call is
+    /// sent to it, so no worker judges a record it may have lost as absent.
+    fn follow_primary(&self) {
+        if self.inner.sentinel.is_none() || self.inner.following.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let weak = Arc::downgrade(&self.inner);
+        tokio::spawn(async move {
+            loop {
+                let Some(inner) = weak.upgrade() else { return };
+                let dir = Directory { inner };
+                match dir.try_follow().await {
+                    Ok(()) => {
+                        dir.inner.following.store(false, Ordering::Release);
+                        return;
+                    }
+                    Err(why) => {
+                        tracing::warn!(redis = %dir.inner.url, error = %why, "looking up the Redis primary through Sentinel failed; retrying");
+                    }
+                }
+                drop(dir);
+                tokio::time::sleep(FOLLOW_RETRY).await;
+            }
+        });
+    }
+
+    /// One lookup: if the sentinels name a different primary (or the same one with a
+    /// new replication id), mark the failover there and switch to it.
+    async fn try_follow(&self) -> Result<(), String> {
+        let Some(spec) = &self.inner.sentinel else {
+            return Ok(());
+        };
+        let cfg = &self.inner.cfg;
+        let primary = redis_conn::resolve_primary(spec, cfg.op_timeout, None).await?;
+        let current = self
+            .inner
+            .client
+            .read()
+            .get_connection_info()
+            .addr()
+            .to_string();
+        let same_server =
+            self.known_replid().is_some_and(|r| r == primary.replid) && current == primary.addr;
+        if same_server {
+            // The same primary: the manager reconnects by itself.
+            return Ok(());
+        }
+        let deadline = tokio::time::Instant::now() + cfg.connect_timeout;
+        let conn =
+            redis_conn::connect_manager(&primary.client, self.inner.manager_cfg.clone(), deadline)
+                .await
+                .map_err(|f| match f {
+                    ConnectFailure::Failed(why) => why,
+                    ConnectFailure::TimedOut => "the new primary did not answer".into(),
+                })?;
+        let fresh = random_token().map_err(|e| e.to_string())?;
+        let mut marking = conn.clone();
+        let renewed: i64 = tokio::time::timeout(
+            cfg.op_timeout,
+            self.inner
+                .scripts
+                .failover
+                .key(self.key_rebuilt())
+                .key(self.key_generation())
+                .key(self.key_failover_seen())
+                .arg(duration_px(cfg.lease * 2))
+                .arg(&primary.replid)
+                .arg(&fresh)
+                .arg(duration_px(cfg.lease * 4))
+                .invoke_async(&mut marking),
+        )
+        .await
+        .map_err(|_| "marking the failover timed out".to_owned())?
+        .map_err(|e| scrub_all(&e.to_string(), &self.inner.secrets))?;
+        {
+            let mut client = self.inner.client.write();
+            *self.inner.conn.write() = conn;
+            *client = primary.client;
+        }
+        *self.inner.topology.write() = Topology::Sentinel {
+            name: spec.name.clone(),
+            primary: primary.addr.clone(),
+            replicas: primary.replicas,
+        };
+        *self.inner.replid.write() = Some(primary.replid);
+        self.inner.failovers.fetch_add(1, Ordering::Relaxed);
+        self.inner.failover_pending.store(true, Ordering::Release);
+        self.inner.failover_notify.notify_waiters();
+        tracing::warn!(
+            redis = %self.inner.url,
+            primary = %primary.addr,
+            first_to_mark = renewed == 1,
+            "Redis failover: following the new primary; records it lacks count as unknown for a lease"
+        );
+        Ok(())
+    }
+
+    fn known_replid(&self) -> Option<String> {
+        self.inner.replid.read().clone()
     }
 
     /// Runs one Redis exchange under the deadline and classifies its failure.
@@ -370,6 +609,16 @@ impl Directory {
             Ok(Err(e)) => e.is_timeout(),
             Ok(Ok(_)) => false,
         };
+        if let Ok(Err(e)) = &result
+            && (e.is_io_error()
+                || e.is_connection_dropped()
+                || e.is_connection_refusal()
+                || is_read_only(e))
+        {
+            self.follow_primary();
+        } else if timed_out {
+            self.follow_primary();
+        }
         if timed_out {
             self.note_timeout();
         } else {
@@ -399,8 +648,11 @@ impl Directory {
             return;
         }
         self.inner.timeouts_in_a_row.store(0, Ordering::Relaxed);
+        // Held until the new manager is in place, so a failover switching both at
+        // once is never undone by a manager built for the old primary.
+        let client = self.inner.client.read();
         match ConnectionManager::new_lazy_with_config(
-            self.inner.client.clone(),
+            client.clone(),
             self.inner.manager_cfg.clone(),
         ) {
             Ok(fresh) => {
@@ -412,7 +664,7 @@ impl Directory {
             }
             Err(e) => tracing::warn!(
                 redis = %self.inner.url,
-                error = %scrub(&e.to_string(), self.inner.password.as_deref()),
+                error = %scrub_all(&e.to_string(), &self.inner.secrets),
                 "could not set up a new Redis connection after repeated timeouts"
             ),
         }
@@ -422,8 +674,11 @@ impl Directory {
     /// rest are definite rejections.
     fn classify(&self, op: &'static str, e: &RedisError) -> DirectoryError {
         use redis::RetryMethod as R;
-        let detail = scrub(&e.to_string(), self.inner.password.as_deref());
-        let transient = e.is_io_error()
+        let detail = scrub_all(&e.to_string(), &self.inner.secrets);
+        // READONLY: a primary demoted to replica in a failover; the next call goes to
+        // the new primary.
+        let transient = is_read_only(e)
+            || e.is_io_error()
             || e.is_timeout()
             || e.is_connection_dropped()
             || e.is_connection_refusal()
@@ -495,6 +750,10 @@ impl Directory {
         format!("{}worker_cert:{id}", self.inner.cfg.prefix)
     }
 
+    fn key_failover_seen(&self) -> String {
+        format!("{}failover_seen", self.inner.cfg.prefix)
+    }
+
     fn key_drain(&self, id: &str) -> String {
         format!("{}drain:{id}", self.inner.cfg.prefix)
     }
@@ -518,6 +777,31 @@ async fn connect_first(
             ConnectFailure::Failed(reason) => reason,
             ConnectFailure::TimedOut => no_answer,
         })
+}
+
+/// Looks the primary up through the sentinels until `connect_timeout`, so sentinels
+/// or a primary that are still starting are waited for.
+async fn first_primary(
+    spec: &SentinelSpec,
+    cfg: &DirectoryConfig,
+) -> Result<redis_conn::Primary, String> {
+    let deadline = tokio::time::Instant::now() + cfg.connect_timeout;
+    loop {
+        match redis_conn::resolve_primary(spec, cfg.op_timeout, None).await {
+            Ok(primary) => return Ok(primary),
+            Err(why) if tokio::time::Instant::now() + FOLLOW_RETRY >= deadline => {
+                return Err(format!(
+                    "no primary named {:?} found through Sentinel within {:?}: {why}",
+                    spec.name, cfg.connect_timeout
+                ));
+            }
+            Err(_) => tokio::time::sleep(FOLLOW_RETRY).await,
+        }
+    }
+}
+
+fn is_read_only(e: &RedisError) -> bool {
+    e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
 }
 
 /// Milliseconds since the unix epoch (0 for times before it).

@@ -1,0 +1,363 @@
+//! The fleet directory on Redis Sentinel (issue #24): real `redis-server` primary and
+//! replica, three real sentinels, two hosts of one worker each. Replication is
+//! asynchronous, so a promoted replica may lack the last writes: these tests check
+//! that a failover costs no session, runs no call twice, and that new sessions open
+//! again once the replica is promoted.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use mcpgw_testkit::admin::{admin_of, scrape};
+use mcpgw_testkit::fleet::{
+    FLEET_CHANGE_WITHIN, MeshCerts, PREFIX, SupervisorSpec, owner_of, recorded_owner, run_mcpgw,
+    start_supervisor,
+};
+use mcpgw_testkit::http::{self, call_tool, initialize, try_call_tool};
+use mcpgw_testkit::sentinel::{PRIMARY_NAME, SentinelSet};
+use mcpgw_testkit::{Gateway, RedisServer, Upstream, eventually};
+use serde_json::json;
+
+/// Bound for every wait: generous, so that only a hang fails a test.
+const WITHIN: Duration = FLEET_CHANGE_WITHIN;
+
+/// Two hosts of one worker each on a Sentinel-watched Redis.
+struct SentinelFleet {
+    // Field order is drop order: the supervisors go before their Redis.
+    a: Gateway,
+    b: Gateway,
+    _certs: MeshCerts,
+    upstream: Upstream,
+    redis: SentinelSet,
+}
+
+impl SentinelFleet {
+    fn start(extra: &[&str]) -> SentinelFleet {
+        let redis = SentinelSet::start();
+        let upstream = Upstream::start();
+        let certs = MeshCerts::create(&["host-a", "host-b"]);
+        let url = redis.url();
+        let spec = |member| SupervisorSpec {
+            redis_url: &url,
+            upstream_url: &upstream.url,
+            workers: 1,
+            transport: "quic",
+            certs: &certs,
+            member,
+            extra,
+        };
+        let a = start_supervisor(&spec("host-a"));
+        let b = start_supervisor(&spec("host-b"));
+        SentinelFleet {
+            a,
+            b,
+            _certs: certs,
+            upstream,
+            redis,
+        }
+    }
+
+    /// The address of the host whose worker does not own `session`, read from the
+    /// directory on `redis`.
+    fn other_host(&self, redis: &RedisServer, session: &str) -> String {
+        let owner = owner_of(session);
+        let on_a = mcpgw_testkit::fleet::workers_of(redis, self.a.pid());
+        if on_a.contains_key(&owner) {
+            self.b.addr.clone()
+        } else {
+            self.a.addr.clone()
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Outcome {
+    session: String,
+    started: Instant,
+    status: u16,
+    /// The counter value for a 200, else `data.reason` (or why there was no answer).
+    detail: String,
+    retry_after: Option<String>,
+}
+
+impl Outcome {
+    fn value(&self) -> Option<u64> {
+        (self.status == 200)
+            .then(|| self.detail.parse().ok())
+            .flatten()
+    }
+}
+
+/// Closed-loop load: one thread per session, `counter_increment` through the host
+/// that does not own it, until finished; every answer is recorded, none panics.
+struct Load {
+    stop: Arc<AtomicBool>,
+    outcomes: Arc<Mutex<Vec<Outcome>>>,
+    threads: Vec<thread::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(targets: &[(String, String)]) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let outcomes = Arc::new(Mutex::new(Vec::new()));
+        let threads = targets
+            .iter()
+            .cloned()
+            .map(|(session, addr)| {
+                let (stop, outcomes) = (stop.clone(), outcomes.clone());
+                thread::spawn(move || {
+                    let mut id = 1000;
+                    while !stop.load(Ordering::Relaxed) {
+                        id += 1;
+                        let started = Instant::now();
+                        let answer =
+                            try_call_tool(&addr, &session, id, "counter_increment", json!({}));
+                        lock(&outcomes).push(judge(&session, started, answer));
+                        thread::sleep(Duration::from_millis(20));
+                    }
+                })
+            })
+            .collect();
+        Load {
+            stop,
+            outcomes,
+            threads,
+        }
+    }
+
+    #[track_caller]
+    fn wait_until(&self, condition: impl Fn(&[Outcome]) -> Result<(), String>) {
+        eventually(WITHIN, || condition(&lock(&self.outcomes).clone()));
+    }
+
+    /// Stops the load; every outcome in the order the requests started. A load
+    /// thread that panicked fails the test here.
+    fn finish(self) -> Vec<Outcome> {
+        self.stop.store(true, Ordering::Relaxed);
+        for thread in self.threads {
+            if let Err(panic) = thread.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+        let mut all = lock(&self.outcomes).clone();
+        all.sort_by_key(|o| o.started);
+        all
+    }
+}
+
+fn judge(session: &str, started: Instant, answer: Result<http::Response, String>) -> Outcome {
+    let (status, detail, retry_after) = match answer {
+        Ok(r) if r.status == 200 => (200, r.tool_text().unwrap_or_default(), None),
+        Ok(r) => {
+            let detail = r
+                .reason()
+                .unwrap_or_else(|| format!("no data.reason in {:?}", r.text()));
+            (r.status, detail, r.header("retry-after").map(str::to_owned))
+        }
+        Err(e) => (0, e, None),
+    };
+    Outcome {
+        session: session.to_owned(),
+        started,
+        status,
+        detail,
+        retry_after,
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn every_session_progressed(
+    sessions: &[String],
+    n: usize,
+    since: Instant,
+) -> impl Fn(&[Outcome]) -> Result<(), String> + '_ {
+    move |outcomes| {
+        let behind: Vec<&String> = sessions
+            .iter()
+            .filter(|s| {
+                outcomes
+                    .iter()
+                    .filter(|o| &o.session == *s && o.status == 200 && o.started > since)
+                    .count()
+                    < n
+            })
+            .collect();
+        if behind.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} sessions not yet at {n} successes",
+                behind.len()
+            ))
+        }
+    }
+}
+
+/// The session kept its state, its counter moving by exactly one per call it was
+/// told succeeded (a fresh session would restart at 1, a call run twice would skip).
+/// A call may have run unseen only where the answer said its outcome is unknown.
+fn assert_counting_on(outcomes: &[Outcome], session: &str) {
+    let mut last: Option<u64> = None;
+    let mut ambiguous = 0;
+    for o in outcomes.iter().filter(|o| o.session == session) {
+        if let Some(value) = o.value() {
+            if let Some(last) = last {
+                assert!(
+                    (last + 1..=last + 1 + ambiguous).contains(&value),
+                    "session {session}: counter went {last} -> {value} with {ambiguous} \
+                     answers of unknown outcome between (a fresh session, or a call run twice)"
+                );
+            }
+            (last, ambiguous) = (Some(value), 0);
+        } else if o.status == 0 || (o.status == 502 && o.detail == "outcome_unknown") {
+            ambiguous += 1;
+        }
+    }
+    assert!(last.is_some(), "session {session} made progress");
+}
+
+#[test]
+fn a_sentinel_failover_loses_no_session_and_runs_no_call_twice() {
+    let fleet = SentinelFleet::start(&["--lease-ms", "3000"]);
+    let sessions: Vec<String> = (0..8).map(|_| initialize(&fleet.a.addr, "/mcp")).collect();
+    let targets: Vec<(String, String)> = sessions
+        .iter()
+        .map(|s| (s.clone(), fleet.other_host(&fleet.redis.primary, s)))
+        .collect();
+    // Warm-up: every session once through its non-owner, so each worker has the
+    // other's mesh address before Redis fails over.
+    for (session, addr) in &targets {
+        let r = call_tool(addr, "/mcp", session, 1, "session_read", json!({}));
+        assert_eq!(r.status, 200, "warm-up via {addr}: {}", r.text());
+    }
+    let owners: HashMap<String, String> =
+        sessions.iter().map(|s| (s.clone(), owner_of(s))).collect();
+    let load = Load::start(&targets);
+    load.wait_until(every_session_progressed(&sessions, 3, Instant::now()));
+    let old_primary = fleet.redis.primary.port;
+    // Replication is asynchronous: the replica that will be promoted may lack the
+    // last writes. Make it lack the most important ones for sure: every session's
+    // owner record, deleted on the replica alone (writes to a replica are not
+    // replicated anywhere) just before the primary dies.
+    let replica = &fleet.redis.replica;
+    assert_eq!(
+        replica.command(&["CONFIG", "SET", "replica-read-only", "no"]),
+        "OK"
+    );
+    for session in &sessions {
+        replica.command(&["DEL", &format!("{PREFIX}pool_owner:{session}")]);
+    }
+    fleet.redis.primary.kill();
+    let killed_at = Instant::now();
+    // The sentinels promote the replica.
+    eventually(WITHIN, || match fleet.redis.primary_port() {
+        Ok(port) if port == fleet.redis.replica.port => Ok(()),
+        other => Err(format!("primary still {other:?} (was {old_primary})")),
+    });
+    println!("replica promoted {:?} after the kill", killed_at.elapsed());
+    // A new session opens again on the promoted replica, through either host.
+    let fresh = eventually(WITHIN, || {
+        let r = http::try_initialize(&fleet.a.addr, "/mcp")?;
+        match r.header("mcp-session-id") {
+            Some(sid) if r.status == 200 => Ok(sid.to_owned()),
+            _ => Err(r.outcome()),
+        }
+    });
+    println!(
+        "first new session {:?} after the kill of the primary",
+        killed_at.elapsed()
+    );
+    assert_eq!(
+        recorded_owner(&fleet.redis.replica, &fresh),
+        Some(owner_of(&fresh)),
+        "the new session is recorded on the promoted replica"
+    );
+    let first = call_tool(
+        &fleet.b.addr,
+        "/mcp",
+        &fresh,
+        2,
+        "counter_increment",
+        json!({}),
+    );
+    assert_eq!(
+        first.expect_tool_text(),
+        "1",
+        "the new session has its own state"
+    );
+    // The owners re-asserted every session record on the new primary.
+    eventually(WITHIN, || {
+        let missing: Vec<&String> = sessions
+            .iter()
+            .filter(|s| recorded_owner(&fleet.redis.replica, s).as_ref() != owners.get(*s))
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{missing:?}"))
+        }
+    });
+    load.wait_until(every_session_progressed(&sessions, 3, Instant::now()));
+    let outcomes = load.finish();
+    for o in &outcomes {
+        match o.status {
+            200 => {}
+            // Until the new primary answered and the owners re-asserted: unknown.
+            503 => {
+                assert!(
+                    matches!(
+                        o.detail.as_str(),
+                        "directory_unavailable" | "ownership_unknown" | "lease_in_doubt"
+                    ),
+                    "a 503 during the failover says the state is unknown: {o:?}"
+                );
+                assert_eq!(o.retry_after.as_deref(), Some("1"), "{o:?}");
+            }
+            _ => panic!("no session is lost to a failover: {o:?}"),
+        }
+    }
+    for session in &sessions {
+        assert_counting_on(&outcomes, session);
+    }
+    // Each worker saw the failover once and counted it.
+    for id in owners.values().collect::<std::collections::BTreeSet<_>>() {
+        let admin = admin_of(&fleet.redis.replica, id);
+        let metrics = scrape(&admin);
+        assert_eq!(
+            metrics.get("mcpgw_directory_failovers_total").copied(),
+            Some(1.0),
+            "worker {id}"
+        );
+    }
+    let _ = &fleet.upstream;
+}
+
+#[test]
+fn mcpgw_status_names_the_sentinel_primary_and_its_replica() {
+    let fleet = SentinelFleet::start(&[]);
+    let out = run_mcpgw(&["status", "--redis", &fleet.redis.url(), "--json"]);
+    let status: serde_json::Value = serde_json::from_str(&out).expect("status JSON");
+    let redis = &status["redis"];
+    assert_eq!(redis["topology"], "sentinel", "{status}");
+    assert_eq!(redis["primary_name"], PRIMARY_NAME, "{status}");
+    assert_eq!(
+        redis["primary"],
+        format!("127.0.0.1:{}", fleet.redis.primary.port),
+        "{status}"
+    );
+    assert_eq!(
+        redis["replicas"],
+        json!([format!("127.0.0.1:{}", fleet.redis.replica.port)]),
+        "{status}"
+    );
+    assert_eq!(
+        status["workers"].as_array().map(Vec::len),
+        Some(2),
+        "{status}"
+    );
+}
