@@ -255,24 +255,8 @@ impl LeaseHolder {
         {
             Ok(lease) => {
                 *self.lease.lock() = lease;
-                match self
-                    .directory
-                    .reclaim_sessions_after_loss(old.id(), &held)
-                    .await
-                {
+                match self.claim_held_again(old.id(), &held).await {
                     Ok(taken) => {
-                        // Shared sessions are remembered past their end (see
-                        // `execute::shared`); the rebuilt directory must remember them
-                        // too, or their end would read as "never existed".
-                        let shared: Vec<String> = held
-                            .iter()
-                            .filter(|sid| crate::session::is_shared_id(sid) && !taken.contains(sid))
-                            .cloned()
-                            .collect();
-                        if let Err(e) = self.directory.remember_sessions(&shared).await {
-                            // They still work; only an end after this could go untold.
-                            warn!(error = %e, sessions = shared.len(), "re-marking shared sessions in the rebuilt directory failed");
-                        }
                         self.clock.lock().renewed(sent_at);
                         info!(
                             worker = old.id(),
@@ -299,6 +283,30 @@ impl LeaseHolder {
         }
     }
 
+    /// Records this worker again as the owner of the sessions it holds, in a directory
+    /// that may have lost them (rebuilt empty, or failed over). Returns those another
+    /// worker owns by now, which the caller must drop.
+    async fn claim_held_again(
+        &self,
+        id: &str,
+        held: &[String],
+    ) -> Result<Vec<String>, DirectoryError> {
+        let taken = self.directory.reclaim_sessions_after_loss(id, held).await?;
+        // Shared sessions are remembered past their end (see `execute::shared`); the
+        // directory must remember them again, or their end would read as "never
+        // existed".
+        let shared: Vec<String> = held
+            .iter()
+            .filter(|sid| crate::session::is_shared_id(sid) && !taken.contains(sid))
+            .cloned()
+            .collect();
+        if let Err(e) = self.directory.remember_sessions(&shared).await {
+            // They still work; only an end after this could go untold.
+            warn!(error = %e, sessions = shared.len(), "re-marking shared sessions in the directory failed");
+        }
+        Ok(taken)
+    }
+
     /// After a failover: writes the lease and the session records again at once, as
     /// after a Redis that came back empty, since the new primary may lack any of them.
     async fn reassert(&self, old: &Lease, held: Vec<String>) -> LeaseCheck {
@@ -306,20 +314,8 @@ impl LeaseHolder {
         match self.directory.reassert_after_failover(old).await {
             Ok(Some(lease)) => {
                 *self.lease.lock() = lease;
-                match self
-                    .directory
-                    .reclaim_sessions_after_loss(old.id(), &held)
-                    .await
-                {
+                match self.claim_held_again(old.id(), &held).await {
                     Ok(taken) => {
-                        let shared: Vec<String> = held
-                            .iter()
-                            .filter(|sid| crate::session::is_shared_id(sid) && !taken.contains(sid))
-                            .cloned()
-                            .collect();
-                        if let Err(e) = self.directory.remember_sessions(&shared).await {
-                            warn!(error = %e, sessions = shared.len(), "re-marking shared sessions after the failover failed");
-                        }
                         self.clock.lock().renewed(sent_at);
                         info!(
                             worker = old.id(),
