@@ -78,7 +78,8 @@ fn problem_kinds(doc: &Value) -> Vec<String> {
 /// The rows of the status table: worker id → (column → cell), cut at the header's
 /// column positions (cells such as "1.2s ago" hold spaces).
 fn table_rows(text: &str) -> BTreeMap<String, BTreeMap<String, String>> {
-    let mut lines = text.lines();
+    // The topology line (`redis: standalone`, or the Sentinel primary) comes first.
+    let mut lines = text.lines().skip_while(|line| !line.starts_with("WORKER"));
     let header = lines.next().unwrap_or_default();
     let names = [
         "WORKER",
@@ -202,6 +203,11 @@ fn status_shows_a_two_by_two_fleet_and_flags_a_duplicate_identity_and_orphaned_r
     // The table holds the same data.
     let (code, text) = status(&fleet.redis, &[]);
     assert_eq!(code, Some(0));
+    assert_eq!(
+        text.lines().next(),
+        Some("redis: standalone"),
+        "the topology it reached comes first"
+    );
     let rows = table_rows(&text);
     assert_eq!(
         rows.keys().collect::<BTreeSet<_>>(),
