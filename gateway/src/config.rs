@@ -283,6 +283,22 @@ pub struct FleetConfig {
     /// worker's keys are gone within about a lease plus two of these. Unset: the
     /// lease time, so directory traffic stays time-based and small.
     pub sweep_interval: Option<Duration>,
+    /// Whether another worker adopts a session whose owner died or drained, when its
+    /// state lives in its HTTP upstream.
+    pub adopt: AdoptMode,
+    /// Keys that seal the upstream session ids in the directory's adoption records
+    /// (one per line, 64 hex digits; the first seals). Unset: recorded in the clear.
+    pub adoption_key_file: Option<PathBuf>,
+}
+
+/// Which sessions outlive their worker (`--adopt`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum AdoptMode {
+    /// Sessions whose upstream is HTTP: another worker takes them on.
+    Http,
+    /// None: every session ends with its owner, and clients see each owner change.
+    Never,
 }
 
 impl FleetConfig {
@@ -374,6 +390,8 @@ impl Default for Config {
                 gone_status: 404,
                 stateless_when_unknown: false,
                 sweep_interval: None,
+                adopt: AdoptMode::Http,
+                adoption_key_file: None,
             },
             mesh: MeshConfig {
                 listen: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -448,6 +466,14 @@ pub struct ServeArgs {
     /// Status for a session whose owner is gone: 404 (MCP) or 409.
     #[arg(long, env = "MCPGW_SESSION_GONE_STATUS")]
     pub session_gone_status: Option<u16>,
+    /// Sessions another worker adopts when their owner dies or drains: http (those of
+    /// HTTP upstreams, the default) or never.
+    #[arg(long, env = "MCPGW_ADOPT", value_enum)]
+    pub adopt: Option<AdoptMode>,
+    /// File of adoption keys (64 hex digits per line; the first seals) that seal
+    /// upstream session ids in the directory.
+    #[arg(long, env = "MCPGW_ADOPTION_KEY_FILE")]
+    pub adoption_key_file: Option<PathBuf>,
     /// Mesh bind address of worker 0 (worker i uses port + i; port 0 picks free ports).
     #[arg(long, env = "MCPGW_MESH_LISTEN")]
     pub mesh_listen: Option<String>,
@@ -635,6 +661,8 @@ struct FileFleet {
     gone_status: Option<u16>,
     stateless_when_unknown: Option<bool>,
     sweep_interval_ms: Option<u64>,
+    adopt: Option<AdoptMode>,
+    adoption_key_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -758,6 +786,10 @@ impl Config {
         if let Some(ms) = f.sweep_interval_ms {
             self.fleet.sweep_interval = Some(Duration::from_millis(ms));
         }
+        set(&mut self.fleet.adopt, f.adopt);
+        if f.adoption_key_file.is_some() {
+            self.fleet.adoption_key_file = f.adoption_key_file;
+        }
         let m = file.mesh;
         if let Some(listen) = m.listen {
             self.mesh.listen = parse_addr("mesh.listen", &listen)?;
@@ -820,6 +852,10 @@ impl Config {
             self.fleet.worker_id = a.worker_id.clone();
         }
         set(&mut self.fleet.gone_status, a.session_gone_status);
+        set(&mut self.fleet.adopt, a.adopt);
+        if a.adoption_key_file.is_some() {
+            self.fleet.adoption_key_file = a.adoption_key_file.clone();
+        }
         if a.stateless_when_unknown {
             self.fleet.stateless_when_unknown = true;
         }

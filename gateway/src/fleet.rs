@@ -10,16 +10,23 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use http::StatusCode;
-use mcpgw_mesh::directory::{Claim, Directory, DirectoryError, SessionQuota};
+use mcpgw_mesh::directory::{
+    Claim, Directory, DirectoryError, SessionKind, SessionQuota, SessionState,
+};
 use mcpgw_mesh::transport::MeshClient;
 use parking_lot::RwLock;
 use tracing::{info, warn};
 
+use crate::adoption::{self, AdoptionKeys};
 use crate::config::Config;
 use crate::dispatch::table::RETRY_AFTER_SECONDS;
+use crate::execute::upstream::UpstreamLink;
 use crate::lease::LeaseHolder;
 use crate::mcp::GatewayError;
 use crate::session::Session;
+
+/// Sessions remembered as adopted by another worker at most (see [`Fleet::moved`]).
+const MAX_REMEMBERED_MOVES: usize = 65_536;
 
 /// Dead workers remembered at most; a fleet that loses more within the memory's
 /// lifetime falls back to asking the directory.
@@ -41,6 +48,14 @@ pub struct Fleet {
     /// no trace in the directory, so later requests for its sessions are answered
     /// "gone" from here. Bounded (see [`Fleet::remember_dead`]).
     pub(crate) buried: parking_lot::Mutex<HashMap<String, tokio::time::Instant>>,
+    /// Sessions whose owner left them and that another worker adopted, by session id:
+    /// their ids still hint the old owner, so without this every request for one
+    /// would ask the directory who holds it now. Bounded; a stale entry is corrected
+    /// by the owner's "not mine".
+    pub(crate) moved: RwLock<HashMap<String, String>>,
+    /// Sessions of HTTP upstreams outlive their owner (`--adopt http`) with these keys
+    /// sealing their upstream session ids; none: `--adopt never`.
+    pub(crate) adoption: Option<AdoptionKeys>,
     /// Ids of forwarded requests, unique per caller.
     pub(crate) request_ids: AtomicU64,
     pub(crate) config: Arc<Config>,
@@ -56,6 +71,7 @@ impl Fleet {
         probe_mesh: MeshClient,
         config: Arc<Config>,
         metrics: Arc<crate::metrics::Metrics>,
+        adoption: Option<AdoptionKeys>,
     ) -> Fleet {
         Fleet {
             directory,
@@ -64,6 +80,8 @@ impl Fleet {
             probe_mesh,
             peers: RwLock::new(HashMap::new()),
             buried: parking_lot::Mutex::new(HashMap::new()),
+            moved: RwLock::new(HashMap::new()),
+            adoption,
             request_ids: AtomicU64::new(1),
             config,
             metrics,
@@ -83,6 +101,24 @@ impl Fleet {
             }
         }
         buried.insert(owner.to_owned(), now);
+    }
+
+    /// Remembers that `owner` adopted session `sid`.
+    pub(crate) fn remember_moved(&self, sid: &str, owner: &str) {
+        let mut moved = self.moved.write();
+        if moved.len() >= MAX_REMEMBERED_MOVES {
+            moved.clear();
+        }
+        moved.insert(sid.to_owned(), owner.to_owned());
+    }
+
+    /// Who adopted session `sid`, as this worker last learnt.
+    pub(crate) fn moved_to(&self, sid: &str) -> Option<String> {
+        self.moved.read().get(sid).cloned()
+    }
+
+    pub(crate) fn forget_moved(&self, sid: &str) {
+        self.moved.write().remove(sid);
     }
 
     /// Whether this worker proved `owner` dead recently.
@@ -108,19 +144,50 @@ impl Fleet {
         StatusCode::from_u16(self.config.fleet.gone_status).unwrap_or(StatusCode::NOT_FOUND)
     }
 
-    /// Records `session` as ours, within its quota key's fleet-wide session quota. A
-    /// directory that does not answer means the session could not be routed by the
-    /// fleet, so it is not created.
-    pub async fn claim(&self, session: &Session, owner: &str) -> Result<(), GatewayError> {
+    /// Records `session` as ours, within its quota key's fleet-wide session quota, and
+    /// (unless `--adopt never`) what it needs to continue elsewhere; `initialize` is
+    /// the client's request that opened it. A directory that does not answer means
+    /// the session could not be routed by the fleet, so it is not created.
+    pub async fn claim(
+        &self,
+        session: &Session,
+        owner: &str,
+        initialize: Option<&serde_json::Value>,
+    ) -> Result<(), GatewayError> {
         let quota = self.config.limits.session_quota(&session.quota_key);
         let quota = (quota > 0).then_some(SessionQuota {
             key: &session.quota_key,
             limit: quota,
             ttl: self.config.limits.session_idle_timeout * 2,
         });
+        let route = &self.config.upstreams[session.upstream].name;
+        let (kind, payload) = match (&self.adoption, &session.link) {
+            (None, _) => (None, String::new()),
+            (Some(_), UpstreamLink::Stdio(_)) => (Some(SessionKind::Stdio), "{}".to_owned()),
+            (Some(keys), UpstreamLink::Http { session_id }) => {
+                let upstream_session = session_id.as_ref().and_then(|v| v.to_str().ok());
+                let params = initialize.and_then(|message| message.get("params"));
+                let record =
+                    adoption::record_for(route, params, upstream_session, &session.id, keys)
+                        .map_err(|e| {
+                            GatewayError::gateway(
+                                StatusCode::INTERNAL_SERVER_ERROR,
+                                Reason::EntropyUnavailable,
+                                format!("could not record the new session for adoption: {e}"),
+                            )
+                        })?;
+                (Some(SessionKind::Http), record.to_payload())
+            }
+        };
+        let guard = adoption::guard_of(route, &session.principal);
+        let state = kind.map(|kind| SessionState {
+            kind,
+            guard: &guard,
+            payload: &payload,
+        });
         match self
             .directory
-            .claim_session(&session.id, owner, quota)
+            .claim_session_with_state(&session.id, owner, quota, state)
             .await
         {
             Ok(Claim::Claimed) => Ok(()),

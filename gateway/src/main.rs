@@ -17,6 +17,7 @@
 #![deny(rust_2018_idioms)]
 
 mod admin;
+mod adoption;
 mod auth;
 mod body;
 mod commands;

@@ -99,6 +99,16 @@ pub struct TransportLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CauseLabels {
+    pub cause: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WhyLabels {
+    pub why: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
     pub reason: &'static str,
 }
@@ -160,6 +170,8 @@ pub struct Metrics {
     pub sessions_reclaimed: Counter,
     pub leases_in_doubt: Counter,
     pub directory_failovers: Counter,
+    pub sessions_adopted: Family<CauseLabels, Counter>,
+    pub adoptions_refused: Family<WhyLabels, Counter>,
     pub lease_valid: Gauge,
     pub draining: Gauge,
     pub mesh_streams: Family<StreamLabels, Gauge>,
@@ -227,7 +239,7 @@ impl Metrics {
         let sessions_ended = Family::<ReasonLabels, Counter>::default();
         registry.register(
             "sessions_ended",
-            "Sessions this worker ended, by reason (deleted, expired, drained, fenced, upstream_gone)",
+            "Sessions this worker ended, by reason (deleted, expired, drained, handed_over, fenced, lost)",
             sessions_ended.clone(),
         );
         let sessions_owned = Gauge::default();
@@ -259,6 +271,18 @@ impl Metrics {
             "leases_in_doubt",
             "Renewals that could not confirm this worker's lease in time",
             leases_in_doubt.clone(),
+        );
+        let sessions_adopted = Family::<CauseLabels, Counter>::default();
+        registry.register(
+            "sessions_adopted",
+            "Sessions this worker took on after their owner left them, by cause (death, drain)",
+            sessions_adopted.clone(),
+        );
+        let adoptions_refused = Family::<WhyLabels, Counter>::default();
+        registry.register(
+            "adoptions_refused",
+            "Sessions whose owner left them that could not continue here, by why (stdio, upstream_forgot, key_unknown, record_unreadable)",
+            adoptions_refused.clone(),
         );
         let directory_failovers = Counter::default();
         registry.register(
@@ -368,6 +392,8 @@ impl Metrics {
             sessions_reclaimed,
             leases_in_doubt,
             directory_failovers,
+            sessions_adopted,
+            adoptions_refused,
             lease_valid,
             draining,
             mesh_streams,
@@ -489,6 +515,18 @@ impl Metrics {
         self.sessions_ended
             .get_or_create(&ReasonLabels { reason })
             .inc_by(count);
+    }
+
+    pub fn session_adopted(&self, cause: &'static str) {
+        self.sessions_adopted
+            .get_or_create(&CauseLabels { cause })
+            .inc();
+    }
+
+    pub fn adoption_refused(&self, why: &'static str) {
+        self.adoptions_refused
+            .get_or_create(&WhyLabels { why })
+            .inc();
     }
 
     pub fn death_proven(&self, proof: &'static str) {

@@ -13,6 +13,9 @@ use crate::mcp::GatewayError;
 pub const HEADER_OWNER_WORKER: &str = "mcpgw-owner-worker";
 /// The worker that received the request from the client.
 pub const HEADER_EDGE_WORKER: &str = "mcpgw-edge-worker";
+/// On the answer whose request took a session on after its owner left it: why the
+/// owner left (`death`, `drain`). Later answers do not carry it.
+pub const HEADER_ADOPTED: &str = "mcpgw-adopted";
 /// Set on an answer given without the session because its owner could not be
 /// confirmed (`--stateless-when-unknown`).
 pub const HEADER_STATELESS: &str = "mcpgw-stateless";

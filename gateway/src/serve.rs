@@ -13,12 +13,15 @@ use mcpgw_certs::MeshTlsFiles;
 use mcpgw_mesh::directory::{Directory, DirectoryConfig, DirectoryError};
 use mcpgw_mesh::transport::{MeshClient, MeshLimits, MeshServer, MeshServerHandle, TransportKind};
 
-use crate::config::{Config, MeshTransport};
+use crate::adoption::AdoptionKeys;
+use crate::config::{AdoptMode, Config, MeshTransport};
+use crate::execute::upstream::UpstreamLink;
 use crate::fleet::Fleet;
 use crate::forward::owner::OwnerService;
 use crate::front;
 use crate::lease::LeaseHolder;
 use crate::process::{self, generate_worker_id, wait_for_signal};
+use crate::session::Session;
 use crate::worker::Worker;
 
 /// How long open client exchanges may run on after a shutdown signal.
@@ -238,6 +241,26 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
     Ok(())
 }
 
+/// The keys sessions are recorded for adoption with, or none when `--adopt never`.
+/// Without a key file the upstream session ids are recorded in the clear, which the
+/// log says once.
+fn adoption_keys(config: &Config) -> Result<Option<AdoptionKeys>, WorkerError> {
+    if config.fleet.adopt == AdoptMode::Never {
+        return Ok(None);
+    }
+    match &config.fleet.adoption_key_file {
+        Some(path) => AdoptionKeys::load(path)
+            .map(Some)
+            .map_err(WorkerError::Fatal),
+        None => {
+            info!(
+                "adoption records hold upstream session ids in the clear (no --adoption-key-file): the directory is inside the trust boundary"
+            );
+            Ok(Some(AdoptionKeys::default()))
+        }
+    }
+}
+
 /// Ends every session of a draining worker, upstream and in the directory: many at a
 /// time, and within the drain's grace. A session not ended by then (Redis or the
 /// upstream not answering) is left to expire upstream and to the fleet's sweeper.
@@ -249,14 +272,49 @@ async fn end_sessions(worker: &Arc<Worker>) {
         let worker = Arc::clone(worker);
         async move {
             if let Some(session) = worker.sessions.get(&id) {
-                worker.end_session(&session).await;
-                worker.metrics.session_ended("drained", 1);
+                if hand_over(&worker, &session).await {
+                    worker.metrics.session_ended("handed_over", 1);
+                } else {
+                    worker.end_session(&session).await;
+                    worker.metrics.session_ended("drained", 1);
+                }
             }
         }
     });
     if tokio::time::timeout(DRAIN_GRACE, ending).await.is_err() {
         let left = worker.sessions.len();
         warn!(worker = %worker.id, total, left, "sessions still ending at the drain deadline; the sweeper takes their records");
+    }
+}
+
+/// Leaves `session` for another worker to adopt instead of ending it, when its state
+/// lives in its HTTP upstream: it leaves this worker (its streams end; exchanges still
+/// running finish) and its record waits in the directory for the session's next
+/// request. False when it cannot continue elsewhere, or the directory did not take it:
+/// then it is ended as before.
+async fn hand_over(worker: &Worker, session: &Session) -> bool {
+    let Some(fleet) = worker.fleet() else {
+        return false;
+    };
+    let continuable = matches!(session.link, UpstreamLink::Http { .. }) && !session.shared;
+    if fleet.adoption.is_none() || !continuable {
+        return false;
+    }
+    match fleet
+        .directory
+        .hand_over_session(&session.id, &worker.id, Some(&session.quota_key))
+        .await
+    {
+        Ok(true) => {
+            worker.sessions.remove(&session.id);
+            session.streams.close();
+            true
+        }
+        Ok(false) => false,
+        Err(e) => {
+            warn!(session = %session.tag, error = %e, "could not hand the session over; ending it");
+            false
+        }
     }
 }
 
@@ -435,6 +493,7 @@ async fn join_fleet(
         prefix: config.fleet.key_prefix.clone(),
         lease: config.fleet.lease,
         op_timeout: config.fleet.directory_timeout,
+        adoptable_for: config.limits.session_idle_timeout,
         ..DirectoryConfig::default()
     })
     .await
@@ -490,6 +549,7 @@ async fn join_fleet(
         probe_client,
         Arc::clone(config),
         Arc::clone(&worker.metrics),
+        adoption_keys(config)?,
     ));
     let _ = worker
         .mesh_streams

@@ -187,7 +187,7 @@ pub fn tag_of(session_id: &str) -> SessionTag {
     SessionTag([digest[0], digest[1], digest[2], digest[3]])
 }
 
-fn sha256(parts: &[&[u8]]) -> [u8; 32] {
+pub(crate) fn sha256(parts: &[&[u8]]) -> [u8; 32] {
     let mut context = aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256);
     for part in parts {
         // Length-prefixed, so ("ab", "c") and ("a", "bc") differ.
@@ -199,7 +199,7 @@ fn sha256(parts: &[&[u8]]) -> [u8; 32] {
     out
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

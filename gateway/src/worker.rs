@@ -181,9 +181,13 @@ impl Worker {
 
     /// Records a freshly minted session as ours in the fleet directory, within its
     /// principal's fleet-wide session quota.
-    pub async fn claim_session(&self, session: &Session) -> Result<(), GatewayError> {
+    pub async fn claim_session(
+        &self,
+        session: &Session,
+        initialize: Option<&serde_json::Value>,
+    ) -> Result<(), GatewayError> {
         match self.fleet.get() {
-            Some(fleet) => fleet.claim(session, &self.id).await,
+            Some(fleet) => fleet.claim(session, &self.id, initialize).await,
             None => Ok(()),
         }
     }

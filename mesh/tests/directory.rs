@@ -22,6 +22,7 @@ fn config(server: &RedisServer, lease: Duration) -> DirectoryConfig {
         lease,
         op_timeout: Duration::from_millis(500),
         connect_timeout: Duration::from_secs(5),
+        ..Default::default()
     }
 }
 

@@ -408,6 +408,7 @@ pub(crate) async fn connect(
         lease,
         op_timeout: Duration::from_secs(2),
         connect_timeout: Duration::from_secs(3),
+        ..DirectoryConfig::default()
     })
     .await
 }

@@ -8,15 +8,19 @@ pub mod table;
 
 use std::sync::Arc;
 
-use http::StatusCode;
+use http::{HeaderValue, StatusCode};
+use mcpgw_mesh::directory::{AdoptCause, Adoption};
+use tracing::{debug, info, warn};
 
+use crate::adoption::{OpenError, SessionRecord};
 use crate::execute::stateless::STATELESS_METHODS;
+use crate::execute::upstream::UpstreamLink;
 use crate::fleet::Fleet;
 use crate::forward::caller::Unanswered;
 use crate::mcp::{Era, GatewayError};
-use crate::reply::Reply;
+use crate::reply::{HEADER_ADOPTED, Reply};
 use crate::request::Call;
-use crate::session::SessionUse;
+use crate::session::{Session, SessionUse};
 use crate::worker::Worker;
 use table::{Decision, Known, Situation, decide};
 
@@ -54,19 +58,161 @@ impl Worker {
         });
         match (decide(&situation), self.fleet()) {
             (Decision::ExecuteHere, _) => self.execute_held(call, local).await,
-            (Decision::Forward, Some(fleet)) => self
-                .forward_counted(fleet, &call, None)
-                .await
-                .map_err(|unanswered| {
-                    let error = self.refuse(&unanswered.situation, &unanswered.why, call.id());
-                    match unanswered.detail.is_empty() {
-                        true => error,
-                        false => error.with_log_detail(unanswered.detail),
+            (Decision::Forward, Some(fleet)) => {
+                match self.forward_counted(fleet, &call, None).await {
+                    Ok(reply) => Ok(reply),
+                    Err(unanswered) if self.may_adopt(fleet, &call, &unanswered.situation) => {
+                        self.adopt_or_refuse(fleet, call, unanswered).await
                     }
-                }),
+                    Err(unanswered) => Err(self.refuse_unanswered(unanswered, call.id())),
+                }
+            }
             (Decision::Forward, None) => Err(GatewayError::session_not_found().with_id(call.id())),
             (Decision::Refuse(_), _) => Err(self.refuse(&situation, LEASE_IN_DOUBT_WHY, call.id())),
         }
+    }
+
+    fn refuse_unanswered(&self, unanswered: Unanswered, id: serde_json::Value) -> GatewayError {
+        let error = self.refuse(&unanswered.situation, &unanswered.why, id);
+        match unanswered.detail.is_empty() {
+            true => error,
+            false => error.with_log_detail(unanswered.detail),
+        }
+    }
+
+    /// Whether a legacy session whose forward found its owner gone may be taken on here
+    /// (docs/architecture.md, "Adoption"): only where the owner left it (proven dead,
+    /// or drained and no longer holding it), never on "unknown", and never by a worker
+    /// that is leaving itself.
+    fn may_adopt(&self, fleet: &Fleet, call: &Call, situation: &Situation) -> bool {
+        fleet.adoption.is_some()
+            && call.era == Era::Legacy
+            && call.session_id.is_some()
+            && matches!(situation, Situation::OwnerGone | Situation::NoSuchSession)
+            && !self.draining()
+            && !self.is_fenced()
+    }
+
+    /// Adopts `call`'s session if its owner left it for adoption and it can continue
+    /// here, and runs `call` in it; forwards to the worker that adopted it first; or
+    /// answers what the forward found (`unanswered`).
+    async fn adopt_or_refuse(
+        self: &Arc<Self>,
+        fleet: &Fleet,
+        call: Call,
+        unanswered: Unanswered,
+    ) -> Result<Reply, GatewayError> {
+        let Some(sid) = call.session_id.clone() else {
+            return Err(self.refuse_unanswered(unanswered, call.id()));
+        };
+        fleet.forget_moved(&sid);
+        let route = &self.config.upstreams[call.upstream].name;
+        let guard = crate::adoption::guard_of(route, &call.auth.subject);
+        let tag = crate::session::tag_of(&sid);
+        match fleet.directory.adopt_session(&sid, &self.id, &guard).await {
+            Ok(Adoption::Adopted { payload, cause }) => {
+                self.run_adopted(fleet, call, &payload, Some(cause)).await
+            }
+            Ok(Adoption::AlreadyOwned { payload }) => {
+                self.run_adopted(fleet, call, &payload, None).await
+            }
+            Ok(Adoption::OwnedBy(owner)) if owner != self.id => {
+                fleet.remember_moved(&sid, &owner);
+                self.forward_counted(fleet, &call, Some(&owner))
+                    .await
+                    .map_err(|unanswered| self.refuse_unanswered(unanswered, call.id()))
+            }
+            Ok(Adoption::CannotContinue) => {
+                self.metrics.adoption_refused("stdio");
+                let why = "its upstream process ended with the worker that held it";
+                info!(session = %tag, "session not adopted: {why}");
+                Err(self.session_gone(why).with_id(call.id()))
+            }
+            Ok(_) => Err(self.refuse_unanswered(unanswered, call.id())),
+            Err(e) => {
+                debug!(session = %tag, error = %e, "adoption not possible now");
+                Err(self.refuse_unanswered(unanswered, call.id()))
+            }
+        }
+    }
+
+    /// Runs `call` in its session, which this worker now owns in the directory, from
+    /// the record its first owner wrote (`payload`). `cause`: why that owner left it,
+    /// when this request is the one that adopted it.
+    async fn run_adopted(
+        self: &Arc<Self>,
+        fleet: &Fleet,
+        call: Call,
+        payload: &str,
+        cause: Option<AdoptCause>,
+    ) -> Result<Reply, GatewayError> {
+        let Some(sid) = call.session_id.clone() else {
+            return Err(GatewayError::session_not_found().with_id(call.id()));
+        };
+        let tag = crate::session::tag_of(&sid);
+        let upstream_session = SessionRecord::from_payload(payload).and_then(|record| {
+            let Some(recorded) = record.upstream_session else {
+                return Ok(None);
+            };
+            let keys = fleet.adoption.as_ref().ok_or("adoption is off here")?;
+            let opened = keys.open(&sid, &recorded).map_err(|e| {
+                self.metrics.adoption_refused(match e {
+                    OpenError::UnknownKey(_) => "key_unknown",
+                    OpenError::Malformed => "record_unreadable",
+                });
+                e.to_string()
+            })?;
+            HeaderValue::from_str(&opened)
+                .map(Some)
+                .map_err(|_| "its recorded upstream session id is not a header value".to_owned())
+        });
+        let upstream_session = match upstream_session {
+            Ok(id) => id,
+            Err(why) => {
+                // Taken, but it cannot go on: let it go, so no record names this worker
+                // for a session it does not hold.
+                warn!(session = %tag, "adopted session cannot continue: {why}");
+                if let Err(e) = fleet.directory.release_session(&sid, &self.id, None).await {
+                    warn!(session = %tag, error = %e, "could not remove the session's record");
+                }
+                return Err(self.session_gone(&why).with_id(call.id()));
+            }
+        };
+        let session = Session::new(
+            sid.clone(),
+            call.upstream,
+            call.auth.subject.clone(),
+            UpstreamLink::Http {
+                session_id: upstream_session,
+            },
+            self.new_streams(),
+        )
+        .with_quota_key(call.quota_key());
+        let session = self.sessions.insert(session);
+        if let Some(cause) = cause {
+            self.metrics.session_adopted(cause.as_str());
+            self.metrics.sessions_opened.inc();
+            info!(
+                session = %session.tag,
+                cause = cause.as_str(),
+                previous_owner = crate::session::owner_hint(&sid).unwrap_or("unknown"),
+                "adopted a session its owner left"
+            );
+        }
+        let held = self.sessions.enter(&sid);
+        let result = self.execute_held(call, held).await;
+        if let (Err(_), Some(_)) = (&result, session.ended()) {
+            // The upstream no longer knows it: the client hears "gone" as it would have
+            // from the first owner, and the adoption is counted as refused.
+            self.metrics.adoption_refused("upstream_forgot");
+        }
+        let mut reply = result?;
+        if let Some(cause) = cause {
+            reply
+                .headers
+                .insert(HEADER_ADOPTED, HeaderValue::from_static(cause.as_str()));
+        }
+        Ok(reply)
     }
 
     /// Forwards `call` to its session's owner (`recorded`: as the caller read it from

@@ -169,7 +169,8 @@ impl Worker {
             streams,
         )
         .with_quota_key(quota_key);
-        if let Err(error) = self.claim_session(&session).await {
+        let initialize = call.message.as_ref().map(|m| &m.json);
+        if let Err(error) = self.claim_session(&session, initialize).await {
             // Never hand out a session the fleet cannot route to: end it upstream. A
             // claim that timed out may still land when Redis answers again: take any
             // such record back, so the directory holds no session nobody was given.

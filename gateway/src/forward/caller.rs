@@ -119,6 +119,12 @@ impl Fleet {
         let Some(session_id) = call.session_id.as_deref() else {
             return Err(unanswered(Situation::NoSuchSession, "no session id"));
         };
+        // A session adopted after its owner left still hints the old owner.
+        if let Some(adopter) = self.moved_to(session_id) {
+            return self
+                .forward_from(&adopter, this_worker, call, session_id)
+                .await;
+        }
         let hint = session::owner_hint(session_id);
         let fenced = self.lease.revoked();
         let owner = table::owner_from(hint, this_worker, fenced, async || {

@@ -16,6 +16,7 @@
 //! | `{p}generation` | random token `@` creation time (ms), created when absent | no TTL |
 //! | `{p}worker_cert:{id}` | not-after of the worker's mesh leaf, unix ms (only workers with a leaf) | PX lease, rewritten by every renewal |
 //! | `{p}drain:{id}` | an operator asked this worker to drain (`mcpgw drain`); its next renewal tells it | PX two to three leases; deleted when the worker registers or deregisters |
+//! | `{p}session_state:{sid}` | `<state>\|<kind>\|<guard>\|<payload>`: what a session needs to continue on another worker ([`SessionState`]); state `live`, or `death`/`drain` once its owner left it for adoption | no TTL while owned; PX [`DirectoryConfig::adoptable_for`] once left |
 //! | `{p}session_seen:{sid}` | a remembered session (a 2026-07-28 principal's shared one) existed; the first lookup after its end takes it | no TTL while it lives; PX [`REMEMBER_ENDED`] from its end |
 //! | `{p}rebuilt` | a worker registered again after Redis lost its data, or saw a Sentinel failover | PX two leases |
 //! | `{p}failover_seen` | `master_replid` of the primary whose failover was marked (the generation was renewed once for it) | PX four leases |
@@ -62,7 +63,10 @@ mod sessions;
 
 pub use fleet::{FleetSnapshot, LeaseView, WorkerEntry, WorkerSnapshot};
 pub use lease::{Gone, GoneHow, Lease, LeaseRenewal, LeaseState, WorkerEndpoint, WorkerInfo};
-pub use sessions::{Claim, REMEMBER_ENDED, Remembered, SessionQuota};
+pub use sessions::{
+    AdoptCause, Adoption, Claim, REMEMBER_ENDED, Remembered, SessionKind, SessionQuota,
+    SessionState,
+};
 
 /// Settings of the directory client.
 #[derive(Clone, PartialEq, Eq)]
@@ -82,6 +86,10 @@ pub struct DirectoryConfig {
     /// Deadline of the first connection in [`Directory::connect`]; a worker refuses to
     /// start if Redis is not reachable by then.
     pub connect_timeout: Duration,
+    /// How long the record of a session whose owner died or drained stays adoptable
+    /// (`session_state`): the gateway's idle timeout, since a session nobody used for
+    /// that long would have ended anyway.
+    pub adoptable_for: Duration,
 }
 
 impl Default for DirectoryConfig {
@@ -92,6 +100,7 @@ impl Default for DirectoryConfig {
             lease: Duration::from_secs(10),
             op_timeout: Duration::from_millis(500),
             connect_timeout: Duration::from_secs(5),
+            adoptable_for: Duration::from_secs(1800),
         }
     }
 }
@@ -104,6 +113,7 @@ impl fmt::Debug for DirectoryConfig {
             .field("lease", &self.lease)
             .field("op_timeout", &self.op_timeout)
             .field("connect_timeout", &self.connect_timeout)
+            .field("adoptable_for", &self.adoptable_for)
             .finish()
     }
 }
@@ -304,6 +314,8 @@ struct Scripts {
     release: Script,
     reclaim: Script,
     reclaim_after_loss: Script,
+    adopt: Script,
+    hand_over: Script,
     remembered: Script,
     generation: Script,
     resume: Script,
@@ -361,6 +373,8 @@ impl Scripts {
             remembered: sessions::remembered(),
             reclaim: sessions::reclaim(),
             reclaim_after_loss: sessions::reclaim_after_loss(),
+            adopt: sessions::adopt(),
+            hand_over: sessions::hand_over(),
             request_drain: fleet::request_drain(),
             failover: Script::new(&format!("{GEN_LUA}\n{FAILOVER_LUA}")),
             reassert: lease::reassert(),
@@ -736,6 +750,10 @@ impl Directory {
 
     fn key_rebuilt(&self) -> String {
         format!("{}rebuilt", self.inner.cfg.prefix)
+    }
+
+    fn key_state(&self, sid: &str) -> String {
+        format!("{}session_state:{sid}", self.inner.cfg.prefix)
     }
 
     fn key_seen(&self, sid: &str) -> String {

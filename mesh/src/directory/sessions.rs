@@ -39,6 +39,72 @@ pub enum Claim {
     OverQuota,
 }
 
+/// What kind of upstream link a session holds, which decides whether it can continue
+/// on another worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionKind {
+    /// Its state lives in an HTTP upstream's session: another worker can take it on.
+    Http,
+    /// A child process of its owner: it dies with the owner.
+    Stdio,
+}
+
+impl SessionKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            SessionKind::Http => "http",
+            SessionKind::Stdio => "stdio",
+        }
+    }
+}
+
+/// What a session needs to continue on another worker, recorded once when it opens
+/// (`session_state:{sid}`, written by the claim itself, never per request).
+#[derive(Debug, Clone, Copy)]
+pub struct SessionState<'a> {
+    pub kind: SessionKind,
+    /// Who may adopt it: a worker asking with another guard (another principal or
+    /// route) gets [`Adoption::NoRecord`] and learns nothing. Hex, no `|`.
+    pub guard: &'a str,
+    /// The caller's own description of the session (the directory never reads it).
+    pub payload: &'a str,
+}
+
+/// Why a session was left for adoption.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdoptCause {
+    /// Its owner was proven dead and reclaimed.
+    Death,
+    /// Its owner drained and handed it over.
+    Drain,
+}
+
+impl AdoptCause {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AdoptCause::Death => "death",
+            AdoptCause::Drain => "drain",
+        }
+    }
+}
+
+/// What [`Directory::adopt_session`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Adoption {
+    /// The caller is now the session's owner (exactly one caller fleet-wide gets this
+    /// for one loss); the payload recorded at its start.
+    Adopted { payload: String, cause: AdoptCause },
+    /// The caller owns it already (another of its requests adopted it a moment ago).
+    AlreadyOwned { payload: String },
+    /// Another worker owns it (it adopted it first, or its owner lives).
+    OwnedBy(String),
+    /// Its owner left it, but it cannot continue elsewhere (a stdio session); this
+    /// caller is the one told (the record is taken).
+    CannotContinue,
+    /// No record for this guard: never recorded, ended, or its adoption window passed.
+    NoRecord,
+}
+
 /// A fleet-wide limit on the sessions one principal (or client address) holds.
 #[derive(Debug, Clone, Copy)]
 pub struct SessionQuota<'a> {
@@ -61,7 +127,19 @@ impl Directory {
         owner_id: &str,
         quota: Option<SessionQuota<'_>>,
     ) -> Result<Claim, DirectoryError> {
-        self.claim(sid, owner_id, quota, false).await
+        self.claim(sid, owner_id, quota, false, None).await
+    }
+
+    /// Claims `sid` as [`claim_session`](Self::claim_session) does and records `state`
+    /// with it in the same script, so a session that can be found can be adopted.
+    pub async fn claim_session_with_state(
+        &self,
+        sid: &str,
+        owner_id: &str,
+        quota: Option<SessionQuota<'_>>,
+        state: Option<SessionState<'_>>,
+    ) -> Result<Claim, DirectoryError> {
+        self.claim(sid, owner_id, quota, false, state).await
     }
 
     /// Claims `sid` as [`claim_session`](Self::claim_session) does, and remembers that
@@ -75,7 +153,7 @@ impl Directory {
         sid: &str,
         owner_id: &str,
     ) -> Result<Claim, DirectoryError> {
-        self.claim(sid, owner_id, None, true).await
+        self.claim(sid, owner_id, None, true, None).await
     }
 
     async fn claim(
@@ -84,9 +162,22 @@ impl Directory {
         owner_id: &str,
         quota: Option<SessionQuota<'_>>,
         remember: bool,
+        state: Option<SessionState<'_>>,
     ) -> Result<Claim, DirectoryError> {
         check_name("session id", sid)?;
         check_name("worker id", owner_id)?;
+        let state = match state {
+            Some(state) => {
+                check_name("session guard", state.guard)?;
+                format!(
+                    "live|{}|{}|{}",
+                    state.kind.as_str(),
+                    state.guard,
+                    state.payload
+                )
+            }
+            None => String::new(),
+        };
         let (limit, key, ttl) = match &quota {
             Some(q) => (q.limit, q.key, duration_px(q.ttl)),
             None => (0, "", 0),
@@ -104,6 +195,7 @@ impl Directory {
                     .arg(ttl)
                     .arg(&self.inner.cfg.prefix)
                     .arg(if remember { "1" } else { "0" })
+                    .arg(&state)
                     .invoke_async(&mut c)
                     .await
             })
@@ -212,6 +304,85 @@ impl Directory {
         Ok(n == 1)
     }
 
+    /// Takes over `sid`, whose owner died or drained, as `adopter`: exactly one of
+    /// many racing callers becomes its owner ([`Adoption::Adopted`]); the others learn
+    /// who did. `guard` must be the one recorded at the claim. Only a session whose
+    /// owner left it (reclaim, handover) is adoptable; a live owner keeps it.
+    /// [`DirectoryError::NotRegistered`] if `adopter` holds no lease.
+    pub async fn adopt_session(
+        &self,
+        sid: &str,
+        adopter: &str,
+        guard: &str,
+    ) -> Result<Adoption, DirectoryError> {
+        if check_name("session id", sid).is_err() || check_name("session guard", guard).is_err() {
+            return Ok(Adoption::NoRecord);
+        }
+        check_name("worker id", adopter)?;
+        let (kind, value, cause): (String, String, String) = self
+            .run("adopt_session", |mut c, s| async move {
+                s.adopt
+                    .key(self.key_state(sid))
+                    .key(self.key_pool_owner(sid))
+                    .key(self.key_sessions(adopter))
+                    .key(self.key_worker(adopter))
+                    .arg(adopter)
+                    .arg(guard)
+                    .arg(sid)
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(match kind.as_str() {
+            "adopted" => Adoption::Adopted {
+                payload: value,
+                cause: match cause.as_str() {
+                    "drain" => AdoptCause::Drain,
+                    _ => AdoptCause::Death,
+                },
+            },
+            "mine" => Adoption::AlreadyOwned { payload: value },
+            "owned" => Adoption::OwnedBy(value),
+            "stdio" => Adoption::CannotContinue,
+            "unregistered" => {
+                return Err(DirectoryError::NotRegistered {
+                    id: adopter.to_owned(),
+                });
+            }
+            _ => Adoption::NoRecord,
+        })
+    }
+
+    /// A draining `owner_id` leaves `sid` for adoption instead of ending it: its owner
+    /// record goes, its state stays for [`DirectoryConfig::adoptable_for`]. Returns
+    /// false (and changes nothing) unless `owner_id` owns it and it can continue
+    /// elsewhere; the caller then ends it as before.
+    pub async fn hand_over_session(
+        &self,
+        sid: &str,
+        owner_id: &str,
+        quota_key: Option<&str>,
+    ) -> Result<bool, DirectoryError> {
+        check_name("session id", sid)?;
+        check_name("worker id", owner_id)?;
+        let n: i64 = self
+            .run("hand_over_session", |mut c, s| async move {
+                s.hand_over
+                    .key(self.key_pool_owner(sid))
+                    .key(self.key_sessions(owner_id))
+                    .key(self.key_state(sid))
+                    .arg(owner_id)
+                    .arg(sid)
+                    .arg(duration_px(self.inner.cfg.adoptable_for))
+                    .arg(quota_key.unwrap_or(""))
+                    .arg(&self.inner.cfg.prefix)
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(n == 1)
+    }
+
     /// The sids recorded for a worker.
     pub async fn worker_sessions(&self, id: &str) -> Result<Vec<String>, DirectoryError> {
         check_name("worker id", id)?;
@@ -267,6 +438,8 @@ impl Directory {
                             .arg(duration_px(self.inner.cfg.lease * 4))
                             .arg(self.key_seen(""))
                             .arg(duration_px(REMEMBER_ENDED))
+                            .arg(self.key_state(""))
+                            .arg(duration_px(self.inner.cfg.adoptable_for))
                             .invoke_async(&mut c)
                             .await
                     }
@@ -360,7 +533,8 @@ impl Directory {
 
 /// KEYS: pool_owner, worker_sessions, worker.
 /// ARGV: owner, sid, quota limit ('0': none), quota key, quota ttl px,
-/// key prefix, remember ('1': keep a session_seen marker while it lives).
+/// key prefix, remember ('1': keep a session_seen marker while it lives), the
+/// session's state record or ''.
 /// 1 claimed (also when the record names this owner already: a claim
 /// whose answer was lost is confirmed), 0 another owner's, -1 owner has no lease, -2 the
 /// quota key holds its limit. Quota sets are cleaned lazily: a member whose
@@ -382,6 +556,7 @@ end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX') or redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('SADD', KEYS[2], ARGV[2])
   if ARGV[7] == '1' then redis.call('SET', ARGV[6] .. 'session_seen:' .. ARGV[2], '1') end
+  if ARGV[8] ~= '' then redis.call('SET', ARGV[6] .. 'session_state:' .. ARGV[2], ARGV[8]) end
   if limit > 0 then
     redis.call('SADD', quota_set, ARGV[2])
     redis.call('PEXPIRE', quota_set, ARGV[5])
@@ -403,7 +578,7 @@ if ARGV[3] ~= '' then
   redis.call('SREM', ARGV[4] .. 'principal_sessions:' .. redis.sha1hex(ARGV[3]), ARGV[2])
 end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
+  redis.call('DEL', KEYS[1], ARGV[4] .. 'session_state:' .. ARGV[2])
   local seen = ARGV[4] .. 'session_seen:' .. ARGV[2]
   if redis.call('EXISTS', seen) == 1 then redis.call('PEXPIRE', seen, ARGV[5]) end
   return 1
@@ -437,7 +612,7 @@ return {{'absent', g, generation_age(g), rebuilt}}
 /// KEYS: worker, addr, worker_sessions, workers, gone, cert, drain.
 /// ARGV: dead id, stale token or '', pool_owner key prefix, batch size,
 /// reclaimed-record px, session_seen key prefix, px a remembered session's
-/// end is kept.
+/// end is kept, session_state key prefix, px a left session stays adoptable.
 /// false: nothing may be done (lease alive, or nothing known of this id: a
 /// forged id costs no write). Else {won, remaining, freed sids...}: `won` is
 /// 1 for the one call that proved the death first; later calls (the sweeper,
@@ -467,6 +642,11 @@ for _, sid in ipairs(redis.call('SPOP', KEYS[3], tonumber(ARGV[4]))) do
     redis.call('DEL', k)
     local seen = ARGV[6] .. sid
     if redis.call('EXISTS', seen) == 1 then redis.call('PEXPIRE', seen, ARGV[7]) end
+    local state = ARGV[8] .. sid
+    local recorded = redis.call('GET', state)
+    if recorded and string.sub(recorded, 1, 5) == 'live|' then
+      redis.call('SET', state, 'death|' .. string.sub(recorded, 6), 'PX', ARGV[9])
+    end
     out[#out + 1] = sid
   end
 end
@@ -498,6 +678,55 @@ for i = 3, #ARGV do
   end
 end
 return taken
+"#,
+    )
+}
+
+/// KEYS: session_state, pool_owner, adopter's worker_sessions, adopter's lease.
+/// ARGV: adopter, guard, sid. {'adopted', payload, 'death'|'drain'} for the one
+/// caller that takes it; {'mine', payload, ''} when the adopter owns it already;
+/// {'owned', owner, ''} when another worker does; {'stdio', '', ''} (the record
+/// is taken) when its owner left a session that cannot continue;
+/// {'unregistered', '', ''} when the adopter holds no lease; else {'none', '', ''}.
+pub(super) fn adopt() -> Script {
+    Script::new(
+        r#"
+local recorded = redis.call('GET', KEYS[1])
+if not recorded then return {'none', '', ''} end
+local state, kind, guard, payload = string.match(recorded, '^(%a+)|(%a+)|([^|]*)|(.*)$')
+if not state or guard ~= ARGV[2] then return {'none', '', ''} end
+local owner = redis.call('GET', KEYS[2])
+if owner == ARGV[1] then return {'mine', payload, ''} end
+if owner then return {'owned', owner, ''} end
+if state == 'live' then return {'none', '', ''} end
+if kind ~= 'http' then
+  redis.call('DEL', KEYS[1])
+  return {'stdio', '', ''}
+end
+if redis.call('EXISTS', KEYS[4]) == 0 then return {'unregistered', '', ''} end
+redis.call('SET', KEYS[2], ARGV[1])
+redis.call('SADD', KEYS[3], ARGV[3])
+redis.call('SET', KEYS[1], 'live|' .. kind .. '|' .. guard .. '|' .. payload)
+return {'adopted', payload, state}
+"#,
+    )
+}
+
+/// KEYS: pool_owner, worker_sessions, session_state. ARGV: owner, sid, px the
+/// record stays adoptable, quota key or '', key prefix. 1 handed over, else 0.
+pub(super) fn hand_over() -> Script {
+    Script::new(
+        r#"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local recorded = redis.call('GET', KEYS[3])
+if not recorded or string.sub(recorded, 1, 10) ~= 'live|http|' then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[2])
+if ARGV[4] ~= '' then
+  redis.call('SREM', ARGV[5] .. 'principal_sessions:' .. redis.sha1hex(ARGV[4]), ARGV[2])
+end
+redis.call('SET', KEYS[3], 'drain|' .. string.sub(recorded, 6), 'PX', ARGV[3])
+return 1
 "#,
     )
 }

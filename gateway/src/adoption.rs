@@ -1,0 +1,328 @@
+//! What a session needs to continue on another worker, and the key that keeps its
+//! secret part from the directory's readers (docs/architecture.md, "Adoption").
+//!
+//! A session whose state lives in its HTTP upstream (the upstream's own session) can
+//! outlive its worker: the claim at `initialize` records a [`SessionRecord`] beside the
+//! owner record, and when the owner dies or drains, the next request on any worker
+//! adopts the session from it. The upstream's session id is a credential at the
+//! upstream, so with an adoption key it is sealed (AES-256-GCM, bound to the client's
+//! session id) and only workers holding the key can read it. Who may adopt is the
+//! session's *guard*, a hash of its route and principal: another principal's request
+//! adopts nothing and learns nothing.
+
+use std::path::Path;
+
+use aws_lc_rs::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
+use base64::Engine;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use serde::{Deserialize, Serialize};
+
+use crate::session;
+
+/// Bytes of an adoption key.
+const KEY_BYTES: usize = 32;
+
+/// What a session was opened with, as far as another worker needs it to go on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionRecord {
+    /// Format of this record, so a later release can read an older one.
+    pub v: u32,
+    /// The route (upstream name) it was opened on.
+    pub route: String,
+    /// The upstream's session id: `sealed:<key id>:<base64>` or `clear:<id>`; none when
+    /// the upstream issued no session id.
+    pub upstream_session: Option<String>,
+    /// The protocol version and capabilities the client asked for in `initialize`.
+    pub client_protocol_version: Option<String>,
+    pub client_capabilities: Option<serde_json::Value>,
+}
+
+/// Current [`SessionRecord::v`].
+const RECORD_VERSION: u32 = 1;
+
+impl SessionRecord {
+    pub fn to_payload(&self) -> String {
+        // A record of strings and JSON values always serializes.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    pub fn from_payload(payload: &str) -> Result<SessionRecord, String> {
+        let record: SessionRecord = serde_json::from_str(payload)
+            .map_err(|e| format!("the session's record does not parse: {e}"))?;
+        if record.v != RECORD_VERSION {
+            return Err(format!(
+                "the session's record has format {}, which this release does not read",
+                record.v
+            ));
+        }
+        Ok(record)
+    }
+}
+
+/// Builds the record of a session opened on `route` by an `initialize` whose params
+/// are `params`, with the upstream session id `upstream_session` (sealed with `keys`).
+pub fn record_for(
+    route: &str,
+    params: Option<&serde_json::Value>,
+    upstream_session: Option<&str>,
+    session_id: &str,
+    keys: &AdoptionKeys,
+) -> Result<SessionRecord, String> {
+    let upstream_session = match upstream_session {
+        Some(id) => Some(keys.seal(session_id, id)?),
+        None => None,
+    };
+    Ok(SessionRecord {
+        v: RECORD_VERSION,
+        route: route.to_owned(),
+        upstream_session,
+        client_protocol_version: params
+            .and_then(|p| p.get("protocolVersion"))
+            .and_then(|v| v.as_str())
+            .map(str::to_owned),
+        client_capabilities: params.and_then(|p| p.get("capabilities")).cloned(),
+    })
+}
+
+/// Who may adopt a session: a hash of its route and principal (the directory never
+/// holds the principal itself; it may be a credential in some auth modes).
+pub fn guard_of(route: &str, principal: &str) -> String {
+    let digest = session::sha256(&[
+        b"mcpgw adoption guard v1",
+        route.as_bytes(),
+        principal.as_bytes(),
+    ]);
+    session::hex(&digest[..16])
+}
+
+/// The fleet's adoption keys: the first seals, every one opens (so a key can be
+/// rotated in before it seals, and out once no session it sealed is left). Without
+/// any key, upstream session ids are recorded in the clear and the directory is
+/// inside the trust boundary.
+#[derive(Default)]
+pub struct AdoptionKeys {
+    keys: Vec<(String, LessSafeKey)>,
+}
+
+impl std::fmt::Debug for AdoptionKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ids: Vec<&str> = self.keys.iter().map(|(id, _)| id.as_str()).collect();
+        f.debug_struct("AdoptionKeys")
+            .field("key_ids", &ids)
+            .finish()
+    }
+}
+
+impl AdoptionKeys {
+    /// Reads a key file: one key per line, 64 hex digits; blank lines and `#` comments
+    /// are skipped. The error names the line, never its content.
+    pub fn load(path: &Path) -> Result<AdoptionKeys, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read the adoption key file {}: {e}", path.display()))?;
+        let mut keys = Vec::new();
+        for (number, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let bytes = parse_hex_key(line).ok_or_else(|| {
+                format!(
+                    "adoption key file {} line {}: a key is {} hex digits (make one with \
+                     `openssl rand -hex {KEY_BYTES}`)",
+                    path.display(),
+                    number + 1,
+                    KEY_BYTES * 2
+                )
+            })?;
+            keys.push(Self::key_of(&bytes)?);
+        }
+        if keys.is_empty() {
+            return Err(format!("adoption key file {} holds no key", path.display()));
+        }
+        Ok(AdoptionKeys { keys })
+    }
+
+    fn key_of(bytes: &[u8; KEY_BYTES]) -> Result<(String, LessSafeKey), String> {
+        let id = session::hex(&session::sha256(&[b"mcpgw adoption key id", bytes])[..4]);
+        let key = UnboundKey::new(&AES_256_GCM, bytes)
+            .map_err(|_| "the adoption key was refused by the cipher".to_owned())?;
+        Ok((id, LessSafeKey::new(key)))
+    }
+
+    /// `secret` sealed for the session `session_id` with the first key.
+    fn seal(&self, session_id: &str, secret: &str) -> Result<String, String> {
+        let Some((id, key)) = self.keys.first() else {
+            return Ok(format!("clear:{secret}"));
+        };
+        let mut nonce = [0u8; NONCE_LEN];
+        getrandom::fill(&mut nonce).map_err(|e| format!("no random bytes for a nonce: {e}"))?;
+        let mut sealed = secret.as_bytes().to_vec();
+        key.seal_in_place_append_tag(
+            Nonce::assume_unique_for_key(nonce),
+            Aad::from(aad(session_id)),
+            &mut sealed,
+        )
+        .map_err(|_| "sealing the upstream session id failed".to_owned())?;
+        let mut out = nonce.to_vec();
+        out.extend_from_slice(&sealed);
+        Ok(format!("sealed:{id}:{}", URL_SAFE_NO_PAD.encode(out)))
+    }
+
+    /// The upstream session id inside `recorded`, for the session `session_id`.
+    pub fn open(&self, session_id: &str, recorded: &str) -> Result<String, OpenError> {
+        if let Some(clear) = recorded.strip_prefix("clear:") {
+            return Ok(clear.to_owned());
+        }
+        let Some((id, sealed)) = recorded
+            .strip_prefix("sealed:")
+            .and_then(|rest| rest.split_once(':'))
+        else {
+            return Err(OpenError::Malformed);
+        };
+        let Some((_, key)) = self.keys.iter().find(|(known, _)| known == id) else {
+            return Err(OpenError::UnknownKey(id.to_owned()));
+        };
+        let bytes = URL_SAFE_NO_PAD
+            .decode(sealed)
+            .map_err(|_| OpenError::Malformed)?;
+        if bytes.len() < NONCE_LEN {
+            return Err(OpenError::Malformed);
+        }
+        let (nonce, sealed) = bytes.split_at(NONCE_LEN);
+        let nonce = Nonce::try_assume_unique_for_key(nonce).map_err(|_| OpenError::Malformed)?;
+        let mut buffer = sealed.to_vec();
+        let opened = key
+            .open_in_place(nonce, Aad::from(aad(session_id)), &mut buffer)
+            .map_err(|_| OpenError::Malformed)?;
+        String::from_utf8(opened.to_vec()).map_err(|_| OpenError::Malformed)
+    }
+}
+
+/// Why a recorded upstream session id could not be read.
+#[derive(Debug, PartialEq, Eq)]
+pub enum OpenError {
+    /// Sealed under a key this worker does not hold (rotated out too early, or the
+    /// workers were given different key files).
+    UnknownKey(String),
+    /// Not a value a worker wrote for this session (or tampered with).
+    Malformed,
+}
+
+impl std::fmt::Display for OpenError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OpenError::UnknownKey(id) => write!(
+                f,
+                "its upstream session id is sealed under adoption key {id}, which this \
+                 worker does not hold"
+            ),
+            OpenError::Malformed => {
+                f.write_str("its recorded upstream session id does not open for this session")
+            }
+        }
+    }
+}
+
+/// The sealed id is bound to its session: a record copied to another session's key
+/// does not open there.
+fn aad(session_id: &str) -> Vec<u8> {
+    let mut aad = b"mcpgw upstream session v1\0".to_vec();
+    aad.extend_from_slice(session_id.as_bytes());
+    aad
+}
+
+fn parse_hex_key(text: &str) -> Option<[u8; KEY_BYTES]> {
+    if text.len() != KEY_BYTES * 2 || !text.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; KEY_BYTES];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&text[i * 2..i * 2 + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(lines: &str) -> AdoptionKeys {
+        let dir = std::env::temp_dir().join(format!(
+            "mcpgw-adoption-keys-{}-{}",
+            std::process::id(),
+            session::hex(&session::sha256(&[lines.as_bytes()])[..4])
+        ));
+        std::fs::write(&dir, lines).expect("write key file");
+        let loaded = AdoptionKeys::load(&dir);
+        let _ = std::fs::remove_file(&dir);
+        loaded.expect("key file loads")
+    }
+
+    const K1: &str = "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f";
+    const K2: &str = "ff0102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f";
+
+    #[test]
+    fn a_sealed_upstream_id_opens_only_for_its_session_and_never_shows() {
+        let keys = keys(&format!("# fleet key\n{K1}\n"));
+        let sealed = keys.seal("sid-1", "upstream-secret-id").expect("seals");
+        assert!(!sealed.contains("upstream-secret-id"), "{sealed}");
+        assert_eq!(
+            keys.open("sid-1", &sealed).as_deref(),
+            Ok("upstream-secret-id")
+        );
+        assert_eq!(keys.open("sid-2", &sealed), Err(OpenError::Malformed));
+        let mut tampered = sealed.clone();
+        tampered.pop();
+        tampered.push(if sealed.ends_with('A') { 'B' } else { 'A' });
+        assert_eq!(keys.open("sid-1", &tampered), Err(OpenError::Malformed));
+    }
+
+    #[test]
+    fn a_rotated_in_key_opens_what_the_old_one_sealed_and_a_missing_key_is_named() {
+        let old = keys(K1);
+        let sealed = old.seal("sid", "u").expect("seals");
+        let rotating = keys(&format!("{K2}\n{K1}\n"));
+        assert_eq!(rotating.open("sid", &sealed).as_deref(), Ok("u"));
+        let resealed = rotating.seal("sid", "u").expect("seals");
+        match old.open("sid", &resealed) {
+            Err(OpenError::UnknownKey(id)) => assert!(resealed.contains(&id)),
+            other => panic!("expected an unknown key, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn without_a_key_the_id_is_kept_in_the_clear() {
+        let none = AdoptionKeys::default();
+        let recorded = none.seal("sid", "u-1").expect("clear");
+        assert_eq!(recorded, "clear:u-1");
+        assert_eq!(none.open("sid", &recorded).as_deref(), Ok("u-1"));
+    }
+
+    #[test]
+    fn a_bad_key_file_names_the_line_and_not_the_key() {
+        let path = std::env::temp_dir().join(format!("mcpgw-bad-key-{}", std::process::id()));
+        std::fs::write(&path, "# comment\nnot-a-key-secret\n").expect("write");
+        let error = AdoptionKeys::load(&path).expect_err("refused");
+        let _ = std::fs::remove_file(&path);
+        assert!(error.contains("line 2"), "{error}");
+        assert!(!error.contains("not-a-key-secret"), "{error}");
+    }
+
+    #[test]
+    fn records_round_trip_and_guards_differ_per_principal_and_route() {
+        let record = record_for(
+            "r",
+            Some(&serde_json::json!({"protocolVersion": "2025-06-18", "capabilities": {"roots": {}}})),
+            Some("u"),
+            "sid",
+            &AdoptionKeys::default(),
+        )
+        .expect("record");
+        let back = SessionRecord::from_payload(&record.to_payload()).expect("parses");
+        assert_eq!(back, record);
+        assert_eq!(back.client_protocol_version.as_deref(), Some("2025-06-18"));
+        assert_ne!(guard_of("r", "alice"), guard_of("r", "bob"));
+        assert_ne!(guard_of("r", "alice"), guard_of("s", "alice"));
+        assert_eq!(guard_of("r", "alice"), guard_of("r", "alice"));
+    }
+}
