@@ -5,6 +5,10 @@
 //! request is answered by its owner or with an error that tells the truth (status and
 //! `data.reason`); never by a fresh session.
 //!
+//! The tests of a session's end run with `--adopt never`: they show how a session that
+//! does not go on is told so (a stdio session's end looks the same). Sessions that
+//! outlive their owner are tests/tests/adoption.rs.
+//!
 //! No test here waits a guessed time: each polls for the condition it needs, with a
 //! deadline that only catches a hang. Where a fault must last (Redis paused past the
 //! lease), the duration is the fault, not synchronisation.
@@ -222,7 +226,11 @@ fn assert_unknown(o: &Outcome) {
 
 #[test]
 fn killing_an_owner_answers_its_sessions_truthfully_and_spares_the_rest() {
-    let fleet = LocalFleet::start("quic", 2, &["--forward-timeout-ms", NEVER]);
+    let fleet = LocalFleet::start(
+        "quic",
+        2,
+        &["--forward-timeout-ms", NEVER, "--adopt", "never"],
+    );
     let proxy = proxy_for(&fleet);
     let sessions = sessions_on(&proxy, 12);
     let victim = owner(&sessions[0]);
@@ -322,7 +330,11 @@ fn killing_an_owner_answers_its_sessions_truthfully_and_spares_the_rest() {
 /// be served on a fresh session with 200. Also: the gone status can be 409.
 #[test]
 fn a_stateful_call_on_a_lost_session_never_returns_200() {
-    let fleet = LocalFleet::start("tcp", 1, &["--session-gone-status", "409"]);
+    let fleet = LocalFleet::start(
+        "tcp",
+        1,
+        &["--session-gone-status", "409", "--adopt", "never"],
+    );
     let session = initialize(&fleet.a.addr, "/mcp");
     let first = call_tool(
         &fleet.b.addr,
@@ -398,7 +410,11 @@ fn an_owner_lost_mid_request_gets_502_and_the_call_is_never_rerun_tcp() {
 }
 
 fn owner_lost_mid_request(transport: &str) {
-    let fleet = LocalFleet::start(transport, 1, &["--forward-timeout-ms", NEVER]);
+    let fleet = LocalFleet::start(
+        transport,
+        1,
+        &["--forward-timeout-ms", NEVER, "--adopt", "never"],
+    );
     let session = initialize(&fleet.a.addr, "/mcp");
     let warm = call_tool(
         &fleet.b.addr,
@@ -501,7 +517,7 @@ fn an_owner_paused_within_its_lease_gets_outcome_unknown_then_serves_again() {
 /// supervisor starts a replacement under a new id. Every worker then says "gone".
 #[test]
 fn an_owner_paused_past_its_lease_is_fenced_and_replaced_and_everyone_says_gone() {
-    let fleet = LocalFleet::start("quic", 1, &["--lease-ms", "2000"]);
+    let fleet = LocalFleet::start("quic", 1, &["--lease-ms", "2000", "--adopt", "never"]);
     let session = initialize(&fleet.a.addr, "/mcp");
     let ok = call_tool(
         &fleet.b.addr,
@@ -865,7 +881,7 @@ fn redis_restarted_empty_loses_no_session() {
 
 #[test]
 fn a_drained_worker_finishes_in_flight_requests_then_its_sessions_are_gone() {
-    let fleet = LocalFleet::start("tcp", 2, &[]);
+    let fleet = LocalFleet::start("tcp", 2, &["--adopt", "never"]);
     let proxy = proxy_for(&fleet);
     let sessions = sessions_on(&proxy, 8);
     let victim = owner(&sessions[0]);
@@ -968,7 +984,7 @@ fn a_drained_worker_finishes_in_flight_requests_then_its_sessions_are_gone() {
 /// and in the directory, so later requests for them get a fast 404."
 #[test]
 fn draining_the_supervisor_closes_the_port_and_ends_its_sessions() {
-    let fleet = LocalFleet::start("tcp", 2, &[]);
+    let fleet = LocalFleet::start("tcp", 2, &["--adopt", "never"]);
     let mine: Vec<String> = (0..4).map(|_| initialize(&fleet.a.addr, "/mcp")).collect();
     let theirs = initialize(&fleet.b.addr, "/mcp");
     let a_workers = fleet.workers_of(&fleet.a);
@@ -1064,7 +1080,7 @@ fn draining_the_supervisor_closes_the_port_and_ends_its_sessions() {
 /// request on it.
 #[test]
 fn a_session_reclaimed_by_another_worker_is_gone_everywhere() {
-    let never = ["--forward-timeout-ms", NEVER];
+    let never = ["--forward-timeout-ms", NEVER, "--adopt", "never"];
     let fleet = LocalFleet::start_hosts("quic", (2, &never), (1, &never));
     let session = initialize(&fleet.a.addr, "/mcp");
     let victim = owner(&session);
@@ -1127,10 +1143,20 @@ fn a_session_reclaimed_by_another_worker_is_gone_everywhere() {
 fn an_address_that_answers_as_another_worker_proves_the_owner_dead() {
     let mesh = format!("127.0.0.1:{}", mcpgw_testkit::free_udp_port());
     // A lease of 10 minutes: within this test, only the address can prove anything.
-    let long_lease = ["--lease-ms", "600000"];
+    let long_lease = ["--lease-ms", "600000", "--adopt", "never"];
     let fleet = LocalFleet::start_hosts(
         "quic",
-        (1, &[long_lease[0], long_lease[1], "--mesh-listen", &mesh]),
+        (
+            1,
+            &[
+                long_lease[0],
+                long_lease[1],
+                long_lease[2],
+                long_lease[3],
+                "--mesh-listen",
+                &mesh,
+            ],
+        ),
         (1, &long_lease),
     );
     // Initialized on host-a and never forwarded: host-b has no connection to it.

@@ -467,7 +467,16 @@ fn past_the_connection_cap_new_connections_get_503_and_existing_ones_are_served(
 
 #[test]
 fn a_dead_worker_with_thousands_of_sessions_leaves_no_key_behind() {
-    let flags = ["--lease-ms", "2000", "--max-sessions-per-principal", "0"];
+    // Its sessions' adoption records wait an idle timeout for a request that adopts
+    // them, then go too.
+    let flags = [
+        "--lease-ms",
+        "2000",
+        "--max-sessions-per-principal",
+        "0",
+        "--session-idle-timeout-ms",
+        "5000",
+    ];
     let fleet = LocalFleet::start("quic", 1, &flags);
     let count = 5000;
     let sessions: Vec<String> = thread::scope(|scope| {
@@ -490,7 +499,8 @@ fn a_dead_worker_with_thousands_of_sessions_leaves_no_key_behind() {
     let pid = leases(&fleet.redis)[&dead].pid;
     signal::send(pid, Signal::SIGKILL);
     // Nobody asks about its sessions again: the sweeper alone must clean up, including
-    // the short-lived record of the reclaim (four leases).
+    // the short-lived record of the reclaim (four leases) and, through their expiry,
+    // the adoption records.
     eventually(Duration::from_secs(120), || {
         let left: Vec<String> = fleet
             .redis
