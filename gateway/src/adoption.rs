@@ -35,6 +35,10 @@ pub struct SessionRecord {
     /// The protocol version and capabilities the client asked for in `initialize`.
     pub client_protocol_version: Option<String>,
     pub client_capabilities: Option<serde_json::Value>,
+    /// A shared session's (2026-07-28 clients): the upstream's `initialize` result,
+    /// which the gateway itself received and answers `server/discover` from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream_init: Option<serde_json::Value>,
 }
 
 /// Current [`SessionRecord::v`].
@@ -81,6 +85,7 @@ pub fn record_for(
             .and_then(|v| v.as_str())
             .map(str::to_owned),
         client_capabilities: params.and_then(|p| p.get("capabilities")).cloned(),
+        upstream_init: None,
     })
 }
 

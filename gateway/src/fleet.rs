@@ -160,26 +160,7 @@ impl Fleet {
             limit: quota,
             ttl: self.config.limits.session_idle_timeout * 2,
         });
-        let route = &self.config.upstreams[session.upstream].name;
-        let (kind, payload) = match (&self.adoption, &session.link) {
-            (None, _) => (None, String::new()),
-            (Some(_), UpstreamLink::Stdio(_)) => (Some(SessionKind::Stdio), "{}".to_owned()),
-            (Some(keys), UpstreamLink::Http { session_id }) => {
-                let upstream_session = session_id.as_ref().and_then(|v| v.to_str().ok());
-                let params = initialize.and_then(|message| message.get("params"));
-                let record =
-                    adoption::record_for(route, params, upstream_session, &session.id, keys)
-                        .map_err(|e| {
-                            GatewayError::gateway(
-                                StatusCode::INTERNAL_SERVER_ERROR,
-                                Reason::EntropyUnavailable,
-                                format!("could not record the new session for adoption: {e}"),
-                            )
-                        })?;
-                (Some(SessionKind::Http), record.to_payload())
-            }
-        };
-        let guard = adoption::guard_of(route, &session.principal);
+        let (kind, guard, payload) = self.adoption_record(session, initialize)?;
         let state = kind.map(|kind| SessionState {
             kind,
             guard: &guard,
@@ -211,6 +192,38 @@ impl Fleet {
             .with_retry_after(RETRY_AFTER_SECONDS)
             .with_log_detail(e.to_string())),
         }
+    }
+
+    /// What the directory records for `session` so another worker can adopt it (see
+    /// [`crate::adoption`]): its kind, guard and record, or no kind under `--adopt
+    /// never`. `initialize`: the client's request that opened it (legacy sessions).
+    pub(crate) fn adoption_record(
+        &self,
+        session: &Session,
+        initialize: Option<&serde_json::Value>,
+    ) -> Result<(Option<SessionKind>, String, String), GatewayError> {
+        let route = &self.config.upstreams[session.upstream].name;
+        let guard = adoption::guard_of(route, &session.principal);
+        let (kind, payload) = match (&self.adoption, &session.link) {
+            (None, _) => (None, String::new()),
+            (Some(_), UpstreamLink::Stdio(_)) => (Some(SessionKind::Stdio), "{}".to_owned()),
+            (Some(keys), UpstreamLink::Http { session_id }) => {
+                let upstream_session = session_id.as_ref().and_then(|v| v.to_str().ok());
+                let params = initialize.and_then(|message| message.get("params"));
+                let mut record =
+                    adoption::record_for(route, params, upstream_session, &session.id, keys)
+                        .map_err(|e| {
+                            GatewayError::gateway(
+                                StatusCode::INTERNAL_SERVER_ERROR,
+                                Reason::EntropyUnavailable,
+                                format!("could not record the new session for adoption: {e}"),
+                            )
+                        })?;
+                record.upstream_init = session.upstream_init.clone();
+                (Some(SessionKind::Http), record.to_payload())
+            }
+        };
+        Ok((kind, guard, payload))
     }
 
     /// One sweep, if this worker gets the fleet-wide turn: reclaims the sessions of

@@ -296,8 +296,7 @@ async fn hand_over(worker: &Worker, session: &Session) -> bool {
     let Some(fleet) = worker.fleet() else {
         return false;
     };
-    let continuable = matches!(session.link, UpstreamLink::Http { .. }) && !session.shared;
-    if fleet.adoption.is_none() || !continuable {
+    if fleet.adoption.is_none() || !matches!(session.link, UpstreamLink::Http { .. }) {
         return false;
     }
     match fleet

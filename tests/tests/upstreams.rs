@@ -426,21 +426,28 @@ fn an_elicitation_mid_call_is_answered_through_a_third_worker() {
     }
 }
 
-#[test]
-fn modern_clients_keep_state_per_principal_on_a_session_based_upstream() {
-    let upstream = Upstream::start();
+/// A config of one `legacy_only` HTTP route (`demo` at `url`) whose clients are alice
+/// and bob (bearer tokens), with `fleet` as its `[fleet]` table.
+fn alice_and_bob_on_a_session_based_upstream(url: &str, fleet: &str) -> PathBuf {
     let tokens = temp_file(
         "tokens",
         "alice:alice-token-0123456789\nbob:bob-token-0123456789ab\n",
     );
-    let config = temp_file(
+    temp_file(
         "mcpgw.toml",
         &format!(
-            "[[upstream]]\nname = \"demo\"\nurl = \"{}\"\nlegacy_only = true\n\n[auth]\ntokens_file = \"{}\"\n",
-            upstream.url,
+            "[fleet]\n{fleet}\n\n[[upstream]]\nname = \"demo\"\nurl = \"{url}\"\nlegacy_only = true\n\n[auth]\ntokens_file = \"{}\"\n",
             tokens.display()
         ),
-    );
+    )
+}
+
+/// With `--adopt never`: how a lost shared session is told (with adoption, its
+/// state goes on: the test after this one).
+#[test]
+fn modern_clients_keep_state_per_principal_on_a_session_based_upstream() {
+    let upstream = Upstream::start();
+    let config = alice_and_bob_on_a_session_based_upstream(&upstream.url, "adopt = \"never\"");
     let fleet = Fleet::start(4, &["--config".into(), config.display().to_string()]);
     let proxy = ScatterProxy::start_routed(fleet.addrs(), round_robin);
     let counter = |token: &str| {
@@ -544,6 +551,64 @@ fn modern_clients_keep_state_per_principal_on_a_session_based_upstream() {
         told.text()
     );
     told_once_then_afresh(replacement);
+}
+
+/// The state of a 2026-07-28 principal on a session-based HTTP upstream outlives the
+/// worker that holds its upstream session: killed, the next call (on any worker)
+/// adopts the session and the counter goes on; drained, the same. Each adoption is
+/// told once, in the `mcpgw-adopted` header of the call that made it.
+#[test]
+fn a_modern_principals_state_on_a_session_based_upstream_outlives_its_worker() {
+    let upstream = Upstream::start();
+    let config = alice_and_bob_on_a_session_based_upstream(&upstream.url, "lease_ms = 3000");
+    let fleet = Fleet::start(3, &["--config".into(), config.display().to_string()]);
+    // (A host whose worker just died is without one until its replacement starts.)
+    let count = |addr: &str| {
+        let answer = mcpgw_testkit::eventually(std::time::Duration::from_secs(60), || {
+            alice(addr, "counter_increment", json!({}))
+        });
+        assert_eq!(answer.status, 200, "{}", answer.text());
+        answer
+    };
+    for expected in ["1", "2", "3"] {
+        assert_eq!(tool_text(&count(fleet.addr(0))), expected);
+    }
+    for (cause, signal) in [
+        ("death", mcpgw_testkit::signal::Signal::SIGKILL),
+        ("drain", mcpgw_testkit::signal::Signal::SIGTERM),
+    ] {
+        let last = count(fleet.addr(0));
+        let before: u64 = tool_text(&last).parse().expect("a count");
+        let holder = worker_index(&fleet, &last, &[0, 1, 2]);
+        let (pid, id) = worker_at(&fleet, holder);
+        mcpgw_testkit::signal::send(pid, signal);
+        wait_stopped(pid, "the holder of alice's upstream session");
+        let through = (holder + 1) % 3;
+        // Until its death is proven the answer may be a retryable 503; never a fresh
+        // session, never "gone".
+        let adopted = mcpgw_testkit::eventually(std::time::Duration::from_secs(60), || {
+            let answer = alice(fleet.addr(through), "counter_increment", json!({}))?;
+            match answer.status {
+                503 if answer.json()["error"]["data"]["retryable"] == true => Err(answer.outcome()),
+                _ => Ok(answer),
+            }
+        });
+        assert_eq!(adopted.status, 200, "{cause}: {}", adopted.text());
+        assert_eq!(
+            tool_text(&adopted),
+            (before + 1).to_string(),
+            "{cause}: the counter goes on"
+        );
+        assert_eq!(
+            adopted.header("mcpgw-adopted"),
+            Some(cause),
+            "{cause}: the adopting answer says so"
+        );
+        assert_ne!(adopted.header("mcpgw-owner-worker"), Some(id.as_str()));
+        let next = count(fleet.addr(holder));
+        assert_eq!(tool_text(&next), (before + 2).to_string(), "{cause}");
+        assert_eq!(next.header("mcpgw-adopted"), None, "{cause}: told once");
+    }
 }
 
 /// A 2026-07-28 call of alice's through `addr`; no HTTP answer is an `Err`.

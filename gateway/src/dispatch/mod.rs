@@ -24,6 +24,16 @@ use crate::session::{Session, SessionUse};
 use crate::worker::Worker;
 use table::{Decision, Known, Situation, decide};
 
+/// What [`Worker::try_adopt`] did with a call whose session's owner left it.
+pub(crate) enum AdoptionOutcome {
+    /// The session was adopted here (or could not continue): the call's answer.
+    Ran(Result<Reply, GatewayError>),
+    /// Another worker adopted it: forward there.
+    OwnedBy(String, Call),
+    /// Nothing to adopt: answer as without adoption.
+    NotAdoptable(Call),
+}
+
 /// What the client is told when a situation refuses and nothing more specific is known.
 const LEASE_IN_DOUBT_WHY: &str = "the worker holding it could not renew its lease in time";
 
@@ -84,9 +94,8 @@ impl Worker {
     /// (docs/architecture.md, "Adoption"): only where the owner left it (proven dead,
     /// or drained and no longer holding it), never on "unknown", and never by a worker
     /// that is leaving itself.
-    fn may_adopt(&self, fleet: &Fleet, call: &Call, situation: &Situation) -> bool {
+    pub(crate) fn may_adopt(&self, fleet: &Fleet, call: &Call, situation: &Situation) -> bool {
         fleet.adoption.is_some()
-            && call.era == Era::Legacy
             && call.session_id.is_some()
             && matches!(situation, Situation::OwnerGone | Situation::NoSuchSession)
             && !self.draining()
@@ -102,8 +111,24 @@ impl Worker {
         call: Call,
         unanswered: Unanswered,
     ) -> Result<Reply, GatewayError> {
+        match self.try_adopt(fleet, call).await {
+            AdoptionOutcome::Ran(result) => result,
+            AdoptionOutcome::OwnedBy(owner, call) => self
+                .forward_counted(fleet, &call, Some(&owner))
+                .await
+                .map_err(|unanswered| self.refuse_unanswered(unanswered, call.id())),
+            AdoptionOutcome::NotAdoptable(call) => {
+                Err(self.refuse_unanswered(unanswered, call.id()))
+            }
+        }
+    }
+
+    /// Takes `call`'s session on here if its owner left it for adoption (died, or
+    /// drained) and it can continue, and runs `call` in it. Legacy sessions and the
+    /// shared sessions of 2026-07-28 clients alike.
+    pub(crate) async fn try_adopt(self: &Arc<Self>, fleet: &Fleet, call: Call) -> AdoptionOutcome {
         let Some(sid) = call.session_id.clone() else {
-            return Err(self.refuse_unanswered(unanswered, call.id()));
+            return AdoptionOutcome::NotAdoptable(call);
         };
         fleet.forget_moved(&sid);
         let route = &self.config.upstreams[call.upstream].name;
@@ -111,27 +136,30 @@ impl Worker {
         let tag = crate::session::tag_of(&sid);
         match fleet.directory.adopt_session(&sid, &self.id, &guard).await {
             Ok(Adoption::Adopted { payload, cause }) => {
-                self.run_adopted(fleet, call, &payload, Some(cause)).await
+                AdoptionOutcome::Ran(self.run_adopted(fleet, call, &payload, Some(cause)).await)
             }
             Ok(Adoption::AlreadyOwned { payload }) => {
-                self.run_adopted(fleet, call, &payload, None).await
+                AdoptionOutcome::Ran(self.run_adopted(fleet, call, &payload, None).await)
             }
             Ok(Adoption::OwnedBy(owner)) if owner != self.id => {
                 fleet.remember_moved(&sid, &owner);
-                self.forward_counted(fleet, &call, Some(&owner))
-                    .await
-                    .map_err(|unanswered| self.refuse_unanswered(unanswered, call.id()))
+                AdoptionOutcome::OwnedBy(owner, call)
             }
             Ok(Adoption::CannotContinue) => {
                 self.metrics.adoption_refused("stdio");
                 let why = "its upstream process ended with the worker that held it";
                 info!(session = %tag, "session not adopted: {why}");
-                Err(self.session_gone(why).with_id(call.id()))
+                if crate::execute::shared::is_bound(&call) {
+                    // Its clients are told once, by whichever call takes the
+                    // directory's memory of it.
+                    return AdoptionOutcome::NotAdoptable(call);
+                }
+                AdoptionOutcome::Ran(Err(self.session_gone(why).with_id(call.id())))
             }
-            Ok(_) => Err(self.refuse_unanswered(unanswered, call.id())),
+            Ok(_) => AdoptionOutcome::NotAdoptable(call),
             Err(e) => {
                 debug!(session = %tag, error = %e, "adoption not possible now");
-                Err(self.refuse_unanswered(unanswered, call.id()))
+                AdoptionOutcome::NotAdoptable(call)
             }
         }
     }
@@ -150,7 +178,9 @@ impl Worker {
             return Err(GatewayError::session_not_found().with_id(call.id()));
         };
         let tag = crate::session::tag_of(&sid);
+        let mut upstream_init = None;
         let upstream_session = SessionRecord::from_payload(payload).and_then(|record| {
+            upstream_init = record.upstream_init;
             let Some(recorded) = record.upstream_session else {
                 return Ok(None);
             };
@@ -178,7 +208,7 @@ impl Worker {
                 return Err(self.session_gone(&why).with_id(call.id()));
             }
         };
-        let session = Session::new(
+        let mut session = Session::new(
             sid.clone(),
             call.upstream,
             call.auth.subject.clone(),
@@ -188,6 +218,8 @@ impl Worker {
             self.new_streams(),
         )
         .with_quota_key(call.quota_key());
+        session.shared = crate::execute::shared::is_bound(&call);
+        session.upstream_init = upstream_init;
         let session = self.sessions.insert(session);
         if let Some(cause) = cause {
             self.metrics.session_adopted(cause.as_str());

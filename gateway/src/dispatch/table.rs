@@ -584,6 +584,8 @@ pub enum SharedStanding {
     Forward(String),
     /// It ended, and this call is the one to tell (the directory's memory is taken).
     TellEnded,
+    /// Its owner left it for adoption and it can continue: adopt it here.
+    Adopt,
     /// Proven absent (settled directory, no memory of it): open it here.
     Open,
     /// The record names this worker, which does not hold it: a claim whose answer was
@@ -611,6 +613,7 @@ pub fn judge_shared(
         Ok(Remembered::Owner(owner)) if owner == this_worker => SharedStanding::StaleOwnRecord,
         Ok(Remembered::Owner(owner)) => SharedStanding::Forward(owner),
         Ok(Remembered::Ended) => SharedStanding::TellEnded,
+        Ok(Remembered::Adoptable) => SharedStanding::Adopt,
         Ok(Remembered::Absent {
             generation,
             generation_age,
@@ -681,6 +684,15 @@ mod tests {
         );
         assert_eq!(judge(Ok(settled()), true), SharedStanding::Unknown);
         assert_eq!(judge(Ok(Remembered::Ended), true), SharedStanding::Unknown);
+        assert_eq!(
+            judge(Ok(Remembered::Adoptable), false),
+            SharedStanding::Adopt
+        );
+        assert_eq!(
+            judge(Ok(Remembered::Adoptable), true),
+            SharedStanding::Unknown,
+            "a fenced worker adopts nothing"
+        );
     }
 
     /// One row per line of the decision table in docs/architecture.md.

@@ -28,9 +28,10 @@ use tracing::{debug, info};
 
 use super::upstream::{UpstreamError, UpstreamReply};
 use super::{ACCEPT_BOTH, is_sse, lost_while_running, upstream_error};
-use mcpgw_mesh::directory::Claim;
+use mcpgw_mesh::directory::{Claim, SessionState};
 
 use crate::body;
+use crate::dispatch::AdoptionOutcome;
 use crate::dispatch::table::{self, Decision, Known, Refusal, SharedStanding, Situation};
 use crate::mcp::{self, Era, GatewayError};
 use crate::reply::Reply;
@@ -95,7 +96,7 @@ impl Worker {
     async fn find_shared(
         self: &Arc<Self>,
         fleet: &Arc<crate::fleet::Fleet>,
-        call: Call,
+        mut call: Call,
     ) -> Result<Reply, GatewayError> {
         let Some(key) = call.session_id.clone() else {
             return Err(GatewayError::session_not_found().with_id(call.id()));
@@ -115,6 +116,14 @@ impl Worker {
             );
             match standing {
                 SharedStanding::Open => return self.execute_local(call, None).await,
+                SharedStanding::Adopt => match self.try_adopt(fleet, call).await {
+                    AdoptionOutcome::Ran(result) => return result,
+                    // Taken by another worker first, or not adoptable after all: the
+                    // directory's next answer says where it stands.
+                    AdoptionOutcome::OwnedBy(_, back) | AdoptionOutcome::NotAdoptable(back) => {
+                        call = back
+                    }
+                },
                 SharedStanding::TellEnded => {
                     return Err(self
                         .shared_lost(call.upstream, "it ended")
@@ -136,6 +145,14 @@ impl Worker {
                         Ok(reply) => return Ok(reply),
                         // The owner no longer holds it, or was proven gone (and its
                         // sessions reclaimed): the directory now says how it ended.
+                        Err(unanswered) if self.may_adopt(fleet, &call, &unanswered.situation) => {
+                            match self.try_adopt(fleet, call).await {
+                                AdoptionOutcome::Ran(result) => return result,
+                                // Where it went, or how it ended: the directory says.
+                                AdoptionOutcome::OwnedBy(_, back)
+                                | AdoptionOutcome::NotAdoptable(back) => call = back,
+                            }
+                        }
                         Err(unanswered)
                             if matches!(
                                 unanswered.situation,
@@ -180,6 +197,13 @@ impl Worker {
             Decision::Refuse(Refusal::SessionGone) => {
                 return self.shared_lost(call.upstream, why).with_id(call.id());
             }
+            Decision::Refuse(Refusal::OutcomeUnknown) if self.adopts(call.upstream) => format!(
+                "the worker holding your upstream session on route {route} died while \
+                 running this request ({why}): its outcome is unknown and it was not \
+                 re-run; that session's state lives in the upstream, and your next request \
+                 goes on in it on another worker, so check its state before retrying a \
+                 non-idempotent call"
+            ),
             Decision::Refuse(Refusal::OutcomeUnknown) => format!(
                 "the worker holding your upstream session on route {route} died while \
                  running this request ({why}): its outcome is unknown, it was not re-run, \
@@ -196,6 +220,13 @@ impl Worker {
         let mut error = self.refuse(situation, why, call.id());
         error.message = message;
         error
+    }
+
+    /// Whether sessions on `upstream` outlive their worker (`--adopt http`, and an HTTP
+    /// upstream).
+    fn adopts(&self, upstream: usize) -> bool {
+        self.fleet().is_some_and(|fleet| fleet.adoption.is_some())
+            && matches!(self.upstreams[upstream], super::upstream::Upstream::Http(_))
     }
 
     /// The shared session's state is lost; the next call starts afresh.
@@ -278,16 +309,33 @@ impl Worker {
                 return Err(upstream_error(e, id));
             }
         }
+        let mut session = Session::new(
+            key.clone(),
+            upstream,
+            call.auth.subject.clone(),
+            link,
+            streams,
+        );
+        session.shared = true;
+        session.upstream_init = Some(init);
         if let Some(fleet) = self.fleet() {
+            let (kind, adoption_guard, payload) = fleet
+                .adoption_record(&session, None)
+                .map_err(|e| e.with_id(id.clone()))?;
+            let state = kind.map(|kind| SessionState {
+                kind,
+                guard: &adoption_guard,
+                payload: &payload,
+            });
             match fleet
                 .directory
-                .claim_remembered_session(&key, &self.id)
+                .claim_remembered_session(&key, &self.id, state)
                 .await
             {
                 Ok(Claim::Claimed) => {}
                 Ok(Claim::Taken | Claim::OverQuota) => {
                     // Another worker opened it first: use theirs.
-                    self.close_link(upstream, &link).await;
+                    self.close_link(upstream, &session.link).await;
                     drop(guard);
                     debug!(session = %session::tag_of(&key), "shared session opened elsewhere first");
                     return self
@@ -298,7 +346,7 @@ impl Worker {
                         });
                 }
                 Err(e) => {
-                    self.close_link(upstream, &link).await;
+                    self.close_link(upstream, &session.link).await;
                     // If the claim lands late, its record names this worker for a
                     // session it does not hold: the next call here, or forwarded here,
                     // confirms it by claiming again (a claim by the recorded owner
@@ -316,9 +364,6 @@ impl Worker {
                 }
             }
         }
-        let mut session = Session::new(key, upstream, call.auth.subject.clone(), link, streams);
-        session.shared = true;
-        session.upstream_init = Some(init);
         let session = self.sessions.insert(session);
         info!(session = %session.tag, upstream = self.upstreams[upstream].name(), "shared session opened for 2026-07-28 clients");
         drop(guard);

@@ -10,6 +10,9 @@ pub enum Remembered {
     Owner(String),
     /// It existed and ended; this lookup is the one that learnt it.
     Ended,
+    /// Its owner left it for adoption (died or drained) and it can continue: adopt it
+    /// ([`Directory::adopt_session`]); its memory is left in place.
+    Adoptable,
     /// No record and no memory of one: it never existed, its end was already told, or
     /// the directory lost it (see the generation: a young or changed generation means
     /// the directory may have forgotten it, so absence is not proven).
@@ -152,8 +155,9 @@ impl Directory {
         &self,
         sid: &str,
         owner_id: &str,
+        state: Option<SessionState<'_>>,
     ) -> Result<Claim, DirectoryError> {
-        self.claim(sid, owner_id, None, true, None).await
+        self.claim(sid, owner_id, None, true, state).await
     }
 
     async fn claim(
@@ -222,6 +226,7 @@ impl Directory {
                     .key(self.key_seen(sid))
                     .key(self.key_generation())
                     .key(self.key_rebuilt())
+                    .key(self.key_state(sid))
                     .invoke_async(&mut c)
                     .await
             })
@@ -229,6 +234,7 @@ impl Directory {
         Ok(match kind.as_str() {
             "owner" => Remembered::Owner(value),
             "ended" => Remembered::Ended,
+            "adoptable" => Remembered::Adoptable,
             _ => Remembered::Absent {
                 generation: value,
                 generation_age: Duration::from_millis(u64::try_from(age).unwrap_or(0)),
@@ -326,6 +332,7 @@ impl Directory {
                     .key(self.key_pool_owner(sid))
                     .key(self.key_sessions(adopter))
                     .key(self.key_worker(adopter))
+                    .key(self.key_seen(sid))
                     .arg(adopter)
                     .arg(guard)
                     .arg(sid)
@@ -376,6 +383,7 @@ impl Directory {
                     .arg(duration_px(self.inner.cfg.adoptable_for))
                     .arg(quota_key.unwrap_or(""))
                     .arg(&self.inner.cfg.prefix)
+                    .arg(duration_px(REMEMBER_ENDED))
                     .invoke_async(&mut c)
                     .await
             })
@@ -588,15 +596,21 @@ return 0
     )
 }
 
-/// KEYS: pool_owner, session_seen, generation, rebuilt. {'owner', id, 0, 0}
-/// while recorded; {'ended', '', 0, 0} when it ended and this call is the
-/// first to learn it (the marker is taken, so only one caller fleet-wide is
-/// told); else {'absent', generation or '', generation age ms, rebuilt 0/1}.
+/// KEYS: pool_owner, session_seen, generation, rebuilt, session_state.
+/// {'owner', id, 0, 0} while recorded; {'adoptable', '', 0, 0} when its owner
+/// left it for adoption and it can continue; {'ended', '', 0, 0} when it ended
+/// and this call is the first to learn it (the marker is taken, so only one
+/// caller fleet-wide is told); else {'absent', generation or '', generation
+/// age ms, rebuilt 0/1}.
 pub(super) fn remembered() -> Script {
     Script::new(&format!(
         r#"{GEN_LUA}
 local owner = redis.call('GET', KEYS[1])
 if owner then return {{'owner', owner, 0, 0}} end
+local state = redis.call('GET', KEYS[5])
+if state and string.match(state, '^%a+|http|') and string.sub(state, 1, 5) ~= 'live|' then
+  return {{'adoptable', '', 0, 0}}
+end
 if redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('DEL', KEYS[2])
   return {{'ended', '', 0, 0}}
@@ -682,7 +696,8 @@ return taken
     )
 }
 
-/// KEYS: session_state, pool_owner, adopter's worker_sessions, adopter's lease.
+/// KEYS: session_state, pool_owner, adopter's worker_sessions, adopter's lease,
+/// session_seen (a remembered session lives again: its memory no longer expires).
 /// ARGV: adopter, guard, sid. {'adopted', payload, 'death'|'drain'} for the one
 /// caller that takes it; {'mine', payload, ''} when the adopter owns it already;
 /// {'owned', owner, ''} when another worker does; {'stdio', '', ''} (the record
@@ -707,13 +722,15 @@ if redis.call('EXISTS', KEYS[4]) == 0 then return {'unregistered', '', ''} end
 redis.call('SET', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[3])
 redis.call('SET', KEYS[1], 'live|' .. kind .. '|' .. guard .. '|' .. payload)
+redis.call('PERSIST', KEYS[5])
 return {'adopted', payload, state}
 "#,
     )
 }
 
 /// KEYS: pool_owner, worker_sessions, session_state. ARGV: owner, sid, px the
-/// record stays adoptable, quota key or '', key prefix. 1 handed over, else 0.
+/// record stays adoptable, quota key or '', key prefix, px a remembered session's
+/// end is kept (if nobody adopts it). 1 handed over, else 0.
 pub(super) fn hand_over() -> Script {
     Script::new(
         r#"
@@ -726,6 +743,8 @@ if ARGV[4] ~= '' then
   redis.call('SREM', ARGV[5] .. 'principal_sessions:' .. redis.sha1hex(ARGV[4]), ARGV[2])
 end
 redis.call('SET', KEYS[3], 'drain|' .. string.sub(recorded, 6), 'PX', ARGV[3])
+local seen = ARGV[5] .. 'session_seen:' .. ARGV[2]
+if redis.call('EXISTS', seen) == 1 then redis.call('PEXPIRE', seen, ARGV[6]) end
 return 1
 "#,
     )
