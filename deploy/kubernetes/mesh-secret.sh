@@ -1,6 +1,7 @@
 #!/bin/sh
-# Prints the mesh Secret of the StatefulSet as YAML: the CA bundle and one leaf per pod,
-# from a `mcpgw certs` directory on the operator's machine. Never the CA keys or the
+# Prints the mesh Secret of the StatefulSet as YAML: the CA bundle, one leaf per pod and
+# the fleet's adoption key (which seals upstream session ids in Redis), from a `mcpgw
+# certs` directory on the operator's machine. Never the CA keys or the
 # rotation state: this script names each file it takes, it never takes the directory.
 #
 #   deploy/kubernetes/mesh-secret.sh DIR REPLICAS [STATEFULSET] | kubectl apply -n NS -f -
@@ -25,7 +26,11 @@ if [ ! -f "$DIR/ca.crt" ]; then
   echo "mesh-secret: $DIR/ca.crt is missing: run \`mcpgw certs init --dir $DIR\` first" >&2
   exit 1
 fi
-set -- --from-file=ca.crt="$DIR/ca.crt"
+if [ ! -f "$DIR/adoption.key" ]; then
+  echo "mesh-secret: $DIR/adoption.key is missing: make it once with \`od -An -tx1 -N32 /dev/urandom | tr -d ' \\n' > $DIR/adoption.key\` (docs/kubernetes.md)" >&2
+  exit 1
+fi
+set -- --from-file=ca.crt="$DIR/ca.crt" --from-file=adoption.key="$DIR/adoption.key"
 i=0
 while [ "$i" -lt "$REPLICAS" ]; do
   name=$SET-$i

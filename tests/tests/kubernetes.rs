@@ -482,6 +482,17 @@ fn mesh_secret_script_publishes_the_bundle_and_each_pods_leaf_and_never_a_ca_key
     // Mid-rotation the directory also holds the next CA's key: it must stay behind too.
     mcpgw(&["certs", "rotate", "begin", "--dir", &dir_arg]);
     let script = deploy_dir().join("mesh-secret.sh");
+    // Without the adoption key the script refuses and says how to make one.
+    let out = Command::new(&script)
+        .args([&dir_arg, "2"])
+        .output()
+        .expect("run mesh-secret.sh");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "no adoption key: {stderr}");
+    assert!(out.stdout.is_empty(), "a refused run must print no Secret");
+    assert!(stderr.contains("adoption.key"), "{stderr}");
+    std::fs::write(dir.join("adoption.key"), format!("{}\n", "ab".repeat(32)))
+        .expect("write the adoption key");
     let out = Command::new(&script)
         .args([&dir_arg, "2"])
         .output()
@@ -504,13 +515,14 @@ fn mesh_secret_script_publishes_the_bundle_and_each_pods_leaf_and_never_a_ca_key
     assert_eq!(
         keys,
         BTreeSet::from([
+            "adoption.key",
             "ca.crt",
             "mcpgw-0.crt",
             "mcpgw-0.key",
             "mcpgw-1.crt",
             "mcpgw-1.key"
         ]),
-        "the mesh Secret must hold the bundle and the pods' leaves, nothing else"
+        "the mesh Secret must hold the bundle, the pods' leaves and the adoption key, nothing else"
     );
 
     // A pod without a leaf is refused before anything reaches the cluster.
