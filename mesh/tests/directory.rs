@@ -934,3 +934,153 @@ async fn renewals_publish_the_current_certificate_expiry() {
     assert!(dir.deregister(&lease).await.unwrap());
     assert_eq!(raw_get(&server, "t*st:worker_cert:w").await, None);
 }
+
+/// Adoption (docs/architecture.md, "Adoption"): a session its owner left, by death or
+/// drain, is taken by exactly one of many racing workers; what cannot continue, or is
+/// not the asker's, is never taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_left_session_is_adopted_by_exactly_one_worker_and_only_by_its_guard() {
+    use mcpgw_mesh::directory::{AdoptCause, Adoption, SessionKind, SessionState};
+    let server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    let dead = dir.register_worker("dead", &info(), "a:1").await.unwrap();
+    let adopters: Vec<String> = (0..8).map(|i| format!("adopter-{i}")).collect();
+    for id in &adopters {
+        dir.register_worker(id, &info(), "b:1").await.unwrap();
+    }
+    let state = |kind| SessionState {
+        kind,
+        guard: "g1",
+        payload: r#"{"route":"r|with|bars"}"#,
+    };
+    for (sid, kind) in [("http", SessionKind::Http), ("stdio", SessionKind::Stdio)] {
+        assert_eq!(
+            dir.claim_session_with_state(sid, "dead", None, Some(state(kind)))
+                .await
+                .unwrap(),
+            Claim::Claimed
+        );
+    }
+    // While its owner lives, nobody takes it.
+    assert_eq!(
+        dir.adopt_session("http", "adopter-0", "g1").await.unwrap(),
+        Adoption::OwnedBy("dead".into())
+    );
+    expire_soon(&server, &dead).await;
+    wait_until_expired(&dir, "dead").await;
+    assert!(dir.reclaim_worker("dead", None).await.unwrap().is_some());
+    let mut raw = redis_conn(&server).await;
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg("t*st:session_state:http")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(ttl > 0, "a left record waits a bounded time: PTTL {ttl}");
+    // Another principal or route (another guard) learns nothing.
+    assert_eq!(
+        dir.adopt_session("http", "adopter-0", "g2").await.unwrap(),
+        Adoption::NoRecord
+    );
+    let racers: Vec<_> = adopters
+        .iter()
+        .map(|id| {
+            let (d, id) = (dir.clone(), id.clone());
+            tokio::spawn(async move { (id.clone(), d.adopt_session("http", &id, "g1").await) })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    let mut told = Vec::new();
+    for racer in racers {
+        let (id, outcome) = racer.await.unwrap();
+        match outcome.unwrap() {
+            Adoption::Adopted { payload, cause } => {
+                assert_eq!(payload, r#"{"route":"r|with|bars"}"#);
+                assert_eq!(cause, AdoptCause::Death);
+                winners.push(id);
+            }
+            Adoption::OwnedBy(owner) => told.push(owner),
+            other => panic!("{id}: {other:?}"),
+        }
+    }
+    assert_eq!(winners.len(), 1, "exactly one adopter: {winners:?}");
+    assert!(told.iter().all(|owner| owner == &winners[0]), "{told:?}");
+    assert_eq!(
+        dir.session_owner("http").await.unwrap().as_deref(),
+        Some(winners[0].as_str())
+    );
+    assert!(dir.worker_sessions(&winners[0]).await.unwrap() == ["http"]);
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg("t*st:session_state:http")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(
+        ttl, -1,
+        "an adopted session's record lives as long as it does"
+    );
+    assert!(matches!(
+        dir.adopt_session("http", &winners[0], "g1").await.unwrap(),
+        Adoption::AlreadyOwned { .. }
+    ));
+    // A stdio session cannot continue: the first asker is told (once), then nothing.
+    assert_eq!(
+        dir.adopt_session("stdio", "adopter-0", "g1").await.unwrap(),
+        Adoption::CannotContinue
+    );
+    assert_eq!(
+        dir.adopt_session("stdio", "adopter-1", "g1").await.unwrap(),
+        Adoption::NoRecord
+    );
+    // An adopter without a lease adopts nothing.
+    let taken = dir
+        .release_session("http", &winners[0], None)
+        .await
+        .unwrap();
+    assert!(taken, "released by its new owner");
+    assert_eq!(
+        dir.adopt_session("http", "adopter-1", "g1").await.unwrap(),
+        Adoption::NoRecord,
+        "an ended session's record goes with it"
+    );
+}
+
+#[tokio::test]
+async fn a_draining_owner_hands_over_only_its_own_http_sessions() {
+    use mcpgw_mesh::directory::{AdoptCause, Adoption, SessionKind, SessionState};
+    let server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    for id in ["drainer", "other"] {
+        dir.register_worker(id, &info(), "a:1").await.unwrap();
+    }
+    let state = |kind| SessionState {
+        kind,
+        guard: "g",
+        payload: "{}",
+    };
+    for (sid, kind) in [("h", SessionKind::Http), ("s", SessionKind::Stdio)] {
+        dir.claim_session_with_state(sid, "drainer", None, Some(state(kind)))
+            .await
+            .unwrap();
+    }
+    dir.claim_session("plain", "drainer", None).await.unwrap();
+    assert!(!dir.hand_over_session("h", "other", None).await.unwrap());
+    assert!(!dir.hand_over_session("s", "drainer", None).await.unwrap());
+    assert!(
+        !dir.hand_over_session("plain", "drainer", None)
+            .await
+            .unwrap()
+    );
+    assert!(dir.hand_over_session("h", "drainer", None).await.unwrap());
+    assert_eq!(dir.session_owner("h").await.unwrap(), None);
+    assert_eq!(
+        dir.worker_sessions("drainer").await.unwrap(),
+        ["plain", "s"]
+    );
+    assert_eq!(
+        dir.adopt_session("h", "other", "g").await.unwrap(),
+        Adoption::Adopted {
+            payload: "{}".into(),
+            cause: AdoptCause::Drain
+        }
+    );
+}
