@@ -133,6 +133,55 @@ pub enum UpstreamTarget {
     Http { url: String, tls: UpstreamTls },
     /// A command the gateway runs once per session and speaks to over stdin/stdout.
     Stdio(StdioCommand),
+    /// A virtual server (`[[server]]`): no upstream of its own, its members' tools
+    /// behind one route (see `federation`).
+    Virtual(VirtualServer),
+}
+
+/// A `[[server]]` table: which configured upstreams it joins and how their names show.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VirtualServer {
+    pub prefix: PrefixRule,
+    /// Between a member's prefix and a tool's own name (`demo__echo`).
+    pub separator: String,
+    pub members: Vec<MemberConfig>,
+}
+
+/// When a member's prefix goes in front of its names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefixRule {
+    /// Every name carries its member's prefix: names never collide.
+    #[default]
+    Always,
+    /// Only names that more than one member has carry their prefix.
+    Conflicts,
+    /// Names as the members give them; a name two members have is the earlier one's.
+    Never,
+}
+
+/// One `[[server.member]]`: a configured upstream and what of it the server exposes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MemberConfig {
+    /// The member's upstream, by name and by its index in `Config::upstreams`.
+    pub upstream: String,
+    pub index: usize,
+    pub prefix: String,
+    pub tools: NameFilter,
+    pub prompts: NameFilter,
+    /// Initialize fails without this member (else the session opens without it).
+    pub required: bool,
+}
+
+/// Include and exclude patterns (`*` matches any run of characters); an empty include
+/// list includes everything.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NameFilter {
+    #[serde(default)]
+    pub include: Vec<String>,
+    #[serde(default)]
+    pub exclude: Vec<String>,
 }
 
 /// TLS settings of an `https://` upstream.
@@ -217,6 +266,15 @@ impl UpstreamConfig {
         match &self.target {
             UpstreamTarget::Http { url, .. } => url.clone(),
             UpstreamTarget::Stdio(command) => format!("stdio: {}", command.program),
+            UpstreamTarget::Virtual(server) => format!(
+                "virtual server of {}",
+                server
+                    .members
+                    .iter()
+                    .map(|m| m.upstream.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
         }
     }
 }
@@ -572,6 +630,8 @@ struct FileConfig {
     trust_forwarded_for: Option<bool>,
     #[serde(default, rename = "upstream")]
     upstreams: Vec<FileUpstream>,
+    #[serde(default, rename = "server")]
+    servers: Vec<FileServer>,
     #[serde(default)]
     limits: FileLimits,
     #[serde(default)]
@@ -607,6 +667,158 @@ struct FileUpstream {
     tls_client_key: Option<PathBuf>,
     #[serde(default)]
     legacy_only: bool,
+}
+
+/// One `[[server]]` table: a virtual server joining configured upstreams.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileServer {
+    name: String,
+    #[serde(default)]
+    prefix: PrefixRule,
+    separator: Option<String>,
+    #[serde(default, rename = "member")]
+    members: Vec<FileMember>,
+}
+
+/// One `[[server.member]]` table.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileMember {
+    upstream: String,
+    prefix: Option<String>,
+    #[serde(default)]
+    tools: NameFilter,
+    #[serde(default)]
+    prompts: NameFilter,
+    required: Option<bool>,
+}
+
+/// What a tool name may hold (the MCP spec's tool-name characters): prefixes and
+/// separators must keep exposed names within it.
+fn is_tool_name_text(text: &str) -> bool {
+    !text.is_empty()
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+}
+
+impl FileServer {
+    /// The server as a route, its members resolved against `upstreams` (the real
+    /// upstreams: a virtual server is never a member).
+    fn resolve(
+        self,
+        field: &str,
+        upstreams: &[UpstreamConfig],
+    ) -> Result<UpstreamConfig, ConfigError> {
+        if upstreams.iter().any(|u| u.name == self.name) {
+            return Err(invalid(
+                &format!("{field}.name"),
+                format!(
+                    "{:?} is the name of an [[upstream]]: a virtual server needs a route name of its own",
+                    self.name
+                ),
+            ));
+        }
+        let separator = self.separator.unwrap_or_else(|| "__".to_owned());
+        if !is_tool_name_text(&separator) {
+            return Err(invalid(
+                &format!("{field}.separator"),
+                format!(
+                    "{separator:?} must be letters, digits, '_', '-' or '.' (tool names allow no other)"
+                ),
+            ));
+        }
+        if self.members.is_empty() {
+            return Err(invalid(
+                &format!("{field}.member"),
+                "a virtual server needs at least one [[server.member]]",
+            ));
+        }
+        let mut members: Vec<MemberConfig> = Vec::with_capacity(self.members.len());
+        for (i, member) in self.members.into_iter().enumerate() {
+            let member_field = format!("{field}.member[{i}]");
+            let Some(index) = upstreams.iter().position(|u| u.name == member.upstream) else {
+                let known: Vec<&str> = upstreams.iter().map(|u| u.name.as_str()).collect();
+                return Err(invalid(
+                    &format!("{member_field}.upstream"),
+                    format!(
+                        "{:?} is not a configured upstream (configured: {})",
+                        member.upstream,
+                        known.join(", ")
+                    ),
+                ));
+            };
+            if let Some(earlier) = members.iter().find(|m| m.index == index) {
+                return Err(invalid(
+                    &format!("{member_field}.upstream"),
+                    format!("{:?} is a member twice", earlier.upstream),
+                ));
+            }
+            let prefix = member.prefix.unwrap_or_else(|| member.upstream.clone());
+            if !is_tool_name_text(&prefix) {
+                return Err(invalid(
+                    &format!("{member_field}.prefix"),
+                    format!("{prefix:?} must be letters, digits, '_', '-' or '.'"),
+                ));
+            }
+            members.push(MemberConfig {
+                upstream: member.upstream,
+                index,
+                prefix,
+                tools: member.tools,
+                prompts: member.prompts,
+                required: member.required.unwrap_or(true),
+            });
+        }
+        check_exposed_names(field, self.prefix, &members)?;
+        Ok(UpstreamConfig {
+            name: self.name,
+            target: UpstreamTarget::Virtual(VirtualServer {
+                prefix: self.prefix,
+                separator,
+                members,
+            }),
+            legacy_only: false,
+        })
+    }
+}
+
+/// Refuses, at start, exposed names that would collide whatever the members list:
+/// two members with one prefix (`always`, `conflicts`), or one exact name both
+/// include (`never`). Names known only from the members' lists are resolved when
+/// listed (`federation::names`).
+fn check_exposed_names(
+    field: &str,
+    rule: PrefixRule,
+    members: &[MemberConfig],
+) -> Result<(), ConfigError> {
+    for (i, member) in members.iter().enumerate() {
+        for earlier in &members[..i] {
+            let clash = match rule {
+                PrefixRule::Always | PrefixRule::Conflicts => {
+                    (earlier.prefix == member.prefix).then(|| format!("prefix {:?}", member.prefix))
+                }
+                PrefixRule::Never => member
+                    .tools
+                    .include
+                    .iter()
+                    .find(|name| !name.contains('*') && earlier.tools.include.contains(name))
+                    .map(|name| format!("tool {name:?}")),
+            };
+            if let Some(clash) = clash {
+                return Err(invalid(
+                    &format!("{field}.member[{i}]"),
+                    format!(
+                        "members {:?} and {:?} both expose {clash}: their names would collide; \
+                         give one a prefix of its own (or prefix = \"always\")",
+                        earlier.upstream, member.upstream
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A stdio command as a list of words, or as one line split as a shell would.
@@ -705,13 +917,16 @@ impl Config {
     /// Builds the configuration from file, environment (already folded into `args` by
     /// clap) and flags, then validates it.
     pub fn load(args: &ServeArgs) -> Result<Config, ConfigError> {
-        let file = match &args.config {
+        let mut file = match &args.config {
             Some(path) => read_file(path)?,
             None => FileConfig::default(),
         };
+        // Virtual servers join upstreams from flags as well as from the file.
+        let servers = std::mem::take(&mut file.servers);
         let mut config = Config::default();
         config.apply_file(file)?;
         config.apply_args(args)?;
+        config.add_virtual_servers(servers)?;
         config.validate()?;
         Ok(config)
     }
@@ -926,6 +1141,16 @@ impl Config {
         }
         if let Some(listen) = &a.admin_listen {
             self.admin_listen = parse_addr("--admin-listen", listen)?;
+        }
+        Ok(())
+    }
+
+    /// Appends the `[[server]]` tables as routes after the upstreams they join.
+    fn add_virtual_servers(&mut self, servers: Vec<FileServer>) -> Result<(), ConfigError> {
+        let real = self.upstreams.len();
+        for (i, server) in servers.into_iter().enumerate() {
+            let route = server.resolve(&format!("server[{i}]"), &self.upstreams[..real])?;
+            self.upstreams.push(route);
         }
         Ok(())
     }
@@ -1436,6 +1661,8 @@ fn check_upstream_target(field: &str, target: &UpstreamTarget) -> Result<(), Con
                 ));
             }
         }
+        // Checked as its `[[server]]` table was read.
+        UpstreamTarget::Virtual(_) => {}
     }
     Ok(())
 }
@@ -1798,5 +2025,75 @@ max_body_bytes = 1000
         let err = Config::load(&a).expect_err("unknown key");
         assert!(err.problem.contains("bogus"), "{err}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn server_tables_become_routes_and_bad_ones_are_refused_by_field() {
+        let upstreams = "[[upstream]]\nname = \"demo\"\nurl = \"http://x/mcp\"\n\
+                         [[upstream]]\nname = \"time\"\nurl = \"http://y/mcp\"\n";
+        let load = |servers: &str| {
+            static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let path = std::env::temp_dir().join(format!(
+                "mcpgw-config-servers-{}-{n}.toml",
+                std::process::id()
+            ));
+            std::fs::write(&path, format!("{upstreams}{servers}")).unwrap();
+            let loaded = Config::load(&ServeArgs {
+                config: Some(path.clone()),
+                ..ServeArgs::default()
+            });
+            let _ = std::fs::remove_file(&path);
+            loaded
+        };
+        let config = load(
+            "[[server]]\nname = \"all\"\n[[server.member]]\nupstream = \"demo\"\n\
+             tools = { include = [\"echo\"] }\n[[server.member]]\nupstream = \"time\"\n\
+             required = false\n",
+        )
+        .expect("a valid server");
+        let route = &config.upstreams[2];
+        assert_eq!(route.name, "all");
+        let UpstreamTarget::Virtual(server) = &route.target else {
+            panic!("a virtual server")
+        };
+        assert_eq!(server.prefix, PrefixRule::Always);
+        assert_eq!(server.separator, "__");
+        assert_eq!(server.members[0].prefix, "demo");
+        assert_eq!(server.members[1].index, 1);
+        assert!(server.members[0].required && !server.members[1].required);
+        for (servers, field, words) in [
+            (
+                "[[server]]\nname = \"all\"\n[[server.member]]\nupstream = \"nope\"\n",
+                "server[0].member[0].upstream",
+                "not a configured upstream",
+            ),
+            (
+                "[[server]]\nname = \"demo\"\n[[server.member]]\nupstream = \"time\"\n",
+                "server[0].name",
+                "name of an [[upstream]]",
+            ),
+            (
+                "[[server]]\nname = \"all\"\nprefix = \"never\"\n[[server.member]]\n\
+                 upstream = \"demo\"\ntools = { include = [\"echo\"] }\n[[server.member]]\n\
+                 upstream = \"time\"\ntools = { include = [\"echo\"] }\n",
+                "server[0].member[1]",
+                "both expose tool \"echo\"",
+            ),
+            (
+                "[[server]]\nname = \"all\"\nseparator = \"/\"\n[[server.member]]\nupstream = \"demo\"\n",
+                "server[0].separator",
+                "letters, digits",
+            ),
+            (
+                "[[server]]\nname = \"all\"\n",
+                "server[0].member",
+                "at least one",
+            ),
+        ] {
+            let err = load(servers).expect_err(field);
+            assert_eq!(err.field, field, "{err}");
+            assert!(err.problem.contains(words), "{err}");
+        }
     }
 }

@@ -206,7 +206,11 @@ impl Fleet {
         let guard = adoption::guard_of(route, &session.principal);
         let (kind, payload) = match (&self.adoption, &session.link) {
             (None, _) => (None, String::new()),
-            (Some(_), UpstreamLink::Stdio(_)) => (Some(SessionKind::Stdio), "{}".to_owned()),
+            // A federated session holds its members' sessions here, stdio ones among
+            // them: like a stdio session it cannot go on elsewhere.
+            (Some(_), UpstreamLink::Stdio(_) | UpstreamLink::Federated(_)) => {
+                (Some(SessionKind::Stdio), "{}".to_owned())
+            }
             (Some(keys), UpstreamLink::Http { session_id }) => {
                 let upstream_session = session_id.as_ref().and_then(|v| v.to_str().ok());
                 let params = initialize.and_then(|message| message.get("params"));

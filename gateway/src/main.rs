@@ -24,6 +24,7 @@ mod commands;
 mod config;
 mod dispatch;
 mod execute;
+mod federation;
 mod fleet;
 mod forward;
 mod front;

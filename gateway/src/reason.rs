@@ -104,6 +104,12 @@ reasons! {
     UpstreamExited => "upstream_exited",
     /// The upstream refused to open the shared session of a 2026-07-28 client.
     UpstreamInitializeFailed => "upstream_initialize_failed",
+    /// A required member of a virtual server could not be opened at initialize.
+    MemberUnavailable => "member_unavailable",
+    /// A virtual server's member lost its upstream session during the client's session.
+    MemberLost => "member_lost",
+    /// A 2026-07-28 client on a virtual server, which serves 2025 clients only for now.
+    VirtualServerProtocol => "virtual_server_protocol",
     /// The upstream's settings cannot be used: a configuration error.
     Config => "config",
 }

@@ -64,6 +64,12 @@ impl Worker {
             .message
             .as_ref()
             .is_some_and(|m| m.method() == Some("tools/list"));
+        if call.era == Era::Modern && matches!(self.upstreams[upstream], Upstream::Virtual(_)) {
+            return Err(
+                crate::federation::modern_refused(&self.config.upstreams[upstream].name)
+                    .with_id(call.id()),
+            );
+        }
         let result = match (call.era, session) {
             // A 2026-07-28 call bound to its (principal, route) session (`shared.rs`).
             (Era::Modern, Some(session)) => self.run_shared(call, session).await,
@@ -446,6 +452,10 @@ impl Worker {
                 let session_id = reply.headers.get(mcp::HEADER_SESSION_ID).cloned();
                 Ok((UpstreamLink::Http { session_id }, reply))
             }
+            Upstream::Virtual(server) => {
+                self.open_federation(server, &body, session_id, streams, principal)
+                    .await
+            }
             Upstream::Stdio(stdio) => {
                 let unsolicited = streams.new_get(&self.id);
                 let process = stdio
@@ -517,6 +527,10 @@ impl Worker {
                     .exchange(&body, accepts_json(&headers), timeout)
                     .await
             }
+            UpstreamLink::Federated(federated) => {
+                // Boxed: a member's exchange comes back through here.
+                Box::pin(self.send_federated(federated, method, headers, body)).await
+            }
             UpstreamLink::Stdio(_) => Err(UpstreamError::Failed {
                 name: self.upstreams[upstream].name().to_owned(),
                 detail: format!("{method} has no meaning for a stdio upstream"),
@@ -548,6 +562,8 @@ impl Worker {
                 }
             }
             UpstreamLink::Stdio(process) => process.stop().await,
+            // Boxed: each member's link is closed through here.
+            UpstreamLink::Federated(federated) => Box::pin(self.close_federation(federated)).await,
         }
     }
 
@@ -566,6 +582,12 @@ impl Worker {
                 return Err(UpstreamError::Failed {
                     name: stdio.name().to_owned(),
                     detail: "a stdio upstream is reached only in a session".into(),
+                });
+            }
+            Upstream::Virtual(server) => {
+                return Err(UpstreamError::Failed {
+                    name: server.name.clone(),
+                    detail: "a virtual server is reached only in a session".into(),
                 });
             }
         };

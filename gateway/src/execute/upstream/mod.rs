@@ -18,7 +18,8 @@ use bytes::Bytes;
 pub use self::http::HttpUpstream;
 pub use self::stdio::{StdioProcess, StdioUpstream};
 use crate::body::ReplyBody;
-use crate::config::{Limits, UpstreamConfig, UpstreamTarget};
+use crate::config::{Limits, UpstreamConfig, UpstreamTarget, VirtualServer};
+use crate::federation::FederatedLink;
 
 /// One request to an upstream, already translated to the upstream's session.
 pub struct UpstreamRequest {
@@ -121,6 +122,15 @@ impl UpstreamError {
 pub enum Upstream {
     Http(HttpUpstream),
     Stdio(StdioUpstream),
+    /// A virtual server: its sessions are federated over its members' (`federation`).
+    Virtual(VirtualUpstream),
+}
+
+/// The client side of a virtual server: its name and members; each member is reached
+/// through its own upstream's client.
+pub struct VirtualUpstream {
+    pub name: String,
+    pub server: VirtualServer,
 }
 
 impl Upstream {
@@ -135,6 +145,10 @@ impl Upstream {
             UpstreamTarget::Stdio(command) => {
                 Upstream::Stdio(StdioUpstream::new(&config.name, command.clone()))
             }
+            UpstreamTarget::Virtual(server) => Upstream::Virtual(VirtualUpstream {
+                name: config.name.clone(),
+                server: server.clone(),
+            }),
         })
     }
 
@@ -142,6 +156,7 @@ impl Upstream {
         match self {
             Upstream::Http(u) => u.name(),
             Upstream::Stdio(u) => u.name(),
+            Upstream::Virtual(u) => &u.name,
         }
     }
 }
@@ -153,6 +168,8 @@ pub enum UpstreamLink {
     Http { session_id: Option<HeaderValue> },
     /// A child process started for this session alone.
     Stdio(Arc<StdioProcess>),
+    /// A virtual server's session: one link per member (`federation`).
+    Federated(Arc<FederatedLink>),
 }
 
 impl std::fmt::Debug for UpstreamLink {
@@ -165,6 +182,10 @@ impl std::fmt::Debug for UpstreamLink {
             UpstreamLink::Stdio(process) => f
                 .debug_struct("Stdio")
                 .field("pid", &process.pid())
+                .finish(),
+            UpstreamLink::Federated(link) => f
+                .debug_struct("Federated")
+                .field("members", &link.member_count())
                 .finish(),
         }
     }

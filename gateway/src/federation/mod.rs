@@ -1,0 +1,639 @@
+//! Virtual servers (`[[server]]`): one route whose client sessions each hold one
+//! upstream session per member, opened together at `initialize` on the worker that
+//! owns the client session.
+//!
+//! A federated session is an ordinary session whose link is [`FederatedLink`]: the
+//! decision table, forwarding over the mesh, ownership, idle expiry and drain treat
+//! it like any other, and only the last step (the exchange with "the upstream") is
+//! different: `open.rs` opens and ends the members' sessions, this file answers the
+//! client's messages from them (merged lists, calls routed by exposed name, `ping`
+//! answered here), and `names.rs` decides which names are exposed.
+//!
+//! A member whose upstream session is lost (its process exited, its server forgot the
+//! session) is marked lost and never reopened behind the client's session: calls to
+//! its names are answered `member_lost`, its names leave the lists, the session's
+//! `GET` stream gets `notifications/tools/list_changed`, and the other members go on.
+
+mod names;
+mod open;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use bytes::Bytes;
+use http::header::CONTENT_TYPE;
+use http::{HeaderMap, HeaderValue, Method, StatusCode};
+use http_body_util::BodyExt;
+use parking_lot::Mutex;
+use serde_json::{Value, json};
+use tracing::warn;
+
+use crate::config::{MemberConfig, NameFilter, PrefixRule};
+use crate::execute::ACCEPT_BOTH;
+use crate::execute::streams::StreamLog;
+use crate::execute::upstream::{UpstreamError, UpstreamLink, UpstreamReply};
+use crate::mcp::{self, GatewayError};
+use crate::reason::Reason;
+use crate::reply::Reply;
+use crate::worker::Worker;
+use names::{Exposure, Listed, Owner};
+
+/// JSON-RPC "invalid params": an unknown tool or prompt name, a cursor never issued.
+const INVALID_PARAMS: i64 = -32602;
+/// Pages of one member's list followed at most: a member whose cursors never end
+/// would otherwise hold the list forever.
+const MAX_LIST_PAGES: usize = 1000;
+/// Largest member answer to a list or initialize read whole.
+const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
+
+/// The kinds of named things a virtual server merges and routes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Kind {
+    Tools,
+    Prompts,
+}
+
+impl Kind {
+    fn list_method(self) -> &'static str {
+        match self {
+            Kind::Tools => "tools/list",
+            Kind::Prompts => "prompts/list",
+        }
+    }
+
+    /// The key of the list in a list result, and the capability that announces it.
+    fn key(self) -> &'static str {
+        match self {
+            Kind::Tools => "tools",
+            Kind::Prompts => "prompts",
+        }
+    }
+
+    fn filter(self, member: &MemberConfig) -> &NameFilter {
+        match self {
+            Kind::Tools => &member.tools,
+            Kind::Prompts => &member.prompts,
+        }
+    }
+
+    fn singular(self) -> &'static str {
+        match self {
+            Kind::Tools => "tool",
+            Kind::Prompts => "prompt",
+        }
+    }
+}
+
+/// One client session of a virtual server: its members' upstream sessions.
+pub struct FederatedLink {
+    /// The virtual server's route name, for messages and logs.
+    server: String,
+    rule: PrefixRule,
+    separator: String,
+    /// The members opened at initialize, in configuration order.
+    members: Vec<Member>,
+    /// Optional members that could not be opened: (upstream name, why).
+    left_out: Vec<(String, String)>,
+    /// The session's `GET` stream: stdio members' unsolicited messages, and the
+    /// gateway's `list_changed` when a member is lost.
+    get_stream: Arc<StreamLog>,
+    /// Set when the session ends: members stopping then are not "lost".
+    ending: Arc<AtomicBool>,
+    /// Exposed name → owning member, per kind, from the last merged list; names of
+    /// members lost since stay, so their calls are told the loss, not "unknown".
+    catalog: Mutex<HashMap<Kind, HashMap<String, Owner>>>,
+}
+
+/// One member's upstream session inside a federated session.
+struct Member {
+    config: MemberConfig,
+    link: UpstreamLink,
+    /// The protocol version the member negotiated; sent on every exchange with it.
+    version: HeaderValue,
+    /// What the member announced at initialize.
+    capabilities: Value,
+    health: Arc<MemberHealth>,
+}
+
+/// Whether a member's session still lives; shared with its process's exit handler.
+struct MemberHealth {
+    lost: Mutex<Option<String>>,
+}
+
+impl Member {
+    fn name(&self) -> &str {
+        &self.config.upstream
+    }
+
+    fn lost(&self) -> Option<String> {
+        self.health.lost.lock().clone()
+    }
+
+    fn has(&self, kind: Kind) -> bool {
+        self.capabilities.get(kind.key()).is_some()
+    }
+}
+
+impl FederatedLink {
+    pub fn member_count(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Marks `member` lost with `why` (once), logs it and tells the client's `GET`
+    /// stream that the lists changed.
+    fn mark_lost(&self, member: &Member, why: &str) {
+        mark_lost(
+            &self.server,
+            member.name(),
+            &member.health,
+            &self.get_stream,
+            why,
+        );
+    }
+
+    /// The member that owns `name` of `kind`, from the catalog, refreshed once by a
+    /// merged list when the name is not in it.
+    async fn owner_of(&self, worker: &Worker, kind: Kind, name: &str) -> Option<Owner> {
+        let known = |link: &FederatedLink| {
+            link.catalog
+                .lock()
+                .get(&kind)
+                .and_then(|names| names.get(name))
+                .cloned()
+        };
+        if let Some(owner) = known(self) {
+            return Some(owner);
+        }
+        self.merged_list(worker, kind).await;
+        known(self)
+    }
+
+    /// Every live member's list of `kind`, followed page by page, merged and exposed
+    /// by the server's rule; the catalog is renewed from it. Returns the list and the
+    /// members missing from it with why.
+    async fn merged_list(&self, worker: &Worker, kind: Kind) -> (Vec<Value>, Vec<Value>) {
+        let listings = futures_util::future::join_all(self.members.iter().map(|member| async {
+            if let Some(why) = member.lost() {
+                return Err(format!("its upstream session was lost ({why})"));
+            }
+            if !member.has(kind) {
+                return Ok(Vec::new());
+            }
+            self.list_member(worker, member, kind).await
+        }))
+        .await;
+        let mut missing = Vec::new();
+        let mut unlisted = vec![false; listings.len()];
+        let mut items: Vec<Vec<Value>> = Vec::with_capacity(listings.len());
+        for (at, (member, listing)) in self.members.iter().zip(listings).enumerate() {
+            match listing {
+                Ok(list) => items.push(list),
+                Err(why) => {
+                    missing.push(json!({ "member": member.name(), "why": why }));
+                    unlisted[at] = true;
+                    items.push(Vec::new());
+                }
+            }
+        }
+        let listed: Vec<Listed<'_>> = self
+            .members
+            .iter()
+            .zip(&items)
+            .map(|(member, list)| Listed {
+                prefix: &member.config.prefix,
+                filter: kind.filter(&member.config),
+                names: list
+                    .iter()
+                    .filter_map(|item| item.get("name")?.as_str().map(str::to_owned))
+                    .collect(),
+            })
+            .collect();
+        let Exposure {
+            mut owners,
+            exposed,
+            hidden,
+        } = names::expose(self.rule, &self.separator, &listed);
+        for (name, loser, keeper) in &hidden {
+            warn!(
+                server = %self.server,
+                "{} {name:?} of member {} is hidden: member {} (earlier in the configuration) exposes that name",
+                kind.singular(),
+                self.members[*loser].name(),
+                self.members[*keeper].name()
+            );
+        }
+        let mut merged = Vec::with_capacity(exposed.len());
+        for (name, owner) in exposed {
+            let item = items[owner.member]
+                .iter()
+                .find(|item| item.get("name").and_then(Value::as_str) == Some(&owner.own));
+            if let Some(mut item) = item.cloned() {
+                item["name"] = Value::from(name);
+                merged.push(item);
+            }
+        }
+        let mut catalog = self.catalog.lock();
+        let previous = catalog.remove(&kind).unwrap_or_default();
+        // The names of a member missing from this list (lost, or failing now) stay
+        // routable to it: their calls hear the loss, or the member's own answer.
+        for (name, owner) in previous {
+            if unlisted[owner.member] {
+                owners.entry(name).or_insert(owner);
+            }
+        }
+        catalog.insert(kind, owners);
+        (merged, missing)
+    }
+
+    /// One member's whole list of `kind`, following its `nextCursor` to the end.
+    async fn list_member(
+        &self,
+        worker: &Worker,
+        member: &Member,
+        kind: Kind,
+    ) -> Result<Vec<Value>, String> {
+        let mut items = Vec::new();
+        let mut cursor: Option<Value> = None;
+        for page in 0..MAX_LIST_PAGES {
+            let mut request = json!({
+                "jsonrpc": "2.0", "id": format!("mcpgw-list-{page}"),
+                "method": kind.list_method(), "params": {},
+            });
+            if let Some(cursor) = cursor.take() {
+                request["params"]["cursor"] = cursor;
+            }
+            let answer = self
+                .exchange(worker, member, Bytes::from(request.to_string()))
+                .await?;
+            let result = answer
+                .get("result")
+                .ok_or_else(|| format!("it answered {}: {answer}", kind.list_method()))?;
+            if let Some(list) = result.get(kind.key()).and_then(Value::as_array) {
+                items.extend(list.iter().cloned());
+            }
+            match result.get("nextCursor") {
+                Some(next) if !next.is_null() => cursor = Some(next.clone()),
+                _ => return Ok(items),
+            }
+        }
+        Err(format!(
+            "its {} did not end within {MAX_LIST_PAGES} pages",
+            kind.list_method()
+        ))
+    }
+
+    /// A request of the gateway's own to a member, answered whole: marks the member
+    /// lost when its session turns out to be.
+    async fn exchange(
+        &self,
+        worker: &Worker,
+        member: &Member,
+        body: Bytes,
+    ) -> Result<Value, String> {
+        let reply = worker
+            .send_on_link(
+                member.config.index,
+                &member.link,
+                Method::POST,
+                member_headers(&member.version, None),
+                body,
+            )
+            .await;
+        match self.judge(member, reply) {
+            Ok(reply) => open::read_answer(reply).await,
+            Err(MemberFailure::Lost(why)) => Err(format!("its upstream session was lost ({why})")),
+            Err(MemberFailure::LostWhileRunning(why)) => Err(format!(
+                "its upstream session was lost while answering ({why})"
+            )),
+            Err(MemberFailure::Failed(e)) => Err(e.to_string()),
+        }
+    }
+
+    /// Sorts a member's answer: a session the member no longer has (404 to its
+    /// session id, or its process gone) marks it lost.
+    fn judge(
+        &self,
+        member: &Member,
+        reply: Result<UpstreamReply, UpstreamError>,
+    ) -> Result<UpstreamReply, MemberFailure> {
+        match reply {
+            Ok(reply)
+                if reply.status == StatusCode::NOT_FOUND
+                    && matches!(
+                        member.link,
+                        UpstreamLink::Http {
+                            session_id: Some(_)
+                        }
+                    ) =>
+            {
+                let why = "the upstream no longer knows its session (it restarted or expired it)";
+                self.mark_lost(member, why);
+                Err(MemberFailure::Lost(why.to_owned()))
+            }
+            Ok(reply) => Ok(reply),
+            Err(UpstreamError::Exited { detail, .. }) => {
+                let why = format!("its upstream process {detail}");
+                self.mark_lost(member, &why);
+                Err(MemberFailure::Lost(why))
+            }
+            Err(UpstreamError::ExitedWhileRunning { detail, .. }) => {
+                let why = format!("its upstream process {detail}");
+                self.mark_lost(member, &why);
+                Err(MemberFailure::LostWhileRunning(why))
+            }
+            Err(e) => Err(MemberFailure::Failed(e)),
+        }
+    }
+}
+
+/// Why a member did not answer.
+enum MemberFailure {
+    /// Its session is gone; the request never ran there.
+    Lost(String),
+    /// Its session went while it ran the request: it may have run.
+    LostWhileRunning(String),
+    /// Any other failure (unreachable, timeout): its session may still live.
+    Failed(UpstreamError),
+}
+
+fn mark_lost(server: &str, member: &str, health: &MemberHealth, get_stream: &StreamLog, why: &str) {
+    {
+        let mut lost = health.lost.lock();
+        if lost.is_some() {
+            return;
+        }
+        *lost = Some(why.to_owned());
+    }
+    warn!(server = %server, member = %member, "member of a virtual server's session lost: {why}; its names leave the lists, it is not reopened");
+    for kind in ["tools", "prompts"] {
+        get_stream.push_message(
+            json!({"jsonrpc": "2.0", "method": format!("notifications/{kind}/list_changed")})
+                .to_string()
+                .as_bytes(),
+        );
+    }
+}
+
+/// Headers of an exchange with a member, in the version it negotiated.
+fn member_headers(version: &HeaderValue, client: Option<&HeaderMap>) -> HeaderMap {
+    let mut headers = client.cloned().unwrap_or_default();
+    headers.remove(mcp::HEADER_SESSION_ID);
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if !headers.contains_key(http::header::ACCEPT) {
+        headers.insert(http::header::ACCEPT, ACCEPT_BOTH);
+    }
+    headers.insert(mcp::HEADER_PROTOCOL_VERSION, version.clone());
+    headers
+}
+
+/// A complete JSON answer to the client, as the session's "upstream" gives it.
+fn answer(message: Value) -> UpstreamReply {
+    let mut headers = HeaderMap::new();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    UpstreamReply {
+        status: StatusCode::OK,
+        headers,
+        body: crate::body::full(Bytes::from(message.to_string())),
+    }
+}
+
+fn result(id: &Value, result: Value) -> UpstreamReply {
+    answer(json!({ "jsonrpc": "2.0", "id": id, "result": result }))
+}
+
+fn error(id: &Value, code: i64, message: String) -> UpstreamReply {
+    answer(json!({ "jsonrpc": "2.0", "id": id, "error": { "code": code, "message": message } }))
+}
+
+/// A gateway error as the session's "upstream" answer.
+fn from_gateway_error(error: &GatewayError) -> UpstreamReply {
+    let reply = Reply::from_error(error);
+    UpstreamReply {
+        status: reply.status,
+        headers: reply.headers,
+        body: reply.body,
+    }
+}
+
+impl Worker {
+    /// One client message in a federated session, answered as the session's upstream
+    /// would answer it. Never `Exited`: a member's end is that member's, not the
+    /// session's.
+    pub(crate) async fn send_federated(
+        &self,
+        link: &FederatedLink,
+        method: Method,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Result<UpstreamReply, UpstreamError> {
+        if method != Method::POST {
+            return Err(UpstreamError::Failed {
+                name: link.server.clone(),
+                detail: format!(
+                    "{method} has no meaning for a virtual server (its GET stream lives as long as the session)"
+                ),
+            });
+        }
+        let Ok(message) = serde_json::from_slice::<Value>(&body) else {
+            return Ok(error(
+                &Value::Null,
+                mcp::code::PARSE_ERROR,
+                "the message is not JSON".into(),
+            ));
+        };
+        let id = message.get("id").cloned();
+        let method = message.get("method").and_then(Value::as_str);
+        let (Some(id), Some(method)) = (id, method) else {
+            return Ok(self.pass_to_members(link, &headers, body).await);
+        };
+        Ok(match method {
+            "ping" => result(&id, json!({})),
+            "tools/list" | "prompts/list" => {
+                let kind = if method == "tools/list" {
+                    Kind::Tools
+                } else {
+                    Kind::Prompts
+                };
+                if message["params"]
+                    .get("cursor")
+                    .is_some_and(|c| !c.is_null())
+                {
+                    return Ok(error(
+                        &id,
+                        INVALID_PARAMS,
+                        format!(
+                            "virtual server {} returns its whole list in one page and issued no cursor",
+                            link.server
+                        ),
+                    ));
+                }
+                let (list, missing) = link.merged_list(self, kind).await;
+                let mut listed = json!({ kind.key(): list });
+                if !missing.is_empty() {
+                    listed["_meta"] = json!({ "mcpgw/federation": { "missing": missing } });
+                }
+                result(&id, listed)
+            }
+            "tools/call" => {
+                self.call_member(link, Kind::Tools, &id, message, headers)
+                    .await
+            }
+            "prompts/get" => {
+                self.call_member(link, Kind::Prompts, &id, message, headers)
+                    .await
+            }
+            "logging/setLevel" => {
+                self.pass_to_members(link, &headers, body).await;
+                result(&id, json!({}))
+            }
+            other => error(
+                &id,
+                mcp::code::METHOD_NOT_FOUND,
+                format!(
+                    "{other} is not served by virtual server {} (it serves tools, prompts, ping and logging/setLevel)",
+                    link.server
+                ),
+            ),
+        })
+    }
+
+    /// A call for an exposed name: sent to the member that owns it under its own
+    /// name; its answer (JSON, or a stream with progress) is relayed as it came.
+    async fn call_member(
+        &self,
+        link: &FederatedLink,
+        kind: Kind,
+        id: &Value,
+        mut message: Value,
+        headers: HeaderMap,
+    ) -> UpstreamReply {
+        let name = message["params"]
+            .get("name")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let Some(owner) = link.owner_of(self, kind, &name).await else {
+            return error(
+                id,
+                INVALID_PARAMS,
+                format!(
+                    "unknown {} {name:?} on virtual server {}",
+                    kind.singular(),
+                    link.server
+                ),
+            );
+        };
+        let member = &link.members[owner.member];
+        if let Some(why) = member.lost() {
+            return from_gateway_error(&member_lost(link, member, &why, id));
+        }
+        message["params"]["name"] = Value::from(owner.own);
+        let reply = self
+            .send_on_link(
+                member.config.index,
+                &member.link,
+                Method::POST,
+                member_headers(&member.version, Some(&headers)),
+                Bytes::from(message.to_string()),
+            )
+            .await;
+        match link.judge(member, reply) {
+            Ok(reply) => reply,
+            Err(MemberFailure::Lost(why)) => {
+                from_gateway_error(&member_lost(link, member, &why, id))
+            }
+            Err(MemberFailure::LostWhileRunning(why)) => {
+                let error = GatewayError::gateway(
+                    StatusCode::OK,
+                    Reason::OutcomeUnknown,
+                    format!(
+                        "outcome unknown: member {} of virtual server {} lost its upstream \
+                         session ({why}) while running this call; it may have run, and it was \
+                         not re-run. Its state is lost and it is not reopened; the other \
+                         members go on",
+                        member.name(),
+                        link.server
+                    ),
+                )
+                .with_data(
+                    json!({ "member": member.name(), "member_lost": true, "retryable": false }),
+                )
+                .with_id(id.clone());
+                from_gateway_error(&error)
+            }
+            Err(MemberFailure::Failed(e)) => {
+                from_gateway_error(&crate::execute::upstream_error(e, id.clone()))
+            }
+        }
+    }
+
+    /// A notification or response of the client: to every live member (the client's
+    /// `notifications/initialized` was sent to each at initialize already).
+    async fn pass_to_members(
+        &self,
+        link: &FederatedLink,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) -> UpstreamReply {
+        let initialized = serde_json::from_slice::<Value>(&body)
+            .ok()
+            .and_then(|m| m.get("method").and_then(Value::as_str).map(str::to_owned))
+            .is_some_and(|m| m == "notifications/initialized");
+        if !initialized {
+            futures_util::future::join_all(link.members.iter().filter(|m| m.lost().is_none()).map(
+                |member| async {
+                    let reply = self
+                        .send_on_link(
+                            member.config.index,
+                            &member.link,
+                            Method::POST,
+                            member_headers(&member.version, Some(headers)),
+                            body.clone(),
+                        )
+                        .await;
+                    if let Ok(reply) = link.judge(member, reply) {
+                        let _ = reply.body.collect().await;
+                    }
+                },
+            ))
+            .await;
+        }
+        UpstreamReply {
+            status: StatusCode::ACCEPTED,
+            headers: HeaderMap::new(),
+            body: crate::body::full(Bytes::new()),
+        }
+    }
+}
+
+/// A call for a lost member's name: 200 with a JSON-RPC error, since the client's
+/// session itself goes on (a 404 would tell an SDK client its whole session ended).
+fn member_lost(link: &FederatedLink, member: &Member, why: &str, id: &Value) -> GatewayError {
+    GatewayError::gateway(
+        StatusCode::OK,
+        Reason::MemberLost,
+        format!(
+            "member {} of virtual server {} is lost: its upstream session ended ({why}) and \
+             its state is lost; it is not reopened in this session (initialize a new session \
+             for a fresh one); the other members go on",
+            member.name(),
+            link.server
+        ),
+    )
+    .with_data(json!({ "member": member.name(), "detail": why, "retryable": false }))
+    .with_id(id.clone())
+}
+
+/// A 2026-07-28 request on a virtual server: refused, never answered wrongly.
+pub fn modern_refused(server: &str) -> GatewayError {
+    GatewayError::gateway(
+        StatusCode::NOT_IMPLEMENTED,
+        Reason::VirtualServerProtocol,
+        format!(
+            "virtual server {server} serves MCP 2025 protocol clients (sessions, initialize) \
+             only for now: connect in a 2025-* protocol version"
+        ),
+    )
+    .with_data(json!({ "supported": mcp::LEGACY_VERSIONS, "retryable": false }))
+}

@@ -1,0 +1,331 @@
+//! Opening a federated session at the client's `initialize` (one upstream session per
+//! member, in parallel, each opened with the gateway's own `initialize` and
+//! `notifications/initialized`), answering it with the gateway's own result, and
+//! ending the members' sessions with the client's.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, StatusCode};
+use http_body_util::BodyExt;
+use parking_lot::Mutex;
+use serde_json::{Value, json};
+use tracing::warn;
+
+use super::{
+    FederatedLink, MAX_ANSWER_BYTES, Member, MemberHealth, answer, from_gateway_error, mark_lost,
+    member_headers,
+};
+use crate::config::MemberConfig;
+use crate::execute::is_sse;
+use crate::execute::streams::{SessionStreams, StreamLog};
+use crate::execute::upstream::{
+    Upstream, UpstreamError, UpstreamLink, UpstreamReply, VirtualUpstream,
+};
+use crate::mcp::{self, GatewayError};
+use crate::reason::Reason;
+use crate::session;
+use crate::worker::Worker;
+
+/// The version the gateway answers in when the client asks for one it does not speak.
+const LATEST_LEGACY: &str = "2025-11-25";
+
+impl Worker {
+    /// The client's `initialize` on a virtual server: every member's session opened
+    /// at once. A required member that fails fails it (an error answer: the caller
+    /// closes the link and so every member opened); an optional one is left out, and
+    /// the result says so.
+    pub(crate) async fn open_federation(
+        self: &Arc<Self>,
+        server: &VirtualUpstream,
+        body: &Bytes,
+        session_id: &str,
+        streams: &SessionStreams,
+        principal: Option<&str>,
+    ) -> Result<(UpstreamLink, UpstreamReply), UpstreamError> {
+        let request = serde_json::from_slice::<Value>(body).unwrap_or(Value::Null);
+        let id = request.get("id").cloned().unwrap_or(Value::Null);
+        let params = request.get("params").cloned().unwrap_or(Value::Null);
+        let version = params
+            .get("protocolVersion")
+            .and_then(Value::as_str)
+            .filter(|v| mcp::LEGACY_VERSIONS.contains(v))
+            .unwrap_or(LATEST_LEGACY)
+            .to_owned();
+        let capabilities = params.get("capabilities").cloned().unwrap_or(json!({}));
+        let get_stream = streams.new_get(&self.id);
+        let ending = Arc::new(AtomicBool::new(false));
+        let opened = futures_util::future::join_all(server.server.members.iter().map(|member| {
+            self.open_member(
+                &server.name,
+                member,
+                &version,
+                &capabilities,
+                session_id,
+                principal,
+                &get_stream,
+                &ending,
+            )
+        }))
+        .await;
+        let mut members = Vec::new();
+        let mut left_out = Vec::new();
+        let mut refused = Vec::new();
+        for (config, outcome) in server.server.members.iter().zip(opened) {
+            match outcome {
+                Ok(member) => members.push(member),
+                Err(why) if config.required => refused.push((config.upstream.clone(), why)),
+                Err(why) => {
+                    warn!(server = %server.name, member = %config.upstream, "optional member left out of a new session: {why}");
+                    left_out.push((config.upstream.clone(), why));
+                }
+            }
+        }
+        let link = Arc::new(FederatedLink {
+            server: server.name.clone(),
+            rule: server.server.prefix,
+            separator: server.server.separator.clone(),
+            members,
+            left_out,
+            get_stream,
+            ending,
+            catalog: Mutex::default(),
+        });
+        if !refused.is_empty() {
+            // The error answer is the truth for the client; whoever opened the link
+            // closes it on a refused initialize, and with it the members opened.
+            let named: Vec<String> = refused
+                .iter()
+                .map(|(member, why)| format!("{member} ({why})"))
+                .collect();
+            let error = GatewayError::gateway(
+                StatusCode::BAD_GATEWAY,
+                Reason::MemberUnavailable,
+                format!(
+                    "virtual server {} cannot open a session: its required member {} could not \
+                     be opened; retry later or check that upstream",
+                    server.name,
+                    named.join(", ")
+                ),
+            )
+            .with_data(json!({
+                "members": refused.iter().map(|(member, _)| member).collect::<Vec<_>>(),
+                "retryable": true,
+            }))
+            .with_id(id);
+            return Ok((UpstreamLink::Federated(link), from_gateway_error(&error)));
+        }
+        let result = initialize_result(&link, &version);
+        let reply = answer(json!({ "jsonrpc": "2.0", "id": id, "result": result }));
+        Ok((UpstreamLink::Federated(link), reply))
+    }
+
+    /// Opens one member's session; on failure, why (its link, if any, is closed).
+    #[allow(clippy::too_many_arguments)]
+    async fn open_member(
+        self: &Arc<Self>,
+        server: &str,
+        config: &MemberConfig,
+        version: &str,
+        capabilities: &Value,
+        session_id: &str,
+        principal: Option<&str>,
+        get_stream: &Arc<StreamLog>,
+        ending: &Arc<AtomicBool>,
+    ) -> Result<Member, String> {
+        let initialize = json!({
+            "jsonrpc": "2.0", "id": 0, "method": "initialize",
+            "params": {
+                "protocolVersion": version,
+                "capabilities": capabilities,
+                "clientInfo": { "name": "mcpgw", "version": env!("CARGO_PKG_VERSION") },
+            },
+        });
+        let requested =
+            HeaderValue::from_str(version).unwrap_or(HeaderValue::from_static(LATEST_LEGACY));
+        let headers = member_headers(&requested, None);
+        let health = Arc::new(MemberHealth {
+            lost: Mutex::new(None),
+        });
+        let body = Bytes::from(initialize.to_string());
+        let timeout = self.config.limits.upstream_request_timeout;
+        let (link, reply) = match &self.upstreams[config.index] {
+            Upstream::Http(_) => {
+                let reply = self
+                    .send_upstream(config.index, Method::POST, headers, body, None)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let session_id = reply.headers.get(mcp::HEADER_SESSION_ID).cloned();
+                (UpstreamLink::Http { session_id }, reply)
+            }
+            Upstream::Stdio(stdio) => {
+                let on_exit = {
+                    let (server, member) = (server.to_owned(), config.upstream.clone());
+                    let (health, get_stream, ending) = (
+                        Arc::clone(&health),
+                        Arc::clone(get_stream),
+                        Arc::clone(ending),
+                    );
+                    Box::new(move |why: String| {
+                        if !ending.load(Ordering::Acquire) {
+                            let why = format!("its upstream process {why}");
+                            mark_lost(&server, &member, &health, &get_stream, &why);
+                        }
+                    })
+                };
+                let process = stdio
+                    .start(
+                        session::tag_of(session_id),
+                        principal,
+                        Arc::clone(get_stream),
+                        on_exit,
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                match process.exchange(&body, true, timeout).await {
+                    Ok(reply) => (UpstreamLink::Stdio(process), reply),
+                    Err(e) => {
+                        process.stop().await;
+                        return Err(e.to_string());
+                    }
+                }
+            }
+            Upstream::Virtual(_) => return Err("a virtual server cannot be a member".into()),
+        };
+        let opened = async {
+            let status = reply.status;
+            let answer = read_answer(reply).await?;
+            let Some(result) = answer.get("result") else {
+                return Err(format!("it refused initialize ({status}): {answer}"));
+            };
+            let negotiated = result
+                .get("protocolVersion")
+                .and_then(Value::as_str)
+                .and_then(|v| HeaderValue::from_str(v).ok())
+                .unwrap_or(requested);
+            let initialized = self
+                .send_on_link(
+                    config.index,
+                    &link,
+                    Method::POST,
+                    member_headers(&negotiated, None),
+                    Bytes::from_static(
+                        br#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#,
+                    ),
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            let _ = initialized.body.collect().await;
+            Ok((
+                negotiated,
+                result.get("capabilities").cloned().unwrap_or(json!({})),
+            ))
+        }
+        .await;
+        match opened {
+            Ok((version, capabilities)) => Ok(Member {
+                config: config.clone(),
+                link,
+                version,
+                capabilities,
+                health,
+            }),
+            Err(why) => {
+                // Never a member of the session: its end is no loss to report.
+                *health.lost.lock() = Some(why.clone());
+                self.close_link(config.index, &link).await;
+                Err(why)
+            }
+        }
+    }
+
+    /// Ends every member's session (DELETE over HTTP, the process for stdio), at once.
+    pub(crate) async fn close_federation(&self, link: &FederatedLink) {
+        link.ending.store(true, Ordering::Release);
+        futures_util::future::join_all(
+            link.members
+                .iter()
+                .map(|member| self.close_link(member.config.index, &member.link)),
+        )
+        .await;
+    }
+}
+
+/// The gateway's own initialize result: the members' capabilities merged (of what a
+/// virtual server serves), the virtual server's name, and which members are missing.
+fn initialize_result(link: &FederatedLink, version: &str) -> Value {
+    let mut capabilities = json!({});
+    for kind in [super::Kind::Tools, super::Kind::Prompts] {
+        if link.members.iter().any(|m| m.has(kind)) {
+            capabilities[kind.key()] = json!({ "listChanged": true });
+        }
+    }
+    if link
+        .members
+        .iter()
+        .any(|m| m.capabilities.get("logging").is_some())
+    {
+        capabilities["logging"] = json!({});
+    }
+    let mut result = json!({
+        "protocolVersion": version,
+        "capabilities": capabilities,
+        "serverInfo": { "name": link.server, "version": env!("CARGO_PKG_VERSION") },
+        "_meta": { "mcpgw/federation": {
+            "members": link.members.iter().map(|m| m.name()).collect::<Vec<_>>(),
+            "left_out": link.left_out.iter()
+                .map(|(member, why)| json!({ "member": member, "why": why }))
+                .collect::<Vec<_>>(),
+        }},
+    });
+    if !link.left_out.is_empty() {
+        let missing: Vec<String> = link
+            .left_out
+            .iter()
+            .map(|(member, why)| format!("{member} ({why})"))
+            .collect();
+        result["instructions"] = Value::from(format!(
+            "This session of virtual server {} opened without its optional member(s) {}: \
+             their tools are not in it.",
+            link.server,
+            missing.join(", ")
+        ));
+    }
+    result
+}
+
+/// The JSON-RPC answer in a member's reply (JSON, or the answer among the events of
+/// a stream), or why there is none.
+pub(super) async fn read_answer(reply: UpstreamReply) -> Result<Value, String> {
+    let status = reply.status;
+    let sse = is_sse(&reply.headers);
+    let mut body = reply.body;
+    let mut bytes = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| format!("its answer could not be read: {e}"))?;
+        if let Ok(data) = frame.into_data() {
+            bytes.extend_from_slice(&data);
+        }
+        if bytes.len() > MAX_ANSWER_BYTES {
+            return Err(format!("its answer exceeds {MAX_ANSWER_BYTES} bytes"));
+        }
+    }
+    if !status.is_success() {
+        return Err(format!(
+            "it answered {status}: {}",
+            String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
+        ));
+    }
+    let messages: Vec<Value> = if sse {
+        crate::sse::data_payloads(&bytes)
+            .filter_map(|data| serde_json::from_str(&data).ok())
+            .collect()
+    } else {
+        serde_json::from_slice(&bytes).ok().into_iter().collect()
+    };
+    messages
+        .into_iter()
+        .find(|m| m.get("result").is_some() || m.get("error").is_some())
+        .ok_or_else(|| "its answer held no JSON-RPC response".to_owned())
+}

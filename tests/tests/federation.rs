@@ -1,0 +1,498 @@
+//! Virtual servers (`[[server]]`, issue #22): one route whose client sessions hold one
+//! upstream session per member. Real processes throughout: the demo upstream over
+//! HTTP, the SDK-built stateful server and `mcp-server-time` over stdio, a paginating
+//! SDK server, the official Python SDK client, and a two-worker fleet over the mesh.
+
+#[path = "upstreams_support/mod.rs"]
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use mcpgw_testkit::http::{self, call_tool, initialize, mcp_headers, rpc_body};
+use mcpgw_testkit::signal::{Signal, send};
+use mcpgw_testkit::{Gateway, Upstream, eventually, python, python_script, run_python};
+use serde_json::{Value, json};
+use support::{Fleet, Until, read_stream};
+
+const ALL: &str = "/servers/all/mcp";
+
+/// A TOML string literal.
+fn quoted(text: &str) -> String {
+    Value::from(text).to_string()
+}
+
+fn venv_bin(name: &str) -> String {
+    python()
+        .parent()
+        .expect("venv bin dir")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+/// `[[upstream]]` tables: the demo upstream at `demo_url`, the stateful SDK server
+/// over stdio (`st`), and `mcp-server-time` (`time`).
+fn three_upstreams(demo_url: &str) -> String {
+    format!(
+        r#"
+[[upstream]]
+name = "demo"
+url = {demo}
+
+[[upstream]]
+name = "st"
+command = [{python}, {stateful}, "stdio"]
+
+[[upstream]]
+name = "time"
+command = [{time}, "--local-timezone", "UTC"]
+"#,
+        demo = quoted(demo_url),
+        python = quoted(&python().display().to_string()),
+        stateful = quoted(&python_script("stateful_server.py").display().to_string()),
+        time = quoted(&venv_bin("mcp-server-time")),
+    )
+}
+
+/// The virtual server `all` of the three: demo's echo, counters and slow_stream; the
+/// stateful server without its `ask`; of time, `get_*` only.
+const ALL_OF_THREE: &str = r#"
+[[server]]
+name = "all"
+
+[[server.member]]
+upstream = "demo"
+tools = { include = ["echo", "counter_*", "slow_stream"] }
+
+[[server.member]]
+upstream = "st"
+tools = { exclude = ["ask"] }
+
+[[server.member]]
+upstream = "time"
+tools = { include = ["get_*"] }
+"#;
+
+/// Writes `text` to a configuration file of its own for this test.
+fn config_file(what: &str, text: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!(
+        "mcpgw-federation-{what}-{}-{}.toml",
+        std::process::id(),
+        mcpgw_testkit::free_port()
+    ));
+    std::fs::write(&path, text).expect("write the configuration");
+    path
+}
+
+fn start(config: &Path) -> Gateway {
+    Gateway::start(&["--config", &config.display().to_string()])
+}
+
+/// The names of a `tools/list` answer.
+fn tool_names(response: &http::Response) -> Vec<String> {
+    let message = response
+        .messages()
+        .into_iter()
+        .find(|m| m.get("result").is_some())
+        .unwrap_or_else(|| panic!("no tools/list result: {}", response.text()));
+    message["result"]["tools"]
+        .as_array()
+        .expect("a tool list")
+        .iter()
+        .map(|tool| tool["name"].as_str().expect("a tool name").to_owned())
+        .collect()
+}
+
+fn list_tools(addr: &str, session: &str) -> Vec<String> {
+    let response = http::request(
+        addr,
+        "POST",
+        ALL,
+        &mcp_headers(Some(session)),
+        &rpc_body(90, "tools/list", json!({})),
+    );
+    assert_eq!(response.status, 200, "tools/list: {}", response.text());
+    tool_names(&response)
+}
+
+fn text_of(response: &http::Response) -> String {
+    response.expect_tool_text()
+}
+
+#[test]
+fn the_sdk_client_sees_three_members_under_their_names_with_their_own_state() {
+    let demo = Upstream::start();
+    let config = config_file(
+        "three",
+        &format!("{}{ALL_OF_THREE}", three_upstreams(&demo.url)),
+    );
+    let gateway = start(&config);
+    let url = format!("http://{}{ALL}", gateway.addr);
+    let out = run_python("federation_client.py", &[&url, "merged"]);
+    assert_eq!(out["server"], "all", "serverInfo names the virtual server");
+    assert_eq!(
+        out["tools"],
+        json!([
+            "demo__counter_increment",
+            "demo__echo",
+            "demo__slow_stream",
+            "st__counter_increment",
+            "st__pid",
+            "time__get_current_time",
+        ]),
+        "each member's tools under its prefix, filtered by include/exclude"
+    );
+    assert_eq!(out["echo"], "through all", "the HTTP member answers");
+    assert_eq!(
+        out["time"]["timezone"], "UTC",
+        "mcp-server-time answers: {out}"
+    );
+    assert_eq!(
+        out["first_counts"],
+        json!([["1", "1"], ["2", "2"], ["3", "3"]]),
+        "the first session's counters go on, on the stdio and the HTTP member"
+    );
+    assert_eq!(
+        out["second_counts"],
+        json!(["1", "1"]),
+        "a second session has counters of its own on both stateful members"
+    );
+    assert_ne!(
+        out["pids"][0], out["pids"][1],
+        "each client session has its own process of the stdio member"
+    );
+    let excluded = out["excluded"].as_str().unwrap_or_default();
+    assert!(
+        excluded.contains("unknown tool") && excluded.contains("demo__sleep_ms"),
+        "an excluded tool is not callable: {excluded}"
+    );
+}
+
+#[test]
+fn calls_and_progress_arrive_through_the_worker_that_does_not_own_the_session() {
+    let demo = Upstream::start();
+    let config = config_file(
+        "fleet",
+        &format!("{}{ALL_OF_THREE}", three_upstreams(&demo.url)),
+    );
+    let fleet = Fleet::start(2, &["--config".into(), config.display().to_string()]);
+    let (owner, edge) = (fleet.addr(0), fleet.addr(1));
+    let session = initialize(owner, ALL);
+    assert!(list_tools(edge, &session).contains(&"st__counter_increment".to_owned()));
+    for expected in ["1", "2"] {
+        let response = call_tool(edge, ALL, &session, 1, "st__counter_increment", json!({}));
+        assert_ne!(
+            response.header("mcpgw-owner-worker"),
+            response.header("mcpgw-edge-worker"),
+            "the call was forwarded to the owner"
+        );
+        assert_eq!(text_of(&response), expected, "the stdio member's state");
+        let response = call_tool(edge, ALL, &session, 2, "demo__counter_increment", json!({}));
+        assert_eq!(text_of(&response), expected, "the HTTP member's state");
+    }
+    let body = json!({
+        "jsonrpc": "2.0", "id": 5, "method": "tools/call",
+        "params": {"name": "demo__slow_stream", "arguments": {"count": 5, "interval_ms": 50},
+                   "_meta": {"progressToken": "p1"}},
+    })
+    .to_string();
+    let stream = read_stream(
+        edge,
+        "POST",
+        ALL,
+        &mcp_headers(Some(&session)),
+        body.as_bytes(),
+        Until::End,
+    );
+    assert_eq!(stream.status, 200);
+    let methods: Vec<String> = stream
+        .events
+        .iter()
+        .map(|e| {
+            e.data["method"]
+                .as_str()
+                .map_or_else(|| "result".to_owned(), str::to_owned)
+        })
+        .collect();
+    let mut expected = vec!["notifications/progress".to_owned(); 5];
+    expected.push("result".into());
+    assert_eq!(methods, expected, "every progress event, then the result");
+    assert_eq!(
+        stream.events[0].data["params"]["progressToken"], "p1",
+        "the client's progress token"
+    );
+}
+
+#[test]
+fn a_killed_member_process_is_lost_alone_and_never_restarted() {
+    let demo = Upstream::start();
+    let config = config_file(
+        "kill",
+        &format!("{}{ALL_OF_THREE}", three_upstreams(&demo.url)),
+    );
+    let gateway = start(&config);
+    let addr = gateway.addr.clone();
+    let session = initialize(&addr, ALL);
+    assert_eq!(
+        text_of(&call_tool(
+            &addr,
+            ALL,
+            &session,
+            1,
+            "st__counter_increment",
+            json!({})
+        )),
+        "1"
+    );
+    assert_eq!(
+        text_of(&call_tool(
+            &addr,
+            ALL,
+            &session,
+            2,
+            "demo__counter_increment",
+            json!({})
+        )),
+        "1"
+    );
+    let pid: u32 = text_of(&call_tool(&addr, ALL, &session, 3, "st__pid", json!({})))
+        .parse()
+        .expect("a pid");
+
+    send(pid, Signal::SIGKILL);
+
+    let lost = eventually(Duration::from_secs(60), || {
+        let response = call_tool(&addr, ALL, &session, 4, "st__counter_increment", json!({}));
+        match response.reason().as_deref() {
+            Some("member_lost") => Ok(response),
+            _ => Err(response.text()),
+        }
+    });
+    assert_eq!(lost.status, 200, "the client's session goes on");
+    let error = lost.error().expect("a JSON-RPC error");
+    assert_eq!(error["data"]["member"], "st");
+    let message = error["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("member st") && message.contains("state is lost"),
+        "{message}"
+    );
+    let names = list_tools(&addr, &session);
+    assert!(
+        !names.iter().any(|n| n.starts_with("st__")),
+        "the lost member's tools leave the list: {names:?}"
+    );
+    assert!(names.contains(&"demo__echo".to_owned()), "{names:?}");
+    assert_eq!(
+        text_of(&call_tool(
+            &addr,
+            ALL,
+            &session,
+            5,
+            "demo__counter_increment",
+            json!({})
+        )),
+        "2",
+        "the other members keep their state"
+    );
+    let again = call_tool(&addr, ALL, &session, 6, "st__pid", json!({}));
+    assert_eq!(
+        again.reason().as_deref(),
+        Some("member_lost"),
+        "never a fresh process behind the session: {}",
+        again.text()
+    );
+    // The session's GET stream hears that the lists changed (a GET stream's first
+    // reader gets what the gateway pushed before it came).
+    let (seen, heard) = std::sync::mpsc::channel();
+    {
+        let (addr, session) = (addr.clone(), session.clone());
+        std::thread::spawn(move || {
+            let headers = [
+                ("Accept", "text/event-stream"),
+                ("MCP-Protocol-Version", "2025-11-25"),
+                ("Mcp-Session-Id", session.as_str()),
+            ];
+            let stream = read_stream(&addr, "GET", ALL, &headers, b"", Until::Events(1));
+            let _ = seen.send(stream);
+        });
+    }
+    let stream = heard
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the GET stream heard something");
+    assert_eq!(
+        stream.events[0].data["method"], "notifications/tools/list_changed",
+        "{stream:?}"
+    );
+
+    // DELETE ends every member's session.
+    assert_eq!(demo.counter("sessions_open"), 1);
+    assert_eq!(http::delete_session(&addr, ALL, &session).status, 200);
+    assert_eq!(
+        demo.counter("sessions_open"),
+        0,
+        "the HTTP member's session ended"
+    );
+}
+
+#[test]
+fn an_optional_member_down_is_left_out_and_a_required_one_refuses_initialize() {
+    let demo = Upstream::start();
+    let down = format!("http://127.0.0.1:{}/mcp", mcpgw_testkit::free_port());
+    let config = config_file(
+        "down",
+        &format!(
+            r#"
+[[upstream]]
+name = "demo"
+url = {demo}
+
+[[upstream]]
+name = "gone"
+url = {down}
+
+[[server]]
+name = "lenient"
+[[server.member]]
+upstream = "demo"
+tools = {{ include = ["echo"] }}
+[[server.member]]
+upstream = "gone"
+required = false
+
+[[server]]
+name = "strict"
+[[server.member]]
+upstream = "demo"
+[[server.member]]
+upstream = "gone"
+"#,
+            demo = quoted(&demo.url),
+            down = quoted(&down),
+        ),
+    );
+    let gateway = start(&config);
+    let refused = http::try_initialize(&gateway.addr, "/servers/strict/mcp").expect("an answer");
+    assert_eq!(refused.status, 502, "{}", refused.text());
+    assert!(refused.header("mcp-session-id").is_none(), "no session");
+    assert_eq!(refused.reason().as_deref(), Some("member_unavailable"));
+    let error = refused.error().expect("a JSON-RPC error");
+    assert_eq!(error["data"]["members"], json!(["gone"]));
+    let message = error["message"].as_str().unwrap_or_default();
+    assert!(message.contains("required member gone"), "{message}");
+    assert_eq!(
+        (
+            demo.counter("sessions_created"),
+            demo.counter("sessions_open")
+        ),
+        (1, 0),
+        "the required member that did open was closed with the refusal"
+    );
+
+    let url = format!("http://{}/servers/lenient/mcp", gateway.addr);
+    let out = run_python("federation_client.py", &[&url, "open"]);
+    assert_eq!(out["tools"], json!(["demo__echo"]), "{out}");
+    let instructions = out["instructions"].as_str().unwrap_or_default();
+    assert!(
+        instructions.contains("optional member(s) gone"),
+        "the result says which member is missing: {instructions:?}"
+    );
+}
+
+#[test]
+fn a_paginated_member_list_is_merged_whole_without_duplicates() {
+    let demo = Upstream::start();
+    let config = config_file(
+        "paging",
+        &format!(
+            r#"
+[[upstream]]
+name = "demo"
+url = {demo}
+
+[[upstream]]
+name = "paging"
+command = [{python}, {paging}]
+
+[[server]]
+name = "all"
+prefix = "conflicts"
+[[server.member]]
+upstream = "paging"
+[[server.member]]
+upstream = "demo"
+tools = {{ include = ["echo"] }}
+"#,
+            demo = quoted(&demo.url),
+            python = quoted(&python().display().to_string()),
+            paging = quoted(&python_script("paging_server.py").display().to_string()),
+        ),
+    );
+    let gateway = start(&config);
+    let session = initialize(&gateway.addr, ALL);
+    let names = list_tools(&gateway.addr, &session);
+    let mut expected: Vec<String> = (0..7).map(|i| format!("page_{i}")).collect();
+    expected.push("echo".into());
+    assert_eq!(
+        names, expected,
+        "every page of the member, once each, names unprefixed where nothing conflicts"
+    );
+    let response = call_tool(&gateway.addr, ALL, &session, 7, "page_6", json!({}));
+    assert_eq!(
+        text_of(&response),
+        "ran page_6",
+        "a tool of the last page runs"
+    );
+
+    // 2026-07-28 clients are told plainly that virtual servers do not serve them yet.
+    let modern = http::request(
+        &gateway.addr,
+        "POST",
+        ALL,
+        &http::modern_headers("tools/list", None),
+        &http::modern_body(1, "tools/list", json!({})),
+    );
+    assert_eq!(modern.status, 501, "{}", modern.text());
+    assert_eq!(modern.reason().as_deref(), Some("virtual_server_protocol"));
+}
+
+#[test]
+fn colliding_names_in_the_configuration_refuse_to_start_naming_both() {
+    let config = config_file(
+        "collide",
+        r#"
+[[upstream]]
+name = "one"
+url = "http://127.0.0.1:9/mcp"
+
+[[upstream]]
+name = "two"
+url = "http://127.0.0.1:9/mcp"
+
+[[server]]
+name = "all"
+[[server.member]]
+upstream = "one"
+prefix = "x"
+[[server.member]]
+upstream = "two"
+prefix = "x"
+"#,
+    );
+    let log = config.with_extension("log");
+    let mut command = std::process::Command::new(mcpgw_testkit::bin("mcpgw"));
+    command
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(&config);
+    let stderr_file = std::fs::File::create(&log).expect("create the log file");
+    let mut serve =
+        mcpgw_testkit::Child::from_command_with_stderr("mcpgw", command, stderr_file.into())
+            .expect("run mcpgw serve");
+    let code = serve.wait_exit(Duration::from_secs(60));
+    assert_ne!(code, Some(0), "a colliding configuration starts");
+    let stderr = std::fs::read_to_string(&log).expect("read the log");
+    assert!(
+        stderr.contains("\"one\"") && stderr.contains("\"two\"") && stderr.contains("collide"),
+        "the refusal names both members: {stderr}"
+    );
+}
