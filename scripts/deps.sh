@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what mcpgw's run and tests need and that a fresh Debian/Ubuntu machine with
-# Rust may lack: redis-server (Debian package) and the Python MCP SDK (in a virtualenv
+# Rust may lack: redis-server and redis-cli (Debian packages) and the Python MCP SDK (in a virtualenv
 # under build/). Idempotent; fast when everything is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +14,8 @@ as_root() {
 
 apt_packages=()
 command -v redis-server >/dev/null || apt_packages+=(redis-server)
+# redis-cli makes the test Redis Cluster (redis-server depends on it; named in case).
+command -v redis-cli >/dev/null || apt_packages+=(redis-tools)
 command -v python3 >/dev/null || apt_packages+=(python3)
 if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then apt_packages+=(python3-venv); fi
 if ((${#apt_packages[@]})); then

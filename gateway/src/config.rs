@@ -1232,29 +1232,31 @@ impl Config {
         if let Some(url) = &self.fleet.redis_url
             && !(url.starts_with("redis://")
                 || url.starts_with("rediss://")
-                || url.starts_with("redis+sentinel://"))
+                || url.starts_with("redis+sentinel://")
+                || url.starts_with("redis+cluster://"))
         {
             return Err(invalid(
                 "fleet.redis_url",
                 if url.starts_with("rediss+sentinel://") {
                     "TLS to Sentinel (rediss+sentinel://) is not supported yet; use \
                      redis+sentinel:// on a trusted network"
+                } else if url.starts_with("rediss+cluster://") {
+                    "TLS to Redis Cluster (rediss+cluster://) is not supported yet; use \
+                     redis+cluster:// on a trusted network"
                 } else {
-                    "must start with redis://, rediss:// or redis+sentinel://"
+                    "must start with redis://, rediss://, redis+sentinel:// or redis+cluster://"
                 },
             ));
         }
         if self.mesh.transport == MeshTransport::Redis
-            && self
-                .fleet
-                .redis_url
-                .as_deref()
-                .is_some_and(|url| url.starts_with("redis+sentinel://"))
+            && self.fleet.redis_url.as_deref().is_some_and(|url| {
+                url.starts_with("redis+sentinel://") || url.starts_with("redis+cluster://")
+            })
         {
             return Err(invalid(
                 "mesh.transport",
                 "the redis mesh transport (a benchmark baseline) needs a standalone Redis, \
-                 not redis+sentinel://",
+                 not redis+sentinel:// or redis+cluster://",
             ));
         }
         if self.fleet.worker_id.is_some() && self.fleet.workers != 1 {

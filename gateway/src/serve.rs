@@ -218,16 +218,20 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
         }
         return Err(WorkerError::Fenced);
     }
-    // Drain: the public port is closed and its exchanges are done; forwarded requests
-    // in flight finish next; only then do the sessions end (upstream and in the
-    // directory), so later requests for them get a fast "gone".
+    // Drain: the public port is closed and its exchanges are done. Sessions that can
+    // continue elsewhere are handed over first, while the mesh still takes requests:
+    // from then on a forwarded request for one is answered "not mine", and its edge
+    // adopts it, so no client sees an error (exchanges already running here finish).
+    // Then forwarded requests in flight finish; only then do the other sessions end
+    // (upstream and in the directory), so later requests for them get a fast "gone".
     worker.start_draining();
+    end_sessions(&worker, Ending::HandOver).await;
     if let Some(mesh) = &mesh
         && !mesh.server.wait_idle(DRAIN_GRACE).await
     {
         warn!(worker = %worker.id, "forwarded requests still running at the drain deadline");
     }
-    end_sessions(&worker).await;
+    end_sessions(&worker, Ending::End).await;
     if let Some(fleet) = worker.fleet() {
         fleet.lease.deregister().await;
     }
@@ -261,20 +265,27 @@ fn adoption_keys(config: &Config) -> Result<Option<AdoptionKeys>, WorkerError> {
     }
 }
 
-/// Ends every session of a draining worker, upstream and in the directory: many at a
-/// time, and within the drain's grace. A session not ended by then (Redis or the
-/// upstream not answering) is left to expire upstream and to the fleet's sweeper.
-async fn end_sessions(worker: &Arc<Worker>) {
+/// Hands over (see [`Ending`]) or ends the sessions of a draining worker, upstream and
+/// in the directory: many at a time, and within the drain's grace. A session not ended
+/// by then (Redis or the upstream not answering) is left to expire upstream and to the
+/// fleet's sweeper.
+async fn end_sessions(worker: &Arc<Worker>, ending: Ending) {
     use futures_util::StreamExt;
     let ids = worker.sessions.ids();
     let total = ids.len();
     let ending = futures_util::stream::iter(ids).for_each_concurrent(ENDING_AT_ONCE, |id| {
         let worker = Arc::clone(worker);
         async move {
-            if let Some(session) = worker.sessions.get(&id) {
-                if hand_over(&worker, &session).await {
-                    worker.metrics.session_ended("handed_over", 1);
-                } else {
+            let Some(session) = worker.sessions.get(&id) else {
+                return;
+            };
+            match ending {
+                Ending::HandOver => {
+                    if hand_over(&worker, &session).await {
+                        worker.metrics.session_ended("handed_over", 1);
+                    }
+                }
+                Ending::End => {
                     worker.end_session(&session).await;
                     worker.metrics.session_ended("drained", 1);
                 }
@@ -285,6 +296,15 @@ async fn end_sessions(worker: &Arc<Worker>) {
         let left = worker.sessions.len();
         warn!(worker = %worker.id, total, left, "sessions still ending at the drain deadline; the sweeper takes their records");
     }
+}
+
+/// Which sessions a pass of [`end_sessions`] takes.
+#[derive(Clone, Copy)]
+enum Ending {
+    /// Those that can continue elsewhere, handed over for adoption.
+    HandOver,
+    /// All that are left, ended here and upstream.
+    End,
 }
 
 /// Leaves `session` for another worker to adopt instead of ending it, when its state

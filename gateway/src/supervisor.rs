@@ -25,6 +25,14 @@ use crate::process::{
 const RESTART_BACKOFF_MIN: Duration = Duration::from_millis(100);
 const RESTART_BACKOFF_MAX: Duration = Duration::from_secs(5);
 
+/// The wait before a slot's next start after `failures` starts in a row that did not
+/// serve: doubling from the minimum up to the maximum.
+fn restart_delay(failures: u32) -> Duration {
+    RESTART_BACKOFF_MIN
+        .saturating_mul(1 << failures.min(6))
+        .min(RESTART_BACKOFF_MAX)
+}
+
 /// How long workers may take to drain after SIGTERM before they are killed.
 const STOP_DEADLINE: Duration = Duration::from_secs(40);
 
@@ -129,9 +137,7 @@ async fn supervise(mut config: Config) -> ExitCode {
                         // Back off when replacements keep dying before they serve (Redis
                         // down, say), so a broken dependency is not hammered.
                         failures[slot] = if was_ready { 0 } else { failures[slot] + 1 };
-                        let delay = RESTART_BACKOFF_MIN
-                            .saturating_mul(1 << failures[slot].min(6))
-                            .min(RESTART_BACKOFF_MAX);
+                        let delay = restart_delay(failures[slot]);
                         // A worker that exits 0 was drained on its own (`mcpgw drain`,
                         // `POST /drain`, a signal sent to it alone): the slot is refilled
                         // like after a death, under a new id, so a drain replaces a worker.
@@ -150,7 +156,19 @@ async fn supervise(mut config: Config) -> ExitCode {
                         generations[slot] += 1;
                         match spawn_worker(&config, slot, generations[slot], events_tx.clone()) {
                             Ok(pid) => pids[slot] = Some(pid),
-                            Err(e) => error!(slot, error = %e, "cannot restart worker"),
+                            Err(e) => {
+                                // (The binary being replaced on disk, a process limit:
+                                // passing conditions.) The slot is tried again, backing
+                                // off like a replacement that died before it served.
+                                failures[slot] += 1;
+                                let delay = restart_delay(failures[slot]);
+                                error!(slot, error = %e, ?delay, "cannot restart worker; trying again");
+                                let events = events_tx.clone();
+                                tokio::spawn(async move {
+                                    tokio::time::sleep(delay).await;
+                                    let _ = events.send(Event::Restart { slot });
+                                });
+                            }
                         }
                     }
                 }

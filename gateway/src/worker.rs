@@ -263,6 +263,12 @@ impl Worker {
         self.drain_requested.subscribe()
     }
 
+    /// Whether sessions of HTTP upstreams outlive their owner in this fleet (`--adopt
+    /// http`, and a fleet).
+    pub fn adopts(&self) -> bool {
+        self.fleet().is_some_and(|fleet| fleet.adoption.is_some())
+    }
+
     pub fn draining(&self) -> bool {
         self.draining.load(Ordering::Relaxed)
     }

@@ -20,6 +20,9 @@ const CONNECT_RETRY: Duration = Duration::from_millis(100);
 /// URL schemes that name a Redis Sentinel deployment rather than one server.
 const SENTINEL_SCHEME: &str = "redis+sentinel://";
 const SENTINEL_TLS_SCHEME: &str = "rediss+sentinel://";
+/// URL schemes that name a Redis Cluster by some of its nodes.
+const CLUSTER_SCHEME: &str = "redis+cluster://";
+const CLUSTER_TLS_SCHEME: &str = "rediss+cluster://";
 
 /// What a Redis URL names: one server, or a primary found through Sentinel.
 #[derive(Clone)]
@@ -28,6 +31,27 @@ pub(crate) enum RedisTarget {
     Standalone(redis::Client),
     /// `redis+sentinel://`: whichever server the sentinels name as primary.
     Sentinel(SentinelSpec),
+    /// `redis+cluster://`: whichever primary serves the slot of the caller's keys.
+    Cluster(ClusterSpec),
+}
+
+/// A parsed `redis+cluster://[user:password@]host:port[,host:port...][/]` URL: seed
+/// nodes to ask which node serves a slot, and the credentials of every node.
+#[derive(Clone)]
+pub(crate) struct ClusterSpec {
+    pub(crate) seeds: Vec<(String, u16)>,
+    pub(crate) username: Option<String>,
+    pub(crate) password: Option<String>,
+}
+
+impl ClusterSpec {
+    pub(crate) fn secrets(&self) -> Vec<String> {
+        self.password
+            .iter()
+            .filter(|p| !p.is_empty())
+            .cloned()
+            .collect()
+    }
 }
 
 /// A parsed `redis+sentinel://[user:password@]host:port[,host:port...]/<primary
@@ -78,6 +102,24 @@ pub(crate) fn parse_target(url: &str, tcp: Option<TcpSettings>) -> Result<RedisT
             redact_url(url)
         ));
     }
+    if url.starts_with(CLUSTER_TLS_SCHEME) {
+        return Err(format!(
+            "Redis URL {}: TLS to Redis Cluster (rediss+cluster://) is not supported yet; use \
+             redis+cluster:// on a trusted network",
+            redact_url(url)
+        ));
+    }
+    if let Some(rest) = url.strip_prefix(CLUSTER_SCHEME) {
+        return parse_cluster(rest)
+            .map(RedisTarget::Cluster)
+            .map_err(|why| {
+                format!(
+                    "Redis URL {} does not parse: {why}; expected \
+                 redis+cluster://[user:password@]host:port[,host:port...]",
+                    redact_url(url)
+                )
+            });
+    }
     match url.strip_prefix(SENTINEL_SCHEME) {
         Some(rest) => parse_sentinel(rest)
             .map(RedisTarget::Sentinel)
@@ -93,12 +135,24 @@ pub(crate) fn parse_target(url: &str, tcp: Option<TcpSettings>) -> Result<RedisT
     }
 }
 
-fn parse_sentinel(rest: &str) -> Result<SentinelSpec, &'static str> {
-    let (rest, query) = match rest.split_once('?') {
-        Some((r, q)) => (r, Some(q)),
-        None => (rest, None),
+fn parse_cluster(rest: &str) -> Result<ClusterSpec, &'static str> {
+    let authority = match rest.split_once('/') {
+        Some((authority, "")) => authority,
+        Some(_) => return Err("a cluster has no database or primary name in its path"),
+        None => rest,
     };
-    let (authority, path) = rest.split_once('/').ok_or("no primary name")?;
+    let (username, password, hosts) = split_userinfo(authority)?;
+    Ok(ClusterSpec {
+        seeds: parse_hosts(hosts, "node")?,
+        username,
+        password,
+    })
+}
+
+type UserInfo<'a> = (Option<String>, Option<String>, &'a str);
+
+/// `[user[:password]@]hosts` with percent-decoded user and password.
+fn split_userinfo(authority: &str) -> Result<UserInfo<'_>, &'static str> {
     let (userinfo, hosts) = match authority.rsplit_once('@') {
         Some((u, h)) => (Some(u), h),
         None => (None, authority),
@@ -117,18 +171,41 @@ fn parse_sentinel(rest: &str) -> Result<SentinelSpec, &'static str> {
             ((!user.is_empty()).then_some(user), pass)
         }
     };
-    let mut sentinels = Vec::new();
+    Ok((username, password, hosts))
+}
+
+/// `host:port[,host:port...]`; `what` names a host in errors.
+fn parse_hosts(hosts: &str, what: &'static str) -> Result<Vec<(String, u16)>, &'static str> {
+    let mut out = Vec::new();
     for host in hosts.split(',') {
-        let (h, port) = host.rsplit_once(':').ok_or("a sentinel without a port")?;
-        let port: u16 = port
-            .parse()
-            .map_err(|_| "a sentinel port is not a number")?;
+        let (h, port) = host.rsplit_once(':').ok_or(match what {
+            "node" => "a node without a port",
+            _ => "a sentinel without a port",
+        })?;
+        let port: u16 = port.parse().map_err(|_| match what {
+            "node" => "a node port is not a number",
+            _ => "a sentinel port is not a number",
+        })?;
         let h = h.trim_start_matches('[').trim_end_matches(']');
         if h.is_empty() || port == 0 {
-            return Err("an empty sentinel address");
+            return Err(match what {
+                "node" => "an empty node address",
+                _ => "an empty sentinel address",
+            });
         }
-        sentinels.push((h.to_owned(), port));
+        out.push((h.to_owned(), port));
     }
+    Ok(out)
+}
+
+fn parse_sentinel(rest: &str) -> Result<SentinelSpec, &'static str> {
+    let (rest, query) = match rest.split_once('?') {
+        Some((r, q)) => (r, Some(q)),
+        None => (rest, None),
+    };
+    let (authority, path) = rest.split_once('/').ok_or("no primary name")?;
+    let (username, password, hosts) = split_userinfo(authority)?;
+    let sentinels = parse_hosts(hosts, "sentinel")?;
     let mut segments = path.split('/');
     let name = segments.next().unwrap_or("");
     if name.is_empty() {
@@ -232,7 +309,22 @@ pub(crate) async fn resolve_primary(
                 continue;
             }
         };
-        match check_primary(spec, &phost, pport, &cfg, op_timeout, tcp.clone()).await {
+        let credentials = Credentials {
+            db: spec.db,
+            username: spec.username.as_deref(),
+            password: spec.password.as_deref(),
+        };
+        match check_primary(
+            &credentials,
+            "the sentinels",
+            &phost,
+            pport,
+            &cfg,
+            op_timeout,
+            tcp.clone(),
+        )
+        .await
+        {
             Ok(primary) => return Ok(primary),
             Err(e) => last_error = clean(e),
         }
@@ -240,8 +332,37 @@ pub(crate) async fn resolve_primary(
     Err(last_error)
 }
 
+/// How to log in to a data server.
+struct Credentials<'a> {
+    db: i64,
+    username: Option<&'a str>,
+    password: Option<&'a str>,
+}
+
+/// A connection description for the data server at `host:port`.
+fn node_info(
+    credentials: &Credentials<'_>,
+    host: &str,
+    port: u16,
+) -> Result<redis::ConnectionInfo, String> {
+    let mut settings = RedisConnectionInfo::default().set_db(credentials.db);
+    if let Some(u) = credentials.username {
+        settings = settings.set_username(u);
+    }
+    if let Some(p) = credentials.password {
+        settings = settings.set_password(p);
+    }
+    Ok(ConnectionAddr::Tcp(host.to_owned(), port)
+        .into_connection_info()
+        .map_err(|e| e.to_string())?
+        .set_redis_settings(settings))
+}
+
+/// Connects to the server `named_by` (the sentinels, the cluster) named primary and
+/// checks that it calls itself master.
 async fn check_primary(
-    spec: &SentinelSpec,
+    credentials: &Credentials<'_>,
+    named_by: &str,
     host: &str,
     port: u16,
     cfg: &redis::AsyncConnectionConfig,
@@ -249,17 +370,7 @@ async fn check_primary(
     tcp: Option<TcpSettings>,
 ) -> Result<Primary, String> {
     let addr = format!("{host}:{port}");
-    let mut settings = RedisConnectionInfo::default().set_db(spec.db);
-    if let Some(u) = &spec.username {
-        settings = settings.set_username(u);
-    }
-    if let Some(p) = &spec.password {
-        settings = settings.set_password(p);
-    }
-    let info = ConnectionAddr::Tcp(host.to_owned(), port)
-        .into_connection_info()
-        .map_err(|e| e.to_string())?
-        .set_redis_settings(settings);
+    let info = node_info(credentials, host, port)?;
     let info = match tcp {
         Some(tcp) => info.set_tcp_settings(tcp),
         None => info,
@@ -276,17 +387,15 @@ async fn check_primary(
     };
     let text = match tokio::time::timeout(op_timeout * 2, asked).await {
         Ok(Ok(text)) => text,
-        Ok(Err(e)) => return Err(format!("primary {addr} named by the sentinels: {e}")),
+        Ok(Err(e)) => return Err(format!("primary {addr} named by {named_by}: {e}")),
         Err(_) => {
-            return Err(format!(
-                "primary {addr} named by the sentinels did not answer"
-            ));
+            return Err(format!("primary {addr} named by {named_by} did not answer"));
         }
     };
     let replication = parse_replication(&text);
     if replication.role != "master" {
         return Err(format!(
-            "{addr}, named primary by the sentinels, says it is {:?}: a failover is under way",
+            "{addr}, named primary by {named_by}, says it is {:?}: a failover is under way",
             replication.role
         ));
     }
@@ -295,6 +404,116 @@ async fn check_primary(
         addr,
         replid: replication.replid,
         replicas: replication.replicas,
+    })
+}
+
+/// Asks the seed nodes, in order, which primary serves the slot of `key` (`CLUSTER
+/// KEYSLOT`, `CLUSTER SLOTS`), then connects to it and checks that it calls itself
+/// master. `op_timeout` bounds each step; the error is scrubbed of the password.
+pub(crate) async fn resolve_slot_primary(
+    spec: &ClusterSpec,
+    key: &str,
+    op_timeout: Duration,
+) -> Result<Primary, String> {
+    let secrets = spec.secrets();
+    let clean = |text: String| scrub_all(&text, &secrets);
+    let cfg = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(op_timeout))
+        .set_response_timeout(Some(op_timeout));
+    let credentials = Credentials {
+        db: 0,
+        username: spec.username.as_deref(),
+        password: spec.password.as_deref(),
+    };
+    let mut last_error = String::from("no cluster node answered");
+    for (host, port) in &spec.seeds {
+        let asked = async {
+            let client =
+                redis::Client::open(node_info(&credentials, host, *port).map_err(io_error)?)?;
+            let mut c = client
+                .get_multiplexed_async_connection_with_config(&cfg)
+                .await?;
+            let slot: i64 = redis::cmd("CLUSTER")
+                .arg("KEYSLOT")
+                .arg(key)
+                .query_async(&mut c)
+                .await?;
+            let slots: redis::Value = redis::cmd("CLUSTER")
+                .arg("SLOTS")
+                .query_async(&mut c)
+                .await?;
+            Ok::<_, redis::RedisError>((slot, slots))
+        };
+        let (slot, slots) = match tokio::time::timeout(op_timeout * 2, asked).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(e)) => {
+                last_error = format!("cluster node {host}:{port}: {}", clean(e.to_string()));
+                continue;
+            }
+            Err(_) => {
+                last_error = format!("cluster node {host}:{port} did not answer in time");
+                continue;
+            }
+        };
+        let Some((phost, pport)) = slot_primary(&slots, slot) else {
+            last_error = format!("cluster node {host}:{port} names no primary for slot {slot}");
+            continue;
+        };
+        // A node that announces no address means "the one you asked".
+        let phost = if phost.is_empty() {
+            host.clone()
+        } else {
+            phost
+        };
+        match check_primary(
+            &credentials,
+            "the cluster",
+            &phost,
+            pport,
+            &cfg,
+            op_timeout,
+            None,
+        )
+        .await
+        {
+            Ok(primary) => return Ok(primary),
+            Err(e) => last_error = clean(e),
+        }
+    }
+    Err(last_error)
+}
+
+fn io_error(text: String) -> redis::RedisError {
+    redis::RedisError::from(std::io::Error::other(text))
+}
+
+/// The primary `CLUSTER SLOTS` names for `slot`: each entry is `[start, end,
+/// [host, port, id, ...], replicas...]`.
+fn slot_primary(slots: &redis::Value, slot: i64) -> Option<(String, u16)> {
+    let redis::Value::Array(ranges) = slots else {
+        return None;
+    };
+    ranges.iter().find_map(|range| {
+        let redis::Value::Array(parts) = range else {
+            return None;
+        };
+        let (Some(redis::Value::Int(start)), Some(redis::Value::Int(end))) =
+            (parts.first(), parts.get(1))
+        else {
+            return None;
+        };
+        if !(*start..=*end).contains(&slot) {
+            return None;
+        }
+        let redis::Value::Array(primary) = parts.get(2)? else {
+            return None;
+        };
+        let host: String = redis::from_redis_value(primary.first()?.clone()).ok()?;
+        let port = match primary.get(1)? {
+            redis::Value::Int(port) => u16::try_from(*port).ok()?,
+            _ => return None,
+        };
+        Some((host, port))
     })
 }
 
@@ -555,6 +774,51 @@ mod tests {
         };
         assert!(err.contains("not supported yet"), "{err}");
         assert!(!err.contains("s3cret"), "{err}");
+    }
+
+    #[test]
+    fn cluster_urls_parse_and_bad_ones_say_why_without_their_secrets() {
+        let Ok(RedisTarget::Cluster(spec)) =
+            parse_target("redis+cluster://app:p%40ss@h1:7000,[::1]:7001/", None)
+        else {
+            panic!("a Cluster URL")
+        };
+        assert_eq!(
+            spec.seeds,
+            [("h1".to_owned(), 7000), ("::1".to_owned(), 7001)]
+        );
+        assert_eq!(spec.username.as_deref(), Some("app"));
+        assert_eq!(spec.password.as_deref(), Some("p@ss"));
+        for (url, why) in [
+            ("redis+cluster://:s3cret@h", "without a port"),
+            ("redis+cluster://:s3cret@h:x", "not a number"),
+            ("redis+cluster://:s3cret@h:1/0", "no database"),
+            ("rediss+cluster://:s3cret@h:1", "not supported yet"),
+        ] {
+            let Err(err) = parse_target(url, None) else {
+                panic!("{url} parsed")
+            };
+            assert!(err.contains(why), "{url}: {err}");
+            assert!(!err.contains("s3cret"), "{url}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_slot_primary_is_read_from_cluster_slots() {
+        use redis::Value as V;
+        let node = |host: &str, port| V::Array(vec![V::BulkString(host.into()), V::Int(port)]);
+        let slots = V::Array(vec![
+            V::Array(vec![
+                V::Int(0),
+                V::Int(5460),
+                node("10.0.0.1", 7000),
+                node("10.0.0.4", 7003),
+            ]),
+            V::Array(vec![V::Int(5461), V::Int(16383), node("", 7001)]),
+        ]);
+        assert_eq!(slot_primary(&slots, 17), Some(("10.0.0.1".into(), 7000)));
+        assert_eq!(slot_primary(&slots, 15372), Some((String::new(), 7001)));
+        assert_eq!(slot_primary(&V::Array(vec![]), 1), None);
     }
 
     #[test]

@@ -19,6 +19,7 @@
 #![deny(rust_2018_idioms)]
 
 pub mod admin;
+pub mod cluster;
 pub mod fleet;
 pub mod gateway;
 pub mod http;

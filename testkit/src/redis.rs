@@ -25,6 +25,8 @@ pub struct RedisServer {
     pub port: u16,
     /// Its working directory, kept across restarts and attempts and removed on drop.
     dir: PathBuf,
+    /// Arguments beyond the defaults (a cluster node's), kept for restarts.
+    extra: Vec<String>,
 }
 
 impl RedisServer {
@@ -32,6 +34,13 @@ impl RedisServer {
     /// Redis's bind, so a few ports are tried.
     #[track_caller]
     pub fn start() -> RedisServer {
+        Self::start_with(&[])
+    }
+
+    /// Starts a server as [`start`](Self::start) does, with `extra` arguments.
+    #[track_caller]
+    pub fn start_with(extra: &[&str]) -> RedisServer {
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         static STARTED: AtomicUsize = AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
             "mcpgw-test-redis-{}-{}",
@@ -46,7 +55,7 @@ impl RedisServer {
                 panic!("cannot create {}: {e}", dir.display());
             }
             let port = crate::free_port();
-            let mut process = match spawn_redis(port, &dir) {
+            let mut process = match spawn_redis(port, &dir, &extra) {
                 Ok(process) => process,
                 Err(e) => panic!("cannot run redis-server (make deps installs it): {e}"),
             };
@@ -56,6 +65,7 @@ impl RedisServer {
                         process: Mutex::new(process),
                         port,
                         dir,
+                        extra,
                     };
                 }
                 Err(e) => {
@@ -79,7 +89,8 @@ impl RedisServer {
         // Redis binds with SO_REUSEADDR, so the port is free again at once; a retry
         // covers a slow kernel all the same.
         *process = crate::eventually(READY_WITHIN, || {
-            let mut fresh = spawn_redis(self.port, &self.dir).map_err(|e| e.to_string())?;
+            let mut fresh =
+                spawn_redis(self.port, &self.dir, &self.extra).map_err(|e| e.to_string())?;
             match wait_ready(&mut fresh, self.port) {
                 Ok(()) => Ok(fresh),
                 Err(e) => {
@@ -218,7 +229,7 @@ impl RedisServer {
         }
     }
 
-    fn query(&self, args: &[&str]) -> Result<Resp, String> {
+    pub(crate) fn query(&self, args: &[&str]) -> Result<Resp, String> {
         query(self.port, args)
     }
 }
@@ -372,13 +383,18 @@ impl Drop for RedisServer {
     }
 }
 
-fn spawn_redis(port: u16, dir: &std::path::Path) -> std::io::Result<std::process::Child> {
+fn spawn_redis(
+    port: u16,
+    dir: &std::path::Path,
+    extra: &[String],
+) -> std::io::Result<std::process::Child> {
     let mut command = Command::new("redis-server");
     command
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args(["--save", "", "--appendonly", "no"])
         .arg("--dir")
         .arg(dir)
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());

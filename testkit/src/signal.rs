@@ -102,9 +102,30 @@ impl Paused {
     }
 
     /// SIGSTOP to `pid`; `if_still_paused` when the guard is dropped unresumed.
+    /// Returns once every thread of `pid` is stopped: the kernel stops a process when
+    /// one of its threads takes the signal, and on a busy machine the others may run
+    /// on for milliseconds after kill(2) returned, answering requests sent "after the
+    /// pause".
     #[track_caller]
     pub fn stop_then(pid: u32, if_still_paused: IfStillPaused) -> Paused {
         send(pid, Signal::SIGSTOP);
+        crate::eventually(std::time::Duration::from_secs(30), || {
+            let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+                // Gone (or no /proc): nothing of it runs.
+                return Ok(());
+            };
+            let running = tasks
+                .filter_map(|task| {
+                    let stat = std::fs::read_to_string(task.ok()?.path().join("stat")).ok()?;
+                    let state = stat.rsplit_once(") ")?.1.chars().next()?;
+                    (!matches!(state, 'T' | 't')).then_some(state)
+                })
+                .count();
+            match running {
+                0 => Ok(()),
+                n => Err(format!("{n} threads of {pid} not yet stopped")),
+            }
+        });
         Paused {
             pid,
             if_still_paused,

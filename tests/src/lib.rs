@@ -1,9 +1,12 @@
 //! mcpgw's integration tests: real Redis, mcpgw workers, upstreams and the official
 //! Python MCP SDK as processes, driven from `tests/*.rs`. The support they share
 //! (processes, Redis, raw HTTP, signals, polling) lives in `mcpgw-testkit`; this crate
-//! holds the tests, and [`forward_once`], which speaks the mesh as a peer would.
+//! holds the tests, [`forward_once`], which speaks the mesh as a peer would, and
+//! [`load`], the closed-loop load of counting sessions that the fault tests judge.
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
+
+pub mod load;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -14,8 +14,6 @@
 //! lease), the duration is the fault, not synchronisation.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -23,6 +21,7 @@ use mcpgw_testkit::fleet::{FLEET_CHANGE_WITHIN, LocalFleet, PREFIX, owner_of, re
 use mcpgw_testkit::http::{self, call_tool, initialize, try_call_tool};
 use mcpgw_testkit::signal::{self, Paused, Signal};
 use mcpgw_testkit::{ScatterProxy, eventually};
+use mcpgw_tests::load::{Load, Outcome, assert_counting_on, every_session_progressed};
 use serde_json::json;
 
 /// Bound for every wait below: generous, so that only a hang fails a test.
@@ -36,182 +35,12 @@ fn owner(session: &str) -> String {
     owner_of(session)
 }
 
-#[derive(Debug, Clone)]
-struct Outcome {
-    session: String,
-    started: Instant,
-    finished: Instant,
-    /// 0: no HTTP answer at all (the connection was refused or reset).
-    status: u16,
-    /// The counter value for a 200, else `data.reason` (or what was wrong with the
-    /// answer, or why there was none).
-    detail: String,
-    /// `Retry-After` of the answer.
-    retry_after: Option<String>,
-}
-
-impl Outcome {
-    fn value(&self) -> Option<u64> {
-        (self.status == 200)
-            .then(|| self.detail.parse().ok())
-            .flatten()
-    }
-}
-
-/// Closed-loop load: one thread per session, `counter_increment` through `addr`
-/// (a scattering proxy), until finished. A thread records every answer and never
-/// panics on one; the test judges them.
-struct Load {
-    stop: Arc<AtomicBool>,
-    outcomes: Arc<Mutex<Vec<Outcome>>>,
-    threads: Vec<thread::JoinHandle<()>>,
-}
-
-impl Load {
-    fn start(addr: &str, sessions: &[String]) -> Load {
-        let stop = Arc::new(AtomicBool::new(false));
-        let outcomes = Arc::new(Mutex::new(Vec::new()));
-        let threads = sessions
-            .iter()
-            .cloned()
-            .map(|session| {
-                let (stop, outcomes, addr) = (stop.clone(), outcomes.clone(), addr.to_owned());
-                thread::spawn(move || {
-                    let mut id = 1000;
-                    while !stop.load(Ordering::Relaxed) {
-                        id += 1;
-                        let started = Instant::now();
-                        let answer =
-                            try_call_tool(&addr, &session, id, "counter_increment", json!({}));
-                        let outcome = judge(&session, started, answer);
-                        lock(&outcomes).push(outcome);
-                        thread::sleep(Duration::from_millis(20));
-                    }
-                })
-            })
-            .collect();
-        Load {
-            stop,
-            outcomes,
-            threads,
-        }
-    }
-
-    fn snapshot(&self) -> Vec<Outcome> {
-        lock(&self.outcomes).clone()
-    }
-
-    /// Waits until `condition` holds over the outcomes so far; its `Err` says what
-    /// is still missing.
-    #[track_caller]
-    fn wait_until(&self, condition: impl Fn(&[Outcome]) -> Result<(), String>) {
-        eventually(WITHIN, || condition(&self.snapshot()));
-    }
-
-    /// Stops the load and returns every outcome in the order the requests started. A
-    /// load thread that panicked fails the test here, so "no errors on the other
-    /// sessions" can never pass with a dead thread.
-    fn finish(self) -> Vec<Outcome> {
-        self.stop.store(true, Ordering::Relaxed);
-        for thread in self.threads {
-            if let Err(panic) = thread.join() {
-                std::panic::resume_unwind(panic);
-            }
-        }
-        let mut all = lock(&self.outcomes).clone();
-        all.sort_by_key(|o| o.started);
-        all
-    }
-}
-
-fn judge(session: &str, started: Instant, answer: Result<http::Response, String>) -> Outcome {
-    let (status, detail, retry_after) = match answer {
-        Ok(r) if r.status == 200 => (200, r.tool_text().unwrap_or_default(), None),
-        Ok(r) => {
-            let detail = r
-                .reason()
-                .unwrap_or_else(|| format!("no data.reason in {:?}", r.text()));
-            (r.status, detail, r.header("retry-after").map(str::to_owned))
-        }
-        Err(e) => (0, e, None),
-    };
-    Outcome {
-        session: session.to_owned(),
-        started,
-        finished: Instant::now(),
-        status,
-        detail,
-        retry_after,
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 fn sessions_on(proxy: &ScatterProxy, n: usize) -> Vec<String> {
     (0..n).map(|_| initialize(&proxy.addr, "/mcp")).collect()
 }
 
 fn proxy_for(fleet: &LocalFleet) -> ScatterProxy {
     ScatterProxy::start(vec![fleet.a.addr.clone(), fleet.b.addr.clone()])
-}
-
-/// Successful calls of `session` that started after `since`.
-fn successes_since(outcomes: &[Outcome], session: &str, since: Instant) -> usize {
-    outcomes
-        .iter()
-        .filter(|o| o.session == session && o.status == 200 && o.started > since)
-        .count()
-}
-
-/// Waits for every session to have made `n` successful calls since `since`.
-fn every_session_progressed(
-    sessions: &[String],
-    n: usize,
-    since: Instant,
-) -> impl Fn(&[Outcome]) -> Result<(), String> + '_ {
-    move |outcomes| {
-        let behind: Vec<&String> = sessions
-            .iter()
-            .filter(|s| successes_since(outcomes, s, since) < n)
-            .collect();
-        if behind.is_empty() {
-            Ok(())
-        } else {
-            Err(format!(
-                "{} sessions not yet at {n} successes: {behind:?}",
-                behind.len()
-            ))
-        }
-    }
-}
-
-/// The session kept its state, and its counter moved by exactly one per call it was
-/// told succeeded: a call may have run unseen only where its answer said the outcome is
-/// unknown (502 `outcome_unknown`, or no HTTP answer at all). A retryable answer that
-/// hid a run would show here as a count doubled by the retry.
-fn assert_counting_on(outcomes: &[Outcome], session: &str) {
-    let mut last: Option<u64> = None;
-    let mut ambiguous = 0;
-    let mut successes = 0;
-    for o in outcomes.iter().filter(|o| o.session == session) {
-        if let Some(value) = o.value() {
-            if let Some(last) = last {
-                assert!(
-                    (last + 1..=last + 1 + ambiguous).contains(&value),
-                    "session {session}: counter went {last} -> {value} with {ambiguous} \
-                     answers of unknown outcome between (a fresh session, or a call run \
-                     twice)"
-                );
-            }
-            (last, ambiguous) = (Some(value), 0);
-            successes += 1;
-        } else if o.status == 0 || (o.status == 502 && o.detail == "outcome_unknown") {
-            ambiguous += 1;
-        }
-    }
-    assert!(successes > 0, "session {session} made progress");
 }
 
 /// The answers an unconfirmable owner gets: 503, `Retry-After: 1`, retryable.
@@ -236,7 +65,7 @@ fn killing_an_owner_answers_its_sessions_truthfully_and_spares_the_rest() {
     let victim = owner(&sessions[0]);
     let victim_pid = fleet.pid_of(&victim);
     let supervisor = signal::parent_of(victim_pid).expect("the victim's supervisor");
-    let load = Load::start(&proxy.addr, &sessions);
+    let load = Load::through(&proxy.addr, &sessions, WITHIN);
     load.wait_until(every_session_progressed(&sessions, 3, Instant::now()));
     signal::send(victim_pid, Signal::SIGKILL);
     // Once the process is gone (not just a zombie), its sockets are closed: from here
@@ -648,7 +477,7 @@ fn redis_paused_past_the_lease_loses_no_session_and_admits_none() {
     let fleet = LocalFleet::start("quic", 1, &["--lease-ms", "2000"]);
     let proxy = proxy_for(&fleet);
     let sessions = warm_sessions(&fleet, &proxy, 8);
-    let load = Load::start(&proxy.addr, &sessions);
+    let load = Load::through(&proxy.addr, &sessions, WITHIN);
     load.wait_until(every_session_progressed(&sessions, 2, Instant::now()));
     let paused = fleet.redis.pause();
     let paused_at = Instant::now();
@@ -830,7 +659,7 @@ fn redis_restarted_empty_loses_no_session() {
     let fleet = LocalFleet::start("quic", 1, &["--lease-ms", "3000"]);
     let proxy = proxy_for(&fleet);
     let sessions = warm_sessions(&fleet, &proxy, 8);
-    let load = Load::start(&proxy.addr, &sessions);
+    let load = Load::through(&proxy.addr, &sessions, WITHIN);
     load.wait_until(every_session_progressed(&sessions, 2, Instant::now()));
     fleet.redis.restart_empty();
     let restarted_at = Instant::now();

@@ -5,9 +5,6 @@
 //! again once the replica is promoted.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread;
 use std::time::{Duration, Instant};
 
 use mcpgw_testkit::admin::{admin_of, scrape};
@@ -15,9 +12,10 @@ use mcpgw_testkit::fleet::{
     FLEET_CHANGE_WITHIN, MeshCerts, PREFIX, SupervisorSpec, owner_of, recorded_owner, run_mcpgw,
     start_supervisor,
 };
-use mcpgw_testkit::http::{self, call_tool, initialize, try_call_tool};
+use mcpgw_testkit::http::{self, call_tool, initialize};
 use mcpgw_testkit::sentinel::{PRIMARY_NAME, SentinelSet};
 use mcpgw_testkit::{Gateway, RedisServer, Upstream, eventually};
+use mcpgw_tests::load::{Load, assert_counting_on, every_session_progressed};
 use serde_json::json;
 
 /// Bound for every wait: generous, so that only a hang fails a test.
@@ -72,155 +70,6 @@ impl SentinelFleet {
     }
 }
 
-#[derive(Debug, Clone)]
-struct Outcome {
-    session: String,
-    started: Instant,
-    status: u16,
-    /// The counter value for a 200, else `data.reason` (or why there was no answer).
-    detail: String,
-    retry_after: Option<String>,
-}
-
-impl Outcome {
-    fn value(&self) -> Option<u64> {
-        (self.status == 200)
-            .then(|| self.detail.parse().ok())
-            .flatten()
-    }
-}
-
-/// Closed-loop load: one thread per session, `counter_increment` through the host
-/// that does not own it, until finished; every answer is recorded, none panics.
-struct Load {
-    stop: Arc<AtomicBool>,
-    outcomes: Arc<Mutex<Vec<Outcome>>>,
-    threads: Vec<thread::JoinHandle<()>>,
-}
-
-impl Load {
-    fn start(targets: &[(String, String)]) -> Load {
-        let stop = Arc::new(AtomicBool::new(false));
-        let outcomes = Arc::new(Mutex::new(Vec::new()));
-        let threads = targets
-            .iter()
-            .cloned()
-            .map(|(session, addr)| {
-                let (stop, outcomes) = (stop.clone(), outcomes.clone());
-                thread::spawn(move || {
-                    let mut id = 1000;
-                    while !stop.load(Ordering::Relaxed) {
-                        id += 1;
-                        let started = Instant::now();
-                        let answer =
-                            try_call_tool(&addr, &session, id, "counter_increment", json!({}));
-                        lock(&outcomes).push(judge(&session, started, answer));
-                        thread::sleep(Duration::from_millis(20));
-                    }
-                })
-            })
-            .collect();
-        Load {
-            stop,
-            outcomes,
-            threads,
-        }
-    }
-
-    #[track_caller]
-    fn wait_until(&self, condition: impl Fn(&[Outcome]) -> Result<(), String>) {
-        eventually(WITHIN, || condition(&lock(&self.outcomes).clone()));
-    }
-
-    /// Stops the load; every outcome in the order the requests started. A load
-    /// thread that panicked fails the test here.
-    fn finish(self) -> Vec<Outcome> {
-        self.stop.store(true, Ordering::Relaxed);
-        for thread in self.threads {
-            if let Err(panic) = thread.join() {
-                std::panic::resume_unwind(panic);
-            }
-        }
-        let mut all = lock(&self.outcomes).clone();
-        all.sort_by_key(|o| o.started);
-        all
-    }
-}
-
-fn judge(session: &str, started: Instant, answer: Result<http::Response, String>) -> Outcome {
-    let (status, detail, retry_after) = match answer {
-        Ok(r) if r.status == 200 => (200, r.tool_text().unwrap_or_default(), None),
-        Ok(r) => {
-            let detail = r
-                .reason()
-                .unwrap_or_else(|| format!("no data.reason in {:?}", r.text()));
-            (r.status, detail, r.header("retry-after").map(str::to_owned))
-        }
-        Err(e) => (0, e, None),
-    };
-    Outcome {
-        session: session.to_owned(),
-        started,
-        status,
-        detail,
-        retry_after,
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn every_session_progressed(
-    sessions: &[String],
-    n: usize,
-    since: Instant,
-) -> impl Fn(&[Outcome]) -> Result<(), String> + '_ {
-    move |outcomes| {
-        let behind: Vec<&String> = sessions
-            .iter()
-            .filter(|s| {
-                outcomes
-                    .iter()
-                    .filter(|o| &o.session == *s && o.status == 200 && o.started > since)
-                    .count()
-                    < n
-            })
-            .collect();
-        if behind.is_empty() {
-            Ok(())
-        } else {
-            Err(format!(
-                "{} sessions not yet at {n} successes",
-                behind.len()
-            ))
-        }
-    }
-}
-
-/// The session kept its state, its counter moving by exactly one per call it was
-/// told succeeded (a fresh session would restart at 1, a call run twice would skip).
-/// A call may have run unseen only where the answer said its outcome is unknown.
-fn assert_counting_on(outcomes: &[Outcome], session: &str) {
-    let mut last: Option<u64> = None;
-    let mut ambiguous = 0;
-    for o in outcomes.iter().filter(|o| o.session == session) {
-        if let Some(value) = o.value() {
-            if let Some(last) = last {
-                assert!(
-                    (last + 1..=last + 1 + ambiguous).contains(&value),
-                    "session {session}: counter went {last} -> {value} with {ambiguous} \
-                     answers of unknown outcome between (a fresh session, or a call run twice)"
-                );
-            }
-            (last, ambiguous) = (Some(value), 0);
-        } else if o.status == 0 || (o.status == 502 && o.detail == "outcome_unknown") {
-            ambiguous += 1;
-        }
-    }
-    assert!(last.is_some(), "session {session} made progress");
-}
-
 #[test]
 fn a_sentinel_failover_loses_no_session_and_runs_no_call_twice() {
     let fleet = SentinelFleet::start(&["--lease-ms", "3000"]);
@@ -237,7 +86,7 @@ fn a_sentinel_failover_loses_no_session_and_runs_no_call_twice() {
     }
     let owners: HashMap<String, String> =
         sessions.iter().map(|s| (s.clone(), owner_of(s))).collect();
-    let load = Load::start(&targets);
+    let load = Load::start(&targets, WITHIN);
     load.wait_until(every_session_progressed(&sessions, 3, Instant::now()));
     let old_primary = fleet.redis.primary.port;
     // Replication is asynchronous: the replica that will be promoted may lack the

@@ -78,11 +78,18 @@ impl RateLimiter {
         redis_url: &str,
         key_prefix: &str,
     ) -> Result<RateLimiter, String> {
-        if redis_url.starts_with("redis+sentinel://") || redis_url.starts_with("rediss+sentinel://")
+        if [
+            "redis+sentinel://",
+            "rediss+sentinel://",
+            "redis+cluster://",
+            "rediss+cluster://",
+        ]
+        .iter()
+        .any(|scheme| redis_url.starts_with(scheme))
         {
             return Err(
-                "the rate limiter cannot follow Redis Sentinel yet: give it a standalone \
-                        Redis with its own redis_url"
+                "the rate limiter cannot follow Redis Sentinel or Cluster yet: give it a \
+                 standalone Redis with its own redis_url"
                     .to_owned(),
             );
         }

@@ -571,6 +571,11 @@ fn topology_json(topology: &Topology) -> serde_json::Value {
             "primary": primary,
             "replicas": replicas,
         }),
+        Topology::Cluster { primary, replicas } => serde_json::json!({
+            "topology": "cluster",
+            "primary": primary,
+            "replicas": replicas,
+        }),
     }
 }
 

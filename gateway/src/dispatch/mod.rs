@@ -74,6 +74,20 @@ impl Worker {
                     Err(unanswered) if self.may_adopt(fleet, &call, &unanswered.situation) => {
                         self.adopt_or_refuse(fleet, call, unanswered).await
                     }
+                    // This worker was declared dead and dropped the session, which may
+                    // go on elsewhere (left for adoption): not "gone", but not here. The
+                    // request did not run.
+                    Err(unanswered)
+                        if self.is_fenced()
+                            && fleet.adoption.is_some()
+                            && unanswered.situation == Situation::OwnerGone =>
+                    {
+                        Err(self.refuse(
+                            &Situation::Unknown,
+                            "this worker was just replaced; the session may go on on another",
+                            call.id(),
+                        ))
+                    }
                     Err(unanswered) => Err(self.refuse_unanswered(unanswered, call.id())),
                 }
             }
@@ -221,22 +235,27 @@ impl Worker {
         session.shared = crate::execute::shared::is_bound(&call);
         session.upstream_init = upstream_init;
         let session = self.sessions.insert(session);
-        if let Some(cause) = cause {
-            self.metrics.session_adopted(cause.as_str());
-            self.metrics.sessions_opened.inc();
-            info!(
-                session = %session.tag,
-                cause = cause.as_str(),
-                previous_owner = crate::session::owner_hint(&sid).unwrap_or("unknown"),
-                "adopted a session its owner left"
-            );
-        }
         let held = self.sessions.enter(&sid);
         let result = self.execute_held(call, held).await;
-        if let (Err(_), Some(_)) = (&result, session.ended()) {
-            // The upstream no longer knows it: the client hears "gone" as it would have
-            // from the first owner, and the adoption is counted as refused.
-            self.metrics.adoption_refused("upstream_forgot");
+        // Counted once the upstream took the session on: one that no longer knows it
+        // (its answer ended the session: the client hears "gone" as it would have from
+        // the first owner) is a refused adoption, not an adopted session.
+        match (cause, session.ended()) {
+            (Some(_), Some(why)) => {
+                self.metrics.adoption_refused("upstream_forgot");
+                info!(session = %session.tag, "session not adopted: {why}");
+            }
+            (Some(cause), None) => {
+                self.metrics.session_adopted(cause.as_str());
+                self.metrics.sessions_opened.inc();
+                info!(
+                    session = %session.tag,
+                    cause = cause.as_str(),
+                    previous_owner = crate::session::owner_hint(&sid).unwrap_or("unknown"),
+                    "adopted a session its owner left"
+                );
+            }
+            (None, _) => {}
         }
         let mut reply = result?;
         if let Some(cause) = cause {

@@ -314,7 +314,8 @@ pub enum FailureSign {
     PeerGone,
     /// The owner answered that it does not hold the session.
     NotOwner,
-    /// The owner is draining: it ends its sessions once its requests finish.
+    /// The owner is draining: it hands its sessions over, or ends them, once its
+    /// requests finish.
     OwnerDraining,
     /// A mesh budget to the owner is full (here, or the owner said so): the owner
     /// lives and the request did not run.
@@ -373,6 +374,7 @@ impl Verdict {
 /// owner: gone once the drain ended it).
 pub async fn after_failure(
     sign: FailureSign,
+    owner: &str,
     via_pubsub: bool,
     lease: impl AsyncFnOnce() -> Lookup<LeaseProof>,
     session_record: impl AsyncFnOnce() -> Lookup<Option<String>>,
@@ -403,10 +405,18 @@ pub async fn after_failure(
                 ) => Verdict::answer(Situation::OwnerGone),
                 _ => Verdict::answer(Situation::NoSuchSession),
             },
+            // It left the session for another worker (handed over and adopted, or
+            // reclaimed and adopted): the directory says where it is now.
+            Ok(Some(recorded)) if recorded != owner => Verdict::AskDirectory,
             _ => Verdict::answer(Situation::Unknown),
         },
         FailureSign::BudgetFull => Verdict::answer(Situation::MeshBusy),
-        FailureSign::NotSent => Verdict::answer(Situation::Unknown),
+        // Never sent: unknown, unless the session has moved on (its owner, draining
+        // or replaced, left it and another worker adopted it): then ask where.
+        FailureSign::NotSent => match session_record().await {
+            Ok(Some(recorded)) if recorded != owner => Verdict::AskDirectory,
+            _ => Verdict::answer(Situation::Unknown),
+        },
         FailureSign::MayHaveRun => Verdict::Probe,
     }
 }
@@ -893,7 +903,7 @@ mod tests {
     async fn what_a_failed_forward_proves() {
         use FailureSign::*;
         use LeaseProof::{Alive, Expired, Unproven};
-        // (sign, via pub/sub, owner's lease, session record) → verdict
+        // (sign, via pub/sub, owner w0's lease, session record) → verdict
         type Row = (
             FailureSign,
             bool,
@@ -916,12 +926,21 @@ mod tests {
                 Ok(None),
                 Verdict::answer(Situation::NoSuchSession),
             ),
+            // Still its own: whether it will be served is unknown.
+            (
+                OwnerDraining,
+                false,
+                Ok(Alive),
+                Ok(Some("w0".into())),
+                unknown(),
+            ),
+            // Another worker took it on: ask where.
             (
                 OwnerDraining,
                 false,
                 Ok(Alive),
                 Ok(Some("w1".into())),
-                unknown(),
+                Verdict::AskDirectory,
             ),
             // "Draining" from an owner that lost its lease because it was declared
             // dead: its sessions went with the reclaim.
@@ -958,10 +977,19 @@ mod tests {
             ),
             (MayHaveRun, false, Ok(Alive), Ok(None), Verdict::Probe),
             (NotSent, false, Ok(Expired), Ok(None), unknown()),
+            (NotSent, false, Ok(Alive), Ok(Some("w0".into())), unknown()),
+            (
+                NotSent,
+                false,
+                Ok(Alive),
+                Ok(Some("w1".into())),
+                Verdict::AskDirectory,
+            ),
         ];
         for (sign, pubsub, lease, record, expected) in rows {
             let verdict = after_failure(
                 sign,
+                "w0",
                 pubsub,
                 async || lease.clone(),
                 async || record.clone(),
@@ -973,8 +1001,8 @@ mod tests {
             );
         }
         // Signs that decide alone never touch the directory.
-        for sign in [PeerGone, NotOwner, BudgetFull, MayHaveRun, NotSent] {
-            after_failure(sign, false, unasked, unasked).await;
+        for sign in [PeerGone, NotOwner, BudgetFull, MayHaveRun] {
+            after_failure(sign, "w0", false, unasked, unasked).await;
         }
     }
 

@@ -197,7 +197,7 @@ impl Worker {
             Decision::Refuse(Refusal::SessionGone) => {
                 return self.shared_lost(call.upstream, why).with_id(call.id());
             }
-            Decision::Refuse(Refusal::OutcomeUnknown) if self.adopts(call.upstream) => format!(
+            Decision::Refuse(Refusal::OutcomeUnknown) if self.adopts_on(call.upstream) => format!(
                 "the worker holding your upstream session on route {route} died while \
                  running this request ({why}): its outcome is unknown and it was not \
                  re-run; that session's state lives in the upstream, and your next request \
@@ -224,9 +224,8 @@ impl Worker {
 
     /// Whether sessions on `upstream` outlive their worker (`--adopt http`, and an HTTP
     /// upstream).
-    fn adopts(&self, upstream: usize) -> bool {
-        self.fleet().is_some_and(|fleet| fleet.adoption.is_some())
-            && matches!(self.upstreams[upstream], super::upstream::Upstream::Http(_))
+    fn adopts_on(&self, upstream: usize) -> bool {
+        self.adopts() && matches!(self.upstreams[upstream], super::upstream::Upstream::Http(_))
     }
 
     /// The shared session's state is lost; the next call starts afresh.

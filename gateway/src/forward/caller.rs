@@ -311,6 +311,7 @@ impl Fleet {
         let via_pubsub = self.mesh.kind() == TransportKind::Redis;
         let verdict = table::after_failure(
             table::sign_of(&error),
+            owner,
             via_pubsub,
             async || self.lease_proof(owner).await,
             async || self.session_record(session).await,

@@ -158,10 +158,13 @@ async fn run_forwarded(
         None => None,
         Some(id) => match worker.sessions.enter(id) {
             Some(session) => Some(session),
-            // Declared dead by the fleet, this worker dropped its sessions unended: the
-            // session is gone, which only this worker can say for sure (its directory
-            // record went with the reclaim, so "not mine" would read as "ended").
-            None if worker.is_fenced() => {
+            // Declared dead by the fleet, this worker dropped its sessions unended. One
+            // that can continue elsewhere was left for adoption by the reclaim (or
+            // adopted already): "not mine" sends the caller to the directory, which
+            // knows. Without adoption the session is gone, which only this worker can
+            // say for sure (its record went with the reclaim, so "not mine" would read
+            // as "ended").
+            None if worker.is_fenced() && !worker.adopts() => {
                 let error = worker.refuse(
                     &crate::dispatch::table::Situation::OwnerGone,
                     "the worker that held it was declared dead and dropped it",

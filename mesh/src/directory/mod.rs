@@ -55,7 +55,7 @@ use redis::{RedisError, Script};
 use serde::{Deserialize, Serialize};
 
 pub use crate::redis_conn::redact_url;
-use crate::redis_conn::{self, ConnectFailure, RedisTarget, SentinelSpec, scrub_all};
+use crate::redis_conn::{self, ClusterSpec, ConnectFailure, RedisTarget, SentinelSpec, scrub_all};
 
 mod fleet;
 mod lease;
@@ -214,8 +214,8 @@ struct Inner {
     conn: RwLock<ConnectionManager>,
     /// Kept to build a replacement connection; behind Sentinel, the current primary's.
     client: RwLock<redis::Client>,
-    /// Set behind Sentinel: how to find the primary again.
-    sentinel: Option<SentinelSpec>,
+    /// Set behind Sentinel or a Cluster: how to find the primary again.
+    follow: Option<Follow>,
     /// What the connection reached, for `mcpgw status`.
     topology: RwLock<Topology>,
     /// A lookup of the primary through the sentinels is running (one at a time).
@@ -243,11 +243,81 @@ struct Inner {
     observer: std::sync::OnceLock<Arc<dyn DirectoryObserver>>,
 }
 
+/// How a directory whose server can change finds its primary again.
+#[derive(Clone)]
+enum Follow {
+    Sentinel(SentinelSpec),
+    /// A Redis Cluster, and a key in the directory's one slot (every key carries the
+    /// prefix's hash tag).
+    Cluster(ClusterSpec, String),
+}
+
+impl Follow {
+    async fn resolve(&self, op_timeout: Duration) -> Result<redis_conn::Primary, String> {
+        match self {
+            Follow::Sentinel(spec) => redis_conn::resolve_primary(spec, op_timeout, None).await,
+            Follow::Cluster(spec, key) => {
+                redis_conn::resolve_slot_primary(spec, key, op_timeout).await
+            }
+        }
+    }
+
+    fn topology(&self, primary: &redis_conn::Primary) -> Topology {
+        match self {
+            Follow::Sentinel(spec) => Topology::Sentinel {
+                name: spec.name.clone(),
+                primary: primary.addr.clone(),
+                replicas: primary.replicas.clone(),
+            },
+            Follow::Cluster(..) => Topology::Cluster {
+                primary: primary.addr.clone(),
+                replicas: primary.replicas.clone(),
+            },
+        }
+    }
+
+    /// Where the primary is looked up, for errors.
+    fn source(&self) -> String {
+        match self {
+            Follow::Sentinel(spec) => format!("named {:?} through Sentinel", spec.name),
+            Follow::Cluster(..) => "of the directory's slot in the Redis Cluster".into(),
+        }
+    }
+
+    fn secrets(&self) -> Vec<String> {
+        match self {
+            Follow::Sentinel(spec) => spec.secrets(),
+            Follow::Cluster(spec, _) => spec.secrets(),
+        }
+    }
+}
+
+/// A key prefix with a hash tag, so every key of the directory lives in one Redis
+/// Cluster slot (its scripts touch many keys at once): the prefix as given when it
+/// already has one (`{fleet1}:`), else the whole prefix (`{mcpgw:}`).
+pub fn hash_tagged(prefix: &str) -> String {
+    let tagged = prefix
+        .find('{')
+        .is_some_and(|open| prefix[open + 1..].find('}').is_some_and(|len| len > 0));
+    if tagged {
+        prefix.to_owned()
+    } else {
+        format!("{{{prefix}}}")
+    }
+}
+
 /// The Redis deployment the directory reached.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Topology {
     /// One server, named by the URL.
     Standalone,
+    /// The primary of the directory's slot in a Redis Cluster.
+    Cluster {
+        /// The primary reached, `host:port`.
+        primary: String,
+        /// Its replicas as it reported them, `host:port`.
+        replicas: Vec<String>,
+    },
     /// A primary found through Sentinel.
     Sentinel {
         /// The primary's name in the sentinels' configuration.
@@ -263,6 +333,11 @@ impl fmt::Display for Topology {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Topology::Standalone => f.write_str("standalone"),
+            Topology::Cluster { primary, replicas } => write!(
+                f,
+                "cluster: slot primary {primary}, replicas [{}]",
+                replicas.join(", ")
+            ),
             Topology::Sentinel {
                 name,
                 primary,
@@ -385,7 +460,7 @@ impl Scripts {
 impl Directory {
     /// Connects to Redis and checks it answers. Fails within
     /// [`DirectoryConfig::connect_timeout`] if Redis is unreachable.
-    pub async fn connect(cfg: DirectoryConfig) -> Result<Self, DirectoryError> {
+    pub async fn connect(mut cfg: DirectoryConfig) -> Result<Self, DirectoryError> {
         let url = redact_url(&cfg.redis_url);
         if cfg.lease < Duration::from_millis(1) {
             return Err(DirectoryError::InvalidConfig(
@@ -399,6 +474,10 @@ impl Directory {
         }
         let target = redis_conn::parse_target(&cfg.redis_url, None)
             .map_err(DirectoryError::InvalidConfig)?;
+        let target_client = match &target {
+            RedisTarget::Standalone(client) => Some(client.clone()),
+            _ => None,
+        };
         let manager_cfg = ConnectionManagerConfig::new()
             // Each (re)connection attempt and each response is bounded inside redis-rs
             // too, so a reconnect never hangs on a frozen server; our own timeout below
@@ -410,26 +489,34 @@ impl Directory {
             url: url.clone(),
             reason,
         };
-        let (client, sentinel, topology, secrets, replid) = match target {
-            RedisTarget::Standalone(client) => {
-                let secrets = redis_conn::password(&client).into_iter().collect();
-                (client, None, Topology::Standalone, secrets, None)
+        let follow = match target {
+            RedisTarget::Standalone(_) => None,
+            RedisTarget::Sentinel(spec) => Some(Follow::Sentinel(spec)),
+            RedisTarget::Cluster(spec) => {
+                cfg.prefix = hash_tagged(&cfg.prefix);
+                let key = format!("{}generation", cfg.prefix);
+                Some(Follow::Cluster(spec, key))
             }
-            RedisTarget::Sentinel(spec) => {
-                let primary = first_primary(&spec, &cfg).await.map_err(connect_error)?;
-                let topology = Topology::Sentinel {
-                    name: spec.name.clone(),
-                    primary: primary.addr,
-                    replicas: primary.replicas,
-                };
-                let secrets = spec.secrets();
+        };
+        let (client, topology, secrets, replid) = match (&follow, target_client) {
+            (None, Some(client)) => {
+                let secrets = redis_conn::password(&client).into_iter().collect();
+                (client, Topology::Standalone, secrets, None)
+            }
+            (Some(follow), _) => {
+                let primary = first_primary(follow, &cfg).await.map_err(connect_error)?;
+                let topology = follow.topology(&primary);
                 (
                     primary.client,
-                    Some(spec),
                     topology,
-                    secrets,
+                    follow.secrets(),
                     Some(primary.replid),
                 )
+            }
+            (None, None) => {
+                return Err(DirectoryError::InvalidConfig(
+                    "the Redis URL names no server".into(),
+                ));
             }
         };
         let conn = connect_first(&client, &manager_cfg, &cfg)
@@ -440,7 +527,7 @@ impl Directory {
                 replid: RwLock::new(replid),
                 conn: RwLock::new(conn),
                 client: RwLock::new(client),
-                sentinel,
+                follow,
                 topology: RwLock::new(topology),
                 following: AtomicBool::new(false),
                 failovers: AtomicU64::new(0),
@@ -507,7 +594,7 @@ impl Directory {
     /// new primary is marked as a failover (see [`FAILOVER_LUA`]) before any call is
     /// sent to it, so no worker judges a record it may have lost as absent.
     fn follow_primary(&self) {
-        if self.inner.sentinel.is_none() || self.inner.following.swap(true, Ordering::AcqRel) {
+        if self.inner.follow.is_none() || self.inner.following.swap(true, Ordering::AcqRel) {
             return;
         }
         let weak = Arc::downgrade(&self.inner);
@@ -521,7 +608,7 @@ impl Directory {
                         return;
                     }
                     Err(why) => {
-                        tracing::warn!(redis = %dir.inner.url, error = %why, "looking up the Redis primary through Sentinel failed; retrying");
+                        tracing::warn!(redis = %dir.inner.url, error = %why, "looking up the Redis primary again failed; retrying");
                     }
                 }
                 drop(dir);
@@ -533,11 +620,11 @@ impl Directory {
     /// One lookup: if the sentinels name a different primary (or the same one with a
     /// new replication id), mark the failover there and switch to it.
     async fn try_follow(&self) -> Result<(), String> {
-        let Some(spec) = &self.inner.sentinel else {
+        let Some(follow) = &self.inner.follow else {
             return Ok(());
         };
         let cfg = &self.inner.cfg;
-        let primary = redis_conn::resolve_primary(spec, cfg.op_timeout, None).await?;
+        let primary = follow.resolve(cfg.op_timeout).await?;
         let current = self
             .inner
             .client
@@ -578,16 +665,13 @@ impl Directory {
         .await
         .map_err(|_| "marking the failover timed out".to_owned())?
         .map_err(|e| scrub_all(&e.to_string(), &self.inner.secrets))?;
+        let topology = follow.topology(&primary);
         {
             let mut client = self.inner.client.write();
             *self.inner.conn.write() = conn;
             *client = primary.client;
         }
-        *self.inner.topology.write() = Topology::Sentinel {
-            name: spec.name.clone(),
-            primary: primary.addr.clone(),
-            replicas: primary.replicas,
-        };
+        *self.inner.topology.write() = topology;
         *self.inner.replid.write() = Some(primary.replid);
         self.inner.failovers.fetch_add(1, Ordering::Relaxed);
         self.inner.failover_pending.store(true, Ordering::Release);
@@ -800,17 +884,18 @@ async fn connect_first(
 /// Looks the primary up through the sentinels until `connect_timeout`, so sentinels
 /// or a primary that are still starting are waited for.
 async fn first_primary(
-    spec: &SentinelSpec,
+    follow: &Follow,
     cfg: &DirectoryConfig,
 ) -> Result<redis_conn::Primary, String> {
     let deadline = tokio::time::Instant::now() + cfg.connect_timeout;
     loop {
-        match redis_conn::resolve_primary(spec, cfg.op_timeout, None).await {
+        match follow.resolve(cfg.op_timeout).await {
             Ok(primary) => return Ok(primary),
             Err(why) if tokio::time::Instant::now() + FOLLOW_RETRY >= deadline => {
                 return Err(format!(
-                    "no primary named {:?} found through Sentinel within {:?}: {why}",
-                    spec.name, cfg.connect_timeout
+                    "no primary {} found within {:?}: {why}",
+                    follow.source(),
+                    cfg.connect_timeout
                 ));
             }
             Err(_) => tokio::time::sleep(FOLLOW_RETRY).await,
@@ -818,8 +903,17 @@ async fn first_primary(
     }
 }
 
+/// A server that no longer takes the directory's writes: a primary demoted in a
+/// failover (READONLY), or a Cluster node that no longer serves the directory's slot
+/// or cannot right now (MOVED, ASK, TRYAGAIN, CLUSTERDOWN, MASTERDOWN).
 fn is_read_only(e: &RedisError) -> bool {
-    e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
+    use redis::ServerErrorKind as K;
+    matches!(
+        e.kind(),
+        redis::ErrorKind::Server(
+            K::ReadOnly | K::Moved | K::Ask | K::TryAgain | K::ClusterDown | K::MasterDown
+        )
+    )
 }
 
 /// Milliseconds since the unix epoch (0 for times before it).
@@ -884,6 +978,14 @@ mod tests {
             ..Default::default()
         };
         assert!(!format!("{cfg:?}").contains("s3cret"));
+    }
+
+    #[test]
+    fn a_cluster_prefix_puts_every_key_in_one_slot() {
+        assert_eq!(hash_tagged("mcpgw:"), "{mcpgw:}");
+        assert_eq!(hash_tagged("{fleet1}:"), "{fleet1}:");
+        // An empty tag hashes the whole key: not a tag.
+        assert_eq!(hash_tagged("a{}b:"), "{a{}b:}");
     }
 
     #[test]

@@ -1,0 +1,188 @@
+//! The fleet directory on a Redis Cluster endpoint (issue #24): three primaries with a
+//! replica each, real `redis-server`s. Every directory key carries the prefix's hash
+//! tag, so the whole directory lives in one slot on one primary; the workers follow
+//! that slot's primary, and its failover is handled like a Sentinel failover: no
+//! session lost, no call run twice, new sessions open again.
+
+use std::time::{Duration, Instant};
+
+use mcpgw_testkit::cluster::RedisCluster;
+use mcpgw_testkit::fleet::{
+    FLEET_CHANGE_WITHIN, MeshCerts, SupervisorSpec, owner_of, run_mcpgw, start_supervisor,
+};
+use mcpgw_testkit::http::{self, call_tool, initialize};
+use mcpgw_testkit::{Gateway, Upstream, eventually};
+use mcpgw_tests::load::{Load, assert_counting_on, every_session_progressed};
+use serde_json::json;
+
+/// Bound for every wait: generous, so that only a hang fails a test.
+const WITHIN: Duration = FLEET_CHANGE_WITHIN;
+
+/// A key of the directory's slot: the default prefix, hash-tagged.
+const DIRECTORY_KEY: &str = "{mcpgw:}generation";
+
+/// Two hosts of one worker each on a Redis Cluster.
+struct ClusterFleet {
+    // Field order is drop order: the supervisors go before their Redis.
+    a: Gateway,
+    b: Gateway,
+    _certs: MeshCerts,
+    _upstream: Upstream,
+    redis: RedisCluster,
+}
+
+impl ClusterFleet {
+    fn start(extra: &[&str]) -> ClusterFleet {
+        let redis = RedisCluster::start();
+        let upstream = Upstream::start();
+        let certs = MeshCerts::create(&["host-a", "host-b"]);
+        let url = redis.url();
+        let spec = |member| SupervisorSpec {
+            redis_url: &url,
+            upstream_url: &upstream.url,
+            workers: 1,
+            transport: "tcp",
+            certs: &certs,
+            member,
+            extra,
+        };
+        let a = start_supervisor(&spec("host-a"));
+        let b = start_supervisor(&spec("host-b"));
+        ClusterFleet {
+            a,
+            b,
+            _certs: certs,
+            _upstream: upstream,
+            redis,
+        }
+    }
+
+    /// The address of the host whose worker does not own `session`.
+    fn other_host(&self, session: &str) -> String {
+        let health = http::request(&self.a.addr, "GET", "/healthz", &[], b"");
+        let worker_of_a = health.header("mcpgw-edge-worker").unwrap_or_default();
+        if owner_of(session) == worker_of_a {
+            self.b.addr.clone()
+        } else {
+            self.a.addr.clone()
+        }
+    }
+}
+
+#[test]
+fn a_fleet_on_a_redis_cluster_survives_the_failover_of_its_slots_primary() {
+    let fleet = ClusterFleet::start(&["--lease-ms", "3000"]);
+    let sessions: Vec<String> = (0..8).map(|_| initialize(&fleet.a.addr, "/mcp")).collect();
+    let targets: Vec<(String, String)> = sessions
+        .iter()
+        .map(|s| (s.clone(), fleet.other_host(s)))
+        .collect();
+    for (session, addr) in &targets {
+        let r = call_tool(addr, "/mcp", session, 1, "session_read", json!({}));
+        assert_eq!(r.status, 200, "forwarded via {addr}: {}", r.text());
+    }
+    let primary = fleet.redis.primary_of(DIRECTORY_KEY, &[]);
+    let owners: Vec<String> = sessions
+        .iter()
+        .map(|s| primary.command(&["GET", &format!("{{mcpgw:}}pool_owner:{s}")]))
+        .collect();
+    assert!(
+        owners.iter().zip(&sessions).all(|(o, s)| *o == owner_of(s)),
+        "every record is on the slot's primary, under the hash-tagged prefix: {owners:?}"
+    );
+    let load = Load::start(&targets, WITHIN);
+    load.wait_until(every_session_progressed(&sessions, 3, Instant::now()));
+    let dead = primary.port;
+    primary.kill();
+    let killed_at = Instant::now();
+    // The slot's replica takes over.
+    let promoted = eventually(WITHIN, || {
+        let now = fleet.redis.primary_of(DIRECTORY_KEY, &[dead]);
+        if now.port == dead {
+            Err(format!("slot still served by {dead}"))
+        } else {
+            Ok(now.port)
+        }
+    });
+    fleet.redis.wait_ok(&[dead]);
+    println!(
+        "replica {promoted} promoted {:?} after the kill",
+        killed_at.elapsed()
+    );
+    let fresh = eventually(WITHIN, || {
+        let r = http::try_initialize(&fleet.b.addr, "/mcp")?;
+        match r.header("mcp-session-id") {
+            Some(sid) if r.status == 200 => Ok(sid.to_owned()),
+            _ => Err(r.outcome()),
+        }
+    });
+    println!(
+        "first new session {:?} after the kill of the slot's primary",
+        killed_at.elapsed()
+    );
+    let first = call_tool(
+        &fleet.a.addr,
+        "/mcp",
+        &fresh,
+        2,
+        "counter_increment",
+        json!({}),
+    );
+    assert_eq!(
+        first.expect_tool_text(),
+        "1",
+        "the new session has its own state"
+    );
+    load.wait_until(every_session_progressed(&sessions, 3, Instant::now()));
+    let outcomes = load.finish();
+    for o in &outcomes {
+        match o.status {
+            200 => {}
+            503 => {
+                assert!(
+                    matches!(
+                        o.detail.as_str(),
+                        "directory_unavailable" | "ownership_unknown" | "lease_in_doubt"
+                    ),
+                    "a 503 during the failover says the state is unknown: {o:?}"
+                );
+                assert_eq!(o.retry_after.as_deref(), Some("1"), "{o:?}");
+            }
+            _ => panic!("no session is lost to a failover: {o:?}"),
+        }
+    }
+    for session in &sessions {
+        assert_counting_on(&outcomes, session);
+    }
+}
+
+#[test]
+fn mcpgw_status_names_the_clusters_primary_for_the_directory() {
+    let fleet = ClusterFleet::start(&[]);
+    let out = run_mcpgw(&["status", "--redis", &fleet.redis.url(), "--json"]);
+    let status: serde_json::Value = serde_json::from_str(&out).expect("status JSON");
+    let primary = fleet.redis.primary_of(DIRECTORY_KEY, &[]);
+    assert_eq!(status["redis"]["topology"], "cluster", "{status}");
+    assert_eq!(
+        status["redis"]["primary"],
+        format!("127.0.0.1:{}", primary.port),
+        "{status}"
+    );
+    assert_eq!(
+        status["redis"]["replicas"].as_array().map(Vec::len),
+        Some(1),
+        "{status}"
+    );
+    assert_eq!(
+        status["workers"].as_array().map(Vec::len),
+        Some(2),
+        "{status}"
+    );
+    let text = run_mcpgw(&["status", "--redis", &fleet.redis.url()]);
+    assert!(
+        text.lines()
+            .next()
+            .is_some_and(|l| l.starts_with("redis: cluster: slot primary")),
+        "{text}"
+    );
+}
