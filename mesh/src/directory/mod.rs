@@ -35,7 +35,9 @@
 //!
 //! Every multi-key change is one Lua script, so it is atomic against other workers.
 //! The scripts touch keys they compute from the prefix (pool_owner keys of a reclaimed
-//! worker), so the directory needs a single Redis, not Redis Cluster.
+//! worker), so every key must live on one server: behind a Redis Cluster endpoint
+//! (`redis+cluster://`) the prefix carries a hash tag ([`hash_tagged`]) and the whole
+//! directory is one slot on one primary, followed like a Sentinel primary.
 //!
 //! Every call is bounded by [`DirectoryConfig::op_timeout`]. A timeout or a connection
 //! failure is [`DirectoryError::Unavailable`]: the state is *unknown*, never "absent".
