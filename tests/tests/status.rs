@@ -528,18 +528,27 @@ fn all_serve(fleet: &LocalFleet, sessions: &[String]) {
     }
 }
 
-/// Every session of `sessions` is gone, through both supervisors.
-fn all_gone(fleet: &LocalFleet, sessions: &[String]) {
+/// Every session of `sessions`, held by `drained` until it drained, was handed over:
+/// its next request adopts it (saying so, once), and it answers through both
+/// supervisors from another worker.
+fn all_taken_over(fleet: &LocalFleet, sessions: &[String], drained: &str) {
     for session in sessions {
-        for via in [&fleet.a, &fleet.b] {
+        for (n, via) in [&fleet.a, &fleet.b].into_iter().enumerate() {
             let response = call_tool(&via.addr, "/mcp", session, 7, "echo", json!({"text": "x"}));
             assert_eq!(
                 response.status,
-                404,
+                200,
                 "{session} via {}: {}",
                 via.addr,
                 response.text()
             );
+            let adopted = response.header("mcpgw-adopted");
+            assert_eq!(
+                adopted,
+                (n == 0).then_some("drain"),
+                "{session}: the first answer after the drain adopted it, and only that one"
+            );
+            assert_ne!(response.header("mcpgw-owner-worker"), Some(drained));
         }
     }
 }
@@ -577,7 +586,7 @@ fn drain_by_id_and_by_admin_request_drain_exactly_one_worker_each() {
     );
     await_drained(&fleet, first_supervisor, &first, pids[&first]);
     let first_sessions = sessions.remove(&first).unwrap_or_default();
-    all_gone(&fleet, &first_sessions);
+    all_taken_over(&fleet, &first_sessions, &first);
     let others: Vec<String> = sessions.values().flatten().cloned().collect();
     all_serve(&fleet, &others);
     for (id, pid) in &pids {
@@ -605,7 +614,7 @@ fn drain_by_id_and_by_admin_request_drain_exactly_one_worker_each() {
     assert_eq!(response.json()["worker_id"], json!(second));
     await_drained(&fleet, second_supervisor, &second, pids[&second]);
     let second_sessions = sessions.remove(&second).unwrap_or_default();
-    all_gone(&fleet, &second_sessions);
+    all_taken_over(&fleet, &second_sessions, &second);
     let others: Vec<String> = sessions.values().flatten().cloned().collect();
     all_serve(&fleet, &others);
     for (id, pid) in &pids {
