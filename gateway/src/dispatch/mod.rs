@@ -74,13 +74,17 @@ impl Worker {
                     Err(unanswered) if self.may_adopt(fleet, &call, &unanswered.situation) => {
                         self.adopt_or_refuse(fleet, call, unanswered).await
                     }
-                    // This worker was declared dead and dropped the session, which may
-                    // go on elsewhere (left for adoption): not "gone", but not here. The
+                    // This worker was declared dead: it cannot adopt, and the session
+                    // (its own, or another fenced worker's) may go on elsewhere, left
+                    // for adoption: neither "gone" nor "not found", but not here. The
                     // request did not run.
                     Err(unanswered)
                         if self.is_fenced()
                             && fleet.adoption.is_some()
-                            && unanswered.situation == Situation::OwnerGone =>
+                            && matches!(
+                                unanswered.situation,
+                                Situation::OwnerGone | Situation::NoSuchSession
+                            ) =>
                     {
                         Err(self.refuse(
                             &Situation::Unknown,
