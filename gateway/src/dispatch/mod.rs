@@ -24,6 +24,11 @@ use crate::session::{Session, SessionUse};
 use crate::worker::Worker;
 use table::{Decision, Known, Situation, decide};
 
+/// How often, and how long apart, an adoption asks again while the session is still
+/// recorded for an owner proven dead (its reclaim is running).
+const RECLAIM_WAITS: usize = 20;
+const RECLAIM_WAIT: std::time::Duration = std::time::Duration::from_millis(25);
+
 /// What [`Worker::try_adopt`] did with a call whose session's owner left it.
 pub(crate) enum AdoptionOutcome {
     /// The session was adopted here (or could not continue): the call's answer.
@@ -152,7 +157,27 @@ impl Worker {
         let route = &self.config.upstreams[call.upstream].name;
         let guard = crate::adoption::guard_of(route, &call.auth.subject);
         let tag = crate::session::tag_of(&sid);
-        match fleet.directory.adopt_session(&sid, &self.id, &guard).await {
+        let mut asked = fleet.directory.adopt_session(&sid, &self.id, &guard).await;
+        // Still recorded for an owner this worker proved dead: its reclaim (by another
+        // request, here or elsewhere) is under way and takes milliseconds. Ask again
+        // shortly rather than forward to the dead.
+        for _ in 0..RECLAIM_WAITS {
+            match &asked {
+                Ok(Adoption::OwnedBy(owner)) if fleet.known_dead(owner) => {
+                    tokio::time::sleep(RECLAIM_WAIT).await;
+                    asked = fleet.directory.adopt_session(&sid, &self.id, &guard).await;
+                }
+                _ => break,
+            }
+        }
+        match asked {
+            Ok(Adoption::OwnedBy(owner)) if fleet.known_dead(&owner) => {
+                AdoptionOutcome::Ran(Err(self.refuse(
+                    &Situation::Unknown,
+                    "its owner was found dead and its sessions are still being freed",
+                    call.id(),
+                )))
+            }
             Ok(Adoption::Adopted { payload, cause }) => {
                 AdoptionOutcome::Ran(self.run_adopted(fleet, call, &payload, Some(cause)).await)
             }
