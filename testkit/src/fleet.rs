@@ -131,16 +131,40 @@ pub fn start_supervisor(spec: &SupervisorSpec<'_>) -> Gateway {
     Gateway::start(&refs)
 }
 
-/// Redis, the demo upstream, certificates and two supervisors ("host-a", "host-b")
-/// of `workers` workers each.
-pub struct LocalFleet {
+/// What a test fleet keeps its directory on: one Redis, a Sentinel set or a Cluster.
+pub trait Directory {
+    /// The `--redis` URL the workers are given.
+    fn url(&self) -> String;
+}
+
+impl Directory for RedisServer {
+    fn url(&self) -> String {
+        RedisServer::url(self)
+    }
+}
+
+impl Directory for crate::sentinel::SentinelSet {
+    fn url(&self) -> String {
+        crate::sentinel::SentinelSet::url(self)
+    }
+}
+
+impl Directory for crate::cluster::RedisCluster {
+    fn url(&self) -> String {
+        crate::cluster::RedisCluster::url(self)
+    }
+}
+
+/// A directory (one Redis unless said otherwise), the demo upstream, certificates and
+/// two supervisors ("host-a", "host-b") of `workers` workers each.
+pub struct LocalFleet<D: Directory = RedisServer> {
     // Field order is drop order: the supervisors go first, so no worker sees its
     // Redis or upstream vanish while it still runs.
     pub a: Gateway,
     pub b: Gateway,
     pub certs: MeshCerts,
     pub upstream: Upstream,
-    pub redis: RedisServer,
+    pub redis: D,
 }
 
 impl LocalFleet {
@@ -152,10 +176,22 @@ impl LocalFleet {
     /// host-a and host-b.
     pub fn start_hosts(
         transport: &str,
+        hosts_a: (usize, &[&str]),
+        hosts_b: (usize, &[&str]),
+    ) -> LocalFleet {
+        LocalFleet::on(RedisServer::start(), transport, hosts_a, hosts_b)
+    }
+}
+
+impl<D: Directory> LocalFleet<D> {
+    /// A fleet whose directory is `redis`, with a worker count and flags of their own
+    /// for host-a and host-b.
+    pub fn on(
+        redis: D,
+        transport: &str,
         (workers_a, extra_a): (usize, &[&str]),
         (workers_b, extra_b): (usize, &[&str]),
-    ) -> LocalFleet {
-        let redis = RedisServer::start();
+    ) -> LocalFleet<D> {
         let upstream = Upstream::start();
         let certs = MeshCerts::create(&["host-a", "host-b"]);
         let redis_url = redis.url();
@@ -179,6 +215,23 @@ impl LocalFleet {
         }
     }
 
+    /// The address of the host that does not own `session`, in a fleet of one worker
+    /// per host (a host's `/healthz` names the worker that answered it).
+    #[track_caller]
+    pub fn host_not_owning(&self, session: &str) -> String {
+        let health = crate::http::request(&self.a.addr, "GET", "/healthz", &[], b"");
+        let worker_of_a = health
+            .header("mcpgw-edge-worker")
+            .unwrap_or_else(|| panic!("host-a's /healthz names no worker: {}", health.text()));
+        if owner_of(session) == worker_of_a {
+            self.b.addr.clone()
+        } else {
+            self.a.addr.clone()
+        }
+    }
+}
+
+impl LocalFleet {
     /// Worker leases in the directory: id → lease.
     pub fn leases(&self) -> HashMap<String, WorkerLease> {
         leases(&self.redis)

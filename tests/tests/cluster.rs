@@ -7,11 +7,9 @@
 use std::time::{Duration, Instant};
 
 use mcpgw_testkit::cluster::RedisCluster;
-use mcpgw_testkit::fleet::{
-    FLEET_CHANGE_WITHIN, MeshCerts, SupervisorSpec, owner_of, run_mcpgw, start_supervisor,
-};
+use mcpgw_testkit::eventually;
+use mcpgw_testkit::fleet::{FLEET_CHANGE_WITHIN, LocalFleet, owner_of, run_mcpgw};
 use mcpgw_testkit::http::{self, call_tool, initialize};
-use mcpgw_testkit::{Gateway, Upstream, eventually};
 use mcpgw_tests::load::{Load, assert_counting_on, every_session_progressed};
 use serde_json::json;
 
@@ -22,60 +20,17 @@ const WITHIN: Duration = FLEET_CHANGE_WITHIN;
 const DIRECTORY_KEY: &str = "{mcpgw:}generation";
 
 /// Two hosts of one worker each on a Redis Cluster.
-struct ClusterFleet {
-    // Field order is drop order: the supervisors go before their Redis.
-    a: Gateway,
-    b: Gateway,
-    _certs: MeshCerts,
-    _upstream: Upstream,
-    redis: RedisCluster,
-}
-
-impl ClusterFleet {
-    fn start(extra: &[&str]) -> ClusterFleet {
-        let redis = RedisCluster::start();
-        let upstream = Upstream::start();
-        let certs = MeshCerts::create(&["host-a", "host-b"]);
-        let url = redis.url();
-        let spec = |member| SupervisorSpec {
-            redis_url: &url,
-            upstream_url: &upstream.url,
-            workers: 1,
-            transport: "tcp",
-            certs: &certs,
-            member,
-            extra,
-        };
-        let a = start_supervisor(&spec("host-a"));
-        let b = start_supervisor(&spec("host-b"));
-        ClusterFleet {
-            a,
-            b,
-            _certs: certs,
-            _upstream: upstream,
-            redis,
-        }
-    }
-
-    /// The address of the host whose worker does not own `session`.
-    fn other_host(&self, session: &str) -> String {
-        let health = http::request(&self.a.addr, "GET", "/healthz", &[], b"");
-        let worker_of_a = health.header("mcpgw-edge-worker").unwrap_or_default();
-        if owner_of(session) == worker_of_a {
-            self.b.addr.clone()
-        } else {
-            self.a.addr.clone()
-        }
-    }
+fn cluster_fleet(extra: &[&str]) -> LocalFleet<RedisCluster> {
+    LocalFleet::on(RedisCluster::start(), "tcp", (1, extra), (1, extra))
 }
 
 #[test]
 fn a_fleet_on_a_redis_cluster_survives_the_failover_of_its_slots_primary() {
-    let fleet = ClusterFleet::start(&["--lease-ms", "3000"]);
+    let fleet = cluster_fleet(&["--lease-ms", "3000"]);
     let sessions: Vec<String> = (0..8).map(|_| initialize(&fleet.a.addr, "/mcp")).collect();
     let targets: Vec<(String, String)> = sessions
         .iter()
-        .map(|s| (s.clone(), fleet.other_host(s)))
+        .map(|s| (s.clone(), fleet.host_not_owning(s)))
         .collect();
     for (session, addr) in &targets {
         let r = call_tool(addr, "/mcp", session, 1, "session_read", json!({}));
@@ -158,7 +113,7 @@ fn a_fleet_on_a_redis_cluster_survives_the_failover_of_its_slots_primary() {
 
 #[test]
 fn mcpgw_status_names_the_clusters_primary_for_the_directory() {
-    let fleet = ClusterFleet::start(&[]);
+    let fleet = cluster_fleet(&[]);
     let out = run_mcpgw(&["status", "--redis", &fleet.redis.url(), "--json"]);
     let status: serde_json::Value = serde_json::from_str(&out).expect("status JSON");
     let primary = fleet.redis.primary_of(DIRECTORY_KEY, &[]);

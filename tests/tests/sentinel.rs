@@ -8,13 +8,12 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use mcpgw_testkit::admin::{admin_of, scrape};
+use mcpgw_testkit::eventually;
 use mcpgw_testkit::fleet::{
-    FLEET_CHANGE_WITHIN, MeshCerts, PREFIX, SupervisorSpec, owner_of, recorded_owner, run_mcpgw,
-    start_supervisor,
+    FLEET_CHANGE_WITHIN, LocalFleet, PREFIX, owner_of, recorded_owner, run_mcpgw,
 };
 use mcpgw_testkit::http::{self, call_tool, initialize};
 use mcpgw_testkit::sentinel::{PRIMARY_NAME, SentinelSet};
-use mcpgw_testkit::{Gateway, RedisServer, Upstream, eventually};
 use mcpgw_tests::load::{Load, assert_counting_on, every_session_progressed};
 use serde_json::json;
 
@@ -22,61 +21,17 @@ use serde_json::json;
 const WITHIN: Duration = FLEET_CHANGE_WITHIN;
 
 /// Two hosts of one worker each on a Sentinel-watched Redis.
-struct SentinelFleet {
-    // Field order is drop order: the supervisors go before their Redis.
-    a: Gateway,
-    b: Gateway,
-    _certs: MeshCerts,
-    upstream: Upstream,
-    redis: SentinelSet,
-}
-
-impl SentinelFleet {
-    fn start(extra: &[&str]) -> SentinelFleet {
-        let redis = SentinelSet::start();
-        let upstream = Upstream::start();
-        let certs = MeshCerts::create(&["host-a", "host-b"]);
-        let url = redis.url();
-        let spec = |member| SupervisorSpec {
-            redis_url: &url,
-            upstream_url: &upstream.url,
-            workers: 1,
-            transport: "quic",
-            certs: &certs,
-            member,
-            extra,
-        };
-        let a = start_supervisor(&spec("host-a"));
-        let b = start_supervisor(&spec("host-b"));
-        SentinelFleet {
-            a,
-            b,
-            _certs: certs,
-            upstream,
-            redis,
-        }
-    }
-
-    /// The address of the host whose worker does not own `session`, read from the
-    /// directory on `redis`.
-    fn other_host(&self, redis: &RedisServer, session: &str) -> String {
-        let owner = owner_of(session);
-        let on_a = mcpgw_testkit::fleet::workers_of(redis, self.a.pid());
-        if on_a.contains_key(&owner) {
-            self.b.addr.clone()
-        } else {
-            self.a.addr.clone()
-        }
-    }
+fn sentinel_fleet(extra: &[&str]) -> LocalFleet<SentinelSet> {
+    LocalFleet::on(SentinelSet::start(), "quic", (1, extra), (1, extra))
 }
 
 #[test]
 fn a_sentinel_failover_loses_no_session_and_runs_no_call_twice() {
-    let fleet = SentinelFleet::start(&["--lease-ms", "3000"]);
+    let fleet = sentinel_fleet(&["--lease-ms", "3000"]);
     let sessions: Vec<String> = (0..8).map(|_| initialize(&fleet.a.addr, "/mcp")).collect();
     let targets: Vec<(String, String)> = sessions
         .iter()
-        .map(|s| (s.clone(), fleet.other_host(&fleet.redis.primary, s)))
+        .map(|s| (s.clone(), fleet.host_not_owning(s)))
         .collect();
     // Warm-up: every session once through its non-owner, so each worker has the
     // other's mesh address before Redis fails over.
@@ -101,6 +56,20 @@ fn a_sentinel_failover_loses_no_session_and_runs_no_call_twice() {
     for session in &sessions {
         replica.command(&["DEL", &format!("{PREFIX}pool_owner:{session}")]);
     }
+    // A session claimed in the last moment before the kill, never called yet: the
+    // promotion loses its whole claim (owner record, adoption record, quota count).
+    let last = initialize(&fleet.b.addr, "/mcp");
+    for key in [
+        format!("{PREFIX}pool_owner:{last}"),
+        format!("{PREFIX}session_state:{last}"),
+    ] {
+        replica.command(&["DEL", &key]);
+    }
+    replica.command(&[
+        "SREM",
+        &format!("{PREFIX}worker_sessions:{}", owner_of(&last)),
+        &last,
+    ]);
     fleet.redis.primary.kill();
     let killed_at = Instant::now();
     // The sentinels promote the replica.
@@ -139,10 +108,30 @@ fn a_sentinel_failover_loses_no_session_and_runs_no_call_twice() {
         "1",
         "the new session has its own state"
     );
+    // The session claimed last is served, or unknown while its owner re-asserts it;
+    // never "not found", and it has its own state.
+    let last_via = fleet.host_not_owning(&last);
+    let first_of_last = eventually(WITHIN, || {
+        let r = http::try_call_tool(&last_via, &last, 3, "counter_increment", json!({}))?;
+        match r.status {
+            200 => Ok(r),
+            503 if r.header("retry-after").is_some() => Err(r.outcome()),
+            _ => panic!(
+                "the session claimed before the kill is never lost: {}",
+                r.outcome()
+            ),
+        }
+    });
+    assert_eq!(first_of_last.expect_tool_text(), "1");
     // The owners re-asserted every session record on the new primary.
+    let owners: HashMap<String, String> = owners
+        .into_iter()
+        .chain([(last.clone(), owner_of(&last))])
+        .collect();
     eventually(WITHIN, || {
         let missing: Vec<&String> = sessions
             .iter()
+            .chain([&last])
             .filter(|s| recorded_owner(&fleet.redis.replica, s).as_ref() != owners.get(*s))
             .collect();
         if missing.is_empty() {
@@ -183,12 +172,11 @@ fn a_sentinel_failover_loses_no_session_and_runs_no_call_twice() {
             "worker {id}"
         );
     }
-    let _ = &fleet.upstream;
 }
 
 #[test]
 fn mcpgw_status_names_the_sentinel_primary_and_its_replica() {
-    let fleet = SentinelFleet::start(&[]);
+    let fleet = sentinel_fleet(&[]);
     let out = run_mcpgw(&["status", "--redis", &fleet.redis.url(), "--json"]);
     let status: serde_json::Value = serde_json::from_str(&out).expect("status JSON");
     let redis = &status["redis"];

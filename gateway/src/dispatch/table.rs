@@ -371,7 +371,8 @@ impl Verdict {
 /// subscriber" is also what a subscriber in the middle of reconnecting looks like, so
 /// a refusal proves death there only together with an expired lease (`lease`).
 /// `session_record`: the directory's owner of the session (asked only for a draining
-/// owner: gone once the drain ended it).
+/// owner: gone once the drain ended it); `Ok(None)` only where the directory proves
+/// the absence ([`absence_proven`]), an error otherwise.
 pub async fn after_failure(
     sign: FailureSign,
     owner: &str,
@@ -391,10 +392,12 @@ pub async fn after_failure(
             }
         }
         FailureSign::NotOwner => Verdict::AskDirectory,
+        // "Draining" is also what an owner answers while it cannot confirm its lease
+        // (Redis failing over, or it was declared dead and does not know yet).
         FailureSign::OwnerDraining => match session_record().await {
-            // No record: a draining owner ended the session, unless the owner was
-            // declared dead (it answered "draining" because it had lost its lease and
-            // not yet learnt why), in which case its sessions went with the reclaim.
+            // No record (and the directory proves the absence): a draining owner ended
+            // the session, unless the owner was declared dead, in which case its
+            // sessions went with the reclaim.
             Ok(None) => match lease().await {
                 Ok(
                     LeaseProof::Expired
@@ -629,15 +632,29 @@ pub fn judge_shared(
             generation_age,
             rebuilt,
         }) => {
-            // A young directory that no worker rebuilt is a new fleet: nothing was lost.
-            let settled = generation_age > lease || !rebuilt;
-            if !generation.is_empty() && generation == ours && settled {
+            if absence_proven(&generation, generation_age, rebuilt, ours, lease) {
                 SharedStanding::Open
             } else {
                 SharedStanding::Unknown
             }
         }
     }
+}
+
+/// Whether a record the directory does not hold is really absent: only in the
+/// generation this worker registered under (`ours`), and only once that generation is
+/// older than a lease if a worker rebuilt it (after Redis came back empty or failed
+/// over, owners take up to a lease to write their records again). A young directory
+/// that no worker rebuilt is a new fleet's: nothing was lost.
+pub fn absence_proven(
+    generation: &str,
+    generation_age: Duration,
+    rebuilt: bool,
+    ours: &str,
+    lease: Duration,
+) -> bool {
+    let settled = generation_age > lease || !rebuilt;
+    !generation.is_empty() && generation == ours && settled
 }
 
 #[cfg(test)]

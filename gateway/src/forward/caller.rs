@@ -11,7 +11,7 @@ use futures_util::stream::unfold;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
-use mcpgw_mesh::directory::DirectoryError;
+use mcpgw_mesh::directory::{DirectoryError, Recorded};
 use mcpgw_mesh::transport::{ForwardedResponse, MeshError, TransportKind};
 use mcpgw_wire::RequestFrame;
 use tracing::{debug, info, warn};
@@ -440,11 +440,38 @@ impl Fleet {
         ))
     }
 
+    /// The directory's owner of `session`: `None` only where its absence is proven, so
+    /// a directory that failed over or came back empty less than a lease ago (and may
+    /// have lost the record) never tells a live session "not found".
     async fn session_record(&self, session: &str) -> Lookup<Option<String>> {
-        self.directory
-            .session_owner(session)
+        match self
+            .directory
+            .recorded_owner(session)
             .await
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?
+        {
+            Recorded::Owner(owner) => Ok(Some(owner)),
+            Recorded::Never => Ok(None),
+            Recorded::Absent {
+                generation,
+                generation_age,
+                rebuilt,
+            } if table::absence_proven(
+                &generation,
+                generation_age,
+                rebuilt,
+                &self.lease.generation(),
+                self.config.fleet.lease,
+            ) =>
+            {
+                Ok(None)
+            }
+            Recorded::Absent { .. } => Err(
+                "the directory was rebuilt or failed over less than a lease ago: a missing \
+                 record proves nothing yet"
+                    .into(),
+            ),
+        }
     }
 
     async fn peer_addr(&self, owner: &str) -> Result<Option<String>, DirectoryError> {

@@ -66,7 +66,7 @@ mod sessions;
 pub use fleet::{FleetSnapshot, LeaseView, WorkerEntry, WorkerSnapshot};
 pub use lease::{Gone, GoneHow, Lease, LeaseRenewal, LeaseState, WorkerEndpoint, WorkerInfo};
 pub use sessions::{
-    AdoptCause, Adoption, Claim, REMEMBER_ENDED, Remembered, SessionKind, SessionQuota,
+    AdoptCause, Adoption, Claim, REMEMBER_ENDED, Recorded, Remembered, SessionKind, SessionQuota,
     SessionState,
 };
 
@@ -394,6 +394,7 @@ struct Scripts {
     adopt: Script,
     hand_over: Script,
     remembered: Script,
+    recorded_owner: Script,
     generation: Script,
     resume: Script,
     lease_state: Script,
@@ -448,6 +449,7 @@ impl Scripts {
             claim: sessions::claim(),
             release: sessions::release(),
             remembered: sessions::remembered(),
+            recorded_owner: sessions::recorded_owner(),
             reclaim: sessions::reclaim(),
             reclaim_after_loss: sessions::reclaim_after_loss(),
             adopt: sessions::adopt(),

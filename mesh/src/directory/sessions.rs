@@ -26,6 +26,23 @@ pub enum Remembered {
     },
 }
 
+/// What [`Directory::recorded_owner`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recorded {
+    /// The id of the worker recorded as the session's owner.
+    Owner(String),
+    /// An id that could never have been claimed (no round trip was made).
+    Never,
+    /// No owner recorded. Whether that proves the session absent depends on the
+    /// directory's generation, as for [`Remembered::Absent`]: a young or changed one
+    /// may have lost the record.
+    Absent {
+        generation: String,
+        generation_age: Duration,
+        rebuilt: bool,
+    },
+}
+
 /// How long the directory remembers that a remembered session ended, so its principal
 /// is told the state is gone: long enough for a client that comes back within a day,
 /// short enough that one key per principal and route does not stay forever.
@@ -264,6 +281,32 @@ impl Directory {
             }
         })
         .await
+    }
+
+    /// The worker recorded as owner of `sid`, or, when none is, what the directory's
+    /// generation says of that absence (one round trip, so the two cannot disagree).
+    pub async fn recorded_owner(&self, sid: &str) -> Result<Recorded, DirectoryError> {
+        if check_name("session id", sid).is_err() {
+            return Ok(Recorded::Never);
+        }
+        let (kind, value, age, rebuilt): (String, String, i64, i64) = self
+            .run("recorded_owner", |mut c, s| async move {
+                s.recorded_owner
+                    .key(self.key_pool_owner(sid))
+                    .key(self.key_generation())
+                    .key(self.key_rebuilt())
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(match kind.as_str() {
+            "owner" => Recorded::Owner(value),
+            _ => Recorded::Absent {
+                generation: value,
+                generation_age: Duration::from_millis(u64::try_from(age).unwrap_or(0)),
+                rebuilt: rebuilt == 1,
+            },
+        })
     }
 
     /// The worker recorded as owner of `sid`, or `None` if the directory holds no owner.
@@ -602,6 +645,21 @@ return 0
 /// and this call is the first to learn it (the marker is taken, so only one
 /// caller fleet-wide is told); else {'absent', generation or '', generation
 /// age ms, rebuilt 0/1}.
+/// KEYS: pool_owner, generation, rebuilt. Returns {'owner', id, 0, 0} or
+/// {'absent', generation or '', its age in ms, rebuilt 0|1}.
+pub(super) fn recorded_owner() -> Script {
+    Script::new(&format!(
+        r#"{GEN_LUA}
+local owner = redis.call('GET', KEYS[1])
+if owner then return {{'owner', owner, 0, 0}} end
+local rebuilt = redis.call('EXISTS', KEYS[3])
+local g = redis.call('GET', KEYS[2])
+if not g then return {{'absent', '', 0, rebuilt}} end
+return {{'absent', g, generation_age(g), rebuilt}}
+"#
+    ))
+}
+
 pub(super) fn remembered() -> Script {
     Script::new(&format!(
         r#"{GEN_LUA}
