@@ -1230,33 +1230,25 @@ impl Config {
             ));
         }
         if let Some(url) = &self.fleet.redis_url
-            && !(url.starts_with("redis://")
-                || url.starts_with("rediss://")
-                || url.starts_with("redis+sentinel://")
-                || url.starts_with("redis+cluster://"))
+            && !REDIS_SCHEMES.iter().any(|scheme| url.starts_with(scheme))
         {
             return Err(invalid(
                 "fleet.redis_url",
-                if url.starts_with("rediss+sentinel://") {
-                    "TLS to Sentinel (rediss+sentinel://) is not supported yet; use \
-                     redis+sentinel:// on a trusted network"
-                } else if url.starts_with("rediss+cluster://") {
-                    "TLS to Redis Cluster (rediss+cluster://) is not supported yet; use \
-                     redis+cluster:// on a trusted network"
-                } else {
-                    "must start with redis://, rediss://, redis+sentinel:// or redis+cluster://"
-                },
+                "must start with redis://, rediss://, redis+sentinel://, rediss+sentinel://, \
+                 redis+cluster:// or rediss+cluster://",
             ));
         }
         if self.mesh.transport == MeshTransport::Redis
-            && self.fleet.redis_url.as_deref().is_some_and(|url| {
-                url.starts_with("redis+sentinel://") || url.starts_with("redis+cluster://")
-            })
+            && self
+                .fleet
+                .redis_url
+                .as_deref()
+                .is_some_and(|url| !url.starts_with("redis://") && !url.starts_with("rediss://"))
         {
             return Err(invalid(
                 "mesh.transport",
-                "the redis mesh transport (a benchmark baseline) needs a standalone Redis, \
-                 not redis+sentinel:// or redis+cluster://",
+                "the redis mesh transport (a benchmark baseline) needs a standalone Redis \
+                 (redis:// or rediss://), not Sentinel or Cluster",
             ));
         }
         if self.fleet.worker_id.is_some() && self.fleet.workers != 1 {
@@ -1416,6 +1408,16 @@ impl Config {
         }
     }
 }
+
+/// The Redis URL schemes the fleet directory accepts (see `mcpgw_mesh::redis_conn`).
+const REDIS_SCHEMES: [&str; 6] = [
+    "redis://",
+    "rediss://",
+    "redis+sentinel://",
+    "rediss+sentinel://",
+    "redis+cluster://",
+    "rediss+cluster://",
+];
 
 pub fn valid_worker_id(id: &str) -> bool {
     !id.is_empty()

@@ -42,6 +42,8 @@ pub(crate) struct ClusterSpec {
     pub(crate) seeds: Vec<(String, u16)>,
     pub(crate) username: Option<String>,
     pub(crate) password: Option<String>,
+    /// `rediss+cluster://`: TLS to every node.
+    pub(crate) tls: Option<Tls>,
 }
 
 impl ClusterSpec {
@@ -66,6 +68,75 @@ pub(crate) struct SentinelSpec {
     pub(crate) username: Option<String>,
     pub(crate) password: Option<String>,
     pub(crate) sentinel_password: Option<String>,
+    /// `rediss+sentinel://`: TLS to the sentinels and to the data servers alike.
+    pub(crate) tls: Option<Tls>,
+}
+
+/// TLS to Redis, for the `rediss` schemes. The URL's query names the files, with the
+/// names redis-py uses: `ssl_ca_certs` (PEM roots trusted instead of the system's),
+/// `ssl_certfile` and `ssl_keyfile` (a client certificate and its key, for servers
+/// with `tls-auth-clients yes`). They are read once, when the URL is parsed: a worker
+/// that must trust a new CA is restarted (rolled) after the file changed.
+#[derive(Clone, Default)]
+pub(crate) struct Tls {
+    certificates: Option<redis::TlsCertificates>,
+}
+
+/// The TLS files a URL's query names.
+#[derive(Default)]
+struct TlsFiles {
+    ca: Option<String>,
+    cert: Option<String>,
+    key: Option<String>,
+}
+
+impl TlsFiles {
+    /// Takes `name=value` if it names a TLS file; `Ok(false)` if it is no TLS parameter.
+    fn take(&mut self, name: &str, value: &str) -> Result<bool, String> {
+        let slot = match name {
+            "ssl_ca_certs" => &mut self.ca,
+            "ssl_certfile" => &mut self.cert,
+            "ssl_keyfile" => &mut self.key,
+            _ => return Ok(false),
+        };
+        let path =
+            percent_decode(value).ok_or_else(|| format!("bad percent-encoding in {name}"))?;
+        if path.is_empty() {
+            return Err(format!("{name} is empty"));
+        }
+        *slot = Some(path);
+        Ok(true)
+    }
+
+    fn any(&self) -> bool {
+        self.ca.is_some() || self.cert.is_some() || self.key.is_some()
+    }
+
+    /// Reads the files (for a `rediss` URL).
+    fn load(self) -> Result<Tls, String> {
+        let read = |name: &str, path: &str| {
+            std::fs::read(path).map_err(|e| format!("cannot read {name} file {path}: {e}"))
+        };
+        let root_cert = self
+            .ca
+            .as_deref()
+            .map(|p| read("ssl_ca_certs", p))
+            .transpose()?;
+        let client_tls = match (self.cert, self.key) {
+            (None, None) => None,
+            (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
+                client_cert: read("ssl_certfile", &cert)?,
+                client_key: read("ssl_keyfile", &key)?,
+            }),
+            _ => return Err("ssl_certfile and ssl_keyfile go together".into()),
+        };
+        let certificates =
+            (root_cert.is_some() || client_tls.is_some()).then_some(redis::TlsCertificates {
+                client_tls,
+                root_cert,
+            });
+        Ok(Tls { certificates })
+    }
 }
 
 impl SentinelSpec {
@@ -95,50 +166,70 @@ pub(crate) struct Primary {
 
 /// Parses any Redis URL the gateway accepts. Errors never quote the URL's secrets.
 pub(crate) fn parse_target(url: &str, tcp: Option<TcpSettings>) -> Result<RedisTarget, String> {
-    if url.starts_with(SENTINEL_TLS_SCHEME) {
-        return Err(format!(
-            "Redis URL {}: TLS to Sentinel deployments (rediss+sentinel://) is not supported \
-             yet; use redis+sentinel:// on a trusted network",
-            redact_url(url)
-        ));
-    }
-    if url.starts_with(CLUSTER_TLS_SCHEME) {
-        return Err(format!(
-            "Redis URL {}: TLS to Redis Cluster (rediss+cluster://) is not supported yet; use \
-             redis+cluster:// on a trusted network",
-            redact_url(url)
-        ));
-    }
-    if let Some(rest) = url.strip_prefix(CLUSTER_SCHEME) {
-        return parse_cluster(rest)
+    let under = |plain: &str, tls: &str| {
+        url.strip_prefix(plain)
+            .map(|rest| (rest, false))
+            .or_else(|| url.strip_prefix(tls).map(|rest| (rest, true)))
+    };
+    if let Some((rest, tls)) = under(CLUSTER_SCHEME, CLUSTER_TLS_SCHEME) {
+        return parse_cluster(rest, tls)
             .map(RedisTarget::Cluster)
             .map_err(|why| {
                 format!(
                     "Redis URL {} does not parse: {why}; expected \
-                 redis+cluster://[user:password@]host:port[,host:port...]",
+                     redis+cluster://[user:password@]host:port[,host:port...] (rediss+cluster:// \
+                     for TLS, with ?ssl_ca_certs=...)",
                     redact_url(url)
                 )
             });
     }
-    match url.strip_prefix(SENTINEL_SCHEME) {
-        Some(rest) => parse_sentinel(rest)
+    if let Some((rest, tls)) = under(SENTINEL_SCHEME, SENTINEL_TLS_SCHEME) {
+        return parse_sentinel(rest, tls)
             .map(RedisTarget::Sentinel)
             .map_err(|why| {
                 format!(
                     "Redis URL {} does not parse: {why}; expected \
-                 redis+sentinel://[user:password@]host:port[,host:port...]/<primary name>[/<db>]\
-                 [?sentinel_password=...]",
+                     redis+sentinel://[user:password@]host:port[,host:port...]/<primary name>[/<db>]\
+                     [?sentinel_password=...] (rediss+sentinel:// for TLS, with ?ssl_ca_certs=...)",
                     redact_url(url)
                 )
-            }),
-        None => open_client(url, tcp).map(RedisTarget::Standalone),
+            });
     }
+    open_client(url, tcp).map(RedisTarget::Standalone)
 }
 
-fn parse_cluster(rest: &str) -> Result<ClusterSpec, &'static str> {
+/// Splits `rest` at its query, and takes the TLS files out of it (allowed only with
+/// `tls`); the other parameters are given to `other`.
+fn split_query<'a>(
+    rest: &'a str,
+    tls: bool,
+    mut other: impl FnMut(&str, &str) -> Result<(), String>,
+) -> Result<(&'a str, Option<Tls>), String> {
+    let (rest, query) = match rest.split_once('?') {
+        Some((r, q)) => (r, q),
+        None => (rest, ""),
+    };
+    let mut files = TlsFiles::default();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        if !files.take(name, value)? {
+            other(name, value)?;
+        }
+    }
+    if !tls && files.any() {
+        return Err("ssl_ca_certs, ssl_certfile and ssl_keyfile need a rediss scheme".into());
+    }
+    let tls = if tls { Some(files.load()?) } else { None };
+    Ok((rest, tls))
+}
+
+fn parse_cluster(rest: &str, tls: bool) -> Result<ClusterSpec, String> {
+    let (rest, tls) = split_query(rest, tls, |_, _| {
+        Err("unknown query parameter (only ssl_ca_certs, ssl_certfile, ssl_keyfile)".into())
+    })?;
     let authority = match rest.split_once('/') {
         Some((authority, "")) => authority,
-        Some(_) => return Err("a cluster has no database or primary name in its path"),
+        Some(_) => return Err("a cluster has no database or primary name in its path".into()),
         None => rest,
     };
     let (username, password, hosts) = split_userinfo(authority)?;
@@ -146,6 +237,7 @@ fn parse_cluster(rest: &str) -> Result<ClusterSpec, &'static str> {
         seeds: parse_hosts(hosts, "node")?,
         username,
         password,
+        tls,
     })
 }
 
@@ -198,18 +290,27 @@ fn parse_hosts(hosts: &str, what: &'static str) -> Result<Vec<(String, u16)>, &'
     Ok(out)
 }
 
-fn parse_sentinel(rest: &str) -> Result<SentinelSpec, &'static str> {
-    let (rest, query) = match rest.split_once('?') {
-        Some((r, q)) => (r, Some(q)),
-        None => (rest, None),
-    };
+fn parse_sentinel(rest: &str, tls: bool) -> Result<SentinelSpec, String> {
+    let mut sentinel_password = None;
+    let (rest, tls) = split_query(rest, tls, |name, value| match name {
+        "sentinel_password" => {
+            sentinel_password =
+                Some(percent_decode(value).ok_or("bad percent-encoding in sentinel_password")?);
+            Ok(())
+        }
+        _ => Err(
+            "unknown query parameter (only sentinel_password, ssl_ca_certs, \
+                  ssl_certfile, ssl_keyfile)"
+                .into(),
+        ),
+    })?;
     let (authority, path) = rest.split_once('/').ok_or("no primary name")?;
     let (username, password, hosts) = split_userinfo(authority)?;
     let sentinels = parse_hosts(hosts, "sentinel")?;
     let mut segments = path.split('/');
     let name = segments.next().unwrap_or("");
     if name.is_empty() {
-        return Err("no primary name");
+        return Err("no primary name".into());
     }
     let name = percent_decode(name).ok_or("bad percent-encoding in the primary name")?;
     let db = match segments.next() {
@@ -217,17 +318,7 @@ fn parse_sentinel(rest: &str) -> Result<SentinelSpec, &'static str> {
         Some(db) => db.parse().map_err(|_| "the db is not a number")?,
     };
     if segments.next().is_some() {
-        return Err("too many path segments");
-    }
-    let mut sentinel_password = None;
-    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-        match pair.split_once('=') {
-            Some(("sentinel_password", v)) => {
-                sentinel_password =
-                    Some(percent_decode(v).ok_or("bad percent-encoding in sentinel_password")?);
-            }
-            _ => return Err("unknown query parameter (only sentinel_password is accepted)"),
-        }
+        return Err("too many path segments".into());
     }
     Ok(SentinelSpec {
         sentinels,
@@ -236,6 +327,7 @@ fn parse_sentinel(rest: &str) -> Result<SentinelSpec, &'static str> {
         username,
         password,
         sentinel_password,
+        tls,
     })
 }
 
@@ -276,12 +368,8 @@ pub(crate) async fn resolve_primary(
         if let Some(p) = &spec.sentinel_password {
             settings = settings.set_password(p);
         }
-        let info = ConnectionAddr::Tcp(host.clone(), *port)
-            .into_connection_info()
-            .map_err(|e| clean(e.to_string()))?
-            .set_redis_settings(settings);
         let asked = async {
-            let client = redis::Client::open(info)?;
+            let client = node_client(host, *port, settings, spec.tls.as_ref(), None)?;
             let mut c = client
                 .get_multiplexed_async_connection_with_config(&cfg)
                 .await?;
@@ -317,8 +405,8 @@ pub(crate) async fn resolve_primary(
         match check_primary(
             &credentials,
             "the sentinels",
-            &phost,
-            pport,
+            (&phost, pport),
+            spec.tls.as_ref(),
             &cfg,
             op_timeout,
             tcp.clone(),
@@ -339,12 +427,37 @@ struct Credentials<'a> {
     password: Option<&'a str>,
 }
 
-/// A connection description for the data server at `host:port`.
-fn node_info(
-    credentials: &Credentials<'_>,
+/// A client for the server (data node or sentinel) at `host:port`, logging in with
+/// `settings`, over TLS when `tls` is given.
+fn node_client(
     host: &str,
     port: u16,
-) -> Result<redis::ConnectionInfo, String> {
+    settings: RedisConnectionInfo,
+    tls: Option<&Tls>,
+    tcp: Option<TcpSettings>,
+) -> Result<redis::Client, redis::RedisError> {
+    let addr = match tls {
+        Some(_) => ConnectionAddr::TcpTls {
+            host: host.to_owned(),
+            port,
+            insecure: false,
+            tls_params: None,
+        },
+        None => ConnectionAddr::Tcp(host.to_owned(), port),
+    };
+    let info = addr.into_connection_info()?.set_redis_settings(settings);
+    let info = match tcp {
+        Some(tcp) => info.set_tcp_settings(tcp),
+        None => info,
+    };
+    match tls.and_then(|tls| tls.certificates.clone()) {
+        Some(certificates) => redis::Client::build_with_tls(info, certificates),
+        None => redis::Client::open(info),
+    }
+}
+
+/// How a data server is logged in to.
+fn data_settings(credentials: &Credentials<'_>) -> RedisConnectionInfo {
     let mut settings = RedisConnectionInfo::default().set_db(credentials.db);
     if let Some(u) = credentials.username {
         settings = settings.set_username(u);
@@ -352,10 +465,7 @@ fn node_info(
     if let Some(p) = credentials.password {
         settings = settings.set_password(p);
     }
-    Ok(ConnectionAddr::Tcp(host.to_owned(), port)
-        .into_connection_info()
-        .map_err(|e| e.to_string())?
-        .set_redis_settings(settings))
+    settings
 }
 
 /// Connects to the server `named_by` (the sentinels, the cluster) named primary and
@@ -363,19 +473,15 @@ fn node_info(
 async fn check_primary(
     credentials: &Credentials<'_>,
     named_by: &str,
-    host: &str,
-    port: u16,
+    (host, port): (&str, u16),
+    tls: Option<&Tls>,
     cfg: &redis::AsyncConnectionConfig,
     op_timeout: Duration,
     tcp: Option<TcpSettings>,
 ) -> Result<Primary, String> {
     let addr = format!("{host}:{port}");
-    let info = node_info(credentials, host, port)?;
-    let info = match tcp {
-        Some(tcp) => info.set_tcp_settings(tcp),
-        None => info,
-    };
-    let client = redis::Client::open(info).map_err(|e| e.to_string())?;
+    let client =
+        node_client(host, port, data_settings(credentials), tls, tcp).map_err(|e| e.to_string())?;
     let asked = async {
         let mut c = client
             .get_multiplexed_async_connection_with_config(cfg)
@@ -428,8 +534,13 @@ pub(crate) async fn resolve_slot_primary(
     let mut last_error = String::from("no cluster node answered");
     for (host, port) in &spec.seeds {
         let asked = async {
-            let client =
-                redis::Client::open(node_info(&credentials, host, *port).map_err(io_error)?)?;
+            let client = node_client(
+                host,
+                *port,
+                data_settings(&credentials),
+                spec.tls.as_ref(),
+                None,
+            )?;
             let mut c = client
                 .get_multiplexed_async_connection_with_config(&cfg)
                 .await?;
@@ -468,8 +579,8 @@ pub(crate) async fn resolve_slot_primary(
         match check_primary(
             &credentials,
             "the cluster",
-            &phost,
-            pport,
+            (&phost, pport),
+            spec.tls.as_ref(),
             &cfg,
             op_timeout,
             None,
@@ -481,10 +592,6 @@ pub(crate) async fn resolve_slot_primary(
         }
     }
     Err(last_error)
-}
-
-fn io_error(text: String) -> redis::RedisError {
-    redis::RedisError::from(std::io::Error::other(text))
 }
 
 /// The primary `CLUSTER SLOTS` names for `slot`: each entry is `[start, end,
@@ -566,16 +673,52 @@ pub(crate) fn scrub_all(text: &str, secrets: &[String]) -> String {
 pub(crate) fn open_client(url: &str, tcp: Option<TcpSettings>) -> Result<redis::Client, String> {
     let unparsable = |_| {
         format!(
-            "Redis URL {} does not parse: expected redis://[user:password@]host:port[/db]",
+            "Redis URL {} does not parse: expected redis://[user:password@]host:port[/db] \
+             (rediss:// for TLS, with ?ssl_ca_certs=...)",
             redact_url(url)
         )
     };
-    let info = url.into_connection_info().map_err(unparsable)?;
+    // The TLS files are this gateway's parameters; the rest of the query is redis-rs's.
+    let tls_scheme = url.starts_with("rediss://");
+    let (base, fragment) = match url.split_once('#') {
+        Some((base, fragment)) => (base, Some(fragment)),
+        None => (url, None),
+    };
+    let mut kept = Vec::new();
+    let (rest, tls) = split_query(base, tls_scheme, |name, value| {
+        kept.push(format!("{name}={value}"));
+        Ok(())
+    })
+    .map_err(|why| format!("Redis URL {}: {why}", redact_url(url)))?;
+    let mut plain = rest.to_owned();
+    if !kept.is_empty() {
+        plain = format!("{plain}?{}", kept.join("&"));
+    }
+    if let Some(fragment) = fragment {
+        plain = format!("{plain}#{fragment}");
+    }
+    let info = plain.as_str().into_connection_info().map_err(unparsable)?;
     let info = match tcp {
         Some(tcp) => info.set_tcp_settings(tcp),
         None => info,
     };
-    redis::Client::open(info).map_err(unparsable)
+    match tls.and_then(|tls| tls.certificates) {
+        Some(certificates) => redis::Client::build_with_tls(info, certificates).map_err(unparsable),
+        None => redis::Client::open(info).map_err(unparsable),
+    }
+}
+
+/// A client for a standalone Redis (`redis://`, `rediss://` with its TLS files), for
+/// what cannot follow a Sentinel or Cluster primary (the rate limiter). The error says
+/// what is wrong without quoting the URL's secrets.
+pub fn standalone_client(url: &str) -> Result<redis::Client, String> {
+    match parse_target(url, None)? {
+        RedisTarget::Standalone(client) => Ok(client),
+        RedisTarget::Sentinel(_) | RedisTarget::Cluster(_) => Err(
+            "this needs a standalone Redis (redis:// or rediss://), not Sentinel or Cluster"
+                .to_owned(),
+        ),
+    }
 }
 
 /// The same client speaking `protocol` (RESP2 or RESP3).
@@ -769,11 +912,66 @@ mod tests {
             assert!(err.contains(why), "{url}: {err}");
             assert!(!err.contains("s3cret"), "{url}: {err}");
         }
-        let Err(err) = parse_target("rediss+sentinel://:s3cret@h:1/m", None) else {
-            panic!("TLS Sentinel accepted")
+    }
+
+    #[test]
+    fn tls_urls_read_their_files_and_say_which_one_is_missing() {
+        let dir = std::env::temp_dir().join(format!("mcpgw-redis-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let ca = dir.join("ca.pem");
+        std::fs::write(&ca, "not read until a connection is made").expect("write");
+        let ca = ca.display().to_string();
+        for url in [
+            format!("rediss+sentinel://:s3cret@h:1/m?ssl_ca_certs={ca}&sentinel_password=x"),
+            format!("rediss+cluster://:s3cret@h:1/?ssl_ca_certs={ca}"),
+        ] {
+            let tls = match parse_target(&url, None) {
+                Ok(RedisTarget::Sentinel(spec)) => spec.tls,
+                Ok(RedisTarget::Cluster(spec)) => spec.tls,
+                Ok(RedisTarget::Standalone(_)) => panic!("{url}: standalone"),
+                Err(e) => panic!("{url}: {e}"),
+            };
+            let root = tls.and_then(|t| t.certificates).and_then(|c| c.root_cert);
+            assert_eq!(
+                root.as_deref(),
+                Some(b"not read until a connection is made".as_slice()),
+                "{url}"
+            );
+        }
+        // Without files, TLS trusts the system's roots.
+        let Ok(RedisTarget::Sentinel(spec)) = parse_target("rediss+sentinel://h:1/m", None) else {
+            panic!("TLS Sentinel without files")
         };
-        assert!(err.contains("not supported yet"), "{err}");
-        assert!(!err.contains("s3cret"), "{err}");
+        assert!(spec.tls.is_some_and(|t| t.certificates.is_none()));
+        for (url, why) in [
+            (
+                "rediss+sentinel://:s3cret@h:1/m?ssl_ca_certs=/nonexistent/ca.pem".to_owned(),
+                "cannot read ssl_ca_certs file /nonexistent/ca.pem",
+            ),
+            (
+                "rediss://:s3cret@h:1/?ssl_ca_certs=/nonexistent/ca.pem".to_owned(),
+                "cannot read ssl_ca_certs file /nonexistent/ca.pem",
+            ),
+            (
+                format!("rediss+cluster://:s3cret@h:1/?ssl_certfile={ca}"),
+                "go together",
+            ),
+            (
+                format!("redis+sentinel://:s3cret@h:1/m?ssl_ca_certs={ca}"),
+                "need a rediss scheme",
+            ),
+            (
+                format!("redis://:s3cret@h:1/?ssl_ca_certs={ca}"),
+                "need a rediss scheme",
+            ),
+        ] {
+            let Err(err) = parse_target(&url, None) else {
+                panic!("{url} parsed")
+            };
+            assert!(err.contains(why), "{url}: {err}");
+            assert!(!err.contains("s3cret"), "{url}: {err}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -793,7 +991,10 @@ mod tests {
             ("redis+cluster://:s3cret@h", "without a port"),
             ("redis+cluster://:s3cret@h:x", "not a number"),
             ("redis+cluster://:s3cret@h:1/0", "no database"),
-            ("rediss+cluster://:s3cret@h:1", "not supported yet"),
+            (
+                "redis+cluster://:s3cret@h:1/?db=0",
+                "unknown query parameter",
+            ),
         ] {
             let Err(err) = parse_target(url, None) else {
                 panic!("{url} parsed")

@@ -27,6 +27,63 @@ pub struct RedisServer {
     dir: PathBuf,
     /// Arguments beyond the defaults (a cluster node's), kept for restarts.
     extra: Vec<String>,
+    /// A TLS port beside the plain one (the tests' own commands keep using the plain
+    /// port; the gateway is given the TLS one).
+    pub tls: Option<TlsPort>,
+}
+
+/// What a TLS-serving test Redis presents and whom it lets in.
+#[derive(Clone)]
+pub struct RedisTls {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// `tls-auth-clients yes`: a client must present a certificate of `ca`.
+    pub auth_clients: bool,
+}
+
+impl RedisTls {
+    /// The `redis-server` arguments for `port` (also what replication and a sentinel's
+    /// outgoing connections use: `tls-replication yes`).
+    pub fn args(&self, port: u16) -> Vec<String> {
+        let path = |p: &PathBuf| p.display().to_string();
+        [
+            "--tls-port".to_owned(),
+            port.to_string(),
+            "--tls-cert-file".into(),
+            path(&self.cert),
+            "--tls-key-file".into(),
+            path(&self.key),
+            "--tls-ca-cert-file".into(),
+            path(&self.ca),
+            "--tls-auth-clients".into(),
+            if self.auth_clients { "yes" } else { "no" }.into(),
+            "--tls-replication".into(),
+            "yes".into(),
+        ]
+        .into()
+    }
+
+    /// The query naming the CA (and, when `client` is given, a client certificate
+    /// and key) in a `rediss` URL.
+    pub fn query(&self, client: Option<(&PathBuf, &PathBuf)>) -> String {
+        let mut query = format!("ssl_ca_certs={}", self.ca.display());
+        if let Some((cert, key)) = client {
+            query.push_str(&format!(
+                "&ssl_certfile={}&ssl_keyfile={}",
+                cert.display(),
+                key.display()
+            ));
+        }
+        query
+    }
+}
+
+/// A server's TLS port and how it is configured.
+#[derive(Clone)]
+pub struct TlsPort {
+    pub port: u16,
+    pub config: RedisTls,
 }
 
 impl RedisServer {
@@ -40,7 +97,20 @@ impl RedisServer {
     /// Starts a server as [`start`](Self::start) does, with `extra` arguments.
     #[track_caller]
     pub fn start_with(extra: &[&str]) -> RedisServer {
-        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        Self::start_serving(extra, None)
+    }
+
+    /// Starts a server as [`start`](Self::start) does that also serves TLS on a port
+    /// of its own ([`RedisServer::tls_url`]).
+    #[track_caller]
+    pub fn start_tls(tls: &RedisTls) -> RedisServer {
+        Self::start_serving(&[], Some(tls))
+    }
+
+    #[track_caller]
+    fn start_serving(extra: &[&str], tls: Option<&RedisTls>) -> RedisServer {
+        let mut extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let base = extra.len();
         static STARTED: AtomicUsize = AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
             "mcpgw-test-redis-{}-{}",
@@ -55,6 +125,14 @@ impl RedisServer {
                 panic!("cannot create {}: {e}", dir.display());
             }
             let port = crate::free_port();
+            let tls = tls.map(|config| TlsPort {
+                port: crate::free_port(),
+                config: config.clone(),
+            });
+            extra.truncate(base);
+            if let Some(tls) = &tls {
+                extra.extend(tls.config.args(tls.port));
+            }
             let mut process = match spawn_redis(port, &dir, &extra) {
                 Ok(process) => process,
                 Err(e) => panic!("cannot run redis-server (make deps installs it): {e}"),
@@ -66,6 +144,7 @@ impl RedisServer {
                         port,
                         dir,
                         extra,
+                        tls,
                     };
                 }
                 Err(e) => {
@@ -112,6 +191,17 @@ impl RedisServer {
 
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// `rediss://` to its TLS port, trusting its CA (and presenting `client`).
+    #[track_caller]
+    pub fn tls_url(&self, client: Option<(&PathBuf, &PathBuf)>) -> String {
+        let tls = self.tls.as_ref().expect("a server started with start_tls");
+        format!(
+            "rediss://127.0.0.1:{}/?{}",
+            tls.port,
+            tls.config.query(client)
+        )
     }
 
     pub fn pid(&self) -> u32 {

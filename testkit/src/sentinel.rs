@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use crate::redis::{Resp, query, texts};
+use crate::redis::{RedisTls, Resp, query, texts};
 use crate::{RedisServer, eventually};
 
 /// The name the sentinels monitor the primary under.
@@ -30,6 +30,9 @@ pub struct SentinelSet {
     /// Its replica at start.
     pub replica: RedisServer,
     dir: PathBuf,
+    /// TLS everywhere (data servers, replication, sentinels), beside plain ports the
+    /// tests' own commands use.
+    tls: Option<(RedisTls, Vec<u16>)>,
 }
 
 impl SentinelSet {
@@ -38,10 +41,28 @@ impl SentinelSet {
     /// sentinels (without which no failover can be authorised).
     #[track_caller]
     pub fn start() -> SentinelSet {
+        Self::start_serving(None)
+    }
+
+    /// Like [`start`](Self::start), with TLS for every connection the deployment
+    /// makes or takes: the primary, its replica and the sentinels serve TLS on ports of
+    /// their own, replication and the sentinels' links run over TLS, and the sentinels
+    /// name the data servers' TLS ports ([`SentinelSet::url`] is `rediss+sentinel://`).
+    #[track_caller]
+    pub fn start_tls(tls: &RedisTls) -> SentinelSet {
+        Self::start_serving(Some(tls))
+    }
+
+    #[track_caller]
+    fn start_serving(tls: Option<&RedisTls>) -> SentinelSet {
         static STARTED: AtomicUsize = AtomicUsize::new(0);
-        let primary = RedisServer::start();
-        let replica = RedisServer::start();
-        let reply = replica.command(&["REPLICAOF", "127.0.0.1", &primary.port.to_string()]);
+        let start = || match tls {
+            Some(tls) => RedisServer::start_tls(tls),
+            None => RedisServer::start(),
+        };
+        let primary = start();
+        let replica = start();
+        let reply = replica.command(&["REPLICAOF", "127.0.0.1", &data_port(&primary).to_string()]);
         assert_eq!(reply, "OK", "REPLICAOF");
         eventually(READY_WITHIN, || {
             let info = replica.command(&["INFO", "replication"]);
@@ -60,18 +81,31 @@ impl SentinelSet {
             .unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.display()));
         let mut sentinels = Vec::new();
         let mut sentinel_ports = Vec::new();
+        let mut tls_ports = Vec::new();
         for i in 0..3 {
             let port = crate::free_port();
             let conf = dir.join(format!("sentinel-{i}.conf"));
-            let text = format!(
+            let mut text = format!(
                 "port {port}\nbind 127.0.0.1\ndir {dir}\n\
                  sentinel monitor {PRIMARY_NAME} 127.0.0.1 {primary} 2\n\
                  sentinel down-after-milliseconds {PRIMARY_NAME} {DOWN_AFTER_MS}\n\
                  sentinel failover-timeout {PRIMARY_NAME} 10000\n\
                  sentinel parallel-syncs {PRIMARY_NAME} 1\n",
                 dir = dir.display(),
-                primary = primary.port,
+                primary = data_port(&primary),
             );
+            if let Some(tls) = tls {
+                let tls_port = crate::free_port();
+                // The same directives as the servers' flags, one per line.
+                for pair in tls.args(tls_port).chunks(2) {
+                    text.push_str(&format!(
+                        "{} {}\n",
+                        pair[0].trim_start_matches("--"),
+                        pair[1]
+                    ));
+                }
+                tls_ports.push(tls_port);
+            }
             std::fs::write(&conf, text)
                 .unwrap_or_else(|e| panic!("cannot write {}: {e}", conf.display()));
             let mut command = Command::new("redis-server");
@@ -92,12 +126,13 @@ impl SentinelSet {
             primary,
             replica,
             dir,
+            tls: tls.map(|tls| (tls.clone(), tls_ports)),
         };
         for &port in &set.sentinel_ports {
             eventually(READY_WITHIN, || {
                 let replicas = sentinel_command(port, &["SENTINEL", "replicas", PRIMARY_NAME])?;
                 let peers = sentinel_command(port, &["SENTINEL", "sentinels", PRIMARY_NAME])?;
-                let knows_replica = replicas.contains(&set.replica.port.to_string());
+                let knows_replica = replicas.contains(&data_port(&set.replica).to_string());
                 let peer_count = peers.lines().filter(|l| *l == "runid").count();
                 if knows_replica && peer_count == 2 {
                     Ok(())
@@ -111,14 +146,27 @@ impl SentinelSet {
         set
     }
 
-    /// `redis+sentinel://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3/<name>`.
+    /// `redis+sentinel://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3/<name>`, or with TLS
+    /// `rediss+sentinel://` to the sentinels' TLS ports, trusting the test CA.
     pub fn url(&self) -> String {
-        let hosts: Vec<String> = self
-            .sentinel_ports
-            .iter()
-            .map(|p| format!("127.0.0.1:{p}"))
-            .collect();
-        format!("redis+sentinel://{}/{PRIMARY_NAME}", hosts.join(","))
+        let hosts = |ports: &[u16]| {
+            ports
+                .iter()
+                .map(|p| format!("127.0.0.1:{p}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        match &self.tls {
+            None => format!(
+                "redis+sentinel://{}/{PRIMARY_NAME}",
+                hosts(&self.sentinel_ports)
+            ),
+            Some((tls, ports)) => format!(
+                "rediss+sentinel://{}/{PRIMARY_NAME}?{}",
+                hosts(ports),
+                tls.query(None)
+            ),
+        }
     }
 
     /// The port of the server the first sentinel that answers names as primary.
@@ -150,6 +198,11 @@ impl Drop for SentinelSet {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// The port the deployment reaches a data server at: its TLS port when it has one.
+pub fn data_port(server: &RedisServer) -> u16 {
+    server.tls.as_ref().map_or(server.port, |tls| tls.port)
 }
 
 /// One command to a sentinel (or any Redis) on `port`; arrays come back as their

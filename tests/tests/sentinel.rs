@@ -13,7 +13,9 @@ use mcpgw_testkit::fleet::{
     FLEET_CHANGE_WITHIN, LocalFleet, PREFIX, owner_of, recorded_owner, run_mcpgw,
 };
 use mcpgw_testkit::http::{self, call_tool, initialize};
-use mcpgw_testkit::sentinel::{PRIMARY_NAME, SentinelSet};
+use mcpgw_testkit::redis::RedisTls;
+use mcpgw_testkit::sentinel::{PRIMARY_NAME, SentinelSet, data_port};
+use mcpgw_testkit::tls::TestCa;
 use mcpgw_tests::load::{Load, assert_counting_on, every_session_progressed};
 use serde_json::json;
 
@@ -197,4 +199,71 @@ fn mcpgw_status_names_the_sentinel_primary_and_its_replica() {
         Some(2),
         "{status}"
     );
+}
+
+#[test]
+fn a_tls_sentinel_deployment_carries_the_fleet_through_a_failover() {
+    let ca = TestCa::new("sentinel-tls");
+    let (cert, key) = ca.issue("redis");
+    let tls = RedisTls {
+        ca: ca.ca_file(),
+        cert,
+        key,
+        auth_clients: false,
+    };
+    let lease: &[&str] = &["--lease-ms", "3000"];
+    let fleet = LocalFleet::on(SentinelSet::start_tls(&tls), "tcp", (1, lease), (1, lease));
+    let session = initialize(&fleet.a.addr, "/mcp");
+    let via = fleet.host_not_owning(&session);
+    let first = call_tool(&via, "/mcp", &session, 1, "counter_increment", json!({}));
+    assert_eq!(first.expect_tool_text(), "1", "forwarded to its owner");
+    // The sentinels name the data servers' TLS ports, and so does status.
+    let out = run_mcpgw(&["status", "--redis", &fleet.redis.url(), "--json"]);
+    let status: serde_json::Value = serde_json::from_str(&out).expect("status JSON");
+    let (primary, replica) = (
+        data_port(&fleet.redis.primary),
+        data_port(&fleet.redis.replica),
+    );
+    assert_eq!(status["redis"]["topology"], "sentinel", "{status}");
+    assert_eq!(
+        status["redis"]["primary"],
+        format!("127.0.0.1:{primary}"),
+        "{status}"
+    );
+    assert_eq!(
+        status["redis"]["replicas"],
+        json!([format!("127.0.0.1:{replica}")]),
+        "{status}"
+    );
+    fleet.redis.primary.kill();
+    eventually(WITHIN, || match fleet.redis.primary_port() {
+        Ok(port) if port == replica => Ok(()),
+        other => Err(format!("primary still {other:?} (was {primary})")),
+    });
+    let fresh = eventually(WITHIN, || {
+        let r = http::try_initialize(&fleet.b.addr, "/mcp")?;
+        match r.header("mcp-session-id") {
+            Some(sid) if r.status == 200 => Ok(sid.to_owned()),
+            _ => Err(r.outcome()),
+        }
+    });
+    let fresh_first = call_tool(
+        &fleet.a.addr,
+        "/mcp",
+        &fresh,
+        2,
+        "counter_increment",
+        json!({}),
+    );
+    assert_eq!(fresh_first.expect_tool_text(), "1");
+    // The old session goes on where it was: a retryable 503 never ran.
+    let second = eventually(WITHIN, || {
+        let r = http::try_call_tool(&via, &session, 3, "counter_increment", json!({}))?;
+        match r.status {
+            200 => Ok(r),
+            503 if r.header("retry-after").is_some() => Err(r.outcome()),
+            _ => panic!("no session is lost to a failover: {}", r.outcome()),
+        }
+    });
+    assert_eq!(second.expect_tool_text(), "2");
 }

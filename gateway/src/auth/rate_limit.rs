@@ -78,26 +78,9 @@ impl RateLimiter {
         redis_url: &str,
         key_prefix: &str,
     ) -> Result<RateLimiter, String> {
-        if [
-            "redis+sentinel://",
-            "rediss+sentinel://",
-            "redis+cluster://",
-            "rediss+cluster://",
-        ]
-        .iter()
-        .any(|scheme| redis_url.starts_with(scheme))
-        {
-            return Err(
-                "the rate limiter cannot follow Redis Sentinel or Cluster yet: give it a \
-                 standalone Redis with its own redis_url"
-                    .to_owned(),
-            );
-        }
-        // The parse error may quote the URL (and its password): not passed on.
-        let client = redis::Client::open(redis_url).map_err(|_| {
-            "the Redis URL does not parse: expected redis://[user:password@]host:port[/db]"
-                .to_owned()
-        })?;
+        // It cannot follow a Sentinel or Cluster primary yet: the helper refuses those.
+        let client = mcpgw_mesh::standalone_redis_client(redis_url)
+            .map_err(|why| format!("the rate limiter's Redis: {why}"))?;
         let capacity = f64::from(config.burst);
         let per_ms = config.per_second / 1000.0;
         let ttl_ms = ((capacity / per_ms).ceil() as u64).saturating_add(1000);
