@@ -200,11 +200,11 @@ pub(crate) fn parse_target(url: &str, tcp: Option<TcpSettings>) -> Result<RedisT
 
 /// Splits `rest` at its query, and takes the TLS files out of it (allowed only with
 /// `tls`); the other parameters are given to `other`.
-fn split_query<'a>(
-    rest: &'a str,
+fn split_query(
+    rest: &str,
     tls: bool,
     mut other: impl FnMut(&str, &str) -> Result<(), String>,
-) -> Result<(&'a str, Option<Tls>), String> {
+) -> Result<(&str, Option<Tls>), String> {
     let (rest, query) = match rest.split_once('?') {
         Some((r, q)) => (r, q),
         None => (rest, ""),

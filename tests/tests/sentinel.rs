@@ -164,6 +164,30 @@ fn a_sentinel_failover_loses_no_session_and_runs_no_call_twice() {
     for session in &sessions {
         assert_counting_on(&outcomes, session);
     }
+    // Every worker renews through the promoted replica, and status finds no worker
+    // that follows another primary.
+    let promoted = format!("127.0.0.1:{}", fleet.redis.replica.port);
+    eventually(WITHIN, || {
+        let out = run_mcpgw(&["status", "--redis", &fleet.redis.url(), "--json"]);
+        let status: serde_json::Value = serde_json::from_str(&out).map_err(|e| e.to_string())?;
+        let followed: Vec<&serde_json::Value> = status["workers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|w| w["state"] == "live")
+            .map(|w| &w["redis_primary"])
+            .collect();
+        let disagreeing = status["problems"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|p| p["kind"] == "primary_disagreement");
+        if followed.len() == 2 && followed.iter().all(|p| **p == promoted) && !disagreeing {
+            Ok(())
+        } else {
+            Err(format!("{status}"))
+        }
+    });
     // Each worker saw the failover once and counted it.
     for id in owners.values().collect::<std::collections::BTreeSet<_>>() {
         let admin = admin_of(&fleet.redis.replica, id);
@@ -199,6 +223,20 @@ fn mcpgw_status_names_the_sentinel_primary_and_its_replica() {
         Some(2),
         "{status}"
     );
+    // Each worker says, with its renewals, which primary it follows.
+    let primary = format!("127.0.0.1:{}", fleet.redis.primary.port);
+    eventually(WITHIN, || {
+        let out = run_mcpgw(&["status", "--redis", &fleet.redis.url(), "--json"]);
+        let status: serde_json::Value = serde_json::from_str(&out).map_err(|e| e.to_string())?;
+        let all_follow = status["workers"]
+            .as_array()
+            .is_some_and(|ws| ws.iter().all(|w| w["redis_primary"] == primary.as_str()));
+        if all_follow {
+            Ok(())
+        } else {
+            Err(format!("{status}"))
+        }
+    });
 }
 
 #[test]

@@ -100,6 +100,12 @@ pub enum Problem {
     },
     /// A live lease whose value this version cannot read.
     UnreadableLease { worker: String },
+    /// Live workers renewed their leases through another primary than the one this
+    /// read reached (Sentinel, Cluster): primary → workers.
+    PrimaryDisagreement {
+        reached: String,
+        elsewhere: BTreeMap<String, Vec<String>>,
+    },
 }
 
 impl fmt::Display for Problem {
@@ -205,6 +211,21 @@ impl fmt::Display for Problem {
                     f,
                     "workers of different versions: {}; expected during a rolling upgrade, \
                      otherwise finish the upgrade",
+                    each.join(", ")
+                )
+            }
+            Problem::PrimaryDisagreement { reached, elsewhere } => {
+                let each: Vec<String> = elsewhere
+                    .iter()
+                    .map(|(primary, ids)| format!("{} through {primary}", list(ids)))
+                    .collect();
+                write!(
+                    f,
+                    "workers disagree about the Redis primary: this read reached {reached}, \
+                     but workers last renewed {}. Right after a failover this clears within \
+                     a lease as they follow the new primary; if it persists, those workers \
+                     reach another deployment or a demoted primary: check their --redis URL, \
+                     their logs, and that the old primary is a replica now",
                     each.join(", ")
                 )
             }
@@ -341,6 +362,26 @@ pub fn find_problems(snapshot: &FleetSnapshot, policy: &Policy) -> Vec<Problem> 
                     ms_left,
                 });
             }
+        }
+    }
+
+    if let Some(reached) = &snapshot.primary {
+        let mut elsewhere: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (worker, _) in &live {
+            if let Some(followed) = &worker.followed_primary
+                && followed != reached
+            {
+                elsewhere
+                    .entry(followed.clone())
+                    .or_default()
+                    .push(worker.id.clone());
+            }
+        }
+        if !elsewhere.is_empty() {
+            problems.push(Problem::PrimaryDisagreement {
+                reached: reached.clone(),
+                elsewhere,
+            });
         }
     }
 
@@ -535,6 +576,7 @@ fn to_json(snapshot: &FleetSnapshot, problems: &[Problem]) -> serde_json::Value 
                 "cert_not_after_unix_ms": worker.cert_not_after_unix_ms,
                 "drain_requested": worker.drain_requested,
                 "request_channel_subscribers": worker.request_channel_subscribers,
+                "redis_primary": worker.followed_primary,
             })
         })
         .collect();
@@ -645,6 +687,7 @@ mod tests {
             sessions_owned: 0,
             cert_not_after_unix_ms: Some(NOW + 90 * DAY_MS),
             drain_requested: false,
+            followed_primary: None,
             request_channel_subscribers: None,
         }
     }
@@ -658,6 +701,7 @@ mod tests {
             sessions_owned: sessions,
             cert_not_after_unix_ms: None,
             drain_requested: false,
+            followed_primary: None,
             request_channel_subscribers: None,
         }
     }
@@ -669,6 +713,7 @@ mod tests {
             generation_created_unix_ms: Some(NOW - 3_600_000),
             workers,
             session_records: BTreeMap::new(),
+            primary: None,
         }
     }
 
@@ -682,6 +727,39 @@ mod tests {
         snapshot.workers[0].sessions_owned = 3;
         snapshot.session_records.insert("a1".into(), 3);
         snapshot
+    }
+
+    #[test]
+    fn workers_that_renewed_through_another_primary_are_flagged_by_primary() {
+        let mut snapshot = healthy();
+        snapshot.primary = Some("10.0.9.2:6379".into());
+        for (worker, primary) in snapshot.workers.iter_mut().zip([
+            Some("10.0.9.2:6379"),
+            Some("10.0.9.1:6379"),
+            Some("10.0.9.1:6379"),
+            None,
+        ]) {
+            worker.followed_primary = primary.map(str::to_owned);
+        }
+        let problems = find_problems(&snapshot, &policy());
+        assert_eq!(
+            problems,
+            [Problem::PrimaryDisagreement {
+                reached: "10.0.9.2:6379".into(),
+                elsewhere: BTreeMap::from([(
+                    "10.0.9.1:6379".into(),
+                    vec!["a2".into(), "b1".into()]
+                )]),
+            }]
+        );
+        assert!(
+            problems[0]
+                .to_string()
+                .contains("a2, b1 through 10.0.9.1:6379")
+        );
+        // A standalone Redis has no primary to disagree about.
+        snapshot.primary = None;
+        assert_eq!(find_problems(&snapshot, &policy()), []);
     }
 
     #[test]

@@ -35,6 +35,9 @@ pub struct FleetSnapshot {
     /// How many session records (`{p}pool_owner:{sid}`) name each owner id, including
     /// ids found nowhere else in the directory.
     pub session_records: BTreeMap<String, u64>,
+    /// The primary (`host:port`) this read reached behind Sentinel or Cluster; `None`
+    /// for a standalone Redis.
+    pub primary: Option<String>,
 }
 
 /// What a worker's lease key holds.
@@ -66,6 +69,10 @@ pub struct WorkerSnapshot {
     pub cert_not_after_unix_ms: Option<u64>,
     /// An operator asked it to drain and the request has not expired.
     pub drain_requested: bool,
+    /// The primary (`host:port`) it followed at its last renewal, behind Sentinel or
+    /// Cluster (`{p}worker_primary:{id}`); `None` for a standalone Redis, an older
+    /// version, or before its first renewal.
+    pub followed_primary: Option<String>,
     /// Subscribers of its request channel (`PUBSUB NUMSUB`), when its address is the
     /// channel of the Redis transport; `None` for QUIC and TCP workers.
     pub request_channel_subscribers: Option<u64>,
@@ -232,6 +239,7 @@ impl Directory {
                 pipe.cmd("SCARD").arg(self.key_sessions(id));
                 pipe.cmd("GET").arg(self.key_cert(id));
                 pipe.cmd("EXISTS").arg(self.key_drain(id));
+                pipe.cmd("GET").arg(self.key_primary(id));
             }
             let values: Vec<redis::Value> = self
                 .run("fleet_snapshot (GET workers)", |mut c, _| {
@@ -247,6 +255,7 @@ impl Directory {
                 let sessions_owned: u64 = self.decode("fleet_snapshot", next())?;
                 let cert: Option<String> = self.decode("fleet_snapshot", next())?;
                 let drain: i64 = self.decode("fleet_snapshot", next())?;
+                let followed_primary: Option<String> = self.decode("fleet_snapshot", next())?;
                 let lease = match lease {
                     None => LeaseView::Absent,
                     Some(value) => match serde_json::from_str::<LeaseValue>(&value) {
@@ -262,6 +271,7 @@ impl Directory {
                     sessions_owned,
                     cert_not_after_unix_ms: cert.and_then(|ms| ms.parse().ok()),
                     drain_requested: drain == 1,
+                    followed_primary,
                     request_channel_subscribers: None,
                 });
             }
@@ -309,6 +319,7 @@ impl Directory {
                 .and_then(|(_, ms)| ms.parse().ok()),
             workers,
             session_records,
+            primary: Some(self.followed_primary()).filter(|p| !p.is_empty()),
         })
     }
 

@@ -294,12 +294,14 @@ impl Directory {
                     .key(self.key_workers())
                     .key(self.key_cert(&lease.id))
                     .key(self.key_drain(&lease.id))
+                    .key(self.key_primary(&lease.id))
                     .arg(&lease.value)
                     .arg(self.lease_px())
                     .arg(&lease.addr)
                     .arg(&lease.generation)
                     .arg(&lease.id)
                     .arg(cert_arg(lease.cert_not_after_ms))
+                    .arg(self.followed_primary())
                     .invoke_async(&mut c)
                     .await
             })
@@ -476,9 +478,9 @@ return generation(KEYS[4], ARGV[4])
     ))
 }
 
-/// KEYS: worker, addr, generation, workers, cert, drain. ARGV: value, px, addr,
-/// lease generation, id, leaf not-after ms or ''. 1 renewed, 3 renewed and
-/// asked to drain, 0 lost, 2 directory lost.
+/// KEYS: worker, addr, generation, workers, cert, drain, primary. ARGV: value, px,
+/// addr, lease generation, id, leaf not-after ms or '', followed primary or ''. 1
+/// renewed, 3 renewed and asked to drain, 0 lost, 2 directory lost.
 pub(super) fn renew() -> Script {
     Script::new(&format!(
         r#"{GEN_LUA}
@@ -487,6 +489,7 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
   redis.call('ZADD', KEYS[4], now_ms(), ARGV[5])
   if ARGV[6] ~= '' then redis.call('SET', KEYS[5], ARGV[6], 'PX', ARGV[2]) end
+  if ARGV[7] ~= '' then redis.call('SET', KEYS[7], ARGV[7], 'PX', ARGV[2]) end
   if redis.call('EXISTS', KEYS[6]) == 1 then return 3 end
   return 1
 end

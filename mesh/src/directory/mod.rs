@@ -852,6 +852,26 @@ impl Directory {
         format!("{}generation", self.inner.cfg.prefix)
     }
 
+    /// The primary (`host:port`) worker `id` followed at its last renewal, behind
+    /// Sentinel or Cluster.
+    fn key_primary(&self, id: &str) -> String {
+        format!("{}worker_primary:{id}", self.inner.cfg.prefix)
+    }
+
+    /// The primary this directory follows (`host:port`), or '' for a standalone Redis
+    /// (nothing to disagree about).
+    fn followed_primary(&self) -> String {
+        if self.inner.follow.is_none() {
+            return String::new();
+        }
+        self.inner
+            .client
+            .read()
+            .get_connection_info()
+            .addr()
+            .to_string()
+    }
+
     fn key_cert(&self, id: &str) -> String {
         format!("{}worker_cert:{id}", self.inner.cfg.prefix)
     }
