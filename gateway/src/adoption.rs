@@ -9,6 +9,11 @@
 //! session id) and only workers holding the key can read it. Who may adopt is the
 //! session's *guard*, a hash of its route and principal: another principal's request
 //! adopts nothing and learns nothing.
+//!
+//! A virtual server's session (format 2) records one [`MemberRecord`] per member: an
+//! HTTP member's session id and protocol version, sealed and bound to the client's
+//! session id and that member; a stdio member only as such, since its process dies
+//! with its worker (the adopter marks it lost).
 
 use std::path::Path;
 
@@ -17,6 +22,7 @@ use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use serde::{Deserialize, Serialize};
 
+use crate::execute::upstream::UpstreamLink;
 use crate::session;
 
 /// Bytes of an adoption key.
@@ -39,10 +45,52 @@ pub struct SessionRecord {
     /// which the gateway itself received and answers `server/discover` from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream_init: Option<serde_json::Value>,
+    /// A virtual server's session (format 2 only): its members as opened at
+    /// `initialize`, in configuration order. `upstream_session` is then none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub members: Option<Vec<MemberRecord>>,
 }
 
-/// Current [`SessionRecord::v`].
-const RECORD_VERSION: u32 = 1;
+/// The format of a plain session's record. Still written as 1, so that workers of the
+/// previous release, in a fleet half way through a rolling upgrade, adopt them.
+const PLAIN_RECORD_VERSION: u32 = 1;
+/// The format of a virtual server's record: 2, so that a release that knows only
+/// format 1 (and would take the record for a plain HTTP session without an upstream
+/// session id) refuses it instead ("session gone").
+const FEDERATED_RECORD_VERSION: u32 = 2;
+
+/// One member of a virtual server's session, as another worker needs it to go on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemberRecord {
+    /// The member's upstream, by its configured name (a server has each upstream once).
+    pub upstream: String,
+    /// How the member was reached; only an HTTP member's session can go on.
+    pub transport: MemberTransport,
+    /// An HTTP member's [`MemberSession`], sealed like a plain session's upstream id
+    /// (`sealed:<key id>:<base64>` or `clear:<json>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    /// What the member announced at initialize (which lists it serves); not secret.
+    #[serde(default)]
+    pub capabilities: serde_json::Value,
+}
+
+/// How a member was reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MemberTransport {
+    Http,
+    Stdio,
+}
+
+/// The secret part of an HTTP member's record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberSession {
+    /// The member's `Mcp-Session-Id`, if it issued one.
+    pub session_id: Option<String>,
+    /// The protocol version it negotiated, sent on every exchange with it.
+    pub protocol_version: String,
+}
 
 impl SessionRecord {
     pub fn to_payload(&self) -> String {
@@ -53,14 +101,53 @@ impl SessionRecord {
     pub fn from_payload(payload: &str) -> Result<SessionRecord, String> {
         let record: SessionRecord = serde_json::from_str(payload)
             .map_err(|e| format!("the session's record does not parse: {e}"))?;
-        if record.v != RECORD_VERSION {
-            return Err(format!(
-                "the session's record has format {}, which this release does not read",
-                record.v
-            ));
+        match (record.v, &record.members) {
+            (PLAIN_RECORD_VERSION, None) | (FEDERATED_RECORD_VERSION, Some(_)) => Ok(record),
+            (PLAIN_RECORD_VERSION | FEDERATED_RECORD_VERSION, _) => Err(format!(
+                "the session's record has format {} with{} members, which no release writes",
+                record.v,
+                if record.members.is_some() { "" } else { "out" }
+            )),
+            (v, _) => Err(format!(
+                "the session's record has format {v}, which this release does not read"
+            )),
         }
-        Ok(record)
     }
+
+    /// The record of a virtual server's session: this one (its route and client
+    /// side) with `members`.
+    pub fn with_members(mut self, members: Vec<MemberRecord>) -> SessionRecord {
+        self.v = FEDERATED_RECORD_VERSION;
+        self.upstream_session = None;
+        self.members = Some(members);
+        self
+    }
+}
+
+/// The record of one member of the session `session_id` (see [`MemberRecord`]);
+/// `http`: its session, for an HTTP member (none: a stdio one).
+pub fn member_record(
+    session_id: &str,
+    upstream: &str,
+    http: Option<&MemberSession>,
+    capabilities: &serde_json::Value,
+    keys: &AdoptionKeys,
+) -> Result<MemberRecord, String> {
+    let (transport, session) = match http {
+        Some(member) => {
+            // Two strings always serialize.
+            let secret = serde_json::to_string(member).unwrap_or_default();
+            let sealed = keys.seal_with(&member_aad(session_id, upstream), &secret)?;
+            (MemberTransport::Http, Some(sealed))
+        }
+        None => (MemberTransport::Stdio, None),
+    };
+    Ok(MemberRecord {
+        upstream: upstream.to_owned(),
+        transport,
+        session,
+        capabilities: capabilities.clone(),
+    })
 }
 
 /// Builds the record of a session opened on `route` by an `initialize` whose params
@@ -77,7 +164,7 @@ pub fn record_for(
         None => None,
     };
     Ok(SessionRecord {
-        v: RECORD_VERSION,
+        v: PLAIN_RECORD_VERSION,
         route: route.to_owned(),
         upstream_session,
         client_protocol_version: params
@@ -86,7 +173,19 @@ pub fn record_for(
             .map(str::to_owned),
         client_capabilities: params.and_then(|p| p.get("capabilities")).cloned(),
         upstream_init: None,
+        members: None,
     })
+}
+
+/// Whether a session on `link` can go on on another worker: an HTTP upstream's
+/// session, or a virtual server's with at least one HTTP member (its stdio members
+/// are lost on the way). A draining worker hands these over instead of ending them.
+pub(crate) fn continues_elsewhere(link: &UpstreamLink) -> bool {
+    match link {
+        UpstreamLink::Http { .. } => true,
+        UpstreamLink::Stdio(_) => false,
+        UpstreamLink::Federated(federated) => federated.has_http_member(),
+    }
 }
 
 /// Who may adopt a session: a hash of its route and principal (the directory never
@@ -156,6 +255,11 @@ impl AdoptionKeys {
 
     /// `secret` sealed for the session `session_id` with the first key.
     fn seal(&self, session_id: &str, secret: &str) -> Result<String, String> {
+        self.seal_with(&aad(session_id), secret)
+    }
+
+    /// `secret` sealed with the first key, bound to `aad`.
+    fn seal_with(&self, aad: &[u8], secret: &str) -> Result<String, String> {
         let Some((id, key)) = self.keys.first() else {
             return Ok(format!("clear:{secret}"));
         };
@@ -164,7 +268,7 @@ impl AdoptionKeys {
         let mut sealed = secret.as_bytes().to_vec();
         key.seal_in_place_append_tag(
             Nonce::assume_unique_for_key(nonce),
-            Aad::from(aad(session_id)),
+            Aad::from(aad),
             &mut sealed,
         )
         .map_err(|_| "sealing the upstream session id failed".to_owned())?;
@@ -175,6 +279,21 @@ impl AdoptionKeys {
 
     /// The upstream session id inside `recorded`, for the session `session_id`.
     pub fn open(&self, session_id: &str, recorded: &str) -> Result<String, OpenError> {
+        self.open_with(&aad(session_id), recorded)
+    }
+
+    /// The session of member `upstream` of the session `session_id`, from its record.
+    pub fn open_member(
+        &self,
+        session_id: &str,
+        upstream: &str,
+        recorded: &str,
+    ) -> Result<MemberSession, OpenError> {
+        let secret = self.open_with(&member_aad(session_id, upstream), recorded)?;
+        serde_json::from_str(&secret).map_err(|_| OpenError::Malformed)
+    }
+
+    fn open_with(&self, aad: &[u8], recorded: &str) -> Result<String, OpenError> {
         if let Some(clear) = recorded.strip_prefix("clear:") {
             return Ok(clear.to_owned());
         }
@@ -197,7 +316,7 @@ impl AdoptionKeys {
         let nonce = Nonce::try_assume_unique_for_key(nonce).map_err(|_| OpenError::Malformed)?;
         let mut buffer = sealed.to_vec();
         let opened = key
-            .open_in_place(nonce, Aad::from(aad(session_id)), &mut buffer)
+            .open_in_place(nonce, Aad::from(aad), &mut buffer)
             .map_err(|_| OpenError::Malformed)?;
         String::from_utf8(opened.to_vec()).map_err(|_| OpenError::Malformed)
     }
@@ -233,6 +352,16 @@ impl std::fmt::Display for OpenError {
 fn aad(session_id: &str) -> Vec<u8> {
     let mut aad = b"mcpgw upstream session v1\0".to_vec();
     aad.extend_from_slice(session_id.as_bytes());
+    aad
+}
+
+/// A member's sealed session is bound to its client session and to the member: moved
+/// to another session, or to another member of the same one, it does not open.
+fn member_aad(session_id: &str, upstream: &str) -> Vec<u8> {
+    let mut aad = b"mcpgw member session v1\0".to_vec();
+    aad.extend_from_slice(session_id.as_bytes());
+    aad.push(0);
+    aad.extend_from_slice(upstream.as_bytes());
     aad
 }
 
@@ -311,6 +440,68 @@ mod tests {
         let _ = std::fs::remove_file(&path);
         assert!(error.contains("line 2"), "{error}");
         assert!(!error.contains("not-a-key-secret"), "{error}");
+    }
+
+    /// A record exactly as the release before virtual-server adoption wrote it.
+    const V1_RECORD: &str = r#"{"v":1,"route":"demo","upstream_session":"clear:u-7","client_protocol_version":"2025-06-18","client_capabilities":{}}"#;
+
+    #[test]
+    fn a_format_1_record_still_reads_and_plain_records_are_still_written_as_1() {
+        let old = SessionRecord::from_payload(V1_RECORD).expect("a v1 record reads");
+        assert_eq!(old.upstream_session.as_deref(), Some("clear:u-7"));
+        assert_eq!(old.members, None);
+        let written =
+            record_for("demo", None, Some("u"), "sid", &AdoptionKeys::default()).expect("record");
+        assert_eq!(written.v, 1, "{}", written.to_payload());
+        assert!(!written.to_payload().contains("members"));
+    }
+
+    #[test]
+    fn a_virtual_servers_record_is_format_2_and_seals_each_member_for_its_session() {
+        let keys = keys(K1);
+        let demo = MemberSession {
+            session_id: Some("demo-secret".into()),
+            protocol_version: "2025-06-18".into(),
+        };
+        let caps = serde_json::json!({"tools": {}});
+        let members = vec![
+            member_record("sid", "demo", Some(&demo), &caps, &keys).expect("seals"),
+            member_record("sid", "st", None, &caps, &keys).expect("stdio"),
+        ];
+        let record = record_for("all", None, None, "sid", &keys)
+            .expect("record")
+            .with_members(members);
+        let payload = record.to_payload();
+        assert!(!payload.contains("demo-secret"), "{payload}");
+        let back = SessionRecord::from_payload(&payload).expect("a v2 record reads");
+        assert_eq!(back.v, 2);
+        let members = back.members.expect("members");
+        assert_eq!(members[1].transport, MemberTransport::Stdio);
+        assert_eq!(members[1].session, None);
+        let sealed = members[0].session.as_deref().expect("sealed");
+        assert_eq!(keys.open_member("sid", "demo", sealed), Ok(demo));
+        assert_eq!(
+            keys.open_member("sid", "st", sealed),
+            Err(OpenError::Malformed),
+            "bound to its member"
+        );
+        assert_eq!(
+            keys.open_member("sid-2", "demo", sealed),
+            Err(OpenError::Malformed),
+            "bound to its session"
+        );
+        assert_eq!(keys.open("sid", sealed), Err(OpenError::Malformed));
+    }
+
+    #[test]
+    fn records_of_unknown_or_mixed_formats_are_refused() {
+        let v2_without_members = V1_RECORD.replace("\"v\":1", "\"v\":2");
+        assert!(SessionRecord::from_payload(&v2_without_members).is_err());
+        let v1_with_members = V1_RECORD.replace("}}", "},\"members\":[]}");
+        assert!(SessionRecord::from_payload(&v1_with_members).is_err());
+        let v3 = V1_RECORD.replace("\"v\":1", "\"v\":3");
+        let error = SessionRecord::from_payload(&v3).expect_err("refused");
+        assert!(error.contains("format 3"), "{error}");
     }
 
     #[test]

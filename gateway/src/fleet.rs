@@ -204,27 +204,41 @@ impl Fleet {
     ) -> Result<(Option<SessionKind>, String, String), GatewayError> {
         let route = &self.config.upstreams[session.upstream].name;
         let guard = adoption::guard_of(route, &session.principal);
+        let unrecorded = |e: String| {
+            GatewayError::gateway(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                Reason::EntropyUnavailable,
+                format!("could not record the new session for adoption: {e}"),
+            )
+        };
+        let params = initialize.and_then(|message| message.get("params"));
         let (kind, payload) = match (&self.adoption, &session.link) {
             (None, _) => (None, String::new()),
-            // A federated session holds its members' sessions here, stdio ones among
-            // them: like a stdio session it cannot go on elsewhere.
-            (Some(_), UpstreamLink::Stdio(_) | UpstreamLink::Federated(_)) => {
-                (Some(SessionKind::Stdio), "{}".to_owned())
+            // A virtual server's session with an HTTP member: kind http (it can go on),
+            // its members in a format 2 record; its stdio members are lost on the way.
+            (Some(keys), UpstreamLink::Federated(federated))
+                if adoption::continues_elsewhere(&session.link) =>
+            {
+                let members = federated
+                    .record_members(&session.id, keys)
+                    .map_err(unrecorded)?;
+                let record = adoption::record_for(route, params, None, &session.id, keys)
+                    .map_err(unrecorded)?
+                    .with_members(members);
+                (Some(SessionKind::Http), record.to_payload())
             }
             (Some(keys), UpstreamLink::Http { session_id }) => {
                 let upstream_session = session_id.as_ref().and_then(|v| v.to_str().ok());
-                let params = initialize.and_then(|message| message.get("params"));
                 let mut record =
                     adoption::record_for(route, params, upstream_session, &session.id, keys)
-                        .map_err(|e| {
-                            GatewayError::gateway(
-                                StatusCode::INTERNAL_SERVER_ERROR,
-                                Reason::EntropyUnavailable,
-                                format!("could not record the new session for adoption: {e}"),
-                            )
-                        })?;
+                        .map_err(unrecorded)?;
                 record.upstream_init = session.upstream_init.clone();
                 (Some(SessionKind::Http), record.to_payload())
+            }
+            // A stdio session, or a virtual server's of stdio members only: its
+            // processes end with this worker, so it cannot go on elsewhere.
+            (Some(_), UpstreamLink::Stdio(_) | UpstreamLink::Federated(_)) => {
+                (Some(SessionKind::Stdio), "{}".to_owned())
             }
         };
         Ok((kind, guard, payload))

@@ -412,12 +412,23 @@ fn stateful_stdio(name: &str) -> String {
 
 /// A `counter_increment` on `path`; no HTTP answer is an `Err`.
 fn try_count(addr: &str, path: &str, session: &str, id: u64) -> Result<http::Response, String> {
+    try_call(addr, path, session, id, "counter_increment")
+}
+
+/// A call of `tool` (no arguments) on `path`; no HTTP answer is an `Err`.
+fn try_call(
+    addr: &str,
+    path: &str,
+    session: &str,
+    id: u64,
+    tool: &str,
+) -> Result<http::Response, String> {
     http::try_request(
         addr,
         "POST",
         path,
         &mcp_headers(Some(session)),
-        &http::tool_call_body(id, "counter_increment", json!({})),
+        &http::tool_call_body(id, tool, json!({})),
     )
 }
 
@@ -425,10 +436,15 @@ fn try_count(addr: &str, path: &str, session: &str, id: u64) -> Result<http::Res
 /// is not `502 outcome_unknown` (a request sent on a pooled connection to the dead
 /// owner may get that once).
 fn first_answer_after_the_kill(addr: &str, path: &str, session: &str) -> http::Response {
+    first_call_after_the_kill(addr, path, session, "counter_increment")
+}
+
+/// [`first_answer_after_the_kill`] for a call of `tool`.
+fn first_call_after_the_kill(addr: &str, path: &str, session: &str, tool: &str) -> http::Response {
     let mut id = 100;
     eventually(WITHIN, || {
         id += 1;
-        let r = try_count(addr, path, session, id)?;
+        let r = try_call(addr, path, session, id, tool)?;
         if r.outcome() == "502 outcome_unknown" {
             Err(r.outcome())
         } else {
@@ -810,4 +826,218 @@ fn a_worker_without_the_sealing_key_refuses_the_adoption_and_the_session_is_gone
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The route of the virtual server `vs`: the demo upstream over HTTP (prefix `demo`)
+/// and the SDK's stateful server over stdio (`st`), both with `counter_increment`.
+const VS: &str = "/servers/vs/mcp";
+
+/// Flags that add `vs` (and its stdio member `st`) to a fleet's demo upstream; the
+/// configuration file lives in `dir`.
+fn virtual_server_flags(dir: &tempfile::TempDir) -> Vec<String> {
+    let config = dir.path().join("vs.toml");
+    std::fs::write(
+        &config,
+        "[[server]]\nname = \"vs\"\n\
+         [[server.member]]\nupstream = \"demo\"\n\
+         [[server.member]]\nupstream = \"st\"\n",
+    )
+    .expect("write the virtual server's configuration");
+    vec![
+        "--upstream".into(),
+        stateful_stdio("st"),
+        "--config".into(),
+        config.display().to_string(),
+    ]
+}
+
+/// A fleet of one worker per host serving `vs`, and a `vs` session owned by host-a's
+/// worker whose two counters (HTTP and stdio member) stand at 2, counted through
+/// host-b. Returns the fleet, the session and its owner.
+fn virtual_session_counted_twice(dir: &tempfile::TempDir) -> (LocalFleet, String, String) {
+    let flags = virtual_server_flags(dir);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let fleet = LocalFleet::start("tcp", 1, &flags);
+    let session = initialize(&fleet.a.addr, VS);
+    let owner = owner(&session);
+    for (id, expected) in [(2, "1"), (4, "2")] {
+        for (offset, tool) in [(0, "demo__counter_increment"), (1, "st__counter_increment")] {
+            let r = try_call(&fleet.b.addr, VS, &session, id + offset, tool).expect("an answer");
+            assert_eq!(r.expect_tool_text(), expected, "{tool}");
+            assert_eq!(
+                r.header("mcpgw-owner-worker"),
+                Some(owner.as_str()),
+                "{tool}"
+            );
+        }
+    }
+    let names = vs_tool_names(&fleet.b.addr, &session).0;
+    assert!(
+        names.contains(&"st__counter_increment".to_owned()),
+        "{names:?}"
+    );
+    (fleet, session, owner)
+}
+
+/// The tool names `vs` lists in `session` through `addr` (once it serves: a host's
+/// killed worker is being replaced), and the members it says are missing.
+fn vs_tool_names(addr: &str, session: &str) -> (Vec<String>, Vec<String>) {
+    let r = eventually(WITHIN, || {
+        http::try_request(
+            addr,
+            "POST",
+            VS,
+            &mcp_headers(Some(session)),
+            &http::rpc_body(90, "tools/list", json!({})),
+        )
+    });
+    assert_eq!(r.status, 200, "tools/list: {}", r.text());
+    let result = r
+        .messages()
+        .into_iter()
+        .find_map(|m| m.get("result").cloned())
+        .unwrap_or_else(|| panic!("a tools/list result: {}", r.text()));
+    let names = result["tools"]
+        .as_array()
+        .expect("a tool list")
+        .iter()
+        .filter_map(|t| t["name"].as_str().map(str::to_owned))
+        .collect();
+    let missing = result["_meta"]["mcpgw/federation"]["missing"]
+        .as_array()
+        .map(|list| {
+            list.iter()
+                .filter_map(|m| m["member"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    (names, missing)
+}
+
+/// After its owner left a `vs` session (`cause`: how): the adopting answer counts the
+/// HTTP member on exactly (3), the stdio member's tools answer `member_lost` with why,
+/// the list lost them, and the session goes on through either host, adopted once.
+fn assert_vs_session_went_on_without_its_stdio_member(
+    fleet: &LocalFleet,
+    session: &str,
+    old_owner: &str,
+    cause: &str,
+) {
+    let created = fleet.upstream.counter("sessions_created");
+    let adopted = first_call_after_the_kill(&fleet.b.addr, VS, session, "demo__counter_increment");
+    assert_eq!(
+        adopted.expect_tool_text(),
+        "3",
+        "the HTTP member's counter goes on exactly: {}",
+        adopted.text()
+    );
+    assert_eq!(
+        adopted.header(ADOPTED),
+        Some(cause),
+        "{:?}",
+        adopted.headers
+    );
+    let new_owner = adopted
+        .header("mcpgw-owner-worker")
+        .expect("the answer names its owner")
+        .to_owned();
+    assert_ne!(new_owner, old_owner);
+    for (id, tool) in [(20, "st__counter_increment"), (21, "st__pid")] {
+        let lost = try_call(&fleet.b.addr, VS, session, id, tool).expect("an answer");
+        assert_eq!(lost.outcome(), "200 member_lost", "{tool}: {}", lost.text());
+        assert_eq!(
+            lost.header(ADOPTED),
+            None,
+            "adopted once: {:?}",
+            lost.headers
+        );
+        let error = lost.error().expect("a JSON-RPC error");
+        assert_eq!(error["data"]["member"], "st", "{error}");
+        let detail = error["data"]["detail"].as_str().unwrap_or_default();
+        assert!(
+            detail.contains("ended with the worker that held this session"),
+            "the member-lost answer says why: {error}"
+        );
+    }
+    let (names, missing) = vs_tool_names(&fleet.a.addr, session);
+    assert!(
+        names.contains(&"demo__counter_increment".to_owned())
+            && !names.iter().any(|n| n.starts_with("st__")),
+        "the list without the lost member: {names:?}"
+    );
+    assert_eq!(missing, ["st"], "the list says which member is missing");
+    let again = try_call(&fleet.a.addr, VS, session, 30, "demo__counter_increment")
+        .expect("host-a serves again");
+    assert_eq!(again.expect_tool_text(), "4", "through the other host too");
+    assert_eq!(
+        again.header(ADOPTED),
+        None,
+        "adopted once: {:?}",
+        again.headers
+    );
+    assert_eq!(again.header("mcpgw-owner-worker"), Some(new_owner.as_str()));
+    assert_eq!(
+        fleet.upstream.counter("sessions_created"),
+        created,
+        "the HTTP member's upstream session went on: none was opened again"
+    );
+}
+
+#[test]
+fn a_virtual_servers_session_outlives_its_killed_owner_without_its_stdio_member() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (fleet, session, victim) = virtual_session_counted_twice(&dir);
+    let pid = fleet.pid_of(&victim);
+    signal::send(pid, Signal::SIGKILL);
+    signal::wait_until_gone(pid, WITHIN);
+    assert_vs_session_went_on_without_its_stdio_member(&fleet, &session, &victim, "death");
+    assert_adoptions(&fleet, 1, 0);
+    assert_fleet_metric(&fleet, "mcpgw_adoptions_refused_total", "why=", 0);
+}
+
+#[test]
+fn a_draining_owner_hands_a_virtual_servers_session_over_without_its_stdio_member() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (fleet, session, drained) = virtual_session_counted_twice(&dir);
+    let open = fleet.upstream.counter("sessions_open");
+    let pid = fleet.pid_of(&drained);
+    signal::send(pid, Signal::SIGTERM);
+    signal::wait_until_gone(pid, WITHIN);
+    assert_eq!(
+        fleet.upstream.counter("sessions_open"),
+        open,
+        "the drained owner handed the HTTP member's session over instead of ending it"
+    );
+    assert_vs_session_went_on_without_its_stdio_member(&fleet, &session, &drained, "drain");
+    assert_adoptions(&fleet, 0, 1);
+}
+
+#[test]
+fn a_virtual_servers_session_whose_members_are_all_gone_is_gone_after_its_owner_dies() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (mut fleet, session, victim) = virtual_session_counted_twice(&dir);
+    restart_upstream_empty(&mut fleet);
+    let pid = fleet.pid_of(&victim);
+    signal::send(pid, Signal::SIGKILL);
+    signal::wait_until_gone(pid, WITHIN);
+    let gone = first_call_after_the_kill(&fleet.b.addr, VS, &session, "demo__counter_increment");
+    assert_eq!(
+        gone.outcome(),
+        "404 session_gone",
+        "the HTTP member's upstream forgot it and the stdio member died: {}",
+        gone.text()
+    );
+    assert_eq!(gone.header(ADOPTED), None, "{:?}", gone.headers);
+    assert_eq!(
+        fleet.upstream.counter("sessions_created"),
+        0,
+        "no fresh member session behind the old id"
+    );
+    assert_fleet_metric(
+        &fleet,
+        "mcpgw_adoptions_refused_total",
+        "why=\"upstream_forgot\"",
+        1,
+    );
+    assert_adoptions(&fleet, 0, 0);
 }

@@ -85,6 +85,14 @@ fn config_file(what: &str, text: &str) -> PathBuf {
     path
 }
 
+/// A configuration file (`what` names it) of the three upstreams and `all` of them.
+fn all_of_three(what: &str, demo: &Upstream) -> PathBuf {
+    config_file(
+        what,
+        &format!("{}{ALL_OF_THREE}", three_upstreams(&demo.url)),
+    )
+}
+
 fn start(config: &Path) -> Gateway {
     Gateway::start(&["--config", &config.display().to_string()])
 }
@@ -120,13 +128,16 @@ fn text_of(response: &http::Response) -> String {
     response.expect_tool_text()
 }
 
+/// The text answer of `tool` (no arguments) called on `ALL` in `session` via `addr`.
+#[track_caller]
+fn call_text(addr: &str, session: &str, id: u64, tool: &str) -> String {
+    text_of(&call_tool(addr, ALL, session, id, tool, json!({})))
+}
+
 #[test]
 fn the_sdk_client_sees_three_members_under_their_names_with_their_own_state() {
     let demo = Upstream::start();
-    let config = config_file(
-        "three",
-        &format!("{}{ALL_OF_THREE}", three_upstreams(&demo.url)),
-    );
+    let config = all_of_three("three", &demo);
     let gateway = start(&config);
     let url = format!("http://{}{ALL}", gateway.addr);
     let out = run_python("federation_client.py", &[&url, "merged"]);
@@ -172,10 +183,7 @@ fn the_sdk_client_sees_three_members_under_their_names_with_their_own_state() {
 #[test]
 fn calls_and_progress_arrive_through_the_worker_that_does_not_own_the_session() {
     let demo = Upstream::start();
-    let config = config_file(
-        "fleet",
-        &format!("{}{ALL_OF_THREE}", three_upstreams(&demo.url)),
-    );
+    let config = all_of_three("fleet", &demo);
     let fleet = Fleet::start(2, &["--config".into(), config.display().to_string()]);
     let (owner, edge) = (fleet.addr(0), fleet.addr(1));
     let session = initialize(owner, ALL);
@@ -188,8 +196,11 @@ fn calls_and_progress_arrive_through_the_worker_that_does_not_own_the_session() 
             "the call was forwarded to the owner"
         );
         assert_eq!(text_of(&response), expected, "the stdio member's state");
-        let response = call_tool(edge, ALL, &session, 2, "demo__counter_increment", json!({}));
-        assert_eq!(text_of(&response), expected, "the HTTP member's state");
+        assert_eq!(
+            call_text(edge, &session, 2, "demo__counter_increment"),
+            expected,
+            "the HTTP member's state"
+        );
     }
     let body = json!({
         "jsonrpc": "2.0", "id": 5, "method": "tools/call",
@@ -227,36 +238,16 @@ fn calls_and_progress_arrive_through_the_worker_that_does_not_own_the_session() 
 #[test]
 fn a_killed_member_process_is_lost_alone_and_never_restarted() {
     let demo = Upstream::start();
-    let config = config_file(
-        "kill",
-        &format!("{}{ALL_OF_THREE}", three_upstreams(&demo.url)),
-    );
+    let config = all_of_three("kill", &demo);
     let gateway = start(&config);
     let addr = gateway.addr.clone();
     let session = initialize(&addr, ALL);
+    assert_eq!(call_text(&addr, &session, 1, "st__counter_increment"), "1");
     assert_eq!(
-        text_of(&call_tool(
-            &addr,
-            ALL,
-            &session,
-            1,
-            "st__counter_increment",
-            json!({})
-        )),
+        call_text(&addr, &session, 2, "demo__counter_increment"),
         "1"
     );
-    assert_eq!(
-        text_of(&call_tool(
-            &addr,
-            ALL,
-            &session,
-            2,
-            "demo__counter_increment",
-            json!({})
-        )),
-        "1"
-    );
-    let pid: u32 = text_of(&call_tool(&addr, ALL, &session, 3, "st__pid", json!({})))
+    let pid: u32 = call_text(&addr, &session, 3, "st__pid")
         .parse()
         .expect("a pid");
 
@@ -284,14 +275,7 @@ fn a_killed_member_process_is_lost_alone_and_never_restarted() {
     );
     assert!(names.contains(&"demo__echo".to_owned()), "{names:?}");
     assert_eq!(
-        text_of(&call_tool(
-            &addr,
-            ALL,
-            &session,
-            5,
-            "demo__counter_increment",
-            json!({})
-        )),
+        call_text(&addr, &session, 5, "demo__counter_increment"),
         "2",
         "the other members keep their state"
     );
@@ -437,9 +421,8 @@ tools = {{ include = ["echo"] }}
         names, expected,
         "every page of the member, once each, names unprefixed where nothing conflicts"
     );
-    let response = call_tool(&gateway.addr, ALL, &session, 7, "page_6", json!({}));
     assert_eq!(
-        text_of(&response),
+        call_text(&gateway.addr, &session, 7, "page_6"),
         "ran page_6",
         "a tool of the last page runs"
     );

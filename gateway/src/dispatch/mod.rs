@@ -221,26 +221,24 @@ impl Worker {
             return Err(GatewayError::session_not_found().with_id(call.id()));
         };
         let tag = crate::session::tag_of(&sid);
+        if cause.is_none()
+            && let Some(held) = self.sessions.enter(&sid)
+        {
+            // Another request adopted it here a moment ago: its link is built.
+            return self.execute_held(call, Some(held)).await;
+        }
+        let streams = self.new_streams();
         let mut upstream_init = None;
-        let upstream_session = SessionRecord::from_payload(payload).and_then(|record| {
-            upstream_init = record.upstream_init;
-            let Some(recorded) = record.upstream_session else {
-                return Ok(None);
-            };
-            let keys = fleet.adoption.as_ref().ok_or("adoption is off here")?;
-            let opened = keys.open(&sid, &recorded).map_err(|e| {
-                self.metrics.adoption_refused(match e {
-                    OpenError::UnknownKey(_) => "key_unknown",
-                    OpenError::Malformed => "record_unreadable",
-                });
-                e.to_string()
-            })?;
-            HeaderValue::from_str(&opened)
-                .map(Some)
-                .map_err(|_| "its recorded upstream session id is not a header value".to_owned())
-        });
-        let upstream_session = match upstream_session {
-            Ok(id) => id,
+        let link = match SessionRecord::from_payload(payload) {
+            Err(why) => Err(why),
+            Ok(record) => {
+                upstream_init = record.upstream_init.clone();
+                self.adopted_link(fleet, &call, &sid, record, &streams)
+                    .await
+            }
+        };
+        let link = match link {
+            Ok(link) => link,
             Err(why) => {
                 // Taken, but it cannot go on: let it go, so no record names this worker
                 // for a session it does not hold.
@@ -255,10 +253,8 @@ impl Worker {
             sid.clone(),
             call.upstream,
             call.auth.subject.clone(),
-            UpstreamLink::Http {
-                session_id: upstream_session,
-            },
-            self.new_streams(),
+            link,
+            streams,
         )
         .with_quota_key(call.quota_key());
         session.shared = crate::execute::shared::is_bound(&call);
@@ -293,6 +289,45 @@ impl Worker {
                 .insert(HEADER_ADOPTED, HeaderValue::from_static(cause.as_str()));
         }
         Ok(reply)
+    }
+
+    /// The upstream link of an adopted session, from its `record`: the upstream's
+    /// session for a plain one, every member's for a virtual server's (`streams`: the
+    /// session's, which that link's `GET` stream is one of). Why not, counted as a
+    /// refused adoption.
+    async fn adopted_link(
+        &self,
+        fleet: &Fleet,
+        call: &Call,
+        sid: &str,
+        record: SessionRecord,
+        streams: &crate::execute::streams::SessionStreams,
+    ) -> Result<UpstreamLink, String> {
+        let keys = fleet.adoption.as_ref().ok_or("adoption is off here")?;
+        if let Some(members) = &record.members {
+            return self
+                .adopt_federation(call.upstream, sid, members, keys, streams)
+                .await
+                .map_err(|refused| {
+                    self.metrics.adoption_refused(refused.label);
+                    refused.why
+                });
+        }
+        let Some(recorded) = record.upstream_session else {
+            return Ok(UpstreamLink::Http { session_id: None });
+        };
+        let opened = keys.open(sid, &recorded).map_err(|e| {
+            self.metrics.adoption_refused(match e {
+                OpenError::UnknownKey(_) => "key_unknown",
+                OpenError::Malformed => "record_unreadable",
+            });
+            e.to_string()
+        })?;
+        let session_id = HeaderValue::from_str(&opened)
+            .map_err(|_| "its recorded upstream session id is not a header value".to_owned())?;
+        Ok(UpstreamLink::Http {
+            session_id: Some(session_id),
+        })
     }
 
     /// Forwards `call` to its session's owner (`recorded`: as the caller read it from

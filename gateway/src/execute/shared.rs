@@ -18,6 +18,7 @@
 
 use crate::reason::Reason;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{ACCEPT, CONTENT_TYPE};
@@ -26,7 +27,7 @@ use http_body_util::BodyExt;
 use serde_json::{Value, json};
 use tracing::{debug, info};
 
-use super::upstream::{UpstreamError, UpstreamReply};
+use super::upstream::{UpstreamError, UpstreamReply, read_answer};
 use super::{ACCEPT_BOTH, is_sse, lost_while_running, upstream_error};
 use mcpgw_mesh::directory::{Claim, SessionState};
 
@@ -274,7 +275,13 @@ impl Worker {
             )
             .await
             .map_err(|e| upstream_error(e, id.clone()))?;
-        let init = match read_initialize(reply).await {
+        let init = match read_initialize(
+            reply,
+            self.upstreams[upstream].name(),
+            self.config.limits.upstream_request_timeout,
+        )
+        .await
+        {
             Ok(init) => init,
             Err(why) => {
                 self.close_link(upstream, &link).await;
@@ -698,41 +705,12 @@ fn initialize_body() -> Bytes {
 }
 
 /// The `result` of an `initialize` answer (JSON or SSE), or why there is none.
-async fn read_initialize(reply: UpstreamReply) -> Result<Value, String> {
-    let status = reply.status;
-    let sse = is_sse(&reply.headers);
-    // Read frame by frame: `Limited`'s collect future trips a rustc limitation on
-    // `Send` here ("implementation of Send is not general enough").
-    let mut body = reply.body;
-    let mut bytes = Vec::new();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| format!("its answer could not be read: {e}"))?;
-        if let Ok(data) = frame.into_data() {
-            bytes.extend_from_slice(&data);
-        }
-        if bytes.len() > MAX_INITIALIZE_BYTES {
-            return Err(format!("its answer exceeds {MAX_INITIALIZE_BYTES} bytes"));
-        }
-    }
-    if !status.is_success() {
-        return Err(format!(
-            "it answered {status}: {}",
-            String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
-        ));
-    }
-    let messages: Vec<Value> = if sse {
-        crate::sse::SseSplitter::new()
-            .push(&[&bytes[..], b"\n\n"].concat())
-            .iter()
-            .filter_map(|event| event_json(event))
-            .collect()
-    } else {
-        serde_json::from_slice(&bytes).ok().into_iter().collect()
-    };
-    let answer = messages
-        .into_iter()
-        .find(|m| m.get("result").is_some() || m.get("error").is_some())
-        .ok_or_else(|| "its answer held no initialize result".to_owned())?;
+async fn read_initialize(
+    reply: UpstreamReply,
+    upstream: &str,
+    deadline: Duration,
+) -> Result<Value, String> {
+    let answer = read_answer(reply, upstream, MAX_INITIALIZE_BYTES, deadline).await?;
     match (answer.get("result"), answer.get("error")) {
         (Some(result), _) => Ok(result.clone()),
         (None, Some(error)) => Err(format!("it refused initialize: {error}")),

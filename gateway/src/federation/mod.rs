@@ -13,7 +13,11 @@
 //! session) is marked lost and never reopened behind the client's session: calls to
 //! its names are answered `member_lost`, its names leave the lists, the session's
 //! `GET` stream gets `notifications/tools/list_changed`, and the other members go on.
+//!
+//! A session with HTTP members outlives its worker (`adopt.rs`): the worker that
+//! adopts it rebuilds this link from the session's record, its stdio members lost.
 
+mod adopt;
 mod names;
 mod open;
 
@@ -29,10 +33,11 @@ use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tracing::warn;
 
+use crate::adoption::{self, AdoptionKeys, MemberRecord, MemberSession};
 use crate::config::{MemberConfig, NameFilter, PrefixRule};
 use crate::execute::ACCEPT_BOTH;
 use crate::execute::streams::StreamLog;
-use crate::execute::upstream::{UpstreamError, UpstreamLink, UpstreamReply};
+use crate::execute::upstream::{UpstreamError, UpstreamLink, UpstreamReply, read_answer};
 use crate::mcp::{self, GatewayError};
 use crate::reason::Reason;
 use crate::reply::Reply;
@@ -108,7 +113,9 @@ pub struct FederatedLink {
 /// One member's upstream session inside a federated session.
 struct Member {
     config: MemberConfig,
-    link: UpstreamLink,
+    /// None: a stdio member of an adopted session, whose process stayed with the
+    /// worker that held the session (it is lost from the start).
+    link: Option<UpstreamLink>,
     /// The protocol version the member negotiated; sent on every exchange with it.
     version: HeaderValue,
     /// What the member announced at initialize.
@@ -133,11 +140,74 @@ impl Member {
     fn has(&self, kind: Kind) -> bool {
         self.capabilities.get(kind.key()).is_some()
     }
+
+    /// One exchange with the member in its session. A member without a link answers
+    /// as a process that ended (the reason it was lost with).
+    async fn send(
+        &self,
+        worker: &Worker,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Result<UpstreamReply, UpstreamError> {
+        match &self.link {
+            Some(link) => {
+                worker
+                    .send_on_link(self.config.index, link, Method::POST, headers, body)
+                    .await
+            }
+            None => Err(UpstreamError::Exited {
+                name: self.name().to_owned(),
+                detail: PROCESS_LEFT_BEHIND.to_owned(),
+            }),
+        }
+    }
 }
+
+/// Why a stdio member of an adopted session is lost (after "its upstream process").
+const PROCESS_LEFT_BEHIND: &str =
+    "ended with the worker that held this session (a process cannot move to another worker)";
 
 impl FederatedLink {
     pub fn member_count(&self) -> usize {
         self.members.len()
+    }
+
+    /// Whether a member is reached over HTTP: then the session can go on elsewhere.
+    pub fn has_http_member(&self) -> bool {
+        self.members
+            .iter()
+            .any(|m| matches!(m.link, Some(UpstreamLink::Http { .. })))
+    }
+
+    /// What the session's record holds of each member, for the session `session_id`
+    /// (see [`crate::adoption::MemberRecord`]).
+    pub(crate) fn record_members(
+        &self,
+        session_id: &str,
+        keys: &AdoptionKeys,
+    ) -> Result<Vec<MemberRecord>, String> {
+        self.members
+            .iter()
+            .map(|member| {
+                let http = match &member.link {
+                    Some(UpstreamLink::Http { session_id }) => Some(MemberSession {
+                        session_id: session_id
+                            .as_ref()
+                            .and_then(|v| v.to_str().ok())
+                            .map(str::to_owned),
+                        protocol_version: member.version.to_str().unwrap_or_default().to_owned(),
+                    }),
+                    _ => None,
+                };
+                adoption::member_record(
+                    session_id,
+                    member.name(),
+                    http.as_ref(),
+                    &member.capabilities,
+                    keys,
+                )
+            })
+            .collect()
     }
 
     /// Marks `member` lost with `why` (once), logs it and tells the client's `GET`
@@ -166,7 +236,28 @@ impl FederatedLink {
             return Some(owner);
         }
         self.merged_list(worker, kind).await;
-        known(self)
+        known(self).or_else(|| self.lost_owner_of(kind, name))
+    }
+
+    /// A lost member that may own `name`, when no catalog knows it: the names of a
+    /// member lost before this worker listed it (a stdio member of an adopted
+    /// session) are in no catalog here, but its client listed them on the worker
+    /// before, and is told the loss rather than "unknown". By its prefix, or, where
+    /// names go unprefixed, by its filter.
+    fn lost_owner_of(&self, kind: Kind, name: &str) -> Option<Owner> {
+        self.members.iter().enumerate().find_map(|(at, member)| {
+            member.lost()?;
+            let prefixed = format!("{}{}", member.config.prefix, self.separator);
+            let own = match (name.strip_prefix(&prefixed), self.rule) {
+                (Some(own), PrefixRule::Always | PrefixRule::Conflicts) => own,
+                (_, PrefixRule::Conflicts | PrefixRule::Never) => name,
+                (None, PrefixRule::Always) => return None,
+            };
+            names::passes(kind.filter(&member.config), own).then(|| Owner {
+                member: at,
+                own: own.to_owned(),
+            })
+        })
     }
 
     /// Every live member's list of `kind`, followed page by page, merged and exposed
@@ -291,17 +382,19 @@ impl FederatedLink {
         member: &Member,
         body: Bytes,
     ) -> Result<Value, String> {
-        let reply = worker
-            .send_on_link(
-                member.config.index,
-                &member.link,
-                Method::POST,
-                member_headers(&member.version, None),
-                body,
-            )
+        let reply = member
+            .send(worker, member_headers(&member.version, None), body)
             .await;
         match self.judge(member, reply) {
-            Ok(reply) => open::read_answer(reply).await,
+            Ok(reply) => {
+                read_answer(
+                    reply,
+                    member.name(),
+                    MAX_ANSWER_BYTES,
+                    worker.config.limits.upstream_request_timeout,
+                )
+                .await
+            }
             Err(MemberFailure::Lost(why)) => Err(format!("its upstream session was lost ({why})")),
             Err(MemberFailure::LostWhileRunning(why)) => Err(format!(
                 "its upstream session was lost while answering ({why})"
@@ -322,9 +415,9 @@ impl FederatedLink {
                 if reply.status == StatusCode::NOT_FOUND
                     && matches!(
                         member.link,
-                        UpstreamLink::Http {
+                        Some(UpstreamLink::Http {
                             session_id: Some(_)
-                        }
+                        })
                     ) =>
             {
                 let why = "the upstream no longer knows its session (it restarted or expired it)";
@@ -529,11 +622,9 @@ impl Worker {
             return from_gateway_error(&member_lost(link, member, &why, id));
         }
         message["params"]["name"] = Value::from(owner.own);
-        let reply = self
-            .send_on_link(
-                member.config.index,
-                &member.link,
-                Method::POST,
+        let reply = member
+            .send(
+                self,
                 member_headers(&member.version, Some(&headers)),
                 Bytes::from(message.to_string()),
             )
@@ -583,11 +674,9 @@ impl Worker {
         if !initialized {
             futures_util::future::join_all(link.members.iter().filter(|m| m.lost().is_none()).map(
                 |member| async {
-                    let reply = self
-                        .send_on_link(
-                            member.config.index,
-                            &member.link,
-                            Method::POST,
+                    let reply = member
+                        .send(
+                            self,
                             member_headers(&member.version, Some(headers)),
                             body.clone(),
                         )

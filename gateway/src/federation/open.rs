@@ -18,10 +18,9 @@ use super::{
     member_headers,
 };
 use crate::config::MemberConfig;
-use crate::execute::is_sse;
 use crate::execute::streams::{SessionStreams, StreamLog};
 use crate::execute::upstream::{
-    Upstream, UpstreamError, UpstreamLink, UpstreamReply, VirtualUpstream,
+    Upstream, UpstreamError, UpstreamLink, UpstreamReply, VirtualUpstream, read_answer,
 };
 use crate::mcp::{self, GatewayError};
 use crate::reason::Reason;
@@ -29,7 +28,7 @@ use crate::session;
 use crate::worker::Worker;
 
 /// The version the gateway answers in when the client asks for one it does not speak.
-const LATEST_LEGACY: &str = "2025-11-25";
+pub(super) const LATEST_LEGACY: &str = "2025-11-25";
 
 impl Worker {
     /// The client's `initialize` on a virtual server: every member's session opened
@@ -195,7 +194,7 @@ impl Worker {
         };
         let opened = async {
             let status = reply.status;
-            let answer = read_answer(reply).await?;
+            let answer = read_answer(reply, &config.upstream, MAX_ANSWER_BYTES, timeout).await?;
             let Some(result) = answer.get("result") else {
                 return Err(format!("it refused initialize ({status}): {answer}"));
             };
@@ -226,7 +225,7 @@ impl Worker {
         match opened {
             Ok((version, capabilities)) => Ok(Member {
                 config: config.clone(),
-                link,
+                link: Some(link),
                 version,
                 capabilities,
                 health,
@@ -246,7 +245,8 @@ impl Worker {
         futures_util::future::join_all(
             link.members
                 .iter()
-                .map(|member| self.close_link(member.config.index, &member.link)),
+                .filter_map(|member| Some((member.config.index, member.link.as_ref()?)))
+                .map(|(upstream, link)| self.close_link(upstream, link)),
         )
         .await;
     }
@@ -293,39 +293,4 @@ fn initialize_result(link: &FederatedLink, version: &str) -> Value {
         ));
     }
     result
-}
-
-/// The JSON-RPC answer in a member's reply (JSON, or the answer among the events of
-/// a stream), or why there is none.
-pub(super) async fn read_answer(reply: UpstreamReply) -> Result<Value, String> {
-    let status = reply.status;
-    let sse = is_sse(&reply.headers);
-    let mut body = reply.body;
-    let mut bytes = Vec::new();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| format!("its answer could not be read: {e}"))?;
-        if let Ok(data) = frame.into_data() {
-            bytes.extend_from_slice(&data);
-        }
-        if bytes.len() > MAX_ANSWER_BYTES {
-            return Err(format!("its answer exceeds {MAX_ANSWER_BYTES} bytes"));
-        }
-    }
-    if !status.is_success() {
-        return Err(format!(
-            "it answered {status}: {}",
-            String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
-        ));
-    }
-    let messages: Vec<Value> = if sse {
-        crate::sse::data_payloads(&bytes)
-            .filter_map(|data| serde_json::from_str(&data).ok())
-            .collect()
-    } else {
-        serde_json::from_slice(&bytes).ok().into_iter().collect()
-    };
-    messages
-        .into_iter()
-        .find(|m| m.get("result").is_some() || m.get("error").is_some())
-        .ok_or_else(|| "its answer held no JSON-RPC response".to_owned())
 }

@@ -1,8 +1,10 @@
 //! Clients of upstream MCP servers. Each transport turns one MCP HTTP exchange into
 //! its own terms: Streamable HTTP (`http.rs`, with TLS from `tls.rs` for `https://`)
 //! passes it on as is; stdio (`stdio.rs`) runs a child process per session and maps
-//! the exchange onto newline-delimited JSON-RPC (`conversation.rs`).
+//! the exchange onto newline-delimited JSON-RPC (`conversation.rs`). The gateway's
+//! own requests to an upstream read their answer whole with `answer.rs`.
 
+mod answer;
 mod conversation;
 mod http;
 pub mod stdio;
@@ -15,6 +17,7 @@ use std::time::Duration;
 use ::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use bytes::Bytes;
 
+pub(crate) use self::answer::read_answer;
 pub use self::http::HttpUpstream;
 pub use self::stdio::{StdioProcess, StdioUpstream};
 use crate::body::ReplyBody;

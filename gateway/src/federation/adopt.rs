@@ -1,0 +1,201 @@
+//! A virtual server's session taken on by another worker (its owner died or drained):
+//! the link rebuilt from the session's record (`crate::adoption`), member by member.
+//!
+//! An HTTP member goes on in its recorded upstream session; a stdio member is lost
+//! from the start (its process stayed with the old owner, and a fresh one would be a
+//! different state behind the same session), answered `member_lost` like a member
+//! whose process exited. Each HTTP member holding a session is asked a `ping` first,
+//! so that one whose upstream forgot the session (404) is lost before the client's
+//! call and not the session: only when no member is left does the adoption fail, and
+//! the client hears `session_gone` as for a plain session. A `required` member is
+//! lost like any other: `required` decides whether a session opens, and a member lost
+//! later never ends the session (the same as a required member's process that exits
+//! mid-session).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use bytes::Bytes;
+use http::HeaderValue;
+use parking_lot::Mutex;
+use serde_json::json;
+use tracing::{info, warn};
+
+use super::{FederatedLink, Member, MemberHealth, PROCESS_LEFT_BEHIND};
+use crate::adoption::{AdoptionKeys, MemberRecord, MemberTransport, OpenError};
+use crate::execute::streams::SessionStreams;
+use crate::execute::upstream::{Upstream, UpstreamLink};
+use crate::worker::Worker;
+
+/// Why an adopted virtual server's session cannot go on, and the refused adoption's
+/// metric label.
+#[derive(Debug)]
+pub(crate) struct AdoptRefusal {
+    pub why: String,
+    pub label: &'static str,
+}
+
+fn refusal(label: &'static str, why: String) -> AdoptRefusal {
+    AdoptRefusal { why, label }
+}
+
+impl Worker {
+    /// The link of the virtual server session `session_id` on route `upstream`,
+    /// rebuilt from its record's `members` (their sealed sessions opened with
+    /// `keys`), its `GET` stream one of `streams`.
+    pub(crate) async fn adopt_federation(
+        &self,
+        upstream: usize,
+        session_id: &str,
+        members: &[MemberRecord],
+        keys: &AdoptionKeys,
+        streams: &SessionStreams,
+    ) -> Result<UpstreamLink, AdoptRefusal> {
+        let Upstream::Virtual(server) = &self.upstreams[upstream] else {
+            return Err(refusal(
+                "record_unreadable",
+                format!(
+                    "its record is a virtual server's session, but route {} is not a virtual \
+                     server here",
+                    self.upstreams[upstream].name()
+                ),
+            ));
+        };
+        let mut built = Vec::with_capacity(members.len());
+        let mut lost = Vec::new();
+        for record in members {
+            let Some(config) = server
+                .server
+                .members
+                .iter()
+                .find(|m| m.upstream == record.upstream)
+            else {
+                warn!(server = %server.name, member = %record.upstream, "a member of an adopted session is no longer configured: it is left out");
+                continue;
+            };
+            let health = Arc::new(MemberHealth {
+                lost: Mutex::new(None),
+            });
+            let http = matches!(self.upstreams[config.index], Upstream::Http(_));
+            let (link, version) = match (record.transport, &record.session) {
+                (MemberTransport::Http, Some(sealed)) if http => {
+                    let opened = keys
+                        .open_member(session_id, &record.upstream, sealed)
+                        .map_err(|e| {
+                            let label = match e {
+                                OpenError::UnknownKey(_) => "key_unknown",
+                                OpenError::Malformed => "record_unreadable",
+                            };
+                            refusal(label, format!("member {}: {e}", record.upstream))
+                        })?;
+                    let unreadable = || {
+                        refusal(
+                            "record_unreadable",
+                            format!(
+                                "member {}: its recorded session is not a header value",
+                                record.upstream
+                            ),
+                        )
+                    };
+                    let member_session = opened
+                        .session_id
+                        .map(|id| HeaderValue::from_str(&id))
+                        .transpose()
+                        .map_err(|_| unreadable())?;
+                    let version = HeaderValue::from_str(&opened.protocol_version)
+                        .map_err(|_| unreadable())?;
+                    let link = UpstreamLink::Http {
+                        session_id: member_session,
+                    };
+                    (Some(link), version)
+                }
+                (MemberTransport::Http, _) => {
+                    lost.push((
+                        built.len(),
+                        "it was an HTTP upstream when the session opened and is not one now"
+                            .to_owned(),
+                    ));
+                    (None, HeaderValue::from_static(super::open::LATEST_LEGACY))
+                }
+                (MemberTransport::Stdio, _) => {
+                    lost.push((
+                        built.len(),
+                        format!("its upstream process {PROCESS_LEFT_BEHIND}"),
+                    ));
+                    (None, HeaderValue::from_static(super::open::LATEST_LEGACY))
+                }
+            };
+            built.push(Member {
+                config: config.clone(),
+                link,
+                version,
+                capabilities: record.capabilities.clone(),
+                health,
+            });
+        }
+        let link = FederatedLink {
+            server: server.name.clone(),
+            rule: server.server.prefix,
+            separator: server.server.separator.clone(),
+            members: built,
+            left_out: Vec::new(),
+            get_stream: streams.new_get(&self.id),
+            ending: Arc::new(AtomicBool::new(false)),
+            catalog: Mutex::default(),
+        };
+        for (at, why) in &lost {
+            link.mark_lost(&link.members[*at], why);
+        }
+        // Only a member holding a session can have forgotten it.
+        let probed: Vec<&Member> = link
+            .members
+            .iter()
+            .filter(|m| {
+                matches!(
+                    m.link,
+                    Some(UpstreamLink::Http {
+                        session_id: Some(_)
+                    })
+                )
+            })
+            .collect();
+        futures_util::future::join_all(probed.iter().map(|member| {
+            let ping = json!({"jsonrpc": "2.0", "id": "mcpgw-adopt-ping", "method": "ping"});
+            link.exchange(self, member, Bytes::from(ping.to_string()))
+        }))
+        .await;
+        let forgotten = probed.iter().any(|m| m.lost().is_some());
+        if link.members.iter().all(|m| m.lost().is_some()) {
+            link.ending.store(true, Ordering::Release);
+            let named: Vec<String> = link
+                .members
+                .iter()
+                .map(|m| format!("{} ({})", m.name(), m.lost().unwrap_or_default()))
+                .collect();
+            return Err(refusal(
+                if forgotten {
+                    "upstream_forgot"
+                } else {
+                    "stdio"
+                },
+                format!(
+                    "no member of virtual server {} could go on: {}",
+                    server.name,
+                    if named.is_empty() {
+                        "none is configured any more".to_owned()
+                    } else {
+                        named.join(", ")
+                    }
+                ),
+            ));
+        }
+        let live = link.members.iter().filter(|m| m.lost().is_none()).count();
+        info!(
+            server = %server.name,
+            members = link.members.len(),
+            live,
+            "rebuilt an adopted virtual server's session"
+        );
+        Ok(UpstreamLink::Federated(Arc::new(link)))
+    }
+}
