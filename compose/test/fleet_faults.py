@@ -72,6 +72,17 @@ PROJECT = os.environ.get("MCPGW_COMPOSE_PROJECT", "")
 IMAGE = os.environ.get("MCPGW_IMAGE", "mcpgw:compose-test")
 
 GATEWAYS = ("gw1", "gw2", "gw3")
+# The scale-out gateway (compose profile `scale`): joins after the rolling replacement,
+# takes new sessions, then is drained and removed.
+SCALE_GATEWAY = "gw4"
+ALL_GATEWAYS = (*GATEWAYS, SCALE_GATEWAY)
+# A diagnostic (MCPGW_TEST_ROLLING_IN_PLACE=1): the rolling replacement without taking
+# each container out of nginx first, which measures the gateway's own drain (lame duck,
+# queued connections served) behind a balancer that does not follow /readyz.
+ROLLING_IN_PLACE = os.environ.get("MCPGW_TEST_ROLLING_IN_PLACE") == "1"
+# The `mcpgw-adopted` value of an answer that adopted a session a drained worker
+# handed over.
+ADOPTED_AFTER_DRAIN = "drain"
 # Short leases so that every fault resolves in seconds.
 LEASE_S = float(os.environ.get("MCPGW_TEST_LEASE_MS", "3000")) / 1000
 SESSIONS_PER_GATEWAY = 5
@@ -189,7 +200,7 @@ class Fleet:
         }
         self.url = f"http://127.0.0.1:{lb_port}/mcp"
         # Compose pins each gateway's address (docker-compose.yml).
-        self.ip = {name: f"{subnet_prefix}.{11 + i}" for i, name in enumerate(GATEWAYS)}
+        self.ip = {name: f"{subnet_prefix}.{11 + i}" for i, name in enumerate(ALL_GATEWAYS)}
 
     async def compose(self, *args: str, check_status: bool = True) -> tuple[int, str]:
         return await sh(*COMPOSE, "-p", PROJECT, "-f", str(COMPOSE_FILE), *args,
@@ -259,7 +270,7 @@ class Fleet:
         worker reports, not the one the lease was found under."""
         ports: dict[str, list[str]] = {}
         for record in records.values():
-            if record.get("admin") and record["host"] in GATEWAYS:
+            if record.get("admin") and record["host"] in ALL_GATEWAYS:
                 ports.setdefault(record["host"], []).append(record["admin"].rsplit(":", 1)[-1])
         paths = "/state /metrics" if with_metrics else "/state"
         script = (f'for port in "$@"; do for path in {paths}; do '
@@ -293,6 +304,35 @@ class Fleet:
             await asyncio.sleep(0.5)
         raise TestFailure(f"adoption counters: the workers {sorted(set(records) - set(states))} "
                           f"did not answer GET /metrics on their admin listeners")
+
+    async def lb_members(self, *gateways: str) -> str:
+        """Sets the gateways nginx spreads requests over (compose/lb-members.sh: a
+        graceful reload); returns once nginx's workers of the old list are gone."""
+        _, out = await sh("docker", "exec", await self.container("lb"), "bash",
+                          "/usr/local/bin/lb-members", *gateways, timeout=60)
+        return out.strip()
+
+    async def wait_ready(self, service: str, workers: int = 2, within: float = 60) -> float:
+        """Waits until `service` runs `workers` leased workers, its public /healthz
+        answers 200 and every worker's admin /readyz does (what an orchestrator
+        waits for before it sends traffic); returns the seconds it took."""
+        started = time.monotonic()
+        script = ('http-health 8080 /healthz >/dev/null || exit 1; for port in "$@"; do '
+                  'http-health "$port" /readyz >/dev/null || exit 1; done')
+        status = "no lease yet"
+        while time.monotonic() - started < within:
+            ports = [r["admin"].rsplit(":", 1)[-1] for r in (await self.lease_records()).values()
+                     if r.get("host") == service and r.get("admin")]
+            if len(ports) == workers:
+                code, _ = await sh("docker", "exec", await self.container(service), "bash", "-c",
+                                   script, "_", *ports, check_status=False, timeout=30)
+                if code == 0:
+                    return time.monotonic() - started
+                status = "not ready"
+            else:
+                status = f"{len(ports)} leased workers"
+            await asyncio.sleep(0.2)
+        raise TestFailure(f"{service} was not ready within {within:.0f} s ({status})")
 
     async def logs(self, service: str) -> str:
         """The container's output, stdout and stderr (where the gateways log)."""
@@ -537,11 +577,12 @@ class Load:
     def live_on(self, container: str) -> list[LoadSession]:
         return [s for s in self.sessions if s.owner == container and not s.ended]
 
-    async def ensure_spread(self) -> None:
-        """Opens sessions until every gateway container owns SESSIONS_PER_GATEWAY live
-        ones; a new session on a container that has enough is closed again."""
-        for _ in range(20 * len(GATEWAYS) * SESSIONS_PER_GATEWAY):
-            missing = [g for g in GATEWAYS if len(self.live_on(g)) < SESSIONS_PER_GATEWAY]
+    async def ensure_spread(self, gateways: tuple[str, ...] = GATEWAYS) -> None:
+        """Opens sessions until every gateway container of `gateways` owns
+        SESSIONS_PER_GATEWAY live ones; a new session on a container that has enough
+        is closed again."""
+        for _ in range(20 * len(gateways) * SESSIONS_PER_GATEWAY):
+            missing = [g for g in gateways if len(self.live_on(g)) < SESSIONS_PER_GATEWAY]
             if not missing:
                 return
             session = await self.open_session()
@@ -552,7 +593,7 @@ class Load:
                 await asyncio.sleep(0)
             else:
                 await self.close_session(session)
-        counts = {g: len(self.live_on(g)) for g in GATEWAYS}
+        counts = {g: len(self.live_on(g)) for g in gateways}
         raise TestFailure(f"could not spread sessions over every container: {counts}")
 
     def start_slot(self, session: LoadSession) -> None:
@@ -839,31 +880,34 @@ def adoption_counts(metrics_text: str) -> dict[str, int]:
 
 
 def adoption_count_problems(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]],
-                            adopted_answers: int) -> list[str]:
+                            adopted_answers: int, cause: str = "death") -> list[str]:
     """What the workers' adoption counters (worker id -> `adoption_counts`, before and
-    after a fault step) say against the answers: the adoptions after a death counted
-    fleet-wide must be exactly the answers that carried `mcpgw-adopted`, with no drain
-    adoption and no refused one (every session here has an HTTP upstream and every
-    gateway the same key). A worker gone by the end (fenced) must not have adopted."""
+    after a step) say against the answers: the adoptions of `cause` (a death, or a
+    drain) counted fleet-wide must be exactly the answers that carried
+    `mcpgw-adopted`, with none of the other cause and no refused one (every session
+    here has an HTTP upstream and every gateway the same key). A worker gone by the
+    end (fenced, drained) must not have adopted."""
     def moved(kind: str) -> int:
         return sum(after[w][kind] - before.get(w, {}).get(kind, 0) for w in after)
 
+    other = "drain" if cause == "death" else "death"
     problems = []
-    if moved("death") != adopted_answers:
-        problems.append(f"the workers counted {moved('death')} adoptions after a death, the "
+    if moved(cause) != adopted_answers:
+        problems.append(f"the workers counted {moved(cause)} adoptions after a {cause}, the "
                         f"answers carried mcpgw-adopted {adopted_answers} times")
-    if moved("drain"):
-        problems.append(f"{moved('drain')} adoptions after a drain counted; nothing drained")
+    if moved(other):
+        problems.append(f"{moved(other)} adoptions after a {other} counted; no {other} here")
     if moved("refused"):
         problems.append(f"{moved('refused')} adoptions refused (mcpgw_adoptions_refused_total)")
     return problems
 
 
-async def check_adoption_counters(step: Step, fleet: Fleet, before: dict[str, dict[str, int]]) -> None:
+async def check_adoption_counters(step: Step, fleet: Fleet, before: dict[str, dict[str, int]],
+                                  cause: str = "death") -> None:
     after = await fleet.adoption_counters()
-    problems = adoption_count_problems(before, after, step.adopted)
+    problems = adoption_count_problems(before, after, step.adopted, cause)
     check(not problems, f"{step.name}: adoption metrics: " + "; ".join(problems))
-    step.notes.append(f"mcpgw_sessions_adopted_total{{cause=\"death\"}} rose by {step.adopted} "
+    step.notes.append(f"mcpgw_sessions_adopted_total{{cause=\"{cause}\"}} rose by {step.adopted} "
                       f"over the fleet's {len(after)} workers; no adoption refused")
 
 
@@ -1208,6 +1252,220 @@ async def rotation_step(fleet: Fleet, load: Load) -> Step:
     return step
 
 
+# --- Rolling replacement, scale out, scale in --------------------------------------------
+
+
+def drained_problems(answers: list[Answer], drained: set[str], old_owner: str) -> list[str]:
+    """What is wrong with the answers to one session of a drained container after the
+    drain began (`answers`, in order; its owner was `old_owner`, one of the `drained`
+    workers). A drain fails no request: every answer is ok. Until the answer that
+    adopted it, the old owner serves it (a drain lets what reached it finish); exactly
+    one answer carries `mcpgw-adopted: drain`, from a worker that was not drained; after
+    it, the adopter alone serves it."""
+    problems = []
+    adoptions = [a for a in answers if a.adopted]
+    if len(adoptions) != 1:
+        problems.append(f"{len(adoptions)} answers carry mcpgw-adopted, not 1")
+    adopter: str | None = None
+    for a in answers:
+        seen = (f"{a.cls} {a.status or ''} {a.reason} at {a.sent:.1f}s via {a.edge} "
+                f"from {a.owner_worker}")
+        if a.cls != "ok":
+            problems.append(f"told {seen}: {a.message[:120]}")
+        elif a.adopted and adopter is None:
+            if a.adopted != ADOPTED_AFTER_DRAIN or not a.owner_worker or a.owner_worker in drained:
+                problems.append(f"adopted by {seen} (mcpgw-adopted: {a.adopted})")
+            adopter = a.owner_worker
+        elif adopter is None:
+            if a.owner_worker != old_owner:
+                problems.append(f"before its adoption, served by {seen}")
+        elif a.owner_worker != adopter:
+            problems.append(f"after its adoption by {adopter}, served by {seen}")
+    return problems
+
+
+def failed_requests(answers: list[Answer], inits: list[Answer]) -> list[Answer]:
+    """Every request of a step that did not succeed: calls and initializes alike (a
+    step that must fail no request counts a refused initialize too)."""
+    return [a for a in answers + inits if a.cls != "ok"]
+
+
+def judge_drain(step: Step, load: Load, fault: Fault, start: float, end: float,
+                drained: set[str], out_until: float) -> None:
+    """What a drain step must show (a container taken out of nginx, then stopped with
+    SIGTERM): no request of the step failed, calls and initializes alike; each session
+    the drained workers held was adopted once after the drain (`mcpgw-adopted: drain`)
+    and went on (`drained_problems`); no other session was adopted; no answer sent
+    after the container stopped names a drained worker as owner; no request reached
+    the container from the drain's start until it was put back (`out_until`)."""
+    step.answers = window(load, start, end)
+    inits = [a for a in load.inits if start <= a.sent < end]
+    failed = failed_requests(step.answers, inits)
+    step.others_errors = len(failed)
+    check(not failed, f"{step.name}: {len(failed)} requests failed: "
+          + "; ".join(f"{a.cls} {a.status} {a.reason} via {a.edge} at {a.sent:.1f}s: {a.message[:80]}"
+                      for a in failed[:6]))
+    step.victims = len(fault.victims)
+    problems = [f"{s.sid[:8]}… of {fault.owners[s]}: {problem}" for s in fault.victims
+                for problem in drained_problems(answers_since(s, fault.issued), drained,
+                                                fault.owners[s])]
+    check(not problems, f"{step.name}: {len(problems)} problems with the drained sessions: "
+          + "; ".join(problems[:6]))
+    adoptions = [a for s in fault.victims for a in answers_since(s, fault.issued) if a.adopted]
+    step.adopted = len(adoptions)
+    step.served_again_s = sorted(a.done - fault.issued for a in adoptions)
+    victim_set = set(fault.victims)
+    others_adopted = [a for a in step.answers if a.adopted and a.session not in victim_set]
+    check(not others_adopted, f"{step.name}: sessions of gateways that were not drained were "
+          f"adopted: {[(a.session.sid[:8] if a.session else None, a.owner_worker, a.adopted) for a in others_adopted[:5]]}")
+    late = [a for a in step.answers if a.sent >= fault.effective and a.owner_worker in drained]
+    check(not late, f"{step.name}: {len(late)} answers after the drained container stopped name "
+          f"a drained worker as owner: {[(a.owner_worker, a.edge, round(a.sent, 1)) for a in late[:5]]}")
+    at_drained_edge = [a for a in step.answers
+                       if fault.issued <= a.sent < out_until and a.edge == fault.victim]
+    check(not at_drained_edge, f"{step.name}: {len(at_drained_edge)} requests reached "
+          f"{fault.victim} after nginx was told to leave it out")
+    if fault.victims:
+        adopters = sorted({load.workers.container(a.owner_worker) or str(a.owner_worker)
+                           for a in adoptions})
+        step.notes.append(f"{len(fault.victims)} sessions of {sorted(drained)} handed over and "
+                          f"adopted once each (mcpgw-adopted: drain) by workers on "
+                          f"{', '.join(adopters)}, {step.served_again_s[0]:.1f}-"
+                          f"{step.served_again_s[-1]:.1f} s after SIGTERM, counters going on")
+    step.notes.append(f"{len(step.answers)} calls and {len(inits)} initializes, none failed")
+
+
+async def drain_container(fleet: Fleet, load: Load, workers: Workers, victim: str,
+                          serving: tuple[str, ...], step: Step,
+                          take_out: bool = True) -> tuple[Fault, set[str]]:
+    """Takes `victim` out of nginx (which then spreads over `serving`), stops it with
+    SIGTERM (a drain: its sessions are handed over), and waits until each of its
+    sessions was adopted and served again; returns the drain and the drained workers.
+    Without `take_out`, nginx keeps it in its list (the diagnostic run that measures
+    the gateway's own drain: nginx learns of it only from refused connections)."""
+    victims = load.live_on(victim)
+    owners = {s: s.owner_worker for s in victims}
+    drained = {w for w, host in (await workers.refresh()).items() if host == victim}
+    check(len(drained) == 2, f"{step.name}: {victim} runs {sorted(drained)}, not 2 workers")
+    if take_out:
+        said = await fleet.lb_members(*serving)
+        log(f"{said.splitlines()[-1] if said else 'lb-members done'} (left out {victim})")
+    issued = now()
+    await fleet.compose("stop", victim)
+    fault = Fault(victim, victims, owners, issued, now())
+    log(f"stopped {victim} ({len(victims)} sessions on it) in {fault.effective - issued:.1f} s")
+    deadline = time.monotonic() + 30
+    while waiting := [s for s in victims if not served_again(s, issued)]:
+        ended = [s for s in victims if s.ended]
+        check(not ended, f"{step.name}: {len(ended)} sessions of drained {victim} were told they "
+              f"are gone: " + describe(ended, issued, owners))
+        check(time.monotonic() < deadline, f"{step.name}: {len(waiting)} sessions of drained "
+              f"{victim} not adopted and served again within 30 s: " + describe(waiting, issued, owners))
+        await asyncio.sleep(0.2)
+    return fault, drained
+
+
+async def rolling_step(fleet: Fleet, load: Load, workers: Workers) -> Step:
+    """Every gateway container replaced, one at a time, under the steady load, as
+    docs/operations.md ("Rolling replacement") says: take it out of the load balancer,
+    stop it (SIGTERM drains it: its sessions are handed over), start it again, wait for
+    /healthz and /readyz, put it back."""
+    step = Step("rolling replacement")
+    await load.ensure_spread()
+    start = now()
+    judged: list[Step] = []
+    for victim in GATEWAYS:
+        await load.ensure_spread()
+        part = Step(f"replace {victim}")
+        part_start = now()
+        # Per replacement: the adopters of one drain may be drained in the next, and
+        # their counters leave with them.
+        counted = await fleet.adoption_counters()
+        serving = tuple(g for g in GATEWAYS if g != victim)
+        fault, drained = await drain_container(fleet, load, workers, victim, serving, part,
+                                               take_out=not ROLLING_IN_PLACE)
+        await fleet.compose("start", victim)
+        ready_s = await fleet.wait_ready(victim)
+        new = {w for w, host in (await workers.refresh()).items() if host == victim}
+        check(not new & drained, f"{part.name}: {victim} came back with the drained ids {new & drained}")
+        back = now()
+        if not ROLLING_IN_PLACE:
+            await fleet.lb_members(*GATEWAYS)
+        log(f"{victim} replaced: ready {ready_s:.1f} s after its start, back in nginx")
+        judge_drain(part, load, fault, part_start, now(), drained,
+                    fault.issued if ROLLING_IN_PLACE else back)
+        await check_adoption_counters(part, fleet, counted, cause="drain")
+        step.notes.append(f"{victim}: " + "; ".join(part.notes) + f"; ready again {ready_s:.1f} s "
+                          f"after its start, as {sorted(new)}")
+        judged.append(part)
+    step.answers = window(load, start, now())
+    inits = [a for a in load.inits if start <= a.sent < now()]
+    failed = failed_requests(step.answers, inits)
+    step.others_errors = len(failed)
+    check(not failed, f"{step.name}: {len(failed)} requests failed between the replacements")
+    step.adopted = sum(p.adopted for p in judged)
+    step.victims = sum(p.victims or 0 for p in judged)
+    step.served_again_s = sorted(t for p in judged for t in p.served_again_s)
+    adopted = [a for a in step.answers if a.adopted]
+    check(len(adopted) == step.adopted, f"{step.name}: {len(adopted)} answers carry mcpgw-adopted, "
+          f"{step.adopted} of them for drained sessions")
+    return step
+
+
+async def scale_out_step(fleet: Fleet, load: Load, workers: Workers) -> Step:
+    """A fourth gateway container joins (compose profile `scale`): started, ready, put
+    into nginx; it then takes new sessions (they are opened on it and served)."""
+    step = Step(f"scale out: {SCALE_GATEWAY} joins")
+    start = now()
+    await fleet.compose("up", "-d", "--no-deps", SCALE_GATEWAY)
+    ready_s = await fleet.wait_ready(SCALE_GATEWAY)
+    joined = {w for w, host in (await workers.refresh()).items() if host == SCALE_GATEWAY}
+    said = await fleet.lb_members(*ALL_GATEWAYS)
+    log(f"{SCALE_GATEWAY} ready {ready_s:.1f} s after its start; {said.splitlines()[-1] if said else ''}")
+    await load.ensure_spread(ALL_GATEWAYS)
+    mine = load.live_on(SCALE_GATEWAY)
+    opened = now()
+    await wait_until(lambda: all(sum(1 for a in s.answers if a.cls == "ok") >= 3 for s in mine), 30,
+                     f"{SCALE_GATEWAY}'s new sessions served")
+    await asyncio.sleep(2)
+    step.answers = window(load, start, now())
+    inits = [a for a in load.inits if start <= a.sent < now()]
+    failed = failed_requests(step.answers, inits)
+    step.others_errors = len(failed)
+    check(not failed, f"{step.name}: {len(failed)} requests failed: "
+          f"{[(a.cls, a.status, a.reason, a.edge) for a in failed[:5]]}")
+    adopted = [a for a in step.answers if a.adopted]
+    check(not adopted, f"{step.name}: {len(adopted)} answers say they adopted a live session")
+    served = [a for a in step.answers if a.cls == "ok" and a.owner_worker in joined]
+    at_edge = [a for a in step.answers if a.edge == SCALE_GATEWAY and a.sent >= opened]
+    check(len(mine) >= SESSIONS_PER_GATEWAY and served and at_edge,
+          f"{step.name}: {SCALE_GATEWAY} owns {len(mine)} sessions, served {len(served)} calls as "
+          f"owner and {len(at_edge)} as edge")
+    step.notes.append(f"{SCALE_GATEWAY} ready {ready_s:.1f} s after its start as {sorted(joined)}; "
+                      f"it opened {len(mine)} new sessions and served {len(served)} calls as their "
+                      f"owner, {len(at_edge)} requests reached it from nginx; none failed")
+    return step
+
+
+async def scale_in_step(fleet: Fleet, load: Load, workers: Workers) -> Step:
+    """The fourth gateway drained and removed: out of nginx, SIGTERM (its sessions are
+    handed over and adopted), then its container removed."""
+    step = Step(f"scale in: {SCALE_GATEWAY} drained, removed")
+    start = now()
+    counted = await fleet.adoption_counters()
+    fault, drained = await drain_container(fleet, load, workers, SCALE_GATEWAY, GATEWAYS, step)
+    await fleet.compose("rm", "-f", SCALE_GATEWAY)
+    _, left = await sh("docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}",
+                       "--filter", f"label=com.docker.compose.service={SCALE_GATEWAY}")
+    check(not left.split(), f"{step.name}: {SCALE_GATEWAY}'s container is still there")
+    leases = await workers.refresh()
+    check(not drained & set(leases), f"{step.name}: leases of drained workers left: {drained & set(leases)}")
+    await asyncio.sleep(1)
+    judge_drain(step, load, fault, start, now(), drained, now())
+    await check_adoption_counters(step, fleet, counted, cause="drain")
+    return step
+
+
 # --- The SDK through the load balancer --------------------------------------------------
 
 
@@ -1379,7 +1637,7 @@ async def save_logs(fleet: Fleet) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for old in directory.glob("*.log"):
         old.unlink()
-    for service in ("certs", "redis", "upstream", *GATEWAYS, "lb"):
+    for service in ("certs", "redis", "upstream", *ALL_GATEWAYS, "lb"):
         try:
             (directory / f"{service}.log").write_text(await fleet.logs(service))
         except TestFailure:
@@ -1534,7 +1792,6 @@ async def self_test() -> int:
                    "sessions whose owner lives were adopted")
     expect_failure("a dead worker serving after the fault",
                    lambda: judged([answer("ok", "gw1", 12.0, "gw2-w2")]), "name a dead worker")
-    await judged_load.client.aclose()
 
     # The counters: one owner at a time, a new one only where an answer says it adopted.
     def history(*answers: Answer) -> list[LoadSession]:
@@ -1561,6 +1818,67 @@ async def self_test() -> int:
                    lambda: check_sessions(history(*first[:2], answer("ok", "gw3", 4, "gw1-w1", 4,
                                                                      adopted="death"))),
                    "counter went 2 -> 4")
+    # A drained container's sessions: all ok, the old owner until one answer adopts
+    # the session after the drain, then the adopter alone.
+    drained_workers = {"gw2-w1", "gw2-w2"}
+    handed = [answer("ok", "gw1", 4.0, "gw2-w1", 5), answer("ok", "gw3", 4.2, "gw2-w1", 6),
+              answer("ok", "gw1", 4.5, "gw3-w1", 7, adopted="drain"), answer("ok", "gw3", 4.7, "gw3-w1", 8)]
+    check(drained_problems(handed, drained_workers, "gw2-w1") == [],
+          f"self-test drain: a handed-over session refused: {drained_problems(handed, drained_workers, 'gw2-w1')}")
+
+    def expect_drained(what: str, answers: list[Answer], says: str) -> None:
+        problems = drained_problems(answers, drained_workers, "gw2-w1")
+        check(any(says in p for p in problems), f"self-test drain: {what} accepted (problems: {problems})")
+
+    for cls in ("unknown", "gone", "not_found", "outcome_unknown", "lb_error", "transport"):
+        expect_drained(f"a drained session told {cls}", handed[:2] + [answer(cls, "gw1", 4.4)] + handed[2:],
+                       f"told {cls}")
+    expect_drained("a drained session never adopted", [with_header_off(a) for a in handed], "0 answers carry")
+    expect_drained("a drained session adopted twice",
+                   handed + [answer("ok", "gw1", 5.0, "gw1-w1", 9, adopted="drain")], "2 answers carry")
+    expect_drained("an adoption said to follow a death",
+                   handed[:2] + [answer("ok", "gw1", 4.5, "gw3-w1", 7, adopted="death")], "mcpgw-adopted: death")
+    expect_drained("an adoption by a drained worker",
+                   handed[:2] + [answer("ok", "gw1", 4.5, "gw2-w2", 7, adopted="drain")], "adopted by ok")
+    expect_drained("the drained owner serving after the adoption",
+                   handed + [answer("ok", "gw1", 5.0, "gw2-w1", 9)], "after its adoption by gw3-w1")
+    expect_drained("another worker serving before the adoption",
+                   [answer("ok", "gw1", 4.0, "gw1-w1", 5)] + handed[2:], "before its adoption")
+    refused_init = Answer(None, 4.0, 4.1, "unknown", 503, "draining", "gw2", None)
+    check(failed_requests(handed, [refused_init]) == [refused_init],
+          "self-test drain: a refused initialize not counted as a failed request")
+    print("  ok: drain: any non-ok answer (initialize too), no or two adoptions, an adoption after a death or "
+          "by a drained worker, the old owner after the adoption refused")
+
+    def judged_drain(extra: list[Answer], edge_after: str = "gw1") -> Step:
+        load = judged_load
+        victim = LoadSession("drained-sid", "gw2-w1", "gw2", 0)
+        other = LoadSession("other-sid", "gw3-w1", "gw3", 0)
+        victim.answers = [answer(a.cls, a.edge, a.sent, a.owner_worker, a.value, a.adopted, victim)
+                          for a in handed]
+        other.answers = [answer("ok", edge_after, 4.0 + i / 4, "gw3-w1", session=other) for i in range(4)]
+        other.answers += [Answer(other, a.sent, a.done, a.cls, a.status, a.reason, a.edge,
+                                 a.owner_worker, a.value, adopted=a.adopted) for a in extra]
+        load.sessions = [victim, other]
+        load.answers = sorted(victim.answers + other.answers, key=lambda a: a.sent)
+        load.inits = []
+        step = Step("drained")
+        judge_drain(step, load, Fault("gw2", [victim], {victim: "gw2-w1"}, 3.5, 4.3), 1.0, 20.0,
+                    drained_workers, 10.0)
+        return step
+
+    step = judged_drain([])
+    check(step.adopted == 1 and step.victims == 1, f"self-test judge drain: adopted {step.adopted}/{step.victims}")
+    expect_failure("a drain step with a failed request of another session",
+                   lambda: judged_drain([answer("unknown", "gw1", 6.0)]), "requests failed")
+    expect_failure("a drain step adopting another session",
+                   lambda: judged_drain([answer("ok", "gw1", 6.0, "gw1-w1", adopted="drain")]),
+                   "were not drained were adopted")
+    expect_failure("a drained worker answering after its container stopped",
+                   lambda: judged_drain([answer("ok", "gw1", 6.0, "gw2-w2")]), "name a drained worker")
+    expect_failure("nginx sending to a container it was told to leave out",
+                   lambda: judged_drain([], edge_after="gw2"), "after nginx was told to leave it out")
+    await judged_load.client.aclose()
     # The adoption counters against the headers, and what a worker's /metrics says.
     metrics = ('# TYPE mcpgw_sessions_adopted counter\nmcpgw_sessions_adopted_total{cause="death"} 3\n'
                'mcpgw_sessions_adopted_total{cause="drain"} 0\nmcpgw_adoptions_refused_total{why="stdio"} 0\n'
@@ -1581,7 +1899,17 @@ async def self_test() -> int:
             ("a drain adoption", after | {"b": counts(1, drain=1)}, 5, "after a drain")):
         problems = adoption_count_problems(before, bad_after, answers)
         check(any(says in p for p in problems), f"self-test metrics: {what} accepted ({problems})")
-    print("  ok: adoption metrics: counts above or below the headers, refused or drain adoptions refused")
+    drained_before = {"a": counts(0), "b": counts(0)}
+    drained_after = {"a": counts(0, drain=3), "b": counts(0, drain=2)}
+    check(adoption_count_problems(drained_before, drained_after, 5, "drain") == [],
+          "self-test metrics: matching drain counts refused")
+    for what, bad_after, answers, says in (
+            ("drain adoptions below the headers", drained_after, 6, "counted 5 adoptions after a drain"),
+            ("a death adoption in a drain step", drained_after | {"b": counts(1, drain=2)}, 5, "after a death"),
+            ("a refused adoption in a drain step", drained_after | {"b": counts(0, 2, 1)}, 5, "refused")):
+        problems = adoption_count_problems(drained_before, bad_after, answers, "drain")
+        check(any(says in p for p in problems), f"self-test metrics: {what} accepted ({problems})")
+    print("  ok: adoption metrics: counts above or below the headers, refused, drain adoptions in a death step and death adoptions in a drain step refused")
     # The adoption records: sealed, never in the clear, never missing.
     sealed = 'live|http|ab12|{"v":1,"route":"demo","upstream_session":"sealed:1a2b3c4d:AAAA"}'
     clear = 'live|http|ab12|{"v":1,"route":"demo","upstream_session":"clear:upstream-sid"}'
@@ -1679,7 +2007,10 @@ async def main() -> int:
                     lambda: kill_step(fleet, load, workers, "gw1"),
                     lambda: pause_step(fleet, load, workers, "gw2"),
                     lambda: disconnect_step(fleet, load, workers, "gw3"),
-                    lambda: rotation_step(fleet, load)):
+                    lambda: rotation_step(fleet, load),
+                    lambda: rolling_step(fleet, load, workers),
+                    lambda: scale_out_step(fleet, load, workers),
+                    lambda: scale_in_step(fleet, load, workers)):
             started = now()
             step = await unless_load_crashed(load, run())
             step.seconds = now() - started

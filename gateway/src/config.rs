@@ -314,6 +314,12 @@ pub struct Limits {
     pub replay_budget_bytes: usize,
     /// Bytes the replay logs of one session keep at most.
     pub replay_session_bytes: usize,
+    /// Lame duck: after a drain is decided (`/readyz` already 503, no new sessions),
+    /// the public port keeps accepting and serving for this long, answering with
+    /// `Connection: close`, so that load balancers that follow readiness stop sending
+    /// before the port closes (what a Kubernetes preStop pause does from outside).
+    #[serde(default)]
+    pub drain_delay: Duration,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -437,6 +443,7 @@ impl Default for Config {
                 max_header_bytes: 64 * 1024,
                 replay_budget_bytes: 256 * 1024 * 1024,
                 replay_session_bytes: 4 * 1024 * 1024,
+                drain_delay: Duration::ZERO,
             },
             fleet: FleetConfig {
                 workers: 1,
@@ -590,6 +597,10 @@ pub struct ServeArgs {
     /// Time for a client to send a whole request body, in milliseconds; then 408.
     #[arg(long, env = "MCPGW_BODY_TIMEOUT_MS")]
     pub body_timeout_ms: Option<u64>,
+    /// On a drain, keep serving the public port this long (milliseconds, default 0)
+    /// with /readyz at 503 and `Connection: close`, before it closes.
+    #[arg(long, env = "MCPGW_DRAIN_DELAY_MS")]
+    pub drain_delay_ms: Option<u64>,
     /// Bytes all replay logs of a worker keep at most (default 268435456, 256 MiB).
     #[arg(long, env = "MCPGW_REPLAY_BUDGET_BYTES")]
     pub replay_budget_bytes: Option<usize>,
@@ -857,6 +868,7 @@ struct FileLimits {
     max_sse_event_bytes: Option<usize>,
     max_connections: Option<usize>,
     body_timeout_ms: Option<u64>,
+    drain_delay_ms: Option<u64>,
     max_header_bytes: Option<usize>,
     replay_budget_bytes: Option<usize>,
     replay_session_bytes: Option<usize>,
@@ -967,6 +979,7 @@ impl Config {
         set(&mut self.limits.max_sse_event_bytes, l.max_sse_event_bytes);
         set(&mut self.limits.max_connections, l.max_connections);
         set_ms(&mut self.limits.body_timeout, l.body_timeout_ms);
+        set_ms(&mut self.limits.drain_delay, l.drain_delay_ms);
         set(&mut self.limits.max_header_bytes, l.max_header_bytes);
         set(&mut self.limits.replay_budget_bytes, l.replay_budget_bytes);
         set(
@@ -1122,6 +1135,7 @@ impl Config {
         );
         set(&mut self.limits.max_connections, a.max_connections);
         set_ms(&mut self.limits.body_timeout, a.body_timeout_ms);
+        set_ms(&mut self.limits.drain_delay, a.drain_delay_ms);
         set(&mut self.limits.replay_budget_bytes, a.replay_budget_bytes);
         set(
             &mut self.limits.replay_session_bytes,

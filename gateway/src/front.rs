@@ -7,16 +7,16 @@ use crate::reason::Reason;
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
+use http::header::{CONNECTION, CONTENT_LENGTH, CONTENT_TYPE};
 use http::{HeaderValue, Request, Response, StatusCode, request::Parts};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
@@ -29,76 +29,210 @@ use crate::reply::{HEADER_EDGE_WORKER, Reply};
 use crate::request;
 use crate::worker::Worker;
 
-/// Serves clients until `stop` holds a grace period, then closes the port and lets
-/// open exchanges finish for up to that long.
+/// Serves clients until `stop` holds a grace period, then closes the port (after
+/// serving the connections waiting in its queue) and lets open exchanges finish for up
+/// to that long.
 pub async fn serve(
     worker: Arc<Worker>,
     listener: std::net::TcpListener,
     mut stop: watch::Receiver<Option<Duration>>,
 ) -> std::io::Result<()> {
     let listener = TcpListener::from_std(listener)?;
-    let graceful = GracefulShutdown::new();
-    let limits = &worker.config.limits;
-    let http = {
-        let mut builder = hyper::server::conn::http1::Builder::new();
-        builder
-            .keep_alive(true)
-            .timer(TokioTimer::new())
-            // Slow-loris guard: a client must send its headers within this time.
-            .header_read_timeout(Duration::from_secs(30))
-            // A larger head gets hyper's own 431.
-            .max_buf_size(limits.max_header_bytes);
-        builder
-    };
-    let connections = Arc::new(Semaphore::new(limits.max_connections));
-    let mut refusals = RefusalLog::default();
+    let mut front = Front::new(worker);
     loop {
         tokio::select! {
             accepted = listener.accept() => {
-                let (stream, peer) = match accepted {
-                    Ok(conn) => conn,
+                match accepted {
+                    Ok((stream, peer)) => front.serve(stream, peer),
                     Err(e) => {
                         // EMFILE and friends: back off instead of spinning.
                         warn!(error = %e, "accept failed");
                         tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
                     }
-                };
-                let _ = stream.set_nodelay(true);
-                let Ok(permit) = Arc::clone(&connections).try_acquire_owned() else {
-                    refusals.note(worker.config.limits.max_connections);
-                    tokio::spawn(refuse_connection(stream, worker.config.limits.max_connections));
-                    continue;
-                };
-                let worker = Arc::clone(&worker);
-                let service = service_fn(move |req| {
-                    let worker = Arc::clone(&worker);
-                    async move { Ok::<_, Infallible>(handle(worker, req, peer).await) }
-                });
-                let connection = http.serve_connection(TokioIo::new(stream), service);
-                let connection = graceful.watch(connection);
-                tokio::spawn(async move {
-                    if let Err(e) = connection.await {
-                        debug!(%peer, error = %e, "client connection ended with an error");
-                    }
-                    drop(permit);
-                });
+                }
             }
             _ = stop.wait_for(Option::is_some) => break,
         }
     }
-    drop(listener);
+    // Connections the kernel already completed wait in the listener's queue (a load
+    // balancer may have sent its request on one): closing the listener would reset
+    // them, and a request that was sent cannot be replayed safely. So they are taken
+    // and served first; only a connection completed after the last of them can still
+    // be reset, which is why the port closes only once load balancers stopped sending
+    // (the lame duck's delay, or the operator taking the worker out of the balancer).
+    let queued = take_queued(listener);
+    if !queued.is_empty() {
+        info!(worker = %front.worker.id, connections = queued.len(), "serving the connections queued at the port's close");
+    }
+    for (stream, peer) in queued {
+        front.serve(stream, peer);
+    }
     let grace = stop.borrow().unwrap_or_default();
-    if tokio::time::timeout(grace, graceful.shutdown())
-        .await
-        .is_err()
-    {
+    if tokio::time::timeout(grace, front.finish()).await.is_err() {
         warn!(
             ?grace,
             "connections still open after the drain deadline; closing them"
         );
     }
     Ok(())
+}
+
+/// How long a connection must have started no request, once the drain reaches it,
+/// before it is closed: a request already in its socket (unread by hyper, which would
+/// take the connection for idle) starts well within this and is served.
+const QUIET_BEFORE_CLOSE: Duration = Duration::from_millis(250);
+
+/// The public port's connections: how each is served, and what a drain waits for.
+struct Front {
+    worker: Arc<Worker>,
+    keep_alive: hyper::server::conn::http1::Builder,
+    /// For connections accepted once the worker drains: one request, then close.
+    one_request: hyper::server::conn::http1::Builder,
+    /// Set when the port has closed: every connection ends once quiet.
+    closing: watch::Sender<bool>,
+    /// One permit per open connection (the connection cap); all of them back means
+    /// every connection ended.
+    connections: Arc<Semaphore>,
+    refusals: RefusalLog,
+}
+
+impl Front {
+    fn new(worker: Arc<Worker>) -> Front {
+        let limits = &worker.config.limits;
+        let builder = |keep_alive: bool| {
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .keep_alive(keep_alive)
+                .timer(TokioTimer::new())
+                // Slow-loris guard: a client must send its headers within this time.
+                .header_read_timeout(Duration::from_secs(30))
+                // A larger head gets hyper's own 431.
+                .max_buf_size(limits.max_header_bytes);
+            builder
+        };
+        Front {
+            keep_alive: builder(true),
+            one_request: builder(false),
+            closing: watch::channel(false).0,
+            connections: Arc::new(Semaphore::new(limits.max_connections)),
+            refusals: RefusalLog::default(),
+            worker,
+        }
+    }
+
+    /// Serves one accepted connection (within the connection cap).
+    fn serve(&mut self, stream: tokio::net::TcpStream, peer: SocketAddr) {
+        let _ = stream.set_nodelay(true);
+        let max = self.worker.config.limits.max_connections;
+        let Ok(permit) = Arc::clone(&self.connections).try_acquire_owned() else {
+            self.refusals.note(max);
+            tokio::spawn(refuse_connection(stream, max));
+            return;
+        };
+        let started = Arc::new(AtomicU64::new(0));
+        let worker = Arc::clone(&self.worker);
+        let counted = Arc::clone(&started);
+        let service = service_fn(move |req| {
+            let worker = Arc::clone(&worker);
+            counted.fetch_add(1, Ordering::Relaxed);
+            async move {
+                let mut response = handle(Arc::clone(&worker), req, peer).await;
+                if worker.draining() {
+                    // A lame duck's answers end their connections, so that clients and
+                    // load balancers open the next one elsewhere instead of reusing
+                    // one that the closing port would cut.
+                    response
+                        .headers_mut()
+                        .insert(CONNECTION, HeaderValue::from_static("close"));
+                }
+                Ok::<_, Infallible>(response)
+            }
+        });
+        let builder = if self.worker.draining() {
+            &self.one_request
+        } else {
+            &self.keep_alive
+        };
+        let connection = builder.serve_connection(TokioIo::new(stream), service);
+        let mut closing = self.closing.subscribe();
+        tokio::spawn(async move {
+            let mut connection = std::pin::pin!(connection);
+            let ended = tokio::select! {
+                ended = connection.as_mut() => Some(ended),
+                _ = closing.wait_for(|closing| *closing) => None,
+            };
+            let ended = match ended {
+                Some(ended) => ended,
+                // Not closed while a request may sit unread in its socket: hyper would
+                // take the connection for idle and close it under a request the client
+                // sent and cannot tell whether it ran. So it is closed (gracefully: an
+                // exchange in progress finishes) once it has begun no request for
+                // QUIET_BEFORE_CLOSE.
+                None => loop {
+                    let seen = started.load(Ordering::Relaxed);
+                    tokio::select! {
+                        ended = connection.as_mut() => break ended,
+                        () = tokio::time::sleep(QUIET_BEFORE_CLOSE) => {
+                            if started.load(Ordering::Relaxed) == seen {
+                                connection.as_mut().graceful_shutdown();
+                                break connection.await;
+                            }
+                        }
+                    }
+                },
+            };
+            if let Err(e) = ended {
+                debug!(%peer, error = %e, "client connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+
+    /// Ends every connection once it is quiet (its exchange done, no request begun for
+    /// [`QUIET_BEFORE_CLOSE`]) and waits until all have ended.
+    async fn finish(self) {
+        let _ = self.closing.send(true);
+        let all = u32::try_from(self.worker.config.limits.max_connections).unwrap_or(u32::MAX);
+        let _ = self.connections.acquire_many(all).await;
+    }
+}
+
+/// Closes the listener after taking every connection waiting in its accept queue
+/// (non-blocking accepts until the queue is empty). An accept error other than an
+/// empty queue ends the taking: the listener closes as before.
+fn take_queued(listener: TcpListener) -> Vec<(tokio::net::TcpStream, SocketAddr)> {
+    let listener = match listener.into_std() {
+        Ok(listener) => listener,
+        Err(e) => {
+            warn!(error = %e, "cannot take the connections queued at the port's close");
+            return Vec::new();
+        }
+    };
+    let mut queued = Vec::new();
+    if listener.set_nonblocking(true).is_err() {
+        return queued;
+    }
+    loop {
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                let stream = stream
+                    .set_nonblocking(true)
+                    .and_then(|()| tokio::net::TcpStream::from_std(stream));
+                match stream {
+                    Ok(stream) => queued.push((stream, peer)),
+                    Err(e) => debug!(%peer, error = %e, "a queued connection could not be served"),
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                if e.kind() != std::io::ErrorKind::WouldBlock {
+                    warn!(error = %e, "accept failed while taking the queued connections");
+                }
+                break;
+            }
+        }
+    }
+    queued
 }
 
 /// Past the connection cap: a 503 with a JSON-RPC body, then the connection closes.

@@ -15,7 +15,6 @@ use mcpgw_mesh::transport::{MeshClient, MeshLimits, MeshServer, MeshServerHandle
 
 use crate::adoption::AdoptionKeys;
 use crate::config::{AdoptMode, Config, MeshTransport};
-use crate::execute::upstream::UpstreamLink;
 use crate::fleet::Fleet;
 use crate::forward::owner::OwnerService;
 use crate::front;
@@ -30,6 +29,14 @@ const DRAIN_GRACE: Duration = Duration::from_secs(10);
 /// How long a drained worker's mesh endpoint stays up after its sessions ended, so
 /// peers that still send to it hear "not mine" instead of a closed connection.
 const NOT_MINE_GRACE: Duration = Duration::from_millis(500);
+
+/// The longest a drain takes after its lame-duck delay: the public port's exchanges,
+/// the handover, forwarded requests in flight and ending the sessions (one grace
+/// each), then "not mine" answers and the mesh's close. Supervisors, Kubernetes'
+/// termination grace and compose's stop grace must allow this plus the delay.
+pub const DRAIN_WORST_CASE: Duration = Duration::from_millis(
+    4 * DRAIN_GRACE.as_millis() as u64 + NOT_MINE_GRACE.as_millis() as u64 + 1000,
+);
 
 /// How long a fenced worker lets answers already being written go out before it exits.
 const FENCED_GRACE: Duration = Duration::from_millis(500);
@@ -180,6 +187,22 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
         // Draining from the decision on, not once the port is done: /readyz says so
         // through the grace, and a request still arriving opens no session here.
         stopping.start_draining();
+        let delay = stopping.config.limits.drain_delay;
+        if grace == DRAIN_GRACE && !delay.is_zero() {
+            // Lame duck: the port still serves (every answer says `Connection: close`)
+            // while load balancers that follow /readyz take this worker out, so that
+            // no connection is opened to it once it closes. The lease is renewed
+            // meanwhile (the heartbeat follows `stop`, not the decision); a fence
+            // ends the pause at once.
+            info!(worker = %stopping.id, ?delay, "draining: serving as a lame duck before the port closes");
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                _ = fenced.wait_for(|fenced| *fenced) => {
+                    let _ = stop_tx.send(Some(FENCED_GRACE));
+                    return;
+                }
+            }
+        }
         let _ = stop_tx.send(Some(grace));
     });
     let heartbeat = mesh
@@ -316,7 +339,7 @@ async fn hand_over(worker: &Worker, session: &Session) -> bool {
     let Some(fleet) = worker.fleet() else {
         return false;
     };
-    if fleet.adoption.is_none() || !matches!(session.link, UpstreamLink::Http { .. }) {
+    if fleet.adoption.is_none() || !crate::adoption::continues_elsewhere(&session.link) {
         return false;
     }
     match fleet

@@ -33,8 +33,9 @@ fn restart_delay(failures: u32) -> Duration {
         .min(RESTART_BACKOFF_MAX)
 }
 
-/// How long workers may take to drain after SIGTERM before they are killed.
-const STOP_DEADLINE: Duration = Duration::from_secs(40);
+/// How long workers may take after SIGTERM, beyond their lame-duck delay and the
+/// drain's worst case, before they are killed.
+const STOP_MARGIN: Duration = Duration::from_secs(2);
 
 pub fn run(config: Config) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -176,20 +177,25 @@ async fn supervise(mut config: Config) -> ExitCode {
         }
     }
     let _ = stop_tx.send(true);
-    stop_all(&pids, &mut events).await;
+    let deadline = config.limits.drain_delay + crate::serve::DRAIN_WORST_CASE + STOP_MARGIN;
+    stop_all(&pids, &mut events, deadline).await;
     drop(reservation);
     exit
 }
 
 /// SIGTERM to every worker, then wait for them to finish draining (SIGKILL at the
 /// deadline).
-async fn stop_all(pids: &[Option<u32>], events: &mut mpsc::UnboundedReceiver<Event>) {
+async fn stop_all(
+    pids: &[Option<u32>],
+    events: &mut mpsc::UnboundedReceiver<Event>,
+    within: Duration,
+) {
     let live: Vec<u32> = pids.iter().flatten().copied().collect();
     for pid in &live {
         let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGTERM);
     }
     let mut remaining = live.len();
-    let deadline = tokio::time::Instant::now() + STOP_DEADLINE;
+    let deadline = tokio::time::Instant::now() + within;
     while remaining > 0 {
         match tokio::time::timeout_at(deadline, events.recv()).await {
             Ok(Some(Event::Exited { .. })) => remaining -= 1,

@@ -19,10 +19,11 @@ use serde_json::Value;
 /// default from 1.30) and the newest the pinned kubernetes-validate knows.
 const KUBERNETES_VERSIONS: [&str; 2] = ["1.30", "1.37"];
 
-/// The worst case of a SIGTERM drain, in seconds (gateway/src/serve.rs): the public
-/// port's exchanges (10 s), forwarded requests in flight (10 s), ending the sessions
+/// The worst case of a SIGTERM drain after its lame-duck delay, in seconds
+/// (`DRAIN_WORST_CASE` in gateway/src/serve.rs): the public port's exchanges (10 s),
+/// the handover (10 s), forwarded requests in flight (10 s), ending the sessions
 /// (10 s), "not mine" answers and the mesh's close (1.5 s).
-const DRAIN_WORST_CASE_SECS: f64 = 31.5;
+const DRAIN_WORST_CASE_SECS: f64 = 41.5;
 
 fn deploy_dir() -> PathBuf {
     mcpgw_testkit::workspace_root().join("deploy/kubernetes")
@@ -415,12 +416,15 @@ fn probes_mesh_port_policy_drain_grace_and_certificates_are_wired_as_documented(
         let pause = container["lifecycle"]["preStop"]["sleep"]["seconds"]
             .as_f64()
             .unwrap_or(0.0);
+        let delay = flag_value(container, "--drain-delay-ms")
+            .map(|ms| ms.parse::<f64>().expect("--drain-delay-ms is a number") / 1000.0)
+            .unwrap_or(0.0);
         println!(
-            "{label}: grace {grace} s for {pause} s preStop + {DRAIN_WORST_CASE_SECS} s drain"
+            "{label}: grace {grace} s for {pause} s preStop + {delay} s lame duck + {DRAIN_WORST_CASE_SECS} s drain"
         );
         assert!(
-            grace > pause + DRAIN_WORST_CASE_SECS,
-            "{label}: terminationGracePeriodSeconds {grace} does not cover {pause} s preStop + {DRAIN_WORST_CASE_SECS} s drain"
+            grace > pause + delay + DRAIN_WORST_CASE_SECS,
+            "{label}: terminationGracePeriodSeconds {grace} does not cover {pause} s preStop + {delay} s lame duck + {DRAIN_WORST_CASE_SECS} s drain"
         );
 
         // Certificates: a Secret volume mounted whole (a subPath mount never sees the

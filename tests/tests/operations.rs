@@ -1142,3 +1142,123 @@ fn an_initialize_completed_while_the_worker_drains_gets_503_draining() {
         "a drained worker exits 0"
     );
 }
+
+/// Sends a whole `tools/call echo` on a fresh connection, without waiting for the
+/// answer (so that the connection can sit in the listener's queue meanwhile).
+fn send_echo(addr: &str, session: &str, id: u64) -> std::net::TcpStream {
+    let body = http::rpc_body(
+        id,
+        "tools/call",
+        json!({"name": "echo", "arguments": {"text": format!("queued {id}")}}),
+    );
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect");
+    stream.set_read_timeout(Some(WITHIN)).expect("read timeout");
+    let head = format!(
+        "POST /mcp HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Accept: application/json, text/event-stream\r\nMcp-Session-Id: {session}\r\n\
+         MCP-Protocol-Version: 2025-11-25\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).expect("send the head");
+    stream.write_all(&body).expect("send the body");
+    stream
+}
+
+/// Connections completed by the kernel but not yet accepted when a drain closes the
+/// port are served, not reset: a load balancer may already have sent its request on
+/// one, and must not replay a POST that was sent. The worker is stopped (SIGSTOP)
+/// while the connections arrive, so they wait in its listener's queue; SIGTERM is
+/// then taken at the same moment as they become acceptable.
+#[test]
+fn connections_queued_when_a_drain_closes_the_port_are_served_not_reset() {
+    const QUEUED: u64 = 48;
+    let upstream = Upstream::start();
+    let mut gateway = Gateway::start(&["--upstream", &format!("demo={}", upstream.url)]);
+    let session = initialize(&gateway.addr, "/mcp");
+    let paused = signal::Paused::stop(gateway.pid());
+    let streams: Vec<_> = (0..QUEUED)
+        .map(|i| send_echo(&gateway.addr, &session, 10 + i))
+        .collect();
+    gateway.child.signal(Signal::SIGTERM);
+    paused.resume();
+    let mut answered = 0;
+    let mut lost = Vec::new();
+    for (i, mut stream) in streams.into_iter().enumerate() {
+        let mut bytes = Vec::new();
+        match std::io::Read::read_to_end(&mut stream, &mut bytes) {
+            Ok(_) if bytes.starts_with(b"HTTP/1.1 200") => answered += 1,
+            Ok(_) => lost.push(format!(
+                "{i}: {:?}",
+                String::from_utf8_lossy(&bytes[..bytes.len().min(80)])
+            )),
+            Err(e) => lost.push(format!("{i}: {e}")),
+        }
+    }
+    assert!(
+        lost.is_empty(),
+        "{} of {QUEUED} queued connections were not served: {lost:?}",
+        lost.len()
+    );
+    assert_eq!(answered, QUEUED);
+    assert_eq!(
+        gateway.child.wait_exit(WITHIN),
+        Some(0),
+        "a drained worker exits 0"
+    );
+}
+
+/// `--drain-delay-ms`: after SIGTERM the worker is a lame duck for the delay. /readyz
+/// says 503 at once, the public port still takes new connections and serves existing
+/// sessions, every answer says `Connection: close`, a new session is refused with
+/// 503 `draining`; then the port closes and the worker exits 0.
+#[test]
+fn a_lame_duck_serves_new_connections_with_connection_close_until_its_drain_delay_ends() {
+    let upstream = Upstream::start();
+    let mut gateway = Gateway::start(&[
+        "--upstream",
+        &format!("demo={}", upstream.url),
+        "--drain-delay-ms",
+        "8000",
+    ]);
+    let admin = gateway.admin.clone().expect("a standalone gateway's admin");
+    let session = initialize(&gateway.addr, "/mcp");
+    let before = call_tool(
+        &gateway.addr,
+        "/mcp",
+        &session,
+        2,
+        "echo",
+        json!({"text": "before"}),
+    );
+    assert_eq!(before.status, 200, "{}", before.text());
+    gateway.child.signal(Signal::SIGTERM);
+    eventually(WITHIN, || match readyz(&admin) {
+        r if r.status == 503 => Ok(()),
+        r => Err(format!("still {}", r.status)),
+    });
+    // A connection opened after the drain decision: accepted and served.
+    let mut stream = send_echo(&gateway.addr, &session, 3);
+    let answer = read_answer(&mut stream);
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    assert_eq!(
+        answer.header("connection"),
+        Some("close"),
+        "{:?}",
+        answer.headers
+    );
+    let refused = http::request(
+        &gateway.addr,
+        "POST",
+        "/mcp",
+        &mcp_headers(None),
+        &http::initialize_body(4),
+    );
+    assert_eq!(refused.outcome(), "503 draining", "{}", refused.text());
+    assert_eq!(refused.header("connection"), Some("close"));
+    assert_eq!(
+        gateway.child.wait_exit(WITHIN),
+        Some(0),
+        "a drained worker exits 0"
+    );
+    mcpgw_testkit::wait_until_refused(&gateway.addr, WITHIN);
+}
