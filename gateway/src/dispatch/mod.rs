@@ -9,7 +9,7 @@ pub mod table;
 use std::sync::Arc;
 
 use http::{HeaderValue, StatusCode};
-use mcpgw_mesh::directory::{AdoptCause, Adoption};
+use mcpgw_mesh::directory::{AdoptCause, Adoption, DirectoryError};
 use tracing::{debug, info, warn};
 
 use crate::adoption::{OpenError, SessionRecord};
@@ -200,9 +200,23 @@ impl Worker {
                 AdoptionOutcome::Ran(Err(self.session_gone(why).with_id(call.id())))
             }
             Ok(_) => AdoptionOutcome::NotAdoptable(call),
+            // Left for adoption, but this worker holds no lease: it was declared dead
+            // and does not know yet (it was paused, say). Another worker adopts it; this
+            // one must not call it gone or not found.
+            Err(DirectoryError::NotRegistered { .. }) => AdoptionOutcome::Ran(Err(self.refuse(
+                &Situation::Unknown,
+                "this worker holds no lease in the fleet directory (it may have been \
+                 declared dead), so it cannot adopt the session; another worker can",
+                call.id(),
+            ))),
+            // Whether it can be adopted is unknown: so is the session's fate.
             Err(e) => {
                 debug!(session = %tag, error = %e, "adoption not possible now");
-                AdoptionOutcome::NotAdoptable(call)
+                AdoptionOutcome::Ran(Err(self.refuse(
+                    &Situation::Unknown,
+                    "the fleet directory did not answer whether it can be adopted",
+                    call.id(),
+                )))
             }
         }
     }
