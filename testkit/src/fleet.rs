@@ -237,6 +237,19 @@ impl LocalFleet {
         leases(&self.redis)
     }
 
+    /// Waits until a worker other than `dead` holds a lease at mesh address `addr` (a
+    /// supervisor's replacement on a fixed port) and returns its id.
+    #[track_caller]
+    pub fn replacement_at(&self, dead: &str, addr: &str) -> String {
+        crate::eventually(FLEET_CHANGE_WITHIN, || {
+            self.leases()
+                .into_iter()
+                .find(|(id, lease)| id != dead && lease.addr == addr)
+                .map(|(id, _)| id)
+                .ok_or("no replacement at the same mesh address yet")
+        })
+    }
+
     /// The pid of worker `id`, from its lease.
     #[track_caller]
     pub fn pid_of(&self, id: &str) -> u32 {

@@ -13,7 +13,6 @@
 //! deadline that only catches a hang. Where a fault must last (Redis paused past the
 //! lease), the duration is the fault, not synchronisation.
 
-use std::collections::HashMap;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -995,13 +994,7 @@ fn an_address_that_answers_as_another_worker_proves_the_owner_dead() {
     assert_eq!(dead_lease.addr, mesh);
     signal::send(dead_lease.pid, Signal::SIGKILL);
     signal::wait_until_gone(dead_lease.pid, WITHIN);
-    let (replacement, _) = eventually(WITHIN, || {
-        let leases: HashMap<_, _> = fleet.leases();
-        leases
-            .into_iter()
-            .find(|(id, lease)| *id != dead && lease.addr == mesh)
-            .ok_or("no replacement at the same mesh address yet")
-    });
+    let replacement = fleet.replacement_at(&dead, &mesh);
     assert!(
         fleet.leases().contains_key(&dead),
         "the dead worker's lease is still alive: it proves nothing yet"

@@ -506,6 +506,15 @@ pub fn left_before_sending(sent_ago: Duration, gone: Option<Gone>) -> Option<Gon
         .map(|gone| gone.how)
 }
 
+/// Whether the worker now at a dead owner's address registered (`registered_ago`, by
+/// Redis's clock, read just now) before a request sent `sent_ago` ago went out: then
+/// the owner had lost its address before the send and the request cannot have run
+/// there. Unknown counts as no.
+pub fn replaced_before_sending(sent_ago: Duration, registered_ago: Option<Duration>) -> bool {
+    // Redis reports whole milliseconds: a millisecond of margin covers the rounding.
+    registered_ago.is_some_and(|ago| ago > sent_ago + Duration::from_millis(1))
+}
+
 /// The directory has no mesh address for the owner: its lease expired (proof of
 /// death), unless the directory itself was lost recently and is being rebuilt (then
 /// nothing is known), or the directory cannot be read. A lease that is alive again
@@ -1101,6 +1110,18 @@ mod tests {
             answer_lost
         );
         assert_eq!(after_loss(&Liveness::Unknown, None), answer_lost);
+    }
+
+    #[test]
+    fn a_request_sent_after_another_worker_took_the_owners_address_cannot_have_run() {
+        let ms = Duration::from_millis;
+        // The replacement registered 500 ms ago; the request went out 100 ms ago.
+        assert!(replaced_before_sending(ms(100), Some(ms(500))));
+        // Registered after the send (or within the rounding): the owner may have run it.
+        assert!(!replaced_before_sending(ms(500), Some(ms(100))));
+        assert!(!replaced_before_sending(ms(100), Some(ms(101))));
+        // When it registered is unknown: no proof.
+        assert!(!replaced_before_sending(ms(100), None));
     }
 
     #[test]

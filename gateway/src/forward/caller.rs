@@ -269,12 +269,12 @@ impl Fleet {
                     tokio::pin!(probe);
                     tokio::select! {
                         outcome = &mut forward => break outcome,
-                        liveness = &mut probe => match liveness {
+                        probed = &mut probe => match probed.liveness {
                             Liveness::Dead(why) => {
                                 // Still connecting when the owner was proven dead: the
                                 // request never left, so it cannot have run.
                                 let left = if sent.load(std::sync::atomic::Ordering::Acquire) {
-                                    self.left_before_sending(owner, sent_at).await
+                                    self.left_before_sending(owner, probed.replaced_by.as_deref(), sent_at).await
                                 } else {
                                     Some(mcpgw_mesh::directory::GoneHow::Reclaimed)
                                 };
@@ -321,13 +321,19 @@ impl Fleet {
             Verdict::Probe => {
                 // Sent, then lost: the outcome is unknown whatever the probe finds (502,
                 // never re-run); it tells whether the session went with its owner.
-                let liveness = self.probe_after_loss(owner, addr).await;
+                let Probed {
+                    liveness,
+                    replaced_by,
+                } = self.probe_after_loss(owner, addr).await;
                 let why = match &liveness {
                     Liveness::Dead(why) => format!("{}; {why}", describe(&error)),
                     _ => describe(&error),
                 };
                 let left = match liveness {
-                    Liveness::Dead(_) => self.left_before_sending(owner, sent_at).await,
+                    Liveness::Dead(_) => {
+                        self.left_before_sending(owner, replaced_by.as_deref(), sent_at)
+                            .await
+                    }
                     _ => None,
                 };
                 let verdict = table::after_loss(&liveness, left);
@@ -388,11 +394,23 @@ impl Fleet {
     async fn left_before_sending(
         &self,
         owner: &str,
+        replaced_by: Option<&str>,
         sent_at: tokio::time::Instant,
     ) -> Option<mcpgw_mesh::directory::GoneHow> {
-        match self.directory.gone_record(owner).await {
+        let left = match self.directory.gone_record(owner).await {
             Ok(gone) => table::left_before_sending(sent_at.elapsed(), gone),
             Err(_) => None,
+        };
+        // Nobody recorded its end yet, but another worker answers at its address: if
+        // that one registered before the request went out, the owner was dead by then
+        // (its address taken), so the request cannot have run there.
+        match (left, replaced_by) {
+            (None, Some(replacement)) => {
+                let registered = self.directory.registered_ago(replacement).await.ok()?;
+                table::replaced_before_sending(sent_at.elapsed(), registered)
+                    .then_some(mcpgw_mesh::directory::GoneHow::Reclaimed)
+            }
+            (left, _) => left,
         }
     }
 
@@ -401,12 +419,12 @@ impl Fleet {
     /// repeated for about a second before the answer settles on "unknown". A silent
     /// owner's probe takes a whole connect timeout, past that second: it is not
     /// repeated, so the client is not kept waiting for probes that cannot tell more.
-    async fn probe_after_loss(&self, owner: &str, addr: &str) -> Liveness {
+    async fn probe_after_loss(&self, owner: &str, addr: &str) -> Probed {
         let started = tokio::time::Instant::now();
         loop {
-            let liveness = self.probe(owner, addr).await;
-            if liveness != Liveness::Unknown || started.elapsed() >= PROBING_AFTER_LOSS {
-                return liveness;
+            let probed = self.probe(owner, addr).await;
+            if probed.liveness != Liveness::Unknown || started.elapsed() >= PROBING_AFTER_LOSS {
+                return probed;
             }
             tokio::time::sleep(PROBE_AFTER_LOSS_SPACING).await;
         }
@@ -414,16 +432,27 @@ impl Fleet {
 
     /// Whether `owner` still lives at `addr`: a fresh connection (refused or another
     /// worker's Welcome is proof of death), then its lease.
-    async fn probe(&self, owner: &str, addr: &str) -> Liveness {
+    async fn probe(&self, owner: &str, addr: &str) -> Probed {
         self.probe_mesh.forget_peer(addr);
         let frame = probe_frame(self.config.mesh.connect_timeout);
+        let mut replaced_by = None;
         let sign = match self.probe_mesh.forward(addr, owner, frame).await {
             Ok(_) | Err(MeshError::Remote(_)) => ProbeSign::Answered,
-            Err(e) if e.proves_peer_gone() => ProbeSign::Refused(describe(&e)),
+            Err(e) if e.proves_peer_gone() => {
+                if let MeshError::WrongWorker { found, .. } = &e {
+                    replaced_by = Some(found.clone());
+                }
+                ProbeSign::Refused(describe(&e))
+            }
             Err(_) => ProbeSign::Silent,
         };
         let refusal_proves = self.mesh.kind() != TransportKind::Redis;
-        table::liveness(sign, refusal_proves, async || self.lease_proof(owner).await).await
+        let liveness =
+            table::liveness(sign, refusal_proves, async || self.lease_proof(owner).await).await;
+        Probed {
+            liveness,
+            replaced_by,
+        }
     }
 
     /// What `owner`'s lease in the directory proves (see [`table::judge_lease`]).
@@ -526,6 +555,13 @@ impl Fleet {
             Err(e) => warn!(owner, error = %e, "reclaiming a dead worker failed"),
         }
     }
+}
+
+/// What a liveness probe found, and who answered at the owner's address instead (the
+/// worker that took it over), if anyone.
+struct Probed {
+    liveness: Liveness,
+    replaced_by: Option<String>,
 }
 
 /// A request that any worker answers at once without side effects (405 from the

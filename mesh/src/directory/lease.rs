@@ -219,6 +219,7 @@ impl Directory {
                     .key(self.key_generation())
                     .key(self.key_cert(id))
                     .key(self.key_drain(id))
+                    .key(self.key_since(id))
                     .arg(value_ref)
                     .arg(mesh_addr)
                     .arg(self.lease_px())
@@ -295,6 +296,7 @@ impl Directory {
                     .key(self.key_cert(&lease.id))
                     .key(self.key_drain(&lease.id))
                     .key(self.key_primary(&lease.id))
+                    .key(self.key_since(&lease.id))
                     .arg(&lease.value)
                     .arg(self.lease_px())
                     .arg(&lease.addr)
@@ -365,6 +367,8 @@ impl Directory {
                     .key(self.key_cert(&lease.id))
                     .key(self.key_drain(&lease.id))
                     .key(self.key_gone(&lease.id))
+                    .key(self.key_since(&lease.id))
+                    .key(self.key_primary(&lease.id))
                     .arg(&lease.value)
                     .arg(&lease.id)
                     .arg(duration_px(self.inner.cfg.lease * 4))
@@ -411,6 +415,22 @@ impl Directory {
         Ok(Gone::parse(&how, ago))
     }
 
+    /// How long ago (by Redis's clock) worker `id` registered, while its lease lives;
+    /// `None` when that is not known (no lease, or a registration by an older version,
+    /// or one re-asserted after a failover).
+    pub async fn registered_ago(&self, id: &str) -> Result<Option<Duration>, DirectoryError> {
+        check_name("worker id", id)?;
+        let ago: i64 = self
+            .run("registered_ago", |mut c, s| async move {
+                s.registered_ago
+                    .key(self.key_since(id))
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(u64::try_from(ago).ok().map(Duration::from_millis))
+    }
+
     /// The directory generation token, created if absent. A worker remembers it; if a
     /// later read differs, Redis lost its data and owners must re-register and re-claim.
     pub async fn generation(&self) -> Result<String, DirectoryError> {
@@ -443,8 +463,8 @@ impl Directory {
     }
 }
 
-/// KEYS: worker, addr, workers, generation, cert, drain. ARGV: value, addr, px,
-/// fresh gen, id, leaf not-after ms or ''. Returns the generation, or false if
+/// KEYS: worker, addr, workers, generation, cert, drain, since. ARGV: value, addr,
+/// px, fresh gen, id, leaf not-after ms or ''. Returns the generation, or false if
 /// the id is held. A drain request left for an earlier holder of the id is
 /// not this registration's.
 pub(super) fn register() -> Script {
@@ -452,6 +472,7 @@ pub(super) fn register() -> Script {
         r#"{GEN_LUA}
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[3]) then return false end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+redis.call('SET', KEYS[7], string.format('%d', now_ms()), 'PX', ARGV[3])
 redis.call('ZADD', KEYS[3], now_ms(), ARGV[5])
 if ARGV[6] ~= '' then redis.call('SET', KEYS[5], ARGV[6], 'PX', ARGV[3]) end
 redis.call('DEL', KEYS[6])
@@ -478,7 +499,7 @@ return generation(KEYS[4], ARGV[4])
     ))
 }
 
-/// KEYS: worker, addr, generation, workers, cert, drain, primary. ARGV: value, px,
+/// KEYS: worker, addr, generation, workers, cert, drain, primary, since. ARGV: value, px,
 /// addr, lease generation, id, leaf not-after ms or '', followed primary or ''. 1
 /// renewed, 3 renewed and asked to drain, 0 lost, 2 directory lost.
 pub(super) fn renew() -> Script {
@@ -490,6 +511,7 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('ZADD', KEYS[4], now_ms(), ARGV[5])
   if ARGV[6] ~= '' then redis.call('SET', KEYS[5], ARGV[6], 'PX', ARGV[2]) end
   if ARGV[7] ~= '' then redis.call('SET', KEYS[7], ARGV[7], 'PX', ARGV[2]) end
+  redis.call('PEXPIRE', KEYS[8], ARGV[2])
   if redis.call('EXISTS', KEYS[6]) == 1 then return 3 end
   return 1
 end
@@ -521,12 +543,13 @@ return 1
     ))
 }
 
-/// KEYS: worker, addr, workers, cert, drain, gone. ARGV: value, id, gone px.
+/// KEYS: worker, addr, workers, cert, drain, gone, since, primary. ARGV: value, id,
+/// gone px.
 pub(super) fn deregister() -> Script {
     Script::new(&format!(
         r#"{GEN_LUA}
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1], KEYS[2], KEYS[4], KEYS[5])
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[4], KEYS[5], KEYS[7], KEYS[8])
   redis.call('ZREM', KEYS[3], ARGV[2])
   redis.call('SET', KEYS[6], 'deregistered@' .. string.format('%d', now_ms()), 'PX', ARGV[3])
   return 1
@@ -557,6 +580,17 @@ pub(super) fn gone() -> Script {
         r#"{GEN_LUA}
 {GONE_LUA}
 return gone(KEYS[1])
+"#
+    ))
+}
+
+/// KEYS: since. Returns ms since the registration, or -1 when unknown.
+pub(super) fn registered_ago() -> Script {
+    Script::new(&format!(
+        r#"{GEN_LUA}
+local since = tonumber(redis.call('GET', KEYS[1]))
+if not since then return -1 end
+return now_ms() - since
 "#
     ))
 }

@@ -398,6 +398,7 @@ struct Scripts {
     generation: Script,
     resume: Script,
     lease_state: Script,
+    registered_ago: Script,
     gone: Script,
     request_drain: Script,
     failover: Script,
@@ -444,6 +445,7 @@ impl Scripts {
             resume: lease::resume(),
             deregister: lease::deregister(),
             lease_state: lease::lease_state(),
+            registered_ago: lease::registered_ago(),
             gone: lease::gone(),
             generation: lease::generation(),
             claim: sessions::claim(),
@@ -850,6 +852,11 @@ impl Directory {
 
     fn key_generation(&self) -> String {
         format!("{}generation", self.inner.cfg.prefix)
+    }
+
+    /// When worker `id` registered (unix ms, Redis's clock), kept with its lease.
+    fn key_since(&self, id: &str) -> String {
+        format!("{}worker_since:{id}", self.inner.cfg.prefix)
     }
 
     /// The primary (`host:port`) worker `id` followed at its last renewal, behind

@@ -482,6 +482,8 @@ impl Directory {
                             .key(self.key_gone(dead_id))
                             .key(self.key_cert(dead_id))
                             .key(self.key_drain(dead_id))
+                            .key(self.key_since(dead_id))
+                            .key(self.key_primary(dead_id))
                             .arg(dead_id)
                             .arg(stale_token.unwrap_or(""))
                             .arg(pool_owner_prefix)
@@ -645,17 +647,26 @@ return 0
 /// and this call is the first to learn it (the marker is taken, so only one
 /// caller fleet-wide is told); else {'absent', generation or '', generation
 /// age ms, rebuilt 0/1}.
+/// `absent(generation key, rebuilt key)`: the answer of a lookup that found no record,
+/// with what the directory's generation says of that absence.
+const ABSENT_LUA: &str = r#"
+local function absent(generation_key, rebuilt_key)
+  local rebuilt = redis.call('EXISTS', rebuilt_key)
+  local g = redis.call('GET', generation_key)
+  if not g then return {'absent', '', 0, rebuilt} end
+  return {'absent', g, generation_age(g), rebuilt}
+end
+"#;
+
 /// KEYS: pool_owner, generation, rebuilt. Returns {'owner', id, 0, 0} or
 /// {'absent', generation or '', its age in ms, rebuilt 0|1}.
 pub(super) fn recorded_owner() -> Script {
     Script::new(&format!(
         r#"{GEN_LUA}
+{ABSENT_LUA}
 local owner = redis.call('GET', KEYS[1])
 if owner then return {{'owner', owner, 0, 0}} end
-local rebuilt = redis.call('EXISTS', KEYS[3])
-local g = redis.call('GET', KEYS[2])
-if not g then return {{'absent', '', 0, rebuilt}} end
-return {{'absent', g, generation_age(g), rebuilt}}
+return absent(KEYS[2], KEYS[3])
 "#
     ))
 }
@@ -663,6 +674,7 @@ return {{'absent', g, generation_age(g), rebuilt}}
 pub(super) fn remembered() -> Script {
     Script::new(&format!(
         r#"{GEN_LUA}
+{ABSENT_LUA}
 local owner = redis.call('GET', KEYS[1])
 if owner then return {{'owner', owner, 0, 0}} end
 local state = redis.call('GET', KEYS[5])
@@ -673,15 +685,12 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('DEL', KEYS[2])
   return {{'ended', '', 0, 0}}
 end
-local rebuilt = redis.call('EXISTS', KEYS[4])
-local g = redis.call('GET', KEYS[3])
-if not g then return {{'absent', '', 0, rebuilt}} end
-return {{'absent', g, generation_age(g), rebuilt}}
+return absent(KEYS[3], KEYS[4])
 "#
     ))
 }
 
-/// KEYS: worker, addr, worker_sessions, workers, gone, cert, drain.
+/// KEYS: worker, addr, worker_sessions, workers, gone, cert, drain, since, primary.
 /// ARGV: dead id, stale token or '', pool_owner key prefix, batch size,
 /// reclaimed-record px, session_seen key prefix, px a remembered session's
 /// end is kept, session_state key prefix, px a left session stays adoptable.
@@ -703,7 +712,7 @@ end
 local won = 0
 if redis.call('ZSCORE', KEYS[4], ARGV[1]) then won = redis.call('ZREM', KEYS[4], ARGV[1]) end
 if won == 0 and redis.call('EXISTS', KEYS[3]) == 0 then return false end
-redis.call('DEL', KEYS[2], KEYS[6], KEYS[7])
+redis.call('DEL', KEYS[2], KEYS[6], KEYS[7], KEYS[8], KEYS[9])
 if won == 1 then
   redis.call('SET', KEYS[5], 'reclaimed@' .. string.format('%d', now_ms()), 'PX', ARGV[5])
 end
