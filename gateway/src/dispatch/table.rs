@@ -414,11 +414,13 @@ pub async fn after_failure(
             _ => Verdict::answer(Situation::Unknown),
         },
         FailureSign::BudgetFull => Verdict::answer(Situation::MeshBusy),
-        // Never sent: unknown, unless the session has moved on (its owner, draining
-        // or replaced, left it and another worker adopted it): then ask where.
+        // Never sent: ask where if the session has moved on (its owner, draining or
+        // replaced, left it and another worker adopted it); else the owner's lease
+        // decides, as when it has no address (an owner whose container is gone may
+        // not even resolve): dead is proven only by the lease, unknown otherwise.
         FailureSign::NotSent => match session_record().await {
             Ok(Some(recorded)) if recorded != owner => Verdict::AskDirectory,
-            _ => Verdict::answer(Situation::Unknown),
+            _ => without_address(lease().await),
         },
         FailureSign::MayHaveRun => Verdict::Probe,
     }
@@ -1002,7 +1004,11 @@ mod tests {
                 Verdict::answer(Situation::MeshBusy),
             ),
             (MayHaveRun, false, Ok(Alive), Ok(None), Verdict::Probe),
-            (NotSent, false, Ok(Expired), Ok(None), unknown()),
+            // Never sent to an owner whose lease proves it dead: gone (and buried).
+            (NotSent, false, Ok(Expired), Ok(None), gone(true)),
+            (NotSent, false, Ok(Alive), Ok(None), unknown()),
+            (NotSent, false, Ok(Unproven), Ok(None), unknown()),
+            (NotSent, false, Err("timeout".into()), Ok(None), unknown()),
             (NotSent, false, Ok(Alive), Ok(Some("w0".into())), unknown()),
             (
                 NotSent,
