@@ -1424,7 +1424,7 @@ impl Config {
 }
 
 /// The Redis URL schemes the fleet directory accepts (see `mcpgw_mesh::redis_conn`).
-const REDIS_SCHEMES: [&str; 6] = [
+pub(crate) const REDIS_SCHEMES: [&str; 6] = [
     "redis://",
     "rediss://",
     "redis+sentinel://",

@@ -7,7 +7,7 @@ pub mod directory;
 mod redis_conn;
 pub mod transport;
 
-pub use redis_conn::standalone_client as standalone_redis_client;
+pub use redis_conn::RedisEndpoint;
 pub use transport::{
     ForwardedResponse, MeshClient, MeshError, MeshLimits, MeshServer, MeshServerHandle,
     MeshService, PeerInfo, ResponsePart, TransportKind,

@@ -708,16 +708,40 @@ pub(crate) fn open_client(url: &str, tcp: Option<TcpSettings>) -> Result<redis::
     }
 }
 
-/// A client for a standalone Redis (`redis://`, `rediss://` with its TLS files), for
-/// what cannot follow a Sentinel or Cluster primary (the rate limiter). The error says
-/// what is wrong without quoting the URL's secrets.
-pub fn standalone_client(url: &str) -> Result<redis::Client, String> {
-    match parse_target(url, None)? {
-        RedisTarget::Standalone(client) => Ok(client),
-        RedisTarget::Sentinel(_) | RedisTarget::Cluster(_) => Err(
-            "this needs a standalone Redis (redis:// or rediss://), not Sentinel or Cluster"
-                .to_owned(),
-        ),
+/// A Redis URL for something smaller than the directory (the rate limiter): a client
+/// for the primary it names now, looked up again whenever the caller asks (after a
+/// failure), so it follows a Sentinel failover or a Cluster slot's move.
+#[derive(Clone)]
+pub struct RedisEndpoint {
+    target: RedisTarget,
+}
+
+impl RedisEndpoint {
+    /// Parses any URL the directory accepts. The error never quotes its secrets.
+    pub fn parse(url: &str) -> Result<RedisEndpoint, String> {
+        Ok(RedisEndpoint {
+            target: parse_target(url, None)?,
+        })
+    }
+
+    /// Whether keys must share one hash tag (a Cluster: one slot, one primary).
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.target, RedisTarget::Cluster(_))
+    }
+
+    /// A client for the primary now: the server itself, the one the sentinels name
+    /// (checked to call itself master), or the primary of `key`'s slot. `op_timeout`
+    /// bounds each step of the lookup.
+    pub async fn primary(&self, key: &str, op_timeout: Duration) -> Result<redis::Client, String> {
+        match &self.target {
+            RedisTarget::Standalone(client) => Ok(client.clone()),
+            RedisTarget::Sentinel(spec) => resolve_primary(spec, op_timeout, None)
+                .await
+                .map(|primary| primary.client),
+            RedisTarget::Cluster(spec) => resolve_slot_primary(spec, key, op_timeout)
+                .await
+                .map(|primary| primary.client),
+        }
     }
 }
 

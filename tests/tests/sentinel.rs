@@ -305,3 +305,89 @@ fn a_tls_sentinel_deployment_carries_the_fleet_through_a_failover() {
     });
     assert_eq!(second.expect_tool_text(), "2");
 }
+
+/// The per-principal rate limit kept behind Sentinel: the limiter follows the failover
+/// to the promoted replica, and a bucket that replicated keeps its count there.
+#[test]
+fn the_rate_limiter_follows_a_sentinel_failover() {
+    const KEY: &str = "alice-api-key-0123456789";
+    const BUCKET: &str = "mcpgw:ratelimit:api-key:alice";
+    let redis = SentinelSet::start();
+    let upstream = mcpgw_testkit::Upstream::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let tokens = dir.path().join("tokens");
+    std::fs::write(&tokens, format!("alice:{KEY}\n")).expect("tokens file");
+    let config = dir.path().join("mcpgw.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[upstream]]\nname = \"demo\"\nurl = \"{}\"\n[auth]\ntokens_file = \"{}\"\n\
+             [auth.rate_limit]\nper_second = 0.01\nburst = 3\non_redis_error = \"closed\"\n\
+             timeout_ms = 250\nredis_url = \"{}\"\n",
+            upstream.url,
+            tokens.display(),
+            redis.url()
+        ),
+    )
+    .expect("config");
+    let gateway = mcpgw_testkit::Gateway::start(&["--config", &config.display().to_string()]);
+    let bearer = format!("Bearer {KEY}");
+    let post = |session: Option<&str>, body: serde_json::Value| {
+        let mut headers = http::mcp_headers(session);
+        headers.push(("Authorization", &bearer));
+        http::request(
+            &gateway.addr,
+            "POST",
+            "/mcp",
+            &headers,
+            body.to_string().as_bytes(),
+        )
+    };
+    let call = |session: &str| {
+        post(
+            Some(session),
+            json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                   "params": {"name": "echo", "arguments": {"text": "hi"}}}),
+        )
+    };
+    // A burst of three: initialize and two calls, then the bucket is empty.
+    let opened = post(
+        None,
+        serde_json::from_slice(&http::initialize_body(1)).expect("JSON"),
+    );
+    assert_eq!(opened.status, 200, "{}", opened.text());
+    let session = opened.header("mcp-session-id").expect("session").to_owned();
+    for _ in 0..2 {
+        assert_eq!(call(&session).status, 200);
+    }
+    assert_eq!(call(&session).outcome(), "429 rate_limited");
+    // The bucket replicated (four requests counted) before the primary dies.
+    eventually(WITHIN, || {
+        match redis.replica.command(&["HGET", BUCKET, "requests"]) {
+            n if n == "4" => Ok(()),
+            n => Err(format!("replica counts {n:?}")),
+        }
+    });
+    let replica = data_port(&redis.replica);
+    redis.primary.kill();
+    eventually(WITHIN, || match redis.primary_port() {
+        Ok(port) if port == replica => Ok(()),
+        other => Err(format!("primary still {other:?}")),
+    });
+    // Refused while the limiter cannot count, then limited by the promoted replica's
+    // bucket: never let through by a fresh one.
+    eventually(WITHIN, || {
+        let r = call(&session);
+        match r.outcome().as_str() {
+            "429 rate_limited" => Ok(()),
+            "503 rate_limit_unavailable" => Err(r.outcome()),
+            other => panic!("the limit holds across the failover: {other} {}", r.text()),
+        }
+    });
+    let counted: u64 = redis
+        .replica
+        .command(&["HGET", BUCKET, "requests"])
+        .parse()
+        .expect("a count");
+    assert!(counted >= 5, "the promoted replica counts on: {counted}");
+}

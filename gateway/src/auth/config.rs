@@ -386,10 +386,15 @@ impl AuthConfig {
                         "the rate limit is kept in Redis: set redis_url or run a fleet (--redis)",
                     ));
                 }
-                Some(url) if !(url.starts_with("redis://") || url.starts_with("rediss://")) => {
+                Some(url)
+                    if !crate::config::REDIS_SCHEMES
+                        .iter()
+                        .any(|scheme| url.starts_with(scheme)) =>
+                {
                     return Err(invalid(
                         "auth.rate_limit.redis_url",
-                        "must start with redis:// or rediss://",
+                        "must start with redis://, rediss://, redis+sentinel://, \
+                         rediss+sentinel://, redis+cluster:// or rediss+cluster://",
                     ));
                 }
                 Some(_) => {}

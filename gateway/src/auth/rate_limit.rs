@@ -13,6 +13,7 @@ use crate::reason::Reason;
 use std::time::Duration;
 
 use http::StatusCode;
+use mcpgw_mesh::RedisEndpoint;
 use mcpgw_wire::{AuthContext, AuthMode};
 use parking_lot::Mutex;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -55,8 +56,10 @@ return {allowed, wait_ms}
 "#;
 
 pub struct RateLimiter {
-    client: redis::Client,
-    /// Connected on first use; `None` again after a failed connect.
+    /// Its Redis: one server, or the primary a Sentinel set or a Cluster names.
+    endpoint: RedisEndpoint,
+    /// Connected on first use to the primary of the moment; `None` again after any
+    /// failure, so the next request looks the primary up again (a failover moves it).
     connection: tokio::sync::Mutex<Option<ConnectionManager>>,
     script: redis::Script,
     key_prefix: String,
@@ -70,6 +73,13 @@ pub struct RateLimiter {
     skip_until: Mutex<Option<Instant>>,
 }
 
+/// Why a token could not be taken.
+enum TakeError {
+    /// The primary could not be looked up (Sentinel, Cluster); the scrubbed reason.
+    NoPrimary(String),
+    Redis(redis::RedisError),
+}
+
 impl RateLimiter {
     /// `redis_url` is the configured one or the fleet's. The client only parses the
     /// URL here; it connects on the first request.
@@ -78,17 +88,23 @@ impl RateLimiter {
         redis_url: &str,
         key_prefix: &str,
     ) -> Result<RateLimiter, String> {
-        // It cannot follow a Sentinel or Cluster primary yet: the helper refuses those.
-        let client = mcpgw_mesh::standalone_redis_client(redis_url)
+        let endpoint = RedisEndpoint::parse(redis_url)
             .map_err(|why| format!("the rate limiter's Redis: {why}"))?;
+        // On a Cluster every bucket lives in the slot of one hash tag (the directory's
+        // when the prefix is the fleet's), so one primary serves them all.
+        let key_prefix = if endpoint.is_cluster() {
+            mcpgw_mesh::directory::hash_tagged(key_prefix)
+        } else {
+            key_prefix.to_owned()
+        };
         let capacity = f64::from(config.burst);
         let per_ms = config.per_second / 1000.0;
         let ttl_ms = ((capacity / per_ms).ceil() as u64).saturating_add(1000);
         Ok(RateLimiter {
-            client,
+            endpoint,
             connection: tokio::sync::Mutex::new(None),
             script: redis::Script::new(TAKE_LUA),
-            key_prefix: key_prefix.to_owned(),
+            key_prefix,
             capacity,
             per_ms,
             ttl_ms,
@@ -143,10 +159,15 @@ impl RateLimiter {
                 }))
                 .with_retry_after(seconds))
             }
-            Ok(Err(e)) => {
+            Ok(Err(TakeError::Redis(e))) => {
                 self.back_off();
                 // The kind only: the error's text may quote the URL.
                 self.unavailable(&format!("Redis error: {:?}", e.kind()))
+            }
+            Ok(Err(TakeError::NoPrimary(why))) => {
+                self.back_off();
+                // Scrubbed of the URL's passwords by the lookup.
+                self.unavailable(&format!("no Redis primary: {why}"))
             }
             Err(_) => {
                 self.back_off();
@@ -155,34 +176,49 @@ impl RateLimiter {
         }
     }
 
-    async fn take(&self, key: &str) -> Result<(i64, u64), redis::RedisError> {
+    async fn take(&self, key: &str) -> Result<(i64, u64), TakeError> {
         let mut connection = {
             let mut slot = self.connection.lock().await;
             match slot.as_ref() {
                 Some(connection) => connection.clone(),
                 None => {
+                    let client = self
+                        .endpoint
+                        .primary(key, self.timeout)
+                        .await
+                        .map_err(TakeError::NoPrimary)?;
                     let config = ConnectionManagerConfig::new()
                         .set_connection_timeout(Some(self.timeout))
                         .set_response_timeout(Some(self.timeout))
                         .set_max_delay(BACKOFF);
-                    let connection = self
-                        .client
+                    let connection = client
                         .get_connection_manager_with_config(config)
-                        .await?;
+                        .await
+                        .map_err(TakeError::Redis)?;
                     *slot = Some(connection.clone());
                     connection
                 }
             }
         };
-        let (allowed, retry_after_ms): (i64, i64) = self
+        let taken: Result<(i64, i64), _> = self
             .script
             .key(key)
             .arg(self.capacity)
             .arg(self.per_ms)
             .arg(self.ttl_ms)
             .invoke_async(&mut connection)
-            .await?;
-        Ok((allowed, u64::try_from(retry_after_ms).unwrap_or(0)))
+            .await;
+        match taken {
+            Ok((allowed, retry_after_ms)) => {
+                Ok((allowed, u64::try_from(retry_after_ms).unwrap_or(0)))
+            }
+            Err(e) => {
+                // A demoted primary (READONLY), a moved slot or a dead server: look the
+                // primary up again next time.
+                *self.connection.lock().await = None;
+                Err(TakeError::Redis(e))
+            }
+        }
     }
 
     fn back_off(&self) {
