@@ -88,3 +88,48 @@ impl Gateway {
         self.child.pid()
     }
 }
+
+/// A standalone gateway whose one route (`/mcp`, the demo upstream at `upstream_url`)
+/// takes the API key [`RateLimited::API_KEY`] (principal `alice`) and lets her make
+/// `burst` requests with no refill within a test, counted in `redis_url` (any URL the
+/// directory accepts); closed when Redis cannot count.
+pub struct RateLimited {
+    pub gateway: Gateway,
+    _dir: tempfile::TempDir,
+}
+
+impl RateLimited {
+    pub const API_KEY: &'static str = "alice-api-key-0123456789";
+
+    #[track_caller]
+    pub fn start(upstream_url: &str, redis_url: &str, burst: u32) -> RateLimited {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let tokens = dir.path().join("tokens");
+        std::fs::write(&tokens, format!("alice:{}\n", Self::API_KEY)).expect("tokens file");
+        let config = dir.path().join("mcpgw.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[[upstream]]\nname = \"demo\"\nurl = \"{upstream_url}\"\n[auth]\n\
+                 tokens_file = \"{}\"\n[auth.rate_limit]\nper_second = 0.01\n\
+                 burst = {burst}\non_redis_error = \"closed\"\ntimeout_ms = 250\n\
+                 redis_url = \"{redis_url}\"\n",
+                tokens.display(),
+            ),
+        )
+        .expect("config");
+        let gateway = Gateway::start(&["--config", &config.display().to_string()]);
+        RateLimited { gateway, _dir: dir }
+    }
+
+    /// POSTs `body` to `/mcp` with alice's key (and `session`, when given).
+    pub fn post(&self, session: Option<&str>, body: &[u8]) -> crate::http::Response {
+        let bearer = format!("Bearer {}", Self::API_KEY);
+        let mut headers = crate::http::mcp_headers(session);
+        if session.is_none() {
+            headers.retain(|(k, _)| *k != "MCP-Protocol-Version");
+        }
+        headers.push(("Authorization", &bearer));
+        crate::http::request(&self.gateway.addr, "POST", "/mcp", &headers, body)
+    }
+}

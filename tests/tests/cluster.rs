@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use mcpgw_testkit::cluster::RedisCluster;
 use mcpgw_testkit::eventually;
 use mcpgw_testkit::fleet::{FLEET_CHANGE_WITHIN, LocalFleet, owner_of, run_mcpgw};
+use mcpgw_testkit::gateway::RateLimited;
 use mcpgw_testkit::http::{self, call_tool, initialize};
 use mcpgw_tests::load::{Load, assert_counting_on, every_session_progressed};
 use serde_json::json;
@@ -146,39 +147,10 @@ fn mcpgw_status_names_the_clusters_primary_for_the_directory() {
 /// prefix's hash tag, so all of them live on the directory slot's primary.
 #[test]
 fn the_rate_limiter_counts_on_the_clusters_slot_primary() {
-    const KEY: &str = "alice-api-key-0123456789";
     let redis = RedisCluster::start();
     let upstream = mcpgw_testkit::Upstream::start();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let tokens = dir.path().join("tokens");
-    std::fs::write(&tokens, format!("alice:{KEY}\n")).expect("tokens file");
-    let config = dir.path().join("mcpgw.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[[upstream]]\nname = \"demo\"\nurl = \"{}\"\n[auth]\ntokens_file = \"{}\"\n\
-             [auth.rate_limit]\nper_second = 0.01\nburst = 2\non_redis_error = \"closed\"\n\
-             redis_url = \"{}\"\n",
-            upstream.url,
-            tokens.display(),
-            redis.url()
-        ),
-    )
-    .expect("config");
-    let gateway = mcpgw_testkit::Gateway::start(&["--config", &config.display().to_string()]);
-    let bearer = format!("Bearer {KEY}");
-    let mut headers = http::mcp_headers(None);
-    headers.retain(|(k, _)| *k != "MCP-Protocol-Version");
-    headers.push(("Authorization", &bearer));
-    let initialize = || {
-        http::request(
-            &gateway.addr,
-            "POST",
-            "/mcp",
-            &headers,
-            &http::initialize_body(1),
-        )
-    };
+    let limited = RateLimited::start(&upstream.url, &redis.url(), 2);
+    let initialize = || limited.post(None, &http::initialize_body(1));
     assert_eq!(initialize().status, 200);
     assert_eq!(initialize().status, 200);
     assert_eq!(initialize().outcome(), "429 rate_limited");

@@ -12,6 +12,7 @@ use mcpgw_testkit::eventually;
 use mcpgw_testkit::fleet::{
     FLEET_CHANGE_WITHIN, LocalFleet, PREFIX, owner_of, recorded_owner, run_mcpgw,
 };
+use mcpgw_testkit::gateway::RateLimited;
 use mcpgw_testkit::http::{self, call_tool, initialize};
 use mcpgw_testkit::redis::RedisTls;
 use mcpgw_testkit::sentinel::{PRIMARY_NAME, SentinelSet, data_port};
@@ -310,51 +311,17 @@ fn a_tls_sentinel_deployment_carries_the_fleet_through_a_failover() {
 /// to the promoted replica, and a bucket that replicated keeps its count there.
 #[test]
 fn the_rate_limiter_follows_a_sentinel_failover() {
-    const KEY: &str = "alice-api-key-0123456789";
     const BUCKET: &str = "mcpgw:ratelimit:api-key:alice";
     let redis = SentinelSet::start();
     let upstream = mcpgw_testkit::Upstream::start();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let tokens = dir.path().join("tokens");
-    std::fs::write(&tokens, format!("alice:{KEY}\n")).expect("tokens file");
-    let config = dir.path().join("mcpgw.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[[upstream]]\nname = \"demo\"\nurl = \"{}\"\n[auth]\ntokens_file = \"{}\"\n\
-             [auth.rate_limit]\nper_second = 0.01\nburst = 3\non_redis_error = \"closed\"\n\
-             timeout_ms = 250\nredis_url = \"{}\"\n",
-            upstream.url,
-            tokens.display(),
-            redis.url()
-        ),
-    )
-    .expect("config");
-    let gateway = mcpgw_testkit::Gateway::start(&["--config", &config.display().to_string()]);
-    let bearer = format!("Bearer {KEY}");
-    let post = |session: Option<&str>, body: serde_json::Value| {
-        let mut headers = http::mcp_headers(session);
-        headers.push(("Authorization", &bearer));
-        http::request(
-            &gateway.addr,
-            "POST",
-            "/mcp",
-            &headers,
-            body.to_string().as_bytes(),
-        )
-    };
+    let limited = RateLimited::start(&upstream.url, &redis.url(), 3);
     let call = |session: &str| {
-        post(
-            Some(session),
-            json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
-                   "params": {"name": "echo", "arguments": {"text": "hi"}}}),
-        )
+        let body = json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                          "params": {"name": "echo", "arguments": {"text": "hi"}}});
+        limited.post(Some(session), body.to_string().as_bytes())
     };
     // A burst of three: initialize and two calls, then the bucket is empty.
-    let opened = post(
-        None,
-        serde_json::from_slice(&http::initialize_body(1)).expect("JSON"),
-    );
+    let opened = limited.post(None, &http::initialize_body(1));
     assert_eq!(opened.status, 200, "{}", opened.text());
     let session = opened.header("mcp-session-id").expect("session").to_owned();
     for _ in 0..2 {
