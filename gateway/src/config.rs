@@ -597,6 +597,10 @@ pub struct ServeArgs {
     /// Time for a client to send a whole request body, in milliseconds; then 408.
     #[arg(long, env = "MCPGW_BODY_TIMEOUT_MS")]
     pub body_timeout_ms: Option<u64>,
+    /// Deadline of each fleet directory (Redis) call, in milliseconds (default 500);
+    /// past it ownership is unknown (503, retry).
+    #[arg(long, env = "MCPGW_DIRECTORY_TIMEOUT_MS")]
+    pub directory_timeout_ms: Option<u64>,
     /// On a drain, keep serving the public port this long (milliseconds, default 0)
     /// with /readyz at 503 and `Connection: close`, before it closes.
     #[arg(long, env = "MCPGW_DRAIN_DELAY_MS")]
@@ -1135,6 +1139,7 @@ impl Config {
         );
         set(&mut self.limits.max_connections, a.max_connections);
         set_ms(&mut self.limits.body_timeout, a.body_timeout_ms);
+        set_ms(&mut self.fleet.directory_timeout, a.directory_timeout_ms);
         set_ms(&mut self.limits.drain_delay, a.drain_delay_ms);
         set(&mut self.limits.replay_budget_bytes, a.replay_budget_bytes);
         set(
