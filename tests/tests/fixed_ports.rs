@@ -72,18 +72,23 @@ fn assert_replacement_serves_through_the_peer(fleet: &LocalFleet, replacement: &
     }
 }
 
+/// `counter_increment` on `session` through host-b, the peer that forwarded before.
+fn increment_via_peer(fleet: &LocalFleet, session: &str, id: u64) -> mcpgw_testkit::http::Response {
+    call_tool(
+        &fleet.b.addr,
+        "/mcp",
+        session,
+        id,
+        "counter_increment",
+        json!({}),
+    )
+}
+
 fn dead_workers_sessions_are_gone(transport: &str) {
     // Adoption off: what the issue asks of a dead worker's sessions without it.
     let (fleet, session, dead, replacement) =
         kill_and_replace_on_the_same_address(transport, &["--adopt", "never"]);
-    let r = call_tool(
-        &fleet.b.addr,
-        "/mcp",
-        &session,
-        3,
-        "counter_increment",
-        json!({}),
-    );
+    let r = increment_via_peer(&fleet, &session, 3);
     assert_eq!(r.outcome(), "404 session_gone", "{}", r.text());
     assert!(
         !fleet.leases().contains_key(&dead),
@@ -110,14 +115,7 @@ fn a_worker_replaced_on_its_fixed_tcp_address_its_old_sessions_are_gone() {
 fn a_worker_replaced_on_its_fixed_address_has_its_http_sessions_adopted() {
     let (fleet, session, _dead, replacement) = kill_and_replace_on_the_same_address("tcp", &[]);
     let r = eventually(WITHIN, || {
-        let r = call_tool(
-            &fleet.b.addr,
-            "/mcp",
-            &session,
-            3,
-            "counter_increment",
-            json!({}),
-        );
+        let r = increment_via_peer(&fleet, &session, 3);
         match r.status {
             200 => Ok(r),
             503 if r.header("retry-after").is_some() => Err(r.outcome()),
