@@ -19,7 +19,7 @@ use tracing::{info, warn};
 
 use crate::adoption::{self, AdoptionKeys};
 use crate::config::Config;
-use crate::dispatch::table::RETRY_AFTER_SECONDS;
+use crate::dispatch::refuse::RETRY_AFTER_SECONDS;
 use crate::execute::upstream::UpstreamLink;
 use crate::lease::LeaseHolder;
 use crate::mcp::GatewayError;

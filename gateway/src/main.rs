@@ -22,6 +22,7 @@ mod auth;
 mod body;
 mod commands;
 mod config;
+mod decision;
 mod dispatch;
 mod execute;
 mod federation;

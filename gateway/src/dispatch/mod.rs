@@ -1,10 +1,10 @@
 //! Where a checked call runs, read top to bottom: gather what this worker knows,
-//! look the situation up in the decision table ([`table`]), then execute here
+//! look the situation up in the decision core ([`crate::decision`]), then execute here
 //! ([`crate::execute`]), forward to the owner ([`crate::forward::caller`]), or answer
 //! with the truthful refusal. A refusal that only says "unknown" may be replaced by a
 //! stateless answer when the operator opted in.
 
-pub mod table;
+pub mod refuse;
 
 use std::sync::Arc;
 
@@ -13,16 +13,18 @@ use mcpgw_mesh::directory::{AdoptCause, Adoption, DirectoryError};
 use tracing::{debug, info, warn};
 
 use crate::adoption::{OpenError, SessionRecord};
+use crate::decision::forward::Unanswered;
+use crate::decision::{
+    self, AfterForward, Decision, Known, SessionKind, Side, Situation, Standing, decide,
+};
 use crate::execute::stateless::STATELESS_METHODS;
 use crate::execute::upstream::UpstreamLink;
 use crate::fleet::Fleet;
-use crate::forward::caller::Unanswered;
 use crate::mcp::{Era, GatewayError};
 use crate::reply::{HEADER_ADOPTED, Reply};
 use crate::request::Call;
 use crate::session::{Session, SessionUse};
 use crate::worker::Worker;
-use table::{Decision, Known, Situation, decide};
 
 /// How often, and how long apart, an adoption asks again while the session is still
 /// recorded for an owner proven dead (its reclaim is running).
@@ -54,7 +56,7 @@ impl Worker {
         // Kept only when a stateless answer could stand in for an "unknown" one.
         let fallback = self.stateless_candidate(&call).then(|| call.clone());
         match (self.decide_and_run(call).await, fallback) {
-            (Err(error), Some(call)) if table::owner_unconfirmed(&error) => {
+            (Err(error), Some(call)) if refuse::owner_unconfirmed(&error) => {
                 self.answer_statelessly(call, error).await
             }
             (result, _) => result,
@@ -63,45 +65,41 @@ impl Worker {
 
     async fn decide_and_run(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
         let local = self.hold_session(&call).await;
-        let situation = table::situation(&Known {
+        let situation = decision::situation(&Known {
             modern: call.era == Era::Modern,
             has_session_id: call.session_id.is_some(),
             is_initialize: call.is_initialize(),
             held_here: local.is_some(),
             lease_valid: self.lease_valid(),
             in_fleet: self.fleet().is_some(),
+            fenced: self.is_fenced(),
+            adopts: self.adopts(),
+            ..Known::of(Side::Edge, SessionKind::Own)
         });
         match (decide(&situation), self.fleet()) {
             (Decision::ExecuteHere, _) => self.execute_held(call, local).await,
             (Decision::Forward, Some(fleet)) => {
                 match self.forward_counted(fleet, &call, None).await {
                     Ok(reply) => Ok(reply),
-                    Err(unanswered) if self.may_adopt(fleet, &call, &unanswered.situation) => {
-                        self.adopt_or_refuse(fleet, call, unanswered).await
-                    }
-                    // This worker was declared dead: it cannot adopt, and the session
-                    // (its own, or another fenced worker's) may go on elsewhere, left
-                    // for adoption: neither "gone" nor "not found", but not here. The
-                    // request did not run.
-                    Err(unanswered)
-                        if self.is_fenced()
-                            && fleet.adoption.is_some()
-                            && matches!(
-                                unanswered.situation,
-                                Situation::OwnerGone | Situation::NoSuchSession
-                            ) =>
-                    {
-                        Err(self.refuse(
-                            &Situation::Unknown,
-                            "this worker was just replaced; the session may go on on another",
-                            call.id(),
-                        ))
-                    }
-                    Err(unanswered) => Err(self.refuse_unanswered(unanswered, call.id())),
+                    Err(unanswered) => match decision::after_forward(
+                        unanswered.situation,
+                        &self.standing(fleet, &call),
+                    ) {
+                        AfterForward::Adopt => self.adopt_or_refuse(fleet, call, unanswered).await,
+                        AfterForward::Refuse(situation, Some(why)) => {
+                            Err(self.refuse(&situation, why, call.id()))
+                        }
+                        AfterForward::Refuse(_, None) => {
+                            Err(self.refuse_unanswered(unanswered, call.id()))
+                        }
+                    },
                 }
             }
             (Decision::Forward, None) => Err(GatewayError::session_not_found().with_id(call.id())),
-            (Decision::Refuse(_), _) => Err(self.refuse(&situation, LEASE_IN_DOUBT_WHY, call.id())),
+            // The edge never asks for facts or answers "not mine": those are the owner's.
+            (Decision::Refuse(_) | Decision::Ask(_) | Decision::NotMine, _) => {
+                Err(self.refuse(&situation, LEASE_IN_DOUBT_WHY, call.id()))
+            }
         }
     }
 
@@ -113,16 +111,14 @@ impl Worker {
         }
     }
 
-    /// Whether a legacy session whose forward found its owner gone may be taken on here
-    /// (docs/architecture.md, "Adoption"): only where the owner left it (proven dead,
-    /// or drained and no longer holding it), never on "unknown", and never by a worker
-    /// that is leaving itself.
-    pub(crate) fn may_adopt(&self, fleet: &Fleet, call: &Call, situation: &Situation) -> bool {
-        fleet.adoption.is_some()
-            && call.session_id.is_some()
-            && matches!(situation, Situation::OwnerGone | Situation::NoSuchSession)
-            && !self.draining()
-            && !self.is_fenced()
+    /// What this worker is, for the decisions after an unanswered forward.
+    pub(crate) fn standing(&self, fleet: &Fleet, call: &Call) -> Standing {
+        Standing {
+            adopts: fleet.adoption.is_some(),
+            has_session_id: call.session_id.is_some(),
+            draining: self.draining(),
+            fenced: self.is_fenced(),
+        }
     }
 
     /// Adopts `call`'s session if its owner left it for adoption and it can continue

@@ -32,8 +32,9 @@ use super::{ACCEPT_BOTH, is_sse, lost_while_running, upstream_error};
 use mcpgw_mesh::directory::{Claim, SessionState};
 
 use crate::body;
+use crate::decision::shared::{self as judged, SharedStanding};
+use crate::decision::{self, Decision, Known, Refusal, SessionKind, Side, Situation};
 use crate::dispatch::AdoptionOutcome;
-use crate::dispatch::table::{self, Decision, Known, Refusal, SharedStanding, Situation};
 use crate::mcp::{self, Era, GatewayError};
 use crate::reply::Reply;
 use crate::request::Call;
@@ -62,32 +63,32 @@ impl Worker {
         call
     }
 
-    /// Where a bound call runs: the decision table, as for a legacy session, where this
+    /// Where a bound call runs: the decision core, as for a legacy session, where this
     /// worker holds the session; elsewhere what the directory remembers of it
-    /// ([`table::judge_shared`]): forward to its owner, tell its end once, or open it.
+    /// ([`judged::judge_shared`]): forward to its owner, tell its end once, or open it.
     pub async fn dispatch_shared(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
         let local = self.hold_session(&call).await;
-        let situation = table::situation(&Known {
-            modern: false,
+        let situation = decision::situation(&Known {
+            modern: true,
             has_session_id: true,
-            is_initialize: false,
             held_here: local.is_some(),
             lease_valid: self.lease_valid(),
             in_fleet: self.fleet().is_some(),
+            fenced: self.is_fenced(),
+            adopts: self.adopts(),
+            ..Known::of(Side::Edge, SessionKind::Shared)
         });
-        match (table::decide(&situation), self.fleet()) {
+        match (decision::decide(&situation), self.fleet()) {
             (Decision::ExecuteHere, _) => self.execute_held(call, local).await,
-            (Decision::Forward | Decision::Refuse(Refusal::NoSuchSession), Some(fleet)) => {
-                self.find_shared(fleet, call).await
-            }
-            (Decision::Forward, None) | (Decision::Refuse(Refusal::NoSuchSession), _) => {
-                self.execute_local(call, None).await
-            }
-            (Decision::Refuse(_), _) => Err(self.refuse_shared(
-                &situation,
-                "the worker holding it could not renew its lease in time",
-                &call,
-            )),
+            (Decision::Forward, Some(fleet)) => self.find_shared(fleet, call).await,
+            // Not held, and no fleet that could hold it: open it here.
+            (Decision::Forward, None) => self.execute_local(call, None).await,
+            (Decision::Refuse(_) | Decision::Ask(_) | Decision::NotMine, _) => Err(self
+                .refuse_shared(
+                    &situation,
+                    "the worker holding it could not renew its lease in time",
+                    &call,
+                )),
         }
     }
 
@@ -108,7 +109,7 @@ impl Worker {
                 .remembered_session(&key)
                 .await
                 .map_err(|e| e.to_string());
-            let standing = table::judge_shared(
+            let standing = judged::judge_shared(
                 record,
                 &self.id,
                 fleet.lease.revoked(),
@@ -146,7 +147,12 @@ impl Worker {
                         Ok(reply) => return Ok(reply),
                         // The owner no longer holds it, or was proven gone (and its
                         // sessions reclaimed): the directory now says how it ended.
-                        Err(unanswered) if self.may_adopt(fleet, &call, &unanswered.situation) => {
+                        Err(unanswered)
+                            if decision::may_adopt(
+                                unanswered.situation,
+                                &self.standing(fleet, &call),
+                            ) =>
+                        {
                             match self.try_adopt(fleet, call).await {
                                 AdoptionOutcome::Ran(result) => return result,
                                 // Where it went, or how it ended: the directory says.
@@ -194,7 +200,7 @@ impl Worker {
     /// The table's refusal, with "gone" told the way a 2026-07-28 client needs it.
     fn refuse_shared(&self, situation: &Situation, why: &str, call: &Call) -> GatewayError {
         let route = &self.config.upstreams[call.upstream].name;
-        let message = match table::decide(situation) {
+        let message = match decision::decide(situation) {
             Decision::Refuse(Refusal::SessionGone) => {
                 return self.shared_lost(call.upstream, why).with_id(call.id());
             }

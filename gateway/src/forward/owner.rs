@@ -14,6 +14,7 @@ use mcpgw_mesh::transport::{MeshService, PeerInfo, ResponsePart};
 use mcpgw_wire::{ErrorFrame, ErrorKind, RequestFrame, ResponseHead};
 use tracing::debug;
 
+use crate::decision::{self, Decision, Fact, Known, Refusal, SessionKind, Side};
 use crate::reply::Reply;
 use crate::request;
 use crate::worker::Worker;
@@ -155,49 +156,62 @@ async fn run_forwarded(
         return Ok(Reply::from_error(&error));
     }
     let session = match call.session_id.as_deref() {
+        Some(id) => worker.sessions.enter(id),
         None => None,
-        Some(id) => match worker.sessions.enter(id) {
-            Some(session) => Some(session),
-            // Declared dead by the fleet, this worker dropped its sessions unended. One
-            // that can continue elsewhere was left for adoption by the reclaim (or
-            // adopted already): "not mine" sends the caller to the directory, which
-            // knows. Without adoption the session is gone, which only this worker can
-            // say for sure (its record went with the reclaim, so "not mine" would read
-            // as "ended").
-            None if worker.is_fenced() && !worker.adopts() => {
-                let error = worker.refuse(
-                    &crate::dispatch::table::Situation::OwnerGone,
-                    "the worker that held it was declared dead and dropped it",
-                    call.id(),
-                );
-                return Ok(Reply::from_error(&error));
-            }
-            // A shared session whose record names this worker, which holds nothing
-            // for it (a claim whose answer was lost landed late): open it here, as
-            // the record says, instead of answering "not mine" forever.
-            None if crate::execute::shared::is_bound(&call) && worker.records_as_own(id).await => {
-                return Ok(match worker.execute_local(call, None).await {
-                    Ok(reply) => reply,
-                    Err(error) => Reply::from_error(&error),
-                });
-            }
-            None => {
-                return Err(ErrorFrame {
-                    kind: ErrorKind::NotOwner,
-                    message: format!(
-                        "worker {} does not hold session {}",
-                        worker.id,
-                        crate::session::tag_of(id)
-                    ),
-                });
-            }
-        },
     };
-    if session.is_some() && !worker.lease_valid() {
-        return Err(ErrorFrame {
-            kind: ErrorKind::Draining,
-            message: "owner cannot confirm its lease right now".into(),
-        });
+    let mut known = Known {
+        has_session_id: call.session_id.is_some(),
+        held_here: session.is_some(),
+        lease_valid: worker.lease_valid(),
+        in_fleet: worker.fleet().is_some(),
+        fenced: worker.is_fenced(),
+        adopts: worker.adopts(),
+        ..Known::of(
+            Side::Owner,
+            match crate::execute::shared::is_bound(&call) {
+                true => SessionKind::Shared,
+                false => SessionKind::Own,
+            },
+        )
+    };
+    let situation = loop {
+        let situation = decision::situation(&known);
+        match decision::decide(&situation) {
+            Decision::Ask(Fact::OwnRecord) => {
+                let id = call.session_id.as_deref().unwrap_or_default();
+                known.recorded_here = Some(worker.records_as_own(id).await);
+            }
+            _ => break situation,
+        }
+    };
+    match decision::decide(&situation) {
+        Decision::ExecuteHere => {}
+        Decision::NotMine => {
+            let id = call.session_id.as_deref().unwrap_or_default();
+            return Err(ErrorFrame {
+                kind: ErrorKind::NotOwner,
+                message: format!(
+                    "worker {} does not hold session {}",
+                    worker.id,
+                    crate::session::tag_of(id)
+                ),
+            });
+        }
+        // The caller decides what an owner in doubt means for its client.
+        Decision::Refuse(Refusal::LeaseInDoubt) => {
+            return Err(ErrorFrame {
+                kind: ErrorKind::Draining,
+                message: "owner cannot confirm its lease right now".into(),
+            });
+        }
+        Decision::Refuse(_) | Decision::Forward | Decision::Ask(_) => {
+            let error = worker.refuse(
+                &situation,
+                "the worker that held it was declared dead and dropped it",
+                call.id(),
+            );
+            return Ok(Reply::from_error(&error));
+        }
     }
     Ok(match worker.execute_held(call, session).await {
         Ok(reply) => reply,
