@@ -334,9 +334,10 @@ async fn handle(
         .tracer
         .as_ref()
         .and_then(|tracer| tracer.begin(&mut parts.headers));
-    let (reply, refusal) = match accept_call(&worker, parts, body, peer, &mut method_label).await {
+    let accepted = accept_call(&worker, route, parts, body, peer, &mut method_label).await;
+    let (reply, refusal) = match accepted {
         Ok(reply) => (reply, None),
-        Err((error, _, _)) => (Reply::from_error(&error), Some(error)),
+        Err(error) => (Reply::from_error(&error), Some(error)),
     };
     let route_label = match route {
         Some(index) => &worker.route_labels[index],
@@ -486,47 +487,33 @@ fn log_request(record: &RequestRecord<'_>) {
     }
 }
 
-type Refusal = (GatewayError, http::Method, String);
-
 /// Authenticates the client for the route, checks the request, reads its body,
 /// checks its scopes, counts it against the rate limit (here, once per client request,
-/// never again at an owner), and dispatches the call; a refusal carries what the log
-/// line needs.
+/// never again at an owner), and dispatches the call. `route`: the path's route, as
+/// [`handle`] resolved it once.
 async fn accept_call(
     worker: &Arc<Worker>,
+    route: Option<usize>,
     parts: Parts,
     body: Incoming,
     peer: SocketAddr,
     method_label: &mut &'static str,
-) -> Result<Reply, Refusal> {
-    let path = parts.uri.path().to_owned();
-    let refuse = |e: GatewayError| (e, parts.method.clone(), path.clone());
-    let route = worker
-        .routes
-        .resolve(&path)
-        .ok_or_else(|| worker.routes.not_found(&path))
-        .map_err(refuse)?;
-    let auth = worker
-        .auth
-        .authenticate(route, &parts.headers)
-        .await
-        .map_err(refuse)?;
-    let (upstream, era) = request::check_head(&worker.routes, &parts.method, &path, &parts.headers)
-        .map_err(refuse)?;
+) -> Result<Reply, GatewayError> {
+    let path = parts.uri.path();
+    let route = route.ok_or_else(|| worker.routes.not_found(path))?;
+    let auth = worker.auth.authenticate(route, &parts.headers).await?;
+    let era = request::check_head_of(&parts.method, &parts.headers)?;
     let limits = &worker.config.limits;
-    let body = read_body(body, &parts, limits.max_body_bytes, limits.body_timeout)
-        .await
-        .map_err(refuse)?;
+    let body = read_body(body, &parts, limits.max_body_bytes, limits.body_timeout).await?;
     let mut call = request::parse_call(
-        upstream,
+        route,
         era,
         parts.method.clone(),
-        &path,
+        path,
         &parts.headers,
         body,
         auth,
-    )
-    .map_err(refuse)?;
+    )?;
     *method_label =
         crate::metrics::method_label(call.message.as_ref().and_then(|m| m.method()), &call.method);
     call.client = Some(client_addr(
@@ -534,10 +521,10 @@ async fn accept_call(
         &parts.headers,
         worker.config.trust_forwarded_for,
     ));
-    worker.auth.authorize(&call).map_err(refuse)?;
-    worker.auth.admit(&call).await.map_err(refuse)?;
+    worker.auth.authorize(&call)?;
+    worker.auth.admit(&call).await?;
     let expires_at_ms = call.auth.expires_at_ms;
-    let reply = worker.dispatch(call).await.map_err(refuse)?;
+    let reply = worker.dispatch(call).await?;
     Ok(match expires_at_ms {
         Some(at) if crate::execute::is_sse(&reply.headers) => end_at_expiry(reply, at),
         _ => reply,

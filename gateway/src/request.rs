@@ -163,6 +163,12 @@ pub fn check_head(
     headers: &HeaderMap,
 ) -> Result<(usize, Era), GatewayError> {
     let upstream = routes.resolve(path).ok_or_else(|| routes.not_found(path))?;
+    Ok((upstream, check_head_of(method, headers)?))
+}
+
+/// [`check_head`] for a request whose route is resolved already: method, protocol
+/// version, content type; the era it speaks.
+pub fn check_head_of(method: &Method, headers: &HeaderMap) -> Result<Era, GatewayError> {
     if !matches!(*method, Method::POST | Method::GET | Method::DELETE) {
         return Err(method_not_allowed(
             method,
@@ -189,7 +195,7 @@ pub fn check_head(
             "POST body must be sent with Content-Type: application/json",
         ));
     }
-    Ok((upstream, era))
+    Ok(era)
 }
 
 /// Checks the rest and builds the call. `body` is already bounded by the size limit.
