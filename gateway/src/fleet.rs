@@ -1,20 +1,16 @@
-//! This worker's membership in a fleet: the directory it records its sessions in,
-//! its lease, and the mesh clients it forwards with. A standalone worker has none.
+//! This worker's membership in a fleet: the directory it records its sessions in
+//! (claim, release, sweep) and its lease. A standalone worker has none.
 //!
-//! Forwarding itself lives in [`crate::forward::caller`]; acting on the lease's
-//! outcomes lives with the worker ([`crate::worker`]).
+//! Forwarding is a stage of its own, [`crate::forward::caller::Forwarder`]; acting on
+//! the lease's outcomes lives with the worker ([`crate::worker`]).
 
 use crate::reason::Reason;
-use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
 
 use http::StatusCode;
 use mcpgw_mesh::directory::{
     Claim, Directory, DirectoryError, SessionKind, SessionQuota, SessionState,
 };
-use mcpgw_mesh::transport::MeshClient;
-use parking_lot::RwLock;
 use tracing::{info, warn};
 
 use crate::adoption::{self, AdoptionKeys};
@@ -25,117 +21,37 @@ use crate::lease::LeaseHolder;
 use crate::mcp::GatewayError;
 use crate::session::Session;
 
-/// Sessions remembered as adopted by another worker at most (see [`Fleet::moved`]).
-const MAX_REMEMBERED_MOVES: usize = 65_536;
-
-/// Dead workers remembered at most; a fleet that loses more within the memory's
-/// lifetime falls back to asking the directory.
-const MAX_REMEMBERED_DEAD: usize = 4096;
-
 pub struct Fleet {
+    /// This worker's id: the owner it records its sessions under.
+    pub id: String,
     /// Workers, their mesh addresses, and who owns which session.
     pub directory: Directory,
     /// This worker's lease: whether it may act for its sessions now.
     pub lease: Arc<LeaseHolder>,
-    /// Forwards requests to the owners of other workers' sessions.
-    pub(crate) mesh: MeshClient,
-    /// A separate pool for liveness probes, so a probe always dials afresh instead of
-    /// riding the connection whose health is in question.
-    pub(crate) probe_mesh: MeshClient,
-    /// Mesh addresses of peers by worker id, so steady-state forwarding needs no Redis.
-    pub(crate) peers: RwLock<HashMap<String, String>>,
-    /// Workers this worker proved dead, and when: once reclaimed, a dead worker leaves
-    /// no trace in the directory, so later requests for its sessions are answered
-    /// "gone" from here. Bounded (see [`Fleet::remember_dead`]).
-    pub(crate) buried: parking_lot::Mutex<HashMap<String, tokio::time::Instant>>,
-    /// Sessions whose owner left them and that another worker adopted, by session id:
-    /// their ids still hint the old owner, so without this every request for one
-    /// would ask the directory who holds it now. Bounded; a stale entry is corrected
-    /// by the owner's "not mine".
-    pub(crate) moved: RwLock<HashMap<String, String>>,
     /// Sessions of HTTP upstreams outlive their owner (`--adopt http`) with these keys
     /// sealing their upstream session ids; none: `--adopt never`.
     pub(crate) adoption: Option<AdoptionKeys>,
-    /// Ids of forwarded requests, unique per caller.
-    pub(crate) request_ids: AtomicU64,
     pub(crate) config: Arc<Config>,
-    /// The worker's metrics: proofs of death, reclaims, sweeps.
+    /// The worker's metrics: reclaims and sweeps.
     pub(crate) metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl Fleet {
     pub fn new(
+        id: String,
         directory: Directory,
         lease: Arc<LeaseHolder>,
-        mesh: MeshClient,
-        probe_mesh: MeshClient,
         config: Arc<Config>,
         metrics: Arc<crate::metrics::Metrics>,
         adoption: Option<AdoptionKeys>,
     ) -> Fleet {
         Fleet {
+            id,
             directory,
             lease,
-            mesh,
-            probe_mesh,
-            peers: RwLock::new(HashMap::new()),
-            buried: parking_lot::Mutex::new(HashMap::new()),
-            moved: RwLock::new(HashMap::new()),
             adoption,
-            request_ids: AtomicU64::new(1),
             config,
             metrics,
-        }
-    }
-
-    /// Remembers that `owner` was proven dead, for a while (ids are never reused, so
-    /// the memory only needs to outlast the clients that still hold its sessions).
-    pub(crate) fn remember_dead(&self, owner: &str) {
-        let now = tokio::time::Instant::now();
-        let keep = self.config.fleet.lease * 60;
-        let mut buried = self.buried.lock();
-        if buried.len() >= MAX_REMEMBERED_DEAD {
-            buried.retain(|_, at| now.duration_since(*at) < keep);
-            if buried.len() >= MAX_REMEMBERED_DEAD {
-                buried.clear();
-            }
-        }
-        buried.insert(owner.to_owned(), now);
-    }
-
-    /// Remembers that `owner` adopted session `sid`.
-    pub(crate) fn remember_moved(&self, sid: &str, owner: &str) {
-        let mut moved = self.moved.write();
-        if moved.len() >= MAX_REMEMBERED_MOVES {
-            moved.clear();
-        }
-        moved.insert(sid.to_owned(), owner.to_owned());
-    }
-
-    /// Who adopted session `sid`, as this worker last learnt.
-    pub(crate) fn moved_to(&self, sid: &str) -> Option<String> {
-        self.moved.read().get(sid).cloned()
-    }
-
-    pub(crate) fn forget_moved(&self, sid: &str) {
-        self.moved.write().remove(sid);
-    }
-
-    /// Whether this worker proved `owner` dead recently.
-    pub(crate) fn known_dead(&self, owner: &str) -> bool {
-        let keep = self.config.fleet.lease * 60;
-        self.buried
-            .lock()
-            .get(owner)
-            .is_some_and(|at| at.elapsed() < keep)
-    }
-
-    /// The mesh transport's name as a metric label.
-    pub fn transport_label(&self) -> &'static str {
-        match self.mesh.kind() {
-            mcpgw_mesh::transport::TransportKind::Quic => "quic",
-            mcpgw_mesh::transport::TransportKind::Tcp => "tcp",
-            mcpgw_mesh::transport::TransportKind::Redis => "redis",
         }
     }
 
@@ -151,7 +67,6 @@ impl Fleet {
     pub async fn claim(
         &self,
         session: &Session,
-        owner: &str,
         initialize: Option<&serde_json::Value>,
     ) -> Result<(), GatewayError> {
         let quota = self.config.limits.session_quota(&session.quota_key);
@@ -168,7 +83,7 @@ impl Fleet {
         });
         match self
             .directory
-            .claim_session_with_state(&session.id, owner, quota, state)
+            .claim_session_with_state(&session.id, &self.id, quota, state)
             .await
         {
             Ok(Claim::Claimed) => Ok(()),
@@ -249,7 +164,8 @@ impl Fleet {
     /// Redis holds nothing of a dead worker after a bounded time. Only in a directory
     /// that has been stable for longer than a lease (after Redis came back empty, live
     /// owners need that long to register again). Returns the sessions freed.
-    pub async fn sweep(&self, this_worker: &str) -> Result<usize, DirectoryError> {
+    pub async fn sweep(&self) -> Result<usize, DirectoryError> {
+        let this_worker = self.id.as_str();
         let interval = self.config.fleet.sweep_interval();
         if !self
             .directory
@@ -281,15 +197,14 @@ impl Fleet {
     /// After a claim whose outcome is unknown (Redis did not answer in time): keeps
     /// releasing the session's record in the background until one release removes it
     /// or two leases have passed, so a claim that lands late leaves nothing behind.
-    pub fn release_unclaimed(self: &Arc<Self>, session: Arc<Session>, owner: &str) {
+    pub fn release_unclaimed(self: &Arc<Self>, session: Arc<Session>) {
         let fleet = Arc::clone(self);
-        let owner = owner.to_owned();
         tokio::spawn(async move {
             let deadline = tokio::time::Instant::now() + fleet.config.fleet.lease * 2;
             while tokio::time::Instant::now() < deadline {
                 if let Ok(true) = fleet
                     .directory
-                    .release_session(&session.id, &owner, Some(&session.quota_key))
+                    .release_session(&session.id, &fleet.id, Some(&session.quota_key))
                     .await
                 {
                     info!(session = %session.tag, "took back the record of a session whose claim had timed out");
@@ -301,11 +216,11 @@ impl Fleet {
     }
 
     /// Removes the ownership record of an ended session.
-    pub async fn release(&self, session: &Session, owner: &str) {
+    pub async fn release(&self, session: &Session) {
         let session_id = session.id.as_str();
         if let Err(e) = self
             .directory
-            .release_session(session_id, owner, Some(&session.quota_key))
+            .release_session(session_id, &self.id, Some(&session.quota_key))
             .await
         {
             warn!(session = %crate::session::tag_of(session_id), error = %e, "could not remove the session's directory record");

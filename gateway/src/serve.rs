@@ -16,6 +16,7 @@ use mcpgw_mesh::transport::{MeshClient, MeshLimits, MeshServer, MeshServerHandle
 use crate::adoption::AdoptionKeys;
 use crate::config::{AdoptMode, Config, MeshTransport};
 use crate::fleet::Fleet;
+use crate::forward::caller::Forwarder;
 use crate::forward::owner::OwnerService;
 use crate::front;
 use crate::lease::LeaseHolder;
@@ -389,7 +390,7 @@ async fn sweep_dead_workers(worker: Arc<Worker>, mut stop: watch::Receiver<Optio
             () = tokio::time::sleep(fleet.config.fleet.sweep_interval()) => {}
             _ = stop.wait_for(Option::is_some) => return,
         }
-        if let Err(e) = fleet.sweep(&worker.id).await {
+        if let Err(e) = fleet.sweep().await {
             warn!(worker = %worker.id, error = %e, "sweeping dead workers failed; the next turn retries");
         }
     }
@@ -584,19 +585,27 @@ async fn join_fleet(
             (client.clone(), client)
         }
     };
-    let fleet = Arc::new(Fleet::new(
-        directory,
-        lease,
+    let forwarder = Forwarder::new(
+        worker.id.clone(),
+        directory.clone(),
+        Arc::clone(&lease),
         client,
         probe_client,
+        Arc::clone(config),
+        Arc::clone(&worker.metrics),
+    );
+    let fleet = Arc::new(Fleet::new(
+        worker.id.clone(),
+        directory,
+        lease,
         Arc::clone(config),
         Arc::clone(&worker.metrics),
         adoption_keys(config)?,
     ));
     let _ = worker
         .mesh_streams
-        .set((fleet.mesh.stream_counter(), server.stream_counter()));
-    worker.join(fleet);
+        .set((forwarder.mesh.stream_counter(), server.stream_counter()));
+    worker.join(fleet, forwarder);
     info!(worker = %worker.id, mesh = %advertised, transport = %kind, "joined the fleet");
     Ok(MeshMembership { server, advertised })
 }

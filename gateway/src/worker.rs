@@ -15,6 +15,7 @@ use crate::auth::Authenticator;
 use crate::config::Config;
 use crate::execute::upstream::Upstream;
 use crate::fleet::Fleet;
+use crate::forward::caller::Forwarder;
 use crate::lease::LeaseCheck;
 use crate::mcp::GatewayError;
 use crate::metrics::Metrics;
@@ -57,6 +58,8 @@ pub struct Worker {
     draining: AtomicBool,
     /// The fleet this worker belongs to; unset for a standalone worker.
     fleet: OnceLock<Arc<Fleet>>,
+    /// The forwarding stage, set with the fleet.
+    forwarder: OnceLock<Forwarder>,
     /// Turns true when this worker was fenced (declared dead by the fleet): the
     /// process must stop serving and exit so it is replaced under a new id. The
     /// worker's main loop ([`crate::serve`]) is the one place that acts on it.
@@ -105,15 +108,16 @@ impl Worker {
             sessions: SessionRegistry::default(),
             draining: AtomicBool::new(false),
             fleet: OnceLock::new(),
+            forwarder: OnceLock::new(),
             fenced: watch::Sender::new(false),
             drain_requested: watch::Sender::new(false),
         }))
     }
 
     /// Joins a fleet: from now on sessions are recorded in its directory and
-    /// requests for other workers' sessions are forwarded.
-    pub fn join(&self, fleet: Arc<Fleet>) {
-        if self.fleet.set(fleet).is_err() {
+    /// requests for other workers' sessions are forwarded by `forwarder`.
+    pub fn join(&self, fleet: Arc<Fleet>, forwarder: Forwarder) {
+        if self.fleet.set(fleet).is_err() || self.forwarder.set(forwarder).is_err() {
             error!(worker = %self.id, "joined a fleet twice; keeping the first membership");
         }
     }
@@ -128,6 +132,11 @@ impl Worker {
 
     pub fn fleet(&self) -> Option<&Arc<Fleet>> {
         self.fleet.get()
+    }
+
+    /// The forwarding stage; none for a standalone worker.
+    pub fn forwarder(&self) -> Option<&Forwarder> {
+        self.forwarder.get()
     }
 
     /// Whether this worker may act for its sessions now: always when standalone; in a
@@ -187,7 +196,7 @@ impl Worker {
         initialize: Option<&serde_json::Value>,
     ) -> Result<(), GatewayError> {
         match self.fleet.get() {
-            Some(fleet) => fleet.claim(session, &self.id, initialize).await,
+            Some(fleet) => fleet.claim(session, initialize).await,
             None => Ok(()),
         }
     }
@@ -206,7 +215,7 @@ impl Worker {
                 self.sessions.keep_retired(Arc::clone(session), &why);
             }
             if let Some(fleet) = self.fleet.get() {
-                fleet.release(session, &self.id).await;
+                fleet.release(session).await;
             }
             session.streams.close();
             self.close_link(session.upstream, &session.link).await;
@@ -219,7 +228,7 @@ impl Worker {
         if let Some(session) = self.sessions.remove(session_id)
             && let Some(fleet) = self.fleet.get()
         {
-            fleet.release(&session, &self.id).await;
+            fleet.release(&session).await;
         }
     }
 

@@ -78,23 +78,21 @@ impl Worker {
         });
         match (decide(&situation), self.fleet()) {
             (Decision::ExecuteHere, _) => self.execute_held(call, local).await,
-            (Decision::Forward, Some(fleet)) => {
-                match self.forward_counted(fleet, &call, None).await {
-                    Ok(reply) => Ok(reply),
-                    Err(unanswered) => match decision::after_forward(
-                        unanswered.situation,
-                        &self.standing(fleet, &call),
-                    ) {
-                        AfterForward::Adopt => self.adopt_or_refuse(fleet, call, unanswered).await,
-                        AfterForward::Refuse(situation, Some(why)) => {
-                            Err(self.refuse(&situation, why, call.id()))
-                        }
-                        AfterForward::Refuse(_, None) => {
-                            Err(self.refuse_unanswered(unanswered, call.id()))
-                        }
-                    },
-                }
-            }
+            (Decision::Forward, Some(fleet)) => match self.forward_counted(&call, None).await {
+                Ok(reply) => Ok(reply),
+                Err(unanswered) => match decision::after_forward(
+                    unanswered.situation,
+                    &self.standing(fleet, &call),
+                ) {
+                    AfterForward::Adopt => self.adopt_or_refuse(fleet, call, unanswered).await,
+                    AfterForward::Refuse(situation, Some(why)) => {
+                        Err(self.refuse(&situation, why, call.id()))
+                    }
+                    AfterForward::Refuse(_, None) => {
+                        Err(self.refuse_unanswered(unanswered, call.id()))
+                    }
+                },
+            },
             (Decision::Forward, None) => Err(GatewayError::session_not_found().with_id(call.id())),
             // The edge never asks for facts or answers "not mine": those are the owner's.
             (Decision::Refuse(_) | Decision::Ask(_) | Decision::NotMine, _) => {
@@ -133,7 +131,7 @@ impl Worker {
         match self.try_adopt(fleet, call).await {
             AdoptionOutcome::Ran(result) => result,
             AdoptionOutcome::OwnedBy(owner, call) => self
-                .forward_counted(fleet, &call, Some(&owner))
+                .forward_counted(&call, Some(&owner))
                 .await
                 .map_err(|unanswered| self.refuse_unanswered(unanswered, call.id())),
             AdoptionOutcome::NotAdoptable(call) => {
@@ -149,7 +147,11 @@ impl Worker {
         let Some(sid) = call.session_id.clone() else {
             return AdoptionOutcome::NotAdoptable(call);
         };
-        fleet.forget_moved(&sid);
+        let forwarder = self.forwarder();
+        if let Some(forwarder) = forwarder {
+            forwarder.forget_moved(&sid);
+        }
+        let known_dead = |owner: &str| forwarder.is_some_and(|f| f.known_dead(owner));
         let route = &self.config.upstreams[call.upstream].name;
         let guard = crate::adoption::guard_of(route, &call.auth.subject);
         let tag = crate::session::tag_of(&sid);
@@ -159,7 +161,7 @@ impl Worker {
         // shortly rather than forward to the dead.
         for _ in 0..RECLAIM_WAITS {
             match &asked {
-                Ok(Adoption::OwnedBy(owner)) if fleet.known_dead(owner) => {
+                Ok(Adoption::OwnedBy(owner)) if known_dead(owner) => {
                     tokio::time::sleep(RECLAIM_WAIT).await;
                     asked = fleet.directory.adopt_session(&sid, &self.id, &guard).await;
                 }
@@ -167,13 +169,12 @@ impl Worker {
             }
         }
         match asked {
-            Ok(Adoption::OwnedBy(owner)) if fleet.known_dead(&owner) => {
-                AdoptionOutcome::Ran(Err(self.refuse(
+            Ok(Adoption::OwnedBy(owner)) if known_dead(&owner) => AdoptionOutcome::Ran(Err(self
+                .refuse(
                     &Situation::Unknown,
                     "its owner was found dead and its sessions are still being freed",
                     call.id(),
-                )))
-            }
+                ))),
             Ok(Adoption::Adopted { payload, cause }) => {
                 AdoptionOutcome::Ran(self.run_adopted(fleet, call, &payload, Some(cause)).await)
             }
@@ -181,7 +182,9 @@ impl Worker {
                 AdoptionOutcome::Ran(self.run_adopted(fleet, call, &payload, None).await)
             }
             Ok(Adoption::OwnedBy(owner)) if owner != self.id => {
-                fleet.remember_moved(&sid, &owner);
+                if let Some(forwarder) = forwarder {
+                    forwarder.remember_moved(&sid, &owner);
+                }
                 AdoptionOutcome::OwnedBy(owner, call)
             }
             Ok(Adoption::CannotContinue) => {
@@ -346,14 +349,19 @@ impl Worker {
     /// answer head.
     pub(crate) async fn forward_counted(
         &self,
-        fleet: &Fleet,
         call: &Call,
         recorded: Option<&str>,
     ) -> Result<Reply, Unanswered> {
+        let Some(forwarder) = self.forwarder() else {
+            return Err(Unanswered::new(
+                Situation::NoSuchSession,
+                "this worker belongs to no fleet",
+            ));
+        };
         let started = tokio::time::Instant::now();
         let result = match recorded {
-            Some(owner) => fleet.forward_to_recorded_owner(&self.id, owner, call).await,
-            None => fleet.forward_to_owner(&self.id, call).await,
+            Some(owner) => forwarder.forward_to_recorded_owner(owner, call).await,
+            None => forwarder.forward_to_owner(call).await,
         };
         let outcome = match &result {
             Ok(_) => "answered",
@@ -366,7 +374,7 @@ impl Worker {
             },
         };
         self.metrics
-            .forward(fleet.transport_label(), outcome, started.elapsed());
+            .forward(forwarder.transport_label(), outcome, started.elapsed());
         result
     }
 

@@ -182,7 +182,7 @@ impl Worker {
             // such record back, so the directory holds no session nobody was given.
             self.close_link(upstream_index, &session.link).await;
             if let Some(fleet) = self.fleet() {
-                fleet.release_unclaimed(Arc::new(session), &self.id);
+                fleet.release_unclaimed(Arc::new(session));
             }
             return Err(error.with_id(id));
         }
@@ -398,7 +398,7 @@ impl Worker {
         self.metrics.session_ended("lost", 1);
         session.streams.close();
         if let Some(fleet) = self.fleet() {
-            fleet.release(&session, &self.id).await;
+            fleet.release(&session).await;
         }
     }
 

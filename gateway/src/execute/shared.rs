@@ -143,7 +143,7 @@ impl Worker {
                 // succeeds), so the record and the session agree again.
                 SharedStanding::StaleOwnRecord => return self.execute_local(call, None).await,
                 SharedStanding::Forward(owner) => {
-                    match self.forward_counted(fleet, &call, Some(&owner)).await {
+                    match self.forward_counted(&call, Some(&owner)).await {
                         Ok(reply) => return Ok(reply),
                         // The owner no longer holds it, or was proven gone (and its
                         // sessions reclaimed): the directory now says how it ended.
@@ -351,7 +351,7 @@ impl Worker {
                     drop(guard);
                     debug!(session = %session::tag_of(&key), "shared session opened elsewhere first");
                     return self
-                        .forward_counted(fleet, &call, None)
+                        .forward_counted(&call, None)
                         .await
                         .map_err(|unanswered| {
                             self.refuse_shared(&unanswered.situation, &unanswered.why, &call)
@@ -477,7 +477,7 @@ impl Worker {
         {
             return;
         }
-        fleet.release(session, &self.id).await;
+        fleet.release(session).await;
         let _ = fleet.directory.remembered_session(&session.id).await;
     }
 

@@ -1,31 +1,35 @@
-//! The caller's side of forwarding: a request for a session held by another worker
-//! goes to that worker over the mesh, and its streamed answer comes back as a reply.
-//! This file carries out what the decision core's forward machine
+//! The caller's side of forwarding, the [`Forwarder`] stage: a request for a session
+//! held by another worker goes to that worker over the mesh, and its streamed answer
+//! comes back as a reply. The forwarder owns its mesh pools, the peers' addresses, and
+//! the owners it has proven dead. It carries out what the decision core's forward machine
 //! ([`crate::decision::forward`]) asks for: directory lookups, the send, waits, probes
 //! on a fresh connection, and burying an owner proven dead (reclaiming its sessions).
 //! Every judgement is the machine's; while the request's answer may still come, each
 //! lookup and probe races it, and the answer wins.
 
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures_util::stream::unfold;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
-use mcpgw_mesh::directory::DirectoryError;
-use mcpgw_mesh::transport::{ForwardedResponse, MeshError, TransportKind};
+use mcpgw_mesh::directory::{Directory, DirectoryError};
+use mcpgw_mesh::transport::{ForwardedResponse, MeshClient, MeshError, TransportKind};
 use mcpgw_wire::RequestFrame;
+use parking_lot::RwLock;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::body::{BoxError, ReplyBody};
+use crate::config::Config;
 use crate::decision::Situation;
 use crate::decision::forward::{Action, Address, Caller, Event, Forwarding, Unanswered};
 use crate::decision::proofs::{Failure, ProbeSign, describe};
-use crate::fleet::Fleet;
+use crate::lease::LeaseHolder;
 use crate::mcp;
 use crate::reply::Reply;
 use crate::request::Call;
@@ -34,18 +38,127 @@ use crate::session;
 /// A forward's outcome, as the mesh gives it.
 type Forwarded = Result<ForwardedResponse, MeshError>;
 
-impl Fleet {
-    /// Sends `call` (for a session this worker, `this_worker`, does not hold) to the
-    /// session's owner and returns its answer, or the situation that answers instead.
-    pub async fn forward_to_owner(
-        &self,
-        this_worker: &str,
-        call: &Call,
-    ) -> Result<Reply, Unanswered> {
+/// Sessions remembered as adopted by another worker at most (see [`Fleet::moved`]).
+const MAX_REMEMBERED_MOVES: usize = 65_536;
+
+/// Dead workers remembered at most; a fleet that loses more within the memory's
+/// lifetime falls back to asking the directory.
+const MAX_REMEMBERED_DEAD: usize = 4096;
+
+/// The forwarding stage: sends calls for other workers' sessions to their owners.
+pub struct Forwarder {
+    /// This worker's id.
+    id: String,
+    /// Where owners, their addresses and leases are looked up, and dead owners reclaimed.
+    directory: Directory,
+    /// This worker's lease: its generation and whether it was fenced.
+    lease: Arc<LeaseHolder>,
+    /// Forwards requests to the owners of other workers' sessions.
+    pub(crate) mesh: MeshClient,
+    /// A separate pool for liveness probes, so a probe always dials afresh instead of
+    /// riding the connection whose health is in question.
+    probe_mesh: MeshClient,
+    /// Mesh addresses of peers by worker id, so steady-state forwarding needs no Redis.
+    peers: RwLock<HashMap<String, String>>,
+    /// Workers this worker proved dead, and when: once reclaimed, a dead worker leaves
+    /// no trace in the directory, so later requests for its sessions are answered
+    /// "gone" from here. Bounded (see [`Forwarder::remember_dead`]).
+    buried: parking_lot::Mutex<HashMap<String, tokio::time::Instant>>,
+    /// Sessions whose owner left them and that another worker adopted, by session id:
+    /// their ids still hint the old owner, so without this every request for one
+    /// would ask the directory who holds it now. Bounded; a stale entry is corrected
+    /// by the owner's "not mine".
+    moved: RwLock<HashMap<String, String>>,
+    /// Ids of forwarded requests, unique per caller.
+    request_ids: AtomicU64,
+    config: Arc<Config>,
+    /// The worker's metrics: proofs of death, reclaims.
+    metrics: Arc<crate::metrics::Metrics>,
+}
+
+impl Forwarder {
+    pub fn new(
+        id: String,
+        directory: Directory,
+        lease: Arc<LeaseHolder>,
+        mesh: MeshClient,
+        probe_mesh: MeshClient,
+        config: Arc<Config>,
+        metrics: Arc<crate::metrics::Metrics>,
+    ) -> Forwarder {
+        Forwarder {
+            id,
+            directory,
+            lease,
+            mesh,
+            probe_mesh,
+            peers: RwLock::new(HashMap::new()),
+            buried: parking_lot::Mutex::new(HashMap::new()),
+            moved: RwLock::new(HashMap::new()),
+            request_ids: AtomicU64::new(1),
+            config,
+            metrics,
+        }
+    }
+
+    /// Remembers that `owner` was proven dead, for a while (ids are never reused, so
+    /// the memory only needs to outlast the clients that still hold its sessions).
+    pub(crate) fn remember_dead(&self, owner: &str) {
+        let now = tokio::time::Instant::now();
+        let keep = self.config.fleet.lease * 60;
+        let mut buried = self.buried.lock();
+        if buried.len() >= MAX_REMEMBERED_DEAD {
+            buried.retain(|_, at| now.duration_since(*at) < keep);
+            if buried.len() >= MAX_REMEMBERED_DEAD {
+                buried.clear();
+            }
+        }
+        buried.insert(owner.to_owned(), now);
+    }
+
+    /// Remembers that `owner` adopted session `sid`.
+    pub(crate) fn remember_moved(&self, sid: &str, owner: &str) {
+        let mut moved = self.moved.write();
+        if moved.len() >= MAX_REMEMBERED_MOVES {
+            moved.clear();
+        }
+        moved.insert(sid.to_owned(), owner.to_owned());
+    }
+
+    /// Who adopted session `sid`, as this worker last learnt.
+    pub(crate) fn moved_to(&self, sid: &str) -> Option<String> {
+        self.moved.read().get(sid).cloned()
+    }
+
+    pub(crate) fn forget_moved(&self, sid: &str) {
+        self.moved.write().remove(sid);
+    }
+
+    /// Whether this worker proved `owner` dead recently.
+    pub(crate) fn known_dead(&self, owner: &str) -> bool {
+        let keep = self.config.fleet.lease * 60;
+        self.buried
+            .lock()
+            .get(owner)
+            .is_some_and(|at| at.elapsed() < keep)
+    }
+
+    /// The mesh transport's name as a metric label.
+    pub fn transport_label(&self) -> &'static str {
+        match self.mesh.kind() {
+            mcpgw_mesh::transport::TransportKind::Quic => "quic",
+            mcpgw_mesh::transport::TransportKind::Tcp => "tcp",
+            mcpgw_mesh::transport::TransportKind::Redis => "redis",
+        }
+    }
+
+    /// Sends `call` (for a session this worker does not hold) to the session's owner
+    /// and returns its answer, or the situation that answers instead.
+    pub async fn forward_to_owner(&self, call: &Call) -> Result<Reply, Unanswered> {
         let Some(session_id) = call.session_id.as_deref() else {
             return Err(Unanswered::new(Situation::NoSuchSession, "no session id"));
         };
-        let caller = self.caller(this_worker);
+        let caller = self.caller();
         // A session adopted after its owner left still hints the old owner.
         let machine = match self.moved_to(session_id) {
             Some(adopter) => Forwarding::to(caller, &adopter),
@@ -59,21 +172,20 @@ impl Fleet {
     /// does once it knows the owner.
     pub async fn forward_to_recorded_owner(
         &self,
-        this_worker: &str,
         owner: &str,
         call: &Call,
     ) -> Result<Reply, Unanswered> {
         let Some(session_id) = call.session_id.as_deref() else {
             return Err(Unanswered::new(Situation::NoSuchSession, "no session id"));
         };
-        let machine = Forwarding::to(self.caller(this_worker), owner);
+        let machine = Forwarding::to(self.caller(), owner);
         self.drive(machine, call, session_id).await
     }
 
     /// What the forward machine needs to know about this worker and its fleet.
-    fn caller(&self, this_worker: &str) -> Caller {
+    fn caller(&self) -> Caller {
         Caller {
-            this_worker: this_worker.to_owned(),
+            this_worker: self.id.clone(),
             generation: self.lease.generation(),
             lease: self.config.fleet.lease,
             refusal_proves: self.refusal_proves(),
