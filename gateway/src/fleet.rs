@@ -4,7 +4,6 @@
 //! Forwarding is a stage of its own, [`crate::forward::caller::Forwarder`]; acting on
 //! the lease's outcomes lives with the worker ([`crate::worker`]).
 
-use crate::reason::Reason;
 use std::sync::Arc;
 
 use http::StatusCode;
@@ -15,11 +14,23 @@ use tracing::{info, warn};
 
 use crate::adoption::{self, AdoptionKeys};
 use crate::config::Config;
-use crate::dispatch::refuse::RETRY_AFTER_SECONDS;
 use crate::execute::upstream::UpstreamLink;
 use crate::lease::LeaseHolder;
-use crate::mcp::GatewayError;
 use crate::session::Session;
+
+/// Why a session was not recorded as this worker's. Rendered for the client by the
+/// worker ([`crate::worker`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimError {
+    /// Its quota key (`key`) holds its fleet-wide `limit` of sessions already.
+    OverQuota { limit: usize, key: String },
+    /// The freshly minted id is claimed already.
+    Collision,
+    /// The directory did not answer in time: no session was created.
+    DirectoryUnavailable(String),
+    /// What it needs to continue elsewhere could not be sealed.
+    Unrecordable(String),
+}
 
 pub struct Fleet {
     /// This worker's id: the owner it records its sessions under.
@@ -68,7 +79,7 @@ impl Fleet {
         &self,
         session: &Session,
         initialize: Option<&serde_json::Value>,
-    ) -> Result<(), GatewayError> {
+    ) -> Result<(), ClaimError> {
         let quota = self.config.limits.session_quota(&session.quota_key);
         let quota = (quota > 0).then_some(SessionQuota {
             key: &session.quota_key,
@@ -87,25 +98,12 @@ impl Fleet {
             .await
         {
             Ok(Claim::Claimed) => Ok(()),
-            Ok(Claim::OverQuota) => Err(crate::execute::quota_exceeded(
-                self.config.limits.session_quota(&session.quota_key),
-                &session.quota_key,
-            )),
-            Ok(Claim::Taken) => Err(GatewayError::gateway(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                Reason::SessionIdCollision,
-                "a freshly minted session id is already claimed: retry initialize",
-            )),
-            Err(e) => Err(GatewayError::gateway(
-                StatusCode::SERVICE_UNAVAILABLE,
-                Reason::DirectoryUnavailable,
-                "the fleet directory did not record the new session in time; no session was \
-                 created: retry initialize",
-            )
-            .with_reason(Reason::DirectoryUnavailable)
-            .with_data(serde_json::json!({ "retryable": true}))
-            .with_retry_after(RETRY_AFTER_SECONDS)
-            .with_log_detail(e.to_string())),
+            Ok(Claim::OverQuota) => Err(ClaimError::OverQuota {
+                limit: self.config.limits.session_quota(&session.quota_key),
+                key: session.quota_key.clone(),
+            }),
+            Ok(Claim::Taken) => Err(ClaimError::Collision),
+            Err(e) => Err(ClaimError::DirectoryUnavailable(e.to_string())),
         }
     }
 
@@ -116,16 +114,10 @@ impl Fleet {
         &self,
         session: &Session,
         initialize: Option<&serde_json::Value>,
-    ) -> Result<(Option<SessionKind>, String, String), GatewayError> {
+    ) -> Result<(Option<SessionKind>, String, String), ClaimError> {
         let route = &self.config.upstreams[session.upstream].name;
         let guard = adoption::guard_of(route, &session.principal);
-        let unrecorded = |e: String| {
-            GatewayError::gateway(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                Reason::EntropyUnavailable,
-                format!("could not record the new session for adoption: {e}"),
-            )
-        };
+        let unrecorded = ClaimError::Unrecordable;
         let params = initialize.and_then(|message| message.get("params"));
         let (kind, payload) = match (&self.adoption, &session.link) {
             (None, _) => (None, String::new()),

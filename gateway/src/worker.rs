@@ -13,8 +13,9 @@ use tracing::{error, info, warn};
 
 use crate::auth::Authenticator;
 use crate::config::Config;
+use crate::dispatch::refuse::RETRY_AFTER_SECONDS;
 use crate::execute::upstream::Upstream;
-use crate::fleet::Fleet;
+use crate::fleet::{ClaimError, Fleet};
 use crate::forward::caller::Forwarder;
 use crate::lease::LeaseCheck;
 use crate::mcp::GatewayError;
@@ -196,7 +197,10 @@ impl Worker {
         initialize: Option<&serde_json::Value>,
     ) -> Result<(), GatewayError> {
         match self.fleet.get() {
-            Some(fleet) => fleet.claim(session, initialize).await,
+            Some(fleet) => fleet
+                .claim(session, initialize)
+                .await
+                .map_err(claim_refused),
             None => Ok(()),
         }
     }
@@ -284,5 +288,31 @@ impl Worker {
 
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::Relaxed);
+    }
+}
+
+/// The client's answer for a session the fleet did not record.
+pub(crate) fn claim_refused(error: ClaimError) -> GatewayError {
+    match error {
+        ClaimError::OverQuota { limit, key } => crate::execute::quota_exceeded(limit, &key),
+        ClaimError::Collision => GatewayError::gateway(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Reason::SessionIdCollision,
+            "a freshly minted session id is already claimed: retry initialize",
+        ),
+        ClaimError::DirectoryUnavailable(detail) => GatewayError::gateway(
+            StatusCode::SERVICE_UNAVAILABLE,
+            Reason::DirectoryUnavailable,
+            "the fleet directory did not record the new session in time; no session was \
+             created: retry initialize",
+        )
+        .with_data(serde_json::json!({ "retryable": true}))
+        .with_retry_after(RETRY_AFTER_SECONDS)
+        .with_log_detail(detail),
+        ClaimError::Unrecordable(why) => GatewayError::gateway(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Reason::EntropyUnavailable,
+            format!("could not record the new session for adoption: {why}"),
+        ),
     }
 }

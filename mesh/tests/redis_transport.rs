@@ -139,7 +139,7 @@ async fn a_worker_without_a_subscriber_is_refused(redis: &RedisServer) {
     assert_eq!(mesh.record.started.load(Ordering::SeqCst), 0);
 }
 
-/// DESIGN invariant 2 over Redis: exactly one subscriber per worker request channel,
+/// Invariant 2 (docs/architecture.md) over Redis: exactly one subscriber per worker request channel,
 /// and a second process under the same worker id cannot become another.
 async fn one_subscriber_per_worker_channel(redis: &RedisServer) {
     let mesh = start(redis).await;

@@ -128,7 +128,7 @@ fn sdk_client_in_2026_mode_through_a_fleet() {
     );
 }
 
-/// The Redis pub/sub baseline passes the same suite, and keeps DESIGN invariant 2:
+/// The Redis pub/sub baseline passes the same suite, and keeps invariant 2 (docs/architecture.md):
 /// every worker's request channel has exactly one subscriber.
 #[test]
 fn forwarding_over_redis() {

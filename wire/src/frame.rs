@@ -126,7 +126,7 @@ pub struct RequestFrame {
     pub headers: Vec<(String, String)>,
     /// The request body as the client sent it.
     pub body: Bytes,
-    /// What the receiving worker established about the client (DESIGN invariant 4:
+    /// What the receiving worker established about the client (docs/architecture.md, invariant 4:
     /// the edge decides auth, once).
     pub auth: AuthContext,
     /// Time left for this request in milliseconds, relative so that clock skew

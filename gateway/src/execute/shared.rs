@@ -333,7 +333,7 @@ impl Worker {
         if let Some(fleet) = self.fleet() {
             let (kind, adoption_guard, payload) = fleet
                 .adoption_record(&session, None)
-                .map_err(|e| e.with_id(id.clone()))?;
+                .map_err(|e| crate::worker::claim_refused(e).with_id(id.clone()))?;
             let state = kind.map(|kind| SessionState {
                 kind,
                 guard: &adoption_guard,
