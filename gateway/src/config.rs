@@ -11,6 +11,9 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
 
+use mcpgw_mesh::directory::DirectoryConfig;
+use mcpgw_mesh::transport::MeshLimits;
+
 use crate::auth::config::{AuthArgs, AuthConfig};
 
 /// A configuration value that cannot be used, named by its field.
@@ -194,6 +197,17 @@ pub struct UpstreamTls {
     pub client_cert: Option<PathBuf>,
     /// Its private key (PEM).
     pub client_key: Option<PathBuf>,
+}
+
+impl UpstreamTls {
+    /// The files, each with the name of its `[[upstream]]` key.
+    fn files(&self) -> [(&'static str, Option<&Path>); 3] {
+        [
+            ("tls_ca", self.ca.as_deref()),
+            ("tls_client_cert", self.client_cert.as_deref()),
+            ("tls_client_key", self.client_key.as_deref()),
+        ]
+    }
 }
 
 /// A stdio upstream: the command every session starts.
@@ -396,36 +410,38 @@ pub struct MeshConfig {
     pub key: Option<PathBuf>,
     /// How long a forwarded request may wait for the owner's answer to begin.
     pub forward_timeout: Duration,
-    /// Connect deadline to a peer; past it the owner is unreachable (unknown, not dead).
-    pub connect_timeout: Duration,
-    pub max_frame_bytes: usize,
-    /// Short requests in flight to (and from) one peer; past it, 503 at once.
-    pub max_in_flight_per_peer: usize,
-    /// Long-lived exchanges (GET streams, SSE answers) to (and from) one peer; a
-    /// separate budget, so held streams never make a short request wait.
-    pub max_streams_per_peer: usize,
-    /// TCP mesh: connections per peer, each multiplexing many exchanges.
-    pub tcp_connections_per_peer: usize,
-    /// TCP mesh: body bytes an owner may send on one exchange ahead of the caller.
-    pub stream_window_bytes: usize,
     /// The trust domain of mesh identities (`spiffe://{domain}/mesh/{member}`), as
     /// `mcpgw certs init --trust-domain` set it.
     pub trust_domain: String,
-    /// How long a mesh connection takes new requests before a fresh one (with the
-    /// certificates in use then) replaces it; an owner closes one still open at 1.5×
-    /// this. Bounds how long removed credentials stay in use after a rotation.
-    pub max_connection_age: Duration,
     /// Period of the fallback check of the certificate files (a file watcher sees
     /// most changes at once).
     pub cert_reload_interval: Duration,
-    /// The newest mesh protocol version this worker offers: the current one by
-    /// default; the one before holds a fleet at the previous release's protocol while
-    /// a rolling upgrade runs (then raise it, one worker at a time again).
-    pub protocol_version: u32,
+    /// The mesh endpoint's limits, handed to the mesh server and clients as they are;
+    /// their defaults are `MeshLimits::default()`. File keys (and flags) map onto them:
+    /// `connect_timeout_ms`, `max_frame_bytes` (`max_frame`), `max_in_flight_per_peer`,
+    /// `max_streams_per_peer`, `tcp_connections_per_peer` (`tcp_pool_size`),
+    /// `stream_window_bytes` (`stream_window`), `max_connection_age_ms` and
+    /// `protocol_version` (`max_protocol_version`: the one before the current holds a
+    /// fleet at the previous release's protocol while a rolling upgrade runs).
+    pub limits: MeshLimits,
+}
+
+impl MeshConfig {
+    /// The mTLS files, each with the name of its setting.
+    fn certificate_files(&self) -> [(&'static str, Option<&Path>); 3] {
+        [
+            ("mesh.ca", self.ca.as_deref()),
+            ("mesh.cert", self.cert.as_deref()),
+            ("mesh.key", self.key.as_deref()),
+        ]
+    }
 }
 
 impl Default for Config {
     fn default() -> Self {
+        // The fleet directory's and the mesh's own defaults are the production values;
+        // the settings that configure them start from there.
+        let directory = DirectoryConfig::default();
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             upstreams: Vec::new(),
@@ -448,9 +464,9 @@ impl Default for Config {
             fleet: FleetConfig {
                 workers: 1,
                 redis_url: None,
-                key_prefix: "mcpgw:".into(),
-                lease: Duration::from_secs(10),
-                directory_timeout: Duration::from_millis(500),
+                key_prefix: directory.prefix,
+                lease: directory.lease,
+                directory_timeout: directory.op_timeout,
                 worker_id: None,
                 gone_status: 404,
                 stateless_when_unknown: false,
@@ -466,16 +482,9 @@ impl Default for Config {
                 cert: None,
                 key: None,
                 forward_timeout: Duration::from_secs(30),
-                connect_timeout: Duration::from_secs(2),
-                max_frame_bytes: 8 * 1024 * 1024,
-                max_in_flight_per_peer: 1024,
-                max_streams_per_peer: 32_768,
-                tcp_connections_per_peer: 2,
-                stream_window_bytes: 256 * 1024,
                 trust_domain: mcpgw_certs::DEFAULT_TRUST_DOMAIN.to_owned(),
-                max_connection_age: Duration::from_secs(600),
                 cert_reload_interval: Duration::from_secs(10),
-                protocol_version: mcpgw_wire::PROTOCOL_VERSION,
+                limits: MeshLimits::default(),
             },
             auth: AuthConfig::default(),
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -916,6 +925,37 @@ struct FileMesh {
 }
 
 impl Limits {
+    fn validate(&self) -> Result<(), ConfigError> {
+        for (field, zero) in [
+            ("limits.max_body_bytes", self.max_body_bytes == 0),
+            ("limits.max_sessions", self.max_sessions == 0),
+            (
+                "limits.session_idle_timeout_ms",
+                self.session_idle_timeout.is_zero(),
+            ),
+            ("limits.body_timeout_ms", self.body_timeout.is_zero()),
+            ("limits.max_connections", self.max_connections == 0),
+            ("limits.max_sse_event_bytes", self.max_sse_event_bytes == 0),
+        ] {
+            if zero {
+                return Err(invalid(field, "must be greater than 0"));
+            }
+        }
+        if self.max_header_bytes < 8192 {
+            return Err(invalid(
+                "limits.max_header_bytes",
+                "must be at least 8192 (HTTP/1.1 clients send several KiB of headers)",
+            ));
+        }
+        if self.upstream_request_timeout.is_zero() {
+            return Err(invalid(
+                "limits.upstream_request_timeout_ms",
+                "must be greater than 0",
+            ));
+        }
+        Ok(())
+    }
+
     /// The session quota of a quota key (see [`crate::request::Call::quota_key`]): by
     /// principal, or by client address in public mode; 0 means none.
     pub fn session_quota(&self, quota_key: &str) -> usize {
@@ -931,7 +971,9 @@ impl Limits {
 
 impl Config {
     /// Builds the configuration from file, environment (already folded into `args` by
-    /// clap) and flags, then validates it.
+    /// clap) and flags, validates it, and checks that the files it names are there.
+    /// What those files hold (keys, tokens, JWKS) is read by whoever uses them: the
+    /// authenticator is built by `serve::run` before any worker starts.
     pub fn load(args: &ServeArgs) -> Result<Config, ConfigError> {
         let mut file = match &args.config {
             Some(path) => read_file(path)?,
@@ -944,6 +986,7 @@ impl Config {
         config.apply_args(args)?;
         config.add_virtual_servers(servers)?;
         config.validate()?;
+        config.check_files()?;
         Ok(config)
     }
 
@@ -1041,21 +1084,16 @@ impl Config {
         }
         set_ms(&mut self.mesh.forward_timeout, m.forward_timeout_ms);
         self.auth = file.auth;
-        set_ms(&mut self.mesh.connect_timeout, m.connect_timeout_ms);
-        set(&mut self.mesh.max_frame_bytes, m.max_frame_bytes);
-        set(
-            &mut self.mesh.max_in_flight_per_peer,
-            m.max_in_flight_per_peer,
-        );
-        set(&mut self.mesh.max_streams_per_peer, m.max_streams_per_peer);
-        set(
-            &mut self.mesh.tcp_connections_per_peer,
-            m.tcp_connections_per_peer,
-        );
-        set(&mut self.mesh.stream_window_bytes, m.stream_window_bytes);
-        set(&mut self.mesh.protocol_version, m.protocol_version);
+        let limits = &mut self.mesh.limits;
+        set_ms(&mut limits.connect_timeout, m.connect_timeout_ms);
+        set(&mut limits.max_frame, m.max_frame_bytes);
+        set(&mut limits.max_in_flight_per_peer, m.max_in_flight_per_peer);
+        set(&mut limits.max_streams_per_peer, m.max_streams_per_peer);
+        set(&mut limits.tcp_pool_size, m.tcp_connections_per_peer);
+        set(&mut limits.stream_window, m.stream_window_bytes);
+        set(&mut limits.max_protocol_version, m.protocol_version);
+        set_ms(&mut limits.max_connection_age, m.max_connection_age_ms);
         set(&mut self.mesh.trust_domain, m.trust_domain);
-        set_ms(&mut self.mesh.max_connection_age, m.max_connection_age_ms);
         set_ms(
             &mut self.mesh.cert_reload_interval,
             m.cert_reload_interval_ms,
@@ -1111,14 +1149,17 @@ impl Config {
         }
         set(&mut self.mesh.trust_domain, a.mesh_trust_domain.clone());
         set_ms(
-            &mut self.mesh.max_connection_age,
+            &mut self.mesh.limits.max_connection_age,
             a.mesh_max_connection_age_ms,
         );
         set_ms(
             &mut self.mesh.cert_reload_interval,
             a.mesh_cert_reload_interval_ms,
         );
-        set(&mut self.mesh.protocol_version, a.mesh_protocol_version);
+        set(
+            &mut self.mesh.limits.max_protocol_version,
+            a.mesh_protocol_version,
+        );
         set(&mut self.limits.max_body_bytes, a.max_body_bytes);
         set_ms(
             &mut self.limits.upstream_request_timeout,
@@ -1174,7 +1215,20 @@ impl Config {
         Ok(())
     }
 
-    fn validate(&self) -> Result<(), ConfigError> {
+    /// Checks the settings, each against the others. Pure: it reads no file and
+    /// builds nothing, so a test can call it on any `Config`; what the settings name on
+    /// disk is checked after it ([`Config::check_files`]), and the authenticator is
+    /// built from the validated configuration by `serve`.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_upstreams()?;
+        self.limits.validate()?;
+        self.validate_fleet()?;
+        self.validate_mesh()?;
+        self.validate_auth()?;
+        self.validate_telemetry()
+    }
+
+    fn validate_upstreams(&self) -> Result<(), ConfigError> {
         if self.upstreams.is_empty() {
             return Err(invalid(
                 "upstream",
@@ -1205,50 +1259,21 @@ impl Config {
             }
             check_upstream_target(&field, &upstream.target)?;
         }
-        if self.limits.max_body_bytes == 0 {
-            return Err(invalid("limits.max_body_bytes", "must be greater than 0"));
-        }
-        if self.limits.max_sessions == 0 {
-            return Err(invalid("limits.max_sessions", "must be greater than 0"));
-        }
-        for (field, zero) in [
-            (
-                "limits.session_idle_timeout_ms",
-                self.limits.session_idle_timeout.is_zero(),
-            ),
-            ("limits.body_timeout_ms", self.limits.body_timeout.is_zero()),
-            ("limits.max_connections", self.limits.max_connections == 0),
-            (
-                "limits.max_sse_event_bytes",
-                self.limits.max_sse_event_bytes == 0,
-            ),
-        ] {
-            if zero {
-                return Err(invalid(field, "must be greater than 0"));
-            }
-        }
-        if self.limits.max_header_bytes < 8192 {
-            return Err(invalid(
-                "limits.max_header_bytes",
-                "must be at least 8192 (HTTP/1.1 clients send several KiB of headers)",
-            ));
-        }
-        if self.limits.upstream_request_timeout.is_zero() {
-            return Err(invalid(
-                "limits.upstream_request_timeout_ms",
-                "must be greater than 0",
-            ));
-        }
-        if self.fleet.workers == 0 || self.fleet.workers > 1024 {
+        Ok(())
+    }
+
+    fn validate_fleet(&self) -> Result<(), ConfigError> {
+        let fleet = &self.fleet;
+        if fleet.workers == 0 || fleet.workers > 1024 {
             return Err(invalid("fleet.workers", "must be between 1 and 1024"));
         }
-        if self.fleet.workers > 1 && self.fleet.redis_url.is_none() {
+        if fleet.workers > 1 && fleet.redis_url.is_none() {
             return Err(invalid(
                 "fleet.redis_url",
                 "several workers need a shared directory: pass --redis redis://HOST:PORT",
             ));
         }
-        if let Some(url) = &self.fleet.redis_url
+        if let Some(url) = &fleet.redis_url
             && !REDIS_SCHEMES.iter().any(|scheme| url.starts_with(scheme))
         {
             return Err(invalid(
@@ -1258,8 +1283,7 @@ impl Config {
             ));
         }
         if self.mesh.transport == MeshTransport::Redis
-            && self
-                .fleet
+            && fleet
                 .redis_url
                 .as_deref()
                 .is_some_and(|url| !url.starts_with("redis://") && !url.starts_with("rediss://"))
@@ -1270,13 +1294,13 @@ impl Config {
                  (redis:// or rediss://), not Sentinel or Cluster",
             ));
         }
-        if self.fleet.worker_id.is_some() && self.fleet.workers != 1 {
+        if fleet.worker_id.is_some() && fleet.workers != 1 {
             return Err(invalid(
                 "fleet.worker_id",
                 "a fixed worker id needs --workers 1 (ids must be unique)",
             ));
         }
-        if let Some(id) = &self.fleet.worker_id
+        if let Some(id) = &fleet.worker_id
             && !valid_worker_id(id)
         {
             return Err(invalid(
@@ -1284,51 +1308,96 @@ impl Config {
                 "use 1 to 64 letters, digits, '-', '_' or '.'",
             ));
         }
-        if !matches!(self.fleet.gone_status, 404 | 409) {
+        if !matches!(fleet.gone_status, 404 | 409) {
             return Err(invalid(
                 "fleet.gone_status",
                 "must be 404 (MCP: re-initialize) or 409 (session reassigned)",
             ));
         }
-        if self.fleet.lease < Duration::from_secs(1) {
+        if fleet.lease < Duration::from_secs(1) {
             return Err(invalid("fleet.lease_ms", "must be at least 1000"));
         }
-        if self.fleet.sweep_interval() < Duration::from_millis(100) {
+        if fleet.sweep_interval() < Duration::from_millis(100) {
             return Err(invalid("fleet.sweep_interval_ms", "must be at least 100"));
         }
-        if self.mesh.transport == MeshTransport::Redis && self.fleet.redis_url.is_none() {
+        Ok(())
+    }
+
+    fn validate_mesh(&self) -> Result<(), ConfigError> {
+        let mesh = &self.mesh;
+        if mesh.transport == MeshTransport::Redis && self.fleet.redis_url.is_none() {
             return Err(invalid(
                 "mesh.transport",
                 "the redis mesh transport forwards through the fleet's Redis: pass --redis \
                  redis://HOST:PORT",
             ));
         }
-        if self.fleet.redis_url.is_some() {
-            for (field, value) in [
-                ("mesh.ca", &self.mesh.ca),
-                ("mesh.cert", &self.mesh.cert),
-                ("mesh.key", &self.mesh.key),
-            ] {
-                match value {
-                    // The Redis transport has no mTLS; files given anyway are still checked.
-                    None if self.mesh.transport == MeshTransport::Redis => {}
-                    None => {
-                        return Err(invalid(
-                            field,
-                            "a fleet (--redis) needs mesh certificates: pass --mesh-ca, \
-                             --mesh-cert and --mesh-key (see `mcpgw certs`)",
-                        ));
-                    }
-                    Some(path) if !path.is_file() => {
-                        return Err(invalid(
-                            field,
-                            format!("{} is not a readable file", path.display()),
-                        ));
-                    }
-                    Some(_) => {}
+        // The Redis transport has no mTLS; files given anyway are still checked (with
+        // the others, in `check_files`).
+        if self.fleet.redis_url.is_some() && mesh.transport != MeshTransport::Redis {
+            for (field, value) in mesh.certificate_files() {
+                if value.is_none() {
+                    return Err(invalid(
+                        field,
+                        "a fleet (--redis) needs mesh certificates: pass --mesh-ca, \
+                         --mesh-cert and --mesh-key (see `mcpgw certs`)",
+                    ));
                 }
             }
         }
+        let limits = &mesh.limits;
+        for (field, value) in [
+            ("mesh.max_in_flight_per_peer", limits.max_in_flight_per_peer),
+            ("mesh.max_streams_per_peer", limits.max_streams_per_peer),
+            ("mesh.tcp_connections_per_peer", limits.tcp_pool_size),
+        ] {
+            if value == 0 {
+                return Err(invalid(field, "must be at least 1"));
+            }
+        }
+        let spoken = mcpgw_wire::OLDEST_PROTOCOL_VERSION..=mcpgw_wire::PROTOCOL_VERSION;
+        if !spoken.contains(&limits.max_protocol_version) {
+            return Err(invalid(
+                "mesh.protocol_version",
+                format!(
+                    "{} is not a version this build speaks: use {} (the current one) or {} \
+                     (the one before, to hold the fleet at it during an upgrade)",
+                    limits.max_protocol_version,
+                    spoken.end(),
+                    spoken.start()
+                ),
+            ));
+        }
+        if let Err(e) = mcpgw_certs::TrustDomain::new(&mesh.trust_domain) {
+            return Err(invalid("mesh.trust_domain", e.to_string()));
+        }
+        if mesh.cert_reload_interval < Duration::from_millis(100) {
+            return Err(invalid(
+                "mesh.cert_reload_interval_ms",
+                "must be at least 100 ms: each check reads and hashes the certificate files",
+            ));
+        }
+        if limits.stream_window < 16 * 1024 {
+            return Err(invalid(
+                "mesh.stream_window_bytes",
+                "must be at least 16 KiB (smaller windows cost a credit update every few events)",
+            ));
+        }
+        if limits.max_frame < self.limits.max_body_bytes + 64 * 1024 {
+            return Err(invalid(
+                "mesh.max_frame_bytes",
+                "must exceed limits.max_body_bytes by at least 64 KiB (a forwarded request carries the body)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// What of `[auth]` needs no key material; the keys, token and JWKS files are read
+    /// when the authenticator is built.
+    fn validate_auth(&self) -> Result<(), ConfigError> {
+        let names: Vec<&str> = self.upstreams.iter().map(|u| u.name.as_str()).collect();
+        self.auth
+            .validate_shape(&names, self.fleet.redis_url.as_deref())?;
         let edge_auth = self
             .upstreams
             .iter()
@@ -1341,34 +1410,10 @@ impl Config {
                  so it cannot be combined with edge authentication: use quic or tcp",
             ));
         }
-        for (field, value) in [
-            (
-                "mesh.max_in_flight_per_peer",
-                self.mesh.max_in_flight_per_peer,
-            ),
-            ("mesh.max_streams_per_peer", self.mesh.max_streams_per_peer),
-            (
-                "mesh.tcp_connections_per_peer",
-                self.mesh.tcp_connections_per_peer,
-            ),
-        ] {
-            if value == 0 {
-                return Err(invalid(field, "must be at least 1"));
-            }
-        }
-        let spoken = mcpgw_wire::OLDEST_PROTOCOL_VERSION..=mcpgw_wire::PROTOCOL_VERSION;
-        if !spoken.contains(&self.mesh.protocol_version) {
-            return Err(invalid(
-                "mesh.protocol_version",
-                format!(
-                    "{} is not a version this build speaks: use {} (the current one) or {} \
-                     (the one before, to hold the fleet at it during an upgrade)",
-                    self.mesh.protocol_version,
-                    spoken.end(),
-                    spoken.start()
-                ),
-            ));
-        }
+        Ok(())
+    }
+
+    fn validate_telemetry(&self) -> Result<(), ConfigError> {
         if let Some(endpoint) = &self.otlp_endpoint {
             let parsed = endpoint.parse::<http::Uri>();
             let scheme_ok = endpoint.starts_with("http://") || endpoint.starts_with("https://");
@@ -1393,28 +1438,46 @@ impl Config {
                 ),
             ));
         }
-        if let Err(e) = mcpgw_certs::TrustDomain::new(&self.mesh.trust_domain) {
-            return Err(invalid("mesh.trust_domain", e.to_string()));
+        Ok(())
+    }
+
+    /// Checks that the files and directories the settings name are there: upstream TLS
+    /// files and working directories, and in a fleet the mesh certificates. Run after
+    /// [`Config::validate`]; it only looks (the files are read where they are used).
+    pub fn check_files(&self) -> Result<(), ConfigError> {
+        for (i, upstream) in self.upstreams.iter().enumerate() {
+            let field = format!("upstream[{i}]");
+            match &upstream.target {
+                UpstreamTarget::Http { tls, .. } => {
+                    for (what, path) in tls.files() {
+                        if let Some(path) = path
+                            && !path.is_file()
+                        {
+                            return Err(not_a_file(&format!("{field}.{what}"), path));
+                        }
+                    }
+                }
+                UpstreamTarget::Stdio(command) => {
+                    if let Some(cwd) = &command.cwd
+                        && !cwd.is_dir()
+                    {
+                        return Err(invalid(
+                            &format!("{field}.cwd"),
+                            format!("{} is not a directory", cwd.display()),
+                        ));
+                    }
+                }
+                UpstreamTarget::Virtual(_) => {}
+            }
         }
-        if self.mesh.cert_reload_interval < Duration::from_millis(100) {
-            return Err(invalid(
-                "mesh.cert_reload_interval_ms",
-                "must be at least 100 ms: each check reads and hashes the certificate files",
-            ));
-        }
-        if self.mesh.stream_window_bytes < 16 * 1024 {
-            return Err(invalid(
-                "mesh.stream_window_bytes",
-                "must be at least 16 KiB (smaller windows cost a credit update every few events)",
-            ));
-        }
-        // Builds the real authenticator: reads token files, keys and JWKS files.
-        crate::auth::Authenticator::new(self)?;
-        if self.mesh.max_frame_bytes < self.limits.max_body_bytes + 64 * 1024 {
-            return Err(invalid(
-                "mesh.max_frame_bytes",
-                "must exceed limits.max_body_bytes by at least 64 KiB (a forwarded request carries the body)",
-            ));
+        if self.fleet.redis_url.is_some() {
+            for (field, path) in self.mesh.certificate_files() {
+                if let Some(path) = path
+                    && !path.is_file()
+                {
+                    return Err(not_a_file(field, path));
+                }
+            }
         }
         Ok(())
     }
@@ -1621,26 +1684,12 @@ fn check_upstream_target(field: &str, target: &UpstreamTarget) -> Result<(), Con
     match target {
         UpstreamTarget::Http { url, tls } => {
             let https = check_upstream_url(&format!("{field}.url"), url)?;
-            let tls_fields = [
-                ("tls_ca", &tls.ca),
-                ("tls_client_cert", &tls.client_cert),
-                ("tls_client_key", &tls.client_key),
-            ];
-            for (what, path) in tls_fields {
-                match path {
-                    Some(_) if !https => {
-                        return Err(invalid(
-                            &format!("{field}.{what}"),
-                            "applies to https:// upstreams only",
-                        ));
-                    }
-                    Some(path) if !path.is_file() => {
-                        return Err(invalid(
-                            &format!("{field}.{what}"),
-                            format!("{} is not a readable file", path.display()),
-                        ));
-                    }
-                    _ => {}
+            for (what, path) in tls.files() {
+                if path.is_some() && !https {
+                    return Err(invalid(
+                        &format!("{field}.{what}"),
+                        "applies to https:// upstreams only",
+                    ));
                 }
             }
             if tls.client_cert.is_some() != tls.client_key.is_some() {
@@ -1669,14 +1718,6 @@ fn check_upstream_target(field: &str, target: &UpstreamTarget) -> Result<(), Con
                     "must be greater than 0 (leave it out for no maximum lifetime)",
                 ));
             }
-            if let Some(cwd) = &command.cwd
-                && !cwd.is_dir()
-            {
-                return Err(invalid(
-                    &format!("{field}.cwd"),
-                    format!("{} is not a directory", cwd.display()),
-                ));
-            }
             if let Some(bad) = command.env.keys().find(|k| k.is_empty() || k.contains('=')) {
                 return Err(invalid(
                     &format!("{field}.env"),
@@ -1688,6 +1729,10 @@ fn check_upstream_target(field: &str, target: &UpstreamTarget) -> Result<(), Con
         UpstreamTarget::Virtual(_) => {}
     }
     Ok(())
+}
+
+fn not_a_file(field: &str, path: &Path) -> ConfigError {
+    invalid(field, format!("{} is not a readable file", path.display()))
 }
 
 /// Checks an HTTP upstream URL; returns whether it is `https://`.
@@ -1759,7 +1804,10 @@ mod tests {
         a.mesh_max_connection_age_ms = Some(5_000);
         let config = Config::load(&a).unwrap();
         assert_eq!(config.mesh.trust_domain, "prod.example");
-        assert_eq!(config.mesh.max_connection_age, Duration::from_secs(5));
+        assert_eq!(
+            config.mesh.limits.max_connection_age,
+            Duration::from_secs(5)
+        );
         assert_eq!(
             config.otlp_endpoint.as_deref(),
             Some("http://127.0.0.1:4318/v1/traces")
@@ -1791,11 +1839,14 @@ mod tests {
     fn the_mesh_protocol_version_is_one_this_build_speaks() {
         let mut a = args(&["demo=http://127.0.0.1:9000/mcp"]);
         let config = Config::load(&a).unwrap();
-        assert_eq!(config.mesh.protocol_version, mcpgw_wire::PROTOCOL_VERSION);
+        assert_eq!(
+            config.mesh.limits.max_protocol_version,
+            mcpgw_wire::PROTOCOL_VERSION
+        );
         a.mesh_protocol_version = Some(mcpgw_wire::OLDEST_PROTOCOL_VERSION);
         let held = Config::load(&a).unwrap();
         assert_eq!(
-            held.mesh.protocol_version,
+            held.mesh.limits.max_protocol_version,
             mcpgw_wire::OLDEST_PROTOCOL_VERSION
         );
         for bad in [

@@ -434,7 +434,7 @@ impl Fleet {
     /// worker's Welcome is proof of death), then its lease.
     async fn probe(&self, owner: &str, addr: &str) -> Probed {
         self.probe_mesh.forget_peer(addr);
-        let frame = probe_frame(self.config.mesh.connect_timeout);
+        let frame = probe_frame(self.config.mesh.limits.connect_timeout);
         let mut replaced_by = None;
         let sign = match self.probe_mesh.forward(addr, owner, frame).await {
             Ok(_) | Err(MeshError::Remote(_)) => ProbeSign::Answered,
