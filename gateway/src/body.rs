@@ -4,7 +4,6 @@
 use crate::reason::Reason;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::OnceLock;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -25,31 +24,16 @@ pub fn full(bytes: Bytes) -> ReplyBody {
         .boxed_unsync()
 }
 
-/// Largest upstream SSE event this process buffers while waiting for its end
-/// (`limits.max_sse_event_bytes`), set once when the worker starts.
-static MAX_SSE_EVENT: OnceLock<usize> = OnceLock::new();
-
-/// Used until [`set_max_sse_event`] is called (tests, tools).
-const DEFAULT_MAX_SSE_EVENT: usize = 16 * 1024 * 1024;
-
-/// Sets the process's SSE event limit; the first call wins.
-pub fn set_max_sse_event(bytes: usize) {
-    let _ = MAX_SSE_EVENT.set(bytes);
-}
-
 /// Re-chunks an upstream SSE body: each data frame it yields is one complete event,
-/// yielded as soon as its last byte arrives. An event that outgrows the process's
-/// limit ends the stream with an error event (the session is untouched).
-pub fn sse_events<B>(inner: B) -> ReplyBody
+/// yielded as soon as its last byte arrives. An event that outgrows `max_event` bytes
+/// (`limits.max_sse_event_bytes`) ends the stream with an error event (the session is
+/// untouched).
+pub fn sse_events<B>(inner: B, max_event: usize) -> ReplyBody
 where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<BoxError>,
 {
-    let max = MAX_SSE_EVENT
-        .get()
-        .copied()
-        .unwrap_or(DEFAULT_MAX_SSE_EVENT);
-    sse_events_bounded(inner, max, overflow_event(max))
+    sse_events_bounded(inner, max_event, overflow_event(max_event))
 }
 
 /// The event sent in place of an upstream event larger than `max` bytes. The request
@@ -354,7 +338,10 @@ mod tests {
             Ok(Frame::data(Bytes::from_static(b"2\n"))),
             Ok(Frame::data(Bytes::from_static(b"\ndata: 3\n\n"))),
         ];
-        let mut body = sse_events(StreamBody::new(futures_util::stream::iter(chunks)));
+        let mut body = sse_events(
+            StreamBody::new(futures_util::stream::iter(chunks)),
+            crate::config::Config::default().limits.max_sse_event_bytes,
+        );
         let mut frames = Vec::new();
         while let Some(frame) = body.frame().await {
             frames.push(frame.unwrap().into_data().unwrap());

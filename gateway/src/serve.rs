@@ -11,9 +11,10 @@ use tracing::{error, info, warn};
 
 use mcpgw_certs::MeshTlsFiles;
 use mcpgw_mesh::directory::{Directory, DirectoryConfig, DirectoryError};
-use mcpgw_mesh::transport::{MeshClient, MeshLimits, MeshServer, MeshServerHandle, TransportKind};
+use mcpgw_mesh::transport::{MeshClient, MeshServer, MeshServerHandle, TransportKind};
 
 use crate::adoption::AdoptionKeys;
+use crate::auth::Authenticator;
 use crate::config::{AdoptMode, Config, MeshTransport};
 use crate::fleet::Fleet;
 use crate::forward::caller::Forwarder;
@@ -42,11 +43,22 @@ pub const DRAIN_WORST_CASE: Duration = Duration::from_millis(
 /// How long a fenced worker lets answers already being written go out before it exits.
 const FENCED_GRACE: Duration = Duration::from_millis(500);
 
+/// Runs a validated configuration: first builds the authenticator, which reads the
+/// token, key and JWKS files it names, so a bad one stops the start (exit 2, as an
+/// invalid setting does) before any worker runs. A standalone worker keeps it; a
+/// fleet's workers each build their own from the configuration they are handed.
 pub fn run(config: Config) -> ExitCode {
+    let auth = match Authenticator::new(&config) {
+        Ok(auth) => auth,
+        Err(e) => {
+            eprintln!("mcpgw: {e}");
+            return ExitCode::from(2);
+        }
+    };
     if config.fleet.redis_url.is_some() {
         return crate::supervisor::run(config);
     }
-    block_on(run_worker(config, None))
+    block_on(run_worker(config, None, auth))
 }
 
 /// The hidden `mcpgw worker` command: one worker process of a supervised fleet, with
@@ -84,7 +96,10 @@ pub fn run_worker_process() -> ExitCode {
         Some((config, Slot { index, id }))
     })();
     match slot {
-        Some((config, slot)) => block_on(run_worker(config, Some(slot))),
+        Some((config, slot)) => match Authenticator::new(&config) {
+            Ok(auth) => block_on(run_worker(config, Some(slot), auth)),
+            Err(e) => exit_with(WorkerError::Fatal(e.to_string())),
+        },
         None => {
             eprintln!(
                 "mcpgw worker: started without a supervisor's configuration; use `mcpgw serve`"
@@ -128,21 +143,32 @@ fn block_on(work: impl std::future::Future<Output = Result<(), WorkerError>>) ->
     runtime.shutdown_timeout(Duration::from_secs(1));
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(WorkerError::Fatal(message)) => {
+        Err(error) => exit_with(error),
+    }
+}
+
+/// The exit (and its log line) for why a worker stopped.
+fn exit_with(error: WorkerError) -> ExitCode {
+    match error {
+        WorkerError::Fatal(message) => {
             error!("{message}");
             eprintln!("mcpgw: {message}");
             ExitCode::from(process::EXIT_FATAL)
         }
-        Err(WorkerError::Failed(message)) => {
+        WorkerError::Failed(message) => {
             error!("{message}");
             eprintln!("mcpgw: {message}");
             ExitCode::FAILURE
         }
-        Err(WorkerError::Fenced) => ExitCode::from(process::EXIT_FENCED),
+        WorkerError::Fenced => ExitCode::from(process::EXIT_FENCED),
     }
 }
 
-async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerError> {
+async fn run_worker(
+    config: Config,
+    slot: Option<Slot>,
+    auth: Authenticator,
+) -> Result<(), WorkerError> {
     let config = Arc::new(config);
     let worker_id = match &slot {
         Some(slot) => slot.id.clone(),
@@ -152,8 +178,8 @@ async fn run_worker(config: Config, slot: Option<Slot>) -> Result<(), WorkerErro
             .clone()
             .unwrap_or_else(generate_worker_id),
     };
-    let worker =
-        Worker::new(worker_id, Arc::clone(&config)).map_err(|e| WorkerError::Fatal(e.message))?;
+    let worker = Worker::new(worker_id, Arc::clone(&config), auth)
+        .map_err(|e| WorkerError::Fatal(e.message))?;
     let index = slot.as_ref().map_or(0, |slot| slot.index);
     let admin_addr = offset_addr(config.admin_listen, index)?;
     let admin = crate::admin::bind(admin_addr).await.map_err(|e| {
@@ -434,17 +460,7 @@ async fn join_fleet(
 ) -> Result<MeshMembership, WorkerError> {
     mcpgw_certs::install_crypto_provider();
     let mesh = &config.mesh;
-    let limits = MeshLimits {
-        max_frame: mesh.max_frame_bytes,
-        max_in_flight_per_peer: mesh.max_in_flight_per_peer,
-        max_streams_per_peer: mesh.max_streams_per_peer,
-        tcp_pool_size: mesh.tcp_connections_per_peer,
-        stream_window: mesh.stream_window_bytes,
-        connect_timeout: mesh.connect_timeout,
-        max_connection_age: mesh.max_connection_age,
-        max_protocol_version: mesh.protocol_version,
-        ..MeshLimits::default()
-    };
+    let limits = mesh.limits.clone();
     let service = Arc::new(OwnerService(Arc::clone(worker)));
     /// What this worker's mesh client needs to reach its peers: the mTLS client
     /// config, or the Redis that carries the baseline transport.

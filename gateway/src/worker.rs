@@ -72,10 +72,14 @@ pub struct Worker {
 }
 
 impl Worker {
-    pub fn new(id: String, config: Arc<Config>) -> Result<Arc<Worker>, GatewayError> {
+    /// A worker for the validated `config`, with the authenticator built from it.
+    pub fn new(
+        id: String,
+        config: Arc<Config>,
+        auth: Authenticator,
+    ) -> Result<Arc<Worker>, GatewayError> {
         let config_error =
             |e: String| GatewayError::gateway(StatusCode::INTERNAL_SERVER_ERROR, Reason::Config, e);
-        crate::body::set_max_sse_event(config.limits.max_sse_event_bytes);
         let upstreams = config
             .upstreams
             .iter()
@@ -84,7 +88,6 @@ impl Worker {
             .map_err(|e| config_error(e.to_string()))?;
         let id_header = http::HeaderValue::from_str(&id)
             .map_err(|_| config_error(format!("worker id {id:?} is not a valid header value")))?;
-        let auth = Authenticator::new(&config).map_err(|e| config_error(e.to_string()))?;
         let tracer = crate::trace::Tracer::start(&config, &id).map_err(config_error)?;
         Ok(Arc::new(Worker {
             id,

@@ -11,9 +11,11 @@ use wincode::config::Configuration;
 
 use crate::frame::Frame;
 
-/// Maximum frame body size used by [`MeshCodec::default`]: 16 MiB. A request body
-/// must fit in one frame; a response body may be any size (it travels as chunks).
-pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
+/// Maximum frame body size used by [`MeshCodec::default`] and by default mesh
+/// endpoints (`MeshLimits::default`, the gateway's `[mesh] max_frame_bytes`): 8 MiB. A
+/// request body must fit in one frame; a response body may be any size (it travels as
+/// chunks).
+pub const DEFAULT_MAX_FRAME: usize = 8 << 20;
 
 /// The largest maximum frame size a codec accepts: 1 GiB. Larger settings are
 /// clamped to it (the length prefix could say 4 GiB; nothing legitimate needs that).

@@ -1,8 +1,9 @@
 //! The `[auth]` part of the configuration: the mode of each route, how JWTs are
 //! verified, the public URL for OAuth resource metadata, and the rate limit. It is one
 //! typed struct inside [`crate::config::Config`], read from the file and the flags
-//! there, and checked by building the real [`super::Authenticator`] before any worker
-//! starts.
+//! there. Its shape is checked with the rest of the configuration
+//! ([`AuthConfig::validate_shape`], pure); its key material when `serve` builds the
+//! real [`super::Authenticator`], before any worker starts.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

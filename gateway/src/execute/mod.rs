@@ -107,7 +107,7 @@ impl Worker {
             .send_upstream(call.upstream, call.method, call.headers, call.body, None)
             .await
             .map_err(|e| upstream_error(e, id))?;
-        Ok(relay(reply, None))
+        Ok(relay(reply, None, self.config.limits.max_sse_event_bytes))
     }
 
     /// Legacy `initialize`: opens this client's own upstream session (an upstream
@@ -143,7 +143,7 @@ impl Worker {
         if !reply.status.is_success() {
             // The upstream refused initialize: its answer is the truth for the client.
             self.close_link(upstream_index, &link).await;
-            return Ok(relay(reply, None));
+            return Ok(relay(reply, None, self.config.limits.max_sse_event_bytes));
         }
         let reply = match link {
             // A child whose initialize failed serves no session: it ends, and its
@@ -196,7 +196,11 @@ impl Worker {
                 "minted session id is not a valid header value",
             )
         })?;
-        Ok(relay(reply, Some(header)))
+        Ok(relay(
+            reply,
+            Some(header),
+            self.config.limits.max_sse_event_bytes,
+        ))
     }
 
     /// Standalone, this worker's count is the whole count of a principal's sessions;
@@ -320,10 +324,14 @@ impl Worker {
             .await
             .map_err(|e| upstream_error(e, id.clone()))?;
         if !(reply.status.is_success() && is_sse(&reply.headers)) {
-            return Ok(relay(reply, None));
+            return Ok(relay(reply, None, self.config.limits.max_sse_event_bytes));
         }
         let log = session.streams.new_get(&self.id);
-        streams::pump(Arc::clone(&log), reply.body);
+        streams::pump(
+            Arc::clone(&log),
+            reply.body,
+            self.config.limits.max_sse_event_bytes,
+        );
         self.stream_reply(log.subscribe(None), id)
     }
 
@@ -364,10 +372,14 @@ impl Worker {
     /// stream log, so the client can resume it after a dropped connection.
     fn relay_in_session(&self, session: &Session, reply: UpstreamReply) -> Reply {
         if !is_sse(&reply.headers) {
-            return relay(reply, None);
+            return relay(reply, None, self.config.limits.max_sse_event_bytes);
         }
         let log = session.streams.new_post(&self.id);
-        streams::pump(Arc::clone(&log), reply.body);
+        streams::pump(
+            Arc::clone(&log),
+            reply.body,
+            self.config.limits.max_sse_event_bytes,
+        );
         match log.subscribe(None) {
             Ok(body) => sse_reply(reply.status, body),
             // A fresh log has nothing to miss.
@@ -657,8 +669,9 @@ fn replay_unavailable(why: String) -> GatewayError {
 }
 
 /// Builds the client's reply from the upstream's: status and content type pass through,
-/// the upstream's session id is replaced by ours, SSE is re-chunked per event.
-fn relay(reply: UpstreamReply, session_header: Option<HeaderValue>) -> Reply {
+/// the upstream's session id is replaced by ours, SSE is re-chunked per event (none
+/// larger than `max_event` bytes).
+fn relay(reply: UpstreamReply, session_header: Option<HeaderValue>, max_event: usize) -> Reply {
     let mut headers = HeaderMap::new();
     let is_sse = is_sse(&reply.headers);
     if let Some(content_type) = reply.headers.get(CONTENT_TYPE) {
@@ -670,7 +683,7 @@ fn relay(reply: UpstreamReply, session_header: Option<HeaderValue>) -> Reply {
     let body = if is_sse {
         headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
-        body::sse_events(reply.body)
+        body::sse_events(reply.body, max_event)
     } else {
         reply.body
     };

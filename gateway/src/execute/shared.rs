@@ -525,9 +525,10 @@ impl Worker {
         }
         let worker = Arc::clone(self);
         let session = Arc::clone(session);
-        let events = body::sse_events(reply.body).map_frame(move |frame| {
-            frame.map_data(|event| modernize_event(&event, &worker, &session, cacheable))
-        });
+        let events = body::sse_events(reply.body, self.config.limits.max_sse_event_bytes)
+            .map_frame(move |frame| {
+                frame.map_data(|event| modernize_event(&event, &worker, &session, cacheable))
+            });
         Reply {
             status: reply.status,
             headers,

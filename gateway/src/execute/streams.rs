@@ -644,10 +644,10 @@ impl Drop for SessionStreams {
 
 /// Reads `source` (an upstream SSE body) into `log` in a task of its own, so the
 /// upstream is read on while the client is away. Ends with the source, or when the
-/// log is finished (the session ended).
-pub fn pump(log: Arc<StreamLog>, source: ReplyBody) {
+/// log is finished (the session ended). No event may be larger than `max_event` bytes.
+pub fn pump(log: Arc<StreamLog>, source: ReplyBody, max_event: usize) {
     tokio::spawn(async move {
-        let mut events = body::sse_events(source);
+        let mut events = body::sse_events(source, max_event);
         loop {
             let changed = log.changed.notified();
             if log.is_finished() {

@@ -374,7 +374,7 @@ impl Forwarder {
     /// (or another worker's Welcome, whose id comes back), or silent.
     async fn probe(&self, owner: &str, addr: &str) -> (ProbeSign, Option<String>) {
         self.probe_mesh.forget_peer(addr);
-        let frame = probe_frame(self.config.mesh.connect_timeout);
+        let frame = probe_frame(self.config.mesh.limits.connect_timeout);
         match self.probe_mesh.forward(addr, owner, frame).await {
             Ok(_) | Err(MeshError::Remote(_)) => (ProbeSign::Answered, None),
             Err(e) if e.proves_peer_gone() => {

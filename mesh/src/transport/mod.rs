@@ -145,8 +145,11 @@ impl FromStr for TransportKind {
     }
 }
 
-/// Limits of one mesh endpoint (server or client). Defaults serve a first run.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Limits of one mesh endpoint (server or client). The defaults are the production
+/// values: the gateway's `[mesh]` settings start from them, and the mesh's own tests
+/// run with them unless a test sets its own number. Serializable, so the gateway's
+/// configuration holds them as they are and hands them to its workers.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MeshLimits {
     /// Largest frame body, in bytes, sent or accepted. A request body must fit in one
     /// frame; response bodies are split into chunks of at most this size. Larger
@@ -210,7 +213,7 @@ impl Default for MeshLimits {
     fn default() -> Self {
         Self {
             max_frame: mcpgw_wire::DEFAULT_MAX_FRAME,
-            max_in_flight_per_peer: 256,
+            max_in_flight_per_peer: 1024,
             max_streams_per_peer: 32_768,
             connect_timeout: Duration::from_secs(2),
             tcp_pool_size: 2,

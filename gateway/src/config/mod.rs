@@ -1,0 +1,984 @@
+//! Configuration: one typed struct, built in one place from a TOML file, environment
+//! variables and command-line flags (flags win over environment, environment over the
+//! file, the file over defaults). An invalid value is refused at start with the field
+//! name and the problem.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::ValueEnum;
+use serde::{Deserialize, Serialize};
+
+use mcpgw_mesh::directory::DirectoryConfig;
+use mcpgw_mesh::transport::MeshLimits;
+
+use crate::auth::config::AuthConfig;
+
+mod args;
+mod file;
+mod validate;
+
+pub use args::ServeArgs;
+
+/// A configuration value that cannot be used, named by its field.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid configuration: {field}: {problem}")]
+pub struct ConfigError {
+    pub field: String,
+    pub problem: String,
+}
+
+fn invalid(field: &str, problem: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field: field.to_owned(),
+        problem: problem.into(),
+    }
+}
+
+/// Everything one worker (and the supervisor) needs. Serialized to hand the resolved
+/// configuration to worker processes, so every worker sees exactly what was validated.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Config {
+    /// Public address clients connect to; every worker binds it with SO_REUSEPORT.
+    pub listen: SocketAddr,
+    pub upstreams: Vec<UpstreamConfig>,
+    pub limits: Limits,
+    pub fleet: FleetConfig,
+    pub mesh: MeshConfig,
+    /// Edge authentication: modes per route, JWT keys, rate limit (`[auth]`).
+    pub auth: AuthConfig,
+    /// The admin listener of worker 0 (`/healthz`, `/readyz`, `/state`); worker i
+    /// listens on port + i (port 0: each worker picks a free port and logs it).
+    pub admin_listen: SocketAddr,
+    /// Take the client's address from the last `X-Forwarded-For` entry (set by the
+    /// load balancer in front) instead of the connection's peer. Only behind a proxy
+    /// that sets it: a client could forge it otherwise.
+    pub trust_forwarded_for: bool,
+    /// Log one line per successful request too (failed ones are always logged).
+    pub log_requests: bool,
+    /// OTLP/HTTP traces endpoint (`http://collector:4318/v1/traces`, or `https://`);
+    /// none: no spans.
+    pub otlp_endpoint: Option<String>,
+    /// CAs (PEM) that sign an `https://` collector's certificate, instead of the
+    /// platform's root certificates.
+    pub otlp_ca: Option<PathBuf>,
+    /// Fraction of new traces recorded (0.0 to 1.0); a client's `traceparent` decides
+    /// for its own trace.
+    pub otlp_sample_ratio: f64,
+    /// Headers sent with every export request (a collector's API key, a tenant).
+    pub otlp_headers: OtlpHeaders,
+}
+
+/// Headers for the OTLP collector. Their values are usually credentials: `Debug`
+/// shows only the names, and configuration errors never quote a value.
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OtlpHeaders(pub BTreeMap<String, String>);
+
+impl std::fmt::Debug for OtlpHeaders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.0.keys()).finish()
+    }
+}
+
+impl OtlpHeaders {
+    /// `name=value,name=value`, as `OTEL_EXPORTER_OTLP_HEADERS` spells them.
+    fn parse(list: &str) -> Result<Self, ConfigError> {
+        let mut headers = BTreeMap::new();
+        for pair in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let Some((name, value)) = pair.split_once('=') else {
+                return Err(invalid(
+                    "telemetry.otlp_headers",
+                    "expected name=value pairs separated by commas (a value is not shown)",
+                ));
+            };
+            headers.insert(name.trim().to_owned(), value.trim().to_owned());
+        }
+        Ok(Self(headers))
+    }
+
+    /// The headers, their values marked sensitive (never printed by `http`); an error
+    /// names the header, never its value.
+    pub fn header_map(&self) -> Result<http::HeaderMap, ConfigError> {
+        let mut headers = http::HeaderMap::new();
+        for (name, value) in &self.0 {
+            let name = http::HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+                invalid(
+                    "telemetry.otlp_headers",
+                    format!("{name:?} is not an HTTP header name"),
+                )
+            })?;
+            let mut value = http::HeaderValue::from_str(value).map_err(|_| {
+                invalid(
+                    "telemetry.otlp_headers",
+                    format!("the value of {name} is not a valid HTTP header value (not shown)"),
+                )
+            })?;
+            value.set_sensitive(true);
+            headers.insert(name, value);
+        }
+        Ok(headers)
+    }
+}
+
+/// One upstream MCP server: its route name, where it is, and how the gateway reaches it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct UpstreamConfig {
+    /// Route name: clients reach it at `/servers/{name}/mcp`.
+    pub name: String,
+    pub target: UpstreamTarget,
+    /// The upstream speaks only the session-based protocol (2025-*), or keeps state in
+    /// its sessions: a 2026-07-28 client then gets one upstream session per (principal,
+    /// route), held by one worker, instead of a stateless pass-through. Always true
+    /// for stdio upstreams (a process is a session).
+    pub legacy_only: bool,
+}
+
+/// Where an upstream is.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum UpstreamTarget {
+    /// Streamable HTTP at `url` (`http://` or `https://`).
+    Http { url: String, tls: UpstreamTls },
+    /// A command the gateway runs once per session and speaks to over stdin/stdout.
+    Stdio(StdioCommand),
+    /// A virtual server (`[[server]]`): no upstream of its own, its members' tools
+    /// behind one route (see `federation`).
+    Virtual(VirtualServer),
+}
+
+/// A `[[server]]` table: which configured upstreams it joins and how their names show.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VirtualServer {
+    pub prefix: PrefixRule,
+    /// Between a member's prefix and a tool's own name (`demo__echo`).
+    pub separator: String,
+    pub members: Vec<MemberConfig>,
+}
+
+/// When a member's prefix goes in front of its names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefixRule {
+    /// Every name carries its member's prefix: names never collide.
+    #[default]
+    Always,
+    /// Only names that more than one member has carry their prefix.
+    Conflicts,
+    /// Names as the members give them; a name two members have is the earlier one's.
+    Never,
+}
+
+/// One `[[server.member]]`: a configured upstream and what of it the server exposes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MemberConfig {
+    /// The member's upstream, by name and by its index in `Config::upstreams`.
+    pub upstream: String,
+    pub index: usize,
+    pub prefix: String,
+    pub tools: NameFilter,
+    pub prompts: NameFilter,
+    /// Initialize fails without this member (else the session opens without it).
+    pub required: bool,
+}
+
+/// Include and exclude patterns (`*` matches any run of characters); an empty include
+/// list includes everything.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NameFilter {
+    #[serde(default)]
+    pub include: Vec<String>,
+    #[serde(default)]
+    pub exclude: Vec<String>,
+}
+
+/// TLS settings of an `https://` upstream.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct UpstreamTls {
+    /// PEM bundle of the CAs to trust instead of the platform's root certificates
+    /// (which honour `SSL_CERT_FILE`).
+    pub ca: Option<PathBuf>,
+    /// Client certificate (PEM) for upstreams that require mutual TLS.
+    pub client_cert: Option<PathBuf>,
+    /// Its private key (PEM).
+    pub client_key: Option<PathBuf>,
+}
+
+impl UpstreamTls {
+    /// The files, each with the name of its `[[upstream]]` key.
+    fn files(&self) -> [(&'static str, Option<&Path>); 3] {
+        [
+            ("tls_ca", self.ca.as_deref()),
+            ("tls_client_cert", self.client_cert.as_deref()),
+            ("tls_client_key", self.client_key.as_deref()),
+        ]
+    }
+}
+
+/// A stdio upstream: the command every session starts.
+#[derive(Clone, Serialize, Deserialize)]
+pub struct StdioCommand {
+    /// The program, found on `PATH` unless it is a path.
+    pub program: String,
+    pub args: Vec<String>,
+    /// Set in the child's environment, which is otherwise the gateway's own minus its
+    /// `MCPGW_*` variables (they hold the gateway's configuration).
+    pub env: BTreeMap<String, String>,
+    /// Working directory of the child; the gateway's own when unset.
+    pub cwd: Option<PathBuf>,
+    /// Child processes of this upstream one worker runs at most (one per session);
+    /// past it initialize gets 503.
+    pub max_processes: usize,
+    /// Child processes of this upstream one worker runs at most for one principal (in
+    /// public mode: one client address); past it initialize gets 429.
+    #[serde(default = "default_max_processes_per_principal")]
+    pub max_processes_per_principal: usize,
+    /// How long a session's child may live at most, then it is ended and the session
+    /// with it (404 `session_gone`); `None`: as long as the session is used.
+    #[serde(default)]
+    pub max_session_lifetime: Option<Duration>,
+}
+
+fn default_max_processes_per_principal() -> usize {
+    DEFAULT_MAX_STDIO_PROCESSES_PER_PRINCIPAL
+}
+
+impl std::fmt::Debug for StdioCommand {
+    // Environment values are often credentials: only their names are shown.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StdioCommand")
+            .field("program", &self.program)
+            .field("args", &self.args.len())
+            .field("env", &self.env.keys().collect::<Vec<_>>())
+            .field("cwd", &self.cwd)
+            .field("max_processes", &self.max_processes)
+            .field(
+                "max_processes_per_principal",
+                &self.max_processes_per_principal,
+            )
+            .field("max_session_lifetime", &self.max_session_lifetime)
+            .finish()
+    }
+}
+
+/// Child processes per stdio upstream and worker, unless configured.
+pub const DEFAULT_MAX_STDIO_PROCESSES: usize = 32;
+/// Child processes per stdio upstream, worker and principal, unless configured.
+pub const DEFAULT_MAX_STDIO_PROCESSES_PER_PRINCIPAL: usize = 8;
+
+impl UpstreamConfig {
+    /// A plain Streamable HTTP upstream.
+    pub fn http(name: &str, url: &str) -> UpstreamConfig {
+        UpstreamConfig {
+            name: name.to_owned(),
+            target: UpstreamTarget::Http {
+                url: url.to_owned(),
+                tls: UpstreamTls::default(),
+            },
+            legacy_only: false,
+        }
+    }
+
+    /// What the upstream is, for the start-up announcement: the URL, or the stdio
+    /// program (never its arguments or environment, which may hold credentials).
+    pub fn describe(&self) -> String {
+        match &self.target {
+            UpstreamTarget::Http { url, .. } => url.clone(),
+            UpstreamTarget::Stdio(command) => format!("stdio: {}", command.program),
+            UpstreamTarget::Virtual(server) => format!(
+                "virtual server of {}",
+                server
+                    .members
+                    .iter()
+                    .map(|m| m.upstream.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Limits {
+    /// Largest request body accepted; larger gets 413.
+    pub max_body_bytes: usize,
+    pub upstream_connect_timeout: Duration,
+    /// Time allowed for the upstream to start answering (the response head); streams
+    /// may then run as long as the upstream keeps them open.
+    pub upstream_request_timeout: Duration,
+    /// Live sessions one worker holds at most; past it, initialize gets 503.
+    pub max_sessions: usize,
+    /// Sessions one authenticated principal holds at most, fleet-wide; past it
+    /// initialize gets 429. 0: no quota.
+    pub max_sessions_per_principal: usize,
+    /// Sessions one client address holds at most in public mode (no principal),
+    /// fleet-wide. Off (0) by default: behind a load balancer every client shares its
+    /// address unless `trust_forwarded_for` is set.
+    pub max_sessions_per_client_address: usize,
+    /// A session no exchange has used for this long ends (upstream and in the
+    /// directory); a held GET stream or a request in flight keeps it alive.
+    pub session_idle_timeout: Duration,
+    /// Largest upstream SSE event buffered while waiting for its end; past it the
+    /// stream ends with an error event and the session survives.
+    pub max_sse_event_bytes: usize,
+    /// Client connections one worker serves at once; past it new connections get a
+    /// 503 and are closed, existing ones go on.
+    pub max_connections: usize,
+    /// Time for a client to send a whole request body; past it, 408.
+    pub body_timeout: Duration,
+    /// Largest request head (request line and headers); past it, 431.
+    pub max_header_bytes: usize,
+    /// Bytes all replay logs of one worker keep at most (events kept so a client can
+    /// resume a stream); past it new events and streams are delivered but not kept.
+    pub replay_budget_bytes: usize,
+    /// Bytes the replay logs of one session keep at most.
+    pub replay_session_bytes: usize,
+    /// Lame duck: after a drain is decided (`/readyz` already 503, no new sessions),
+    /// the public port keeps accepting and serving for this long, answering with
+    /// `Connection: close`, so that load balancers that follow readiness stop sending
+    /// before the port closes (what a Kubernetes preStop pause does from outside).
+    #[serde(default)]
+    pub drain_delay: Duration,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FleetConfig {
+    /// Worker processes this supervisor runs.
+    pub workers: usize,
+    /// The fleet directory; without it a single worker runs with an in-memory one.
+    pub redis_url: Option<String>,
+    pub key_prefix: String,
+    /// How long a worker's lease lives without renewal. Shorter finds a lost host
+    /// sooner; longer rides out longer Redis or network stalls without fencing.
+    pub lease: Duration,
+    /// Deadline of every directory call; past it, ownership is unknown.
+    pub directory_timeout: Duration,
+    /// Fixed worker id (tests and debugging); normally generated per process.
+    pub worker_id: Option<String>,
+    /// HTTP status for "session gone: re-initialize": 404 as the MCP spec says, or 409
+    /// for clients that follow a "session reassigned" contract.
+    pub gone_status: u16,
+    /// When a session's owner cannot be confirmed, answer ping and the list methods
+    /// without the session (from a short-lived upstream session) instead of 503.
+    pub stateless_when_unknown: bool,
+    /// How often one worker of the fleet (whichever takes the turn) looks for dead
+    /// workers whose sessions no request touches, and deletes their keys. A dead
+    /// worker's keys are gone within about a lease plus two of these. Unset: the
+    /// lease time, so directory traffic stays time-based and small.
+    pub sweep_interval: Option<Duration>,
+    /// Whether another worker adopts a session whose owner died or drained, when its
+    /// state lives in its HTTP upstream.
+    pub adopt: AdoptMode,
+    /// Keys that seal the upstream session ids in the directory's adoption records
+    /// (one per line, 64 hex digits; the first seals). Unset: recorded in the clear.
+    pub adoption_key_file: Option<PathBuf>,
+}
+
+/// Which sessions outlive their worker (`--adopt`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum AdoptMode {
+    /// Sessions whose upstream is HTTP: another worker takes them on.
+    Http,
+    /// None: every session ends with its owner, and clients see each owner change.
+    Never,
+}
+
+impl FleetConfig {
+    /// The sweep interval in effect.
+    pub fn sweep_interval(&self) -> Duration {
+        self.sweep_interval.unwrap_or(self.lease)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum MeshTransport {
+    Quic,
+    Tcp,
+    /// Redis pub/sub through the fleet's Redis: the measured baseline, never the
+    /// default. Needs --redis; no mesh certificates (Redis is its trust boundary).
+    Redis,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MeshConfig {
+    /// Where worker 0 binds its mesh endpoint; worker i binds port + i (port 0: each
+    /// worker picks a free port).
+    pub listen: SocketAddr,
+    /// `host` or `host:port` peers dial, when it differs from the bind address
+    /// (containers); with a port, worker i advertises port + i.
+    pub advertise: Option<String>,
+    pub transport: MeshTransport,
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    /// How long a forwarded request may wait for the owner's answer to begin.
+    pub forward_timeout: Duration,
+    /// The trust domain of mesh identities (`spiffe://{domain}/mesh/{member}`), as
+    /// `mcpgw certs init --trust-domain` set it.
+    pub trust_domain: String,
+    /// Period of the fallback check of the certificate files (a file watcher sees
+    /// most changes at once).
+    pub cert_reload_interval: Duration,
+    /// The mesh endpoint's limits, handed to the mesh server and clients as they are;
+    /// their defaults are `MeshLimits::default()`. File keys (and flags) map onto them:
+    /// `connect_timeout_ms`, `max_frame_bytes` (`max_frame`), `max_in_flight_per_peer`,
+    /// `max_streams_per_peer`, `tcp_connections_per_peer` (`tcp_pool_size`),
+    /// `stream_window_bytes` (`stream_window`), `max_connection_age_ms` and
+    /// `protocol_version` (`max_protocol_version`: the one before the current holds a
+    /// fleet at the previous release's protocol while a rolling upgrade runs).
+    pub limits: MeshLimits,
+}
+
+impl MeshConfig {
+    /// The mTLS files, each with the name of its setting.
+    fn certificate_files(&self) -> [(&'static str, Option<&Path>); 3] {
+        [
+            ("mesh.ca", self.ca.as_deref()),
+            ("mesh.cert", self.cert.as_deref()),
+            ("mesh.key", self.key.as_deref()),
+        ]
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        // The fleet directory's and the mesh's own defaults are the production values;
+        // the settings that configure them start from there.
+        let directory = DirectoryConfig::default();
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            upstreams: Vec::new(),
+            limits: Limits {
+                max_body_bytes: 4 * 1024 * 1024,
+                upstream_connect_timeout: Duration::from_secs(5),
+                upstream_request_timeout: Duration::from_secs(60),
+                max_sessions: 100_000,
+                max_sessions_per_principal: 1_000,
+                max_sessions_per_client_address: 0,
+                session_idle_timeout: Duration::from_secs(30 * 60),
+                max_sse_event_bytes: 16 * 1024 * 1024,
+                max_connections: 10_000,
+                body_timeout: Duration::from_secs(30),
+                max_header_bytes: 64 * 1024,
+                replay_budget_bytes: 256 * 1024 * 1024,
+                replay_session_bytes: 4 * 1024 * 1024,
+                drain_delay: Duration::ZERO,
+            },
+            fleet: FleetConfig {
+                workers: 1,
+                redis_url: None,
+                key_prefix: directory.prefix,
+                lease: directory.lease,
+                directory_timeout: directory.op_timeout,
+                worker_id: None,
+                gone_status: 404,
+                stateless_when_unknown: false,
+                sweep_interval: None,
+                adopt: AdoptMode::Http,
+                adoption_key_file: None,
+            },
+            mesh: MeshConfig {
+                listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+                advertise: None,
+                transport: MeshTransport::Tcp,
+                ca: None,
+                cert: None,
+                key: None,
+                forward_timeout: Duration::from_secs(30),
+                trust_domain: mcpgw_certs::DEFAULT_TRUST_DOMAIN.to_owned(),
+                cert_reload_interval: Duration::from_secs(10),
+                limits: MeshLimits::default(),
+            },
+            auth: AuthConfig::default(),
+            admin_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            trust_forwarded_for: false,
+            log_requests: false,
+            otlp_endpoint: None,
+            otlp_ca: None,
+            otlp_sample_ratio: 1.0,
+            otlp_headers: OtlpHeaders::default(),
+        }
+    }
+}
+
+impl Limits {
+    /// The session quota of a quota key (see [`crate::request::Call::quota_key`]): by
+    /// principal, or by client address in public mode; 0 means none.
+    pub fn session_quota(&self, quota_key: &str) -> usize {
+        if quota_key.starts_with("principal:") {
+            self.max_sessions_per_principal
+        } else if quota_key.starts_with("addr:") {
+            self.max_sessions_per_client_address
+        } else {
+            0
+        }
+    }
+}
+
+impl Config {
+    /// Builds the configuration from file, environment (already folded into `args` by
+    /// clap) and flags ([`Config::from_sources`]), validates it, and checks that the
+    /// files it names are there. What those files hold (keys, tokens, JWKS) is read by
+    /// whoever uses them: the authenticator is built by `serve::run` before any worker
+    /// starts.
+    pub fn load(args: &ServeArgs) -> Result<Config, ConfigError> {
+        let config = Config::from_sources(args)?;
+        config.validate()?;
+        config.check_files()?;
+        Ok(config)
+    }
+
+    /// The single-upstream shortcut `/mcp` exists only when it is unambiguous.
+    pub fn default_upstream(&self) -> Option<&UpstreamConfig> {
+        match self.upstreams.as_slice() {
+            [only] => Some(only),
+            _ => None,
+        }
+    }
+}
+
+/// The Redis URL schemes the fleet directory accepts (see `mcpgw_mesh::redis_conn`).
+pub(crate) const REDIS_SCHEMES: [&str; 6] = [
+    "redis://",
+    "rediss://",
+    "redis+sentinel://",
+    "rediss+sentinel://",
+    "redis+cluster://",
+    "rediss+cluster://",
+];
+
+pub fn valid_worker_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+}
+
+fn parse_addr(field: &str, text: &str) -> Result<SocketAddr, ConfigError> {
+    text.parse().map_err(|_| {
+        invalid(
+            field,
+            format!("{text:?} is not an address like 127.0.0.1:8080"),
+        )
+    })
+}
+
+fn set<T>(slot: &mut T, value: Option<T>) {
+    if let Some(value) = value {
+        *slot = value;
+    }
+}
+
+fn set_ms(slot: &mut Duration, value: Option<u64>) {
+    if let Some(ms) = value {
+        *slot = Duration::from_millis(ms);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(upstreams: &[&str]) -> ServeArgs {
+        ServeArgs {
+            upstreams: upstreams.iter().map(|s| s.to_string()).collect(),
+            ..ServeArgs::default()
+        }
+    }
+
+    #[test]
+    fn mesh_certificate_settings_and_the_otlp_endpoint_are_checked() {
+        let mut a = args(&["demo=http://127.0.0.1:9000/mcp"]);
+        a.otlp_endpoint = Some("grpc://collector:4317".into());
+        let error = Config::load(&a).unwrap_err();
+        assert_eq!(error.field, "telemetry.otlp_endpoint");
+        a.otlp_endpoint = Some("http://127.0.0.1:4318/v1/traces".into());
+        for bad in [-0.1, 1.5, f64::NAN] {
+            a.otlp_sample_ratio = Some(bad);
+            let error = Config::load(&a).unwrap_err();
+            assert_eq!(error.field, "telemetry.otlp_sample_ratio", "{bad}");
+        }
+        a.otlp_sample_ratio = Some(0.25);
+        a.mesh_trust_domain = Some("Prod Domain".into());
+        assert_eq!(Config::load(&a).unwrap_err().field, "mesh.trust_domain");
+        a.mesh_trust_domain = Some("prod.example".into());
+        a.mesh_cert_reload_interval_ms = Some(10);
+        assert_eq!(
+            Config::load(&a).unwrap_err().field,
+            "mesh.cert_reload_interval_ms"
+        );
+        a.mesh_cert_reload_interval_ms = None;
+        a.mesh_max_connection_age_ms = Some(5_000);
+        let config = Config::load(&a).unwrap();
+        assert_eq!(config.mesh.trust_domain, "prod.example");
+        assert_eq!(
+            config.mesh.limits.max_connection_age,
+            Duration::from_secs(5)
+        );
+        assert_eq!(
+            config.otlp_endpoint.as_deref(),
+            Some("http://127.0.0.1:4318/v1/traces")
+        );
+        assert_eq!(config.otlp_sample_ratio, 0.25);
+        a.otlp_headers = Some("authorization=Bearer s3cret, x-tenant = blue".into());
+        let config = Config::load(&a).unwrap();
+        assert_eq!(config.otlp_headers.0["authorization"], "Bearer s3cret");
+        assert_eq!(config.otlp_headers.0["x-tenant"], "blue");
+        assert!(
+            !format!("{config:?}").contains("s3cret"),
+            "header values stay out of logs"
+        );
+        for bad in [
+            "authorization Bearer s3cret",
+            "authorization=Bearer\u{7f}s3cret",
+        ] {
+            a.otlp_headers = Some(bad.into());
+            let error = Config::load(&a).unwrap_err();
+            assert_eq!(error.field, "telemetry.otlp_headers", "{bad}");
+            assert!(!error.problem.contains("s3cret"), "{}", error.problem);
+        }
+        a.otlp_headers = None;
+        a.otlp_endpoint = Some("https://collector.example:4318/v1/traces".into());
+        assert!(Config::load(&a).is_ok(), "https collectors are taken");
+    }
+
+    #[test]
+    fn the_mesh_protocol_version_is_one_this_build_speaks() {
+        let mut a = args(&["demo=http://127.0.0.1:9000/mcp"]);
+        let config = Config::load(&a).unwrap();
+        assert_eq!(
+            config.mesh.limits.max_protocol_version,
+            mcpgw_wire::PROTOCOL_VERSION
+        );
+        a.mesh_protocol_version = Some(mcpgw_wire::OLDEST_PROTOCOL_VERSION);
+        let held = Config::load(&a).unwrap();
+        assert_eq!(
+            held.mesh.limits.max_protocol_version,
+            mcpgw_wire::OLDEST_PROTOCOL_VERSION
+        );
+        for bad in [
+            mcpgw_wire::OLDEST_PROTOCOL_VERSION - 1,
+            mcpgw_wire::PROTOCOL_VERSION + 1,
+        ] {
+            a.mesh_protocol_version = Some(bad);
+            let error = Config::load(&a).unwrap_err();
+            assert_eq!(error.field, "mesh.protocol_version", "{bad}");
+        }
+    }
+
+    #[test]
+    fn upstream_flag_alone_is_enough() {
+        let config = Config::load(&args(&["demo=http://127.0.0.1:9000/mcp"])).unwrap();
+        assert_eq!(config.upstreams[0].name, "demo");
+        assert_eq!(
+            config.default_upstream().map(|u| u.name.as_str()),
+            Some("demo")
+        );
+        assert_eq!(config.fleet.workers, 1);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            (args(&[]), "upstream"),
+            (args(&["noequals"]), "--upstream"),
+            (args(&["bad name=http://x/mcp"]), "upstream[0].name"),
+            (args(&["a=ftp://x/mcp"]), "upstream[0].url"),
+            (args(&["a=stdio:"]), "--upstream"),
+            (args(&["a=stdio:python 'unterminated"]), "--upstream"),
+            (
+                args(&["a=http://x/mcp", "a=http://y/mcp"]),
+                "upstream[1].name",
+            ),
+            (
+                ServeArgs {
+                    workers: Some(4),
+                    ..args(&["a=http://x/mcp"])
+                },
+                "fleet.redis_url",
+            ),
+            (
+                ServeArgs {
+                    listen: Some("nowhere".into()),
+                    ..args(&["a=http://x/mcp"])
+                },
+                "--listen",
+            ),
+            (
+                ServeArgs {
+                    redis: Some("redis://127.0.0.1:1".into()),
+                    ..args(&["a=http://x/mcp"])
+                },
+                "mesh.ca",
+            ),
+            (
+                ServeArgs {
+                    mesh_transport: Some(MeshTransport::Redis),
+                    ..args(&["a=http://x/mcp"])
+                },
+                "mesh.transport",
+            ),
+        ];
+        for (a, field) in cases {
+            let err = Config::load(&a).expect_err(field);
+            assert_eq!(err.field, field, "{err}");
+        }
+    }
+
+    #[test]
+    fn the_redis_transport_needs_redis_but_no_mesh_certificates() {
+        let config = Config::load(&ServeArgs {
+            redis: Some("redis://127.0.0.1:1".into()),
+            mesh_transport: Some(MeshTransport::Redis),
+            ..args(&["a=http://x/mcp"])
+        })
+        .expect("redis transport without certificates");
+        assert_eq!(config.mesh.transport, MeshTransport::Redis);
+    }
+
+    #[test]
+    fn stdio_upstreams_split_like_a_shell_and_hold_sessions_for_modern_clients() {
+        let config = Config::load(&args(&[
+            "time=stdio:python3 -m mcp_server_time --local-timezone 'Europe/Paris' \"a b\"",
+        ]))
+        .unwrap();
+        let UpstreamTarget::Stdio(command) = &config.upstreams[0].target else {
+            panic!("a stdio upstream")
+        };
+        assert_eq!(command.program, "python3");
+        assert_eq!(
+            command.args,
+            [
+                "-m",
+                "mcp_server_time",
+                "--local-timezone",
+                "Europe/Paris",
+                "a b"
+            ]
+        );
+        assert_eq!(command.max_processes, DEFAULT_MAX_STDIO_PROCESSES);
+        assert!(config.upstreams[0].legacy_only);
+        assert_eq!(config.upstreams[0].describe(), "stdio: python3");
+        let http = Config::load(&args(&["web=https://example.com/mcp"])).unwrap();
+        assert!(!http.upstreams[0].legacy_only);
+    }
+
+    fn load_file(text: &str) -> Result<Config, ConfigError> {
+        let dir = std::env::temp_dir().join(format!(
+            "mcpgw-config-upstreams-{}-{}",
+            std::process::id(),
+            text.len()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("mcpgw.toml");
+        std::fs::write(&path, text).unwrap();
+        let loaded = Config::load(&ServeArgs {
+            config: Some(path),
+            ..ServeArgs::default()
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+        loaded
+    }
+
+    #[test]
+    fn upstream_tables_take_commands_tls_files_and_refuse_mixtures() {
+        let readable = std::env::current_dir().unwrap().join("Cargo.toml");
+        let readable = readable.display();
+        let config = load_file(&format!(
+            r#"
+[[upstream]]
+name = "tool"
+command = ["server", "--flag"]
+args = ["more"]
+env = {{ API_KEY = "secret" }}
+cwd = "/"
+max_processes = 4
+
+[[upstream]]
+name = "line"
+command = "server 'two words'"
+
+[[upstream]]
+name = "secure"
+url = "https://example.com/mcp"
+tls_ca = "{readable}"
+tls_client_cert = "{readable}"
+tls_client_key = "{readable}"
+
+[[upstream]]
+name = "old"
+url = "http://127.0.0.1:1/mcp"
+legacy_only = true
+"#
+        ))
+        .unwrap();
+        let UpstreamTarget::Stdio(tool) = &config.upstreams[0].target else {
+            panic!("stdio")
+        };
+        assert_eq!(
+            (tool.program.as_str(), tool.args.clone()),
+            ("server", vec!["--flag".to_owned(), "more".to_owned()])
+        );
+        assert_eq!(tool.max_processes, 4);
+        assert!(
+            !format!("{tool:?}").contains("secret"),
+            "environment values stay out of logs"
+        );
+        let UpstreamTarget::Stdio(line) = &config.upstreams[1].target else {
+            panic!("stdio")
+        };
+        assert_eq!(line.args, ["two words"]);
+        assert!(matches!(
+            &config.upstreams[2].target,
+            UpstreamTarget::Http { tls, .. } if tls.client_key.is_some()
+        ));
+        assert!(config.upstreams[3].legacy_only);
+
+        let refused = [
+            (
+                "[[upstream]]\nname = \"a\"\nurl = \"http://x/mcp\"\ntls_ca = \"Cargo.toml\"\n",
+                "upstream[0].tls_ca",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\nurl = \"http://x/mcp\"\ncommand = [\"x\"]\n",
+                "upstream[0]",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\nurl = \"http://x/mcp\"\nenv = { A = \"b\" }\n",
+                "upstream[0].env",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\nurl = \"https://x/mcp\"\ntls_ca = \"/nonexistent/ca.pem\"\n",
+                "upstream[0].tls_ca",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\nurl = \"https://x/mcp\"\ntls_client_cert = \"Cargo.toml\"\n",
+                "upstream[0].tls_client_cert",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\ncommand = [\"x\"]\nmax_processes = 0\n",
+                "upstream[0].max_processes",
+            ),
+            (
+                "[[upstream]]\nname = \"a\"\ncommand = [\"x\"]\ntls_ca = \"Cargo.toml\"\n",
+                "upstream[0].tls_ca",
+            ),
+            ("[[upstream]]\nname = \"a\"\n", "upstream[0]"),
+        ];
+        for (text, field) in refused {
+            let err = load_file(text).expect_err(field);
+            assert_eq!(err.field, field, "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn file_values_are_read_and_flags_win() {
+        let dir = std::env::temp_dir().join(format!("mcpgw-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("mcpgw.toml");
+        std::fs::write(
+            &path,
+            r#"
+listen = "127.0.0.1:9999"
+[[upstream]]
+name = "one"
+url = "http://127.0.0.1:1/mcp"
+[[upstream]]
+name = "two"
+url = "http://127.0.0.1:2/mcp"
+[limits]
+max_body_bytes = 1000
+"#,
+        )
+        .unwrap();
+        let a = ServeArgs {
+            config: Some(path.clone()),
+            listen: Some("127.0.0.1:7777".into()),
+            ..ServeArgs::default()
+        };
+        let config = Config::load(&a).unwrap();
+        assert_eq!(config.listen.port(), 7777);
+        assert_eq!(config.upstreams.len(), 2);
+        assert!(config.default_upstream().is_none());
+        assert_eq!(config.limits.max_body_bytes, 1000);
+
+        std::fs::write(&path, "listen = \"127.0.0.1:1\"\nbogus = 1\n").unwrap();
+        let err = Config::load(&a).expect_err("unknown key");
+        assert!(err.problem.contains("bogus"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn server_tables_become_routes_and_bad_ones_are_refused_by_field() {
+        let upstreams = "[[upstream]]\nname = \"demo\"\nurl = \"http://x/mcp\"\n\
+                         [[upstream]]\nname = \"time\"\nurl = \"http://y/mcp\"\n";
+        let load = |servers: &str| {
+            static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let path = std::env::temp_dir().join(format!(
+                "mcpgw-config-servers-{}-{n}.toml",
+                std::process::id()
+            ));
+            std::fs::write(&path, format!("{upstreams}{servers}")).unwrap();
+            let loaded = Config::load(&ServeArgs {
+                config: Some(path.clone()),
+                ..ServeArgs::default()
+            });
+            let _ = std::fs::remove_file(&path);
+            loaded
+        };
+        let config = load(
+            "[[server]]\nname = \"all\"\n[[server.member]]\nupstream = \"demo\"\n\
+             tools = { include = [\"echo\"] }\n[[server.member]]\nupstream = \"time\"\n\
+             required = false\n",
+        )
+        .expect("a valid server");
+        let route = &config.upstreams[2];
+        assert_eq!(route.name, "all");
+        let UpstreamTarget::Virtual(server) = &route.target else {
+            panic!("a virtual server")
+        };
+        assert_eq!(server.prefix, PrefixRule::Always);
+        assert_eq!(server.separator, "__");
+        assert_eq!(server.members[0].prefix, "demo");
+        assert_eq!(server.members[1].index, 1);
+        assert!(server.members[0].required && !server.members[1].required);
+        for (servers, field, words) in [
+            (
+                "[[server]]\nname = \"all\"\n[[server.member]]\nupstream = \"nope\"\n",
+                "server[0].member[0].upstream",
+                "not a configured upstream",
+            ),
+            (
+                "[[server]]\nname = \"demo\"\n[[server.member]]\nupstream = \"time\"\n",
+                "server[0].name",
+                "name of an [[upstream]]",
+            ),
+            (
+                "[[server]]\nname = \"all\"\nprefix = \"never\"\n[[server.member]]\n\
+                 upstream = \"demo\"\ntools = { include = [\"echo\"] }\n[[server.member]]\n\
+                 upstream = \"time\"\ntools = { include = [\"echo\"] }\n",
+                "server[0].member[1]",
+                "both expose tool \"echo\"",
+            ),
+            (
+                "[[server]]\nname = \"all\"\nseparator = \"/\"\n[[server.member]]\nupstream = \"demo\"\n",
+                "server[0].separator",
+                "letters, digits",
+            ),
+            (
+                "[[server]]\nname = \"all\"\n",
+                "server[0].member",
+                "at least one",
+            ),
+        ] {
+            let err = load(servers).expect_err(field);
+            assert_eq!(err.field, field, "{err}");
+            assert!(err.problem.contains(words), "{err}");
+        }
+    }
+}
