@@ -73,6 +73,7 @@
 //!   when its keep-alives stop for [`MeshLimits::idle_timeout`].
 
 mod budget;
+mod calling;
 mod client;
 mod error;
 mod framed;
@@ -81,6 +82,7 @@ mod observe;
 mod quic;
 mod redis;
 mod server;
+mod serving;
 mod tcp;
 mod tls;
 
@@ -99,7 +101,7 @@ pub use self::redis::RedisTransportConfig;
 pub use budget::{StreamCounter, StreamCounts};
 pub use client::{CALLER_DEADLINE_GRACE, ForwardedResponse, MeshClient};
 pub use error::MeshError;
-pub use observe::{MeshObserver, OpenConnectionInfo, observe_mesh_with, open_connections};
+pub use observe::{MeshObserver, OpenConnectionInfo, open_connections};
 pub use server::{MeshServer, MeshServerHandle};
 pub use tls::{ClientTls, ServerTls, hard_age, mesh_tls_settings};
 
@@ -120,13 +122,22 @@ pub enum TransportKind {
     Redis,
 }
 
-impl fmt::Display for TransportKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+impl TransportKind {
+    /// The transport's name, as the `--mesh-transport` flag spells it and as metrics
+    /// and logs label it: one spelling everywhere, so a dashboard's label is a valid
+    /// flag value.
+    pub fn as_str(self) -> &'static str {
+        match self {
             TransportKind::Quic => "quic",
             TransportKind::Tcp => "tcp",
             TransportKind::Redis => "redis",
-        })
+        }
+    }
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

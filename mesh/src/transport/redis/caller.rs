@@ -23,7 +23,7 @@ use super::conn::{
 };
 use super::message::{decode_to_caller, encode_to_owner, readable, version_mismatch};
 use crate::redis_conn::redact_url;
-use crate::transport::client::ExState;
+use crate::transport::calling::ExState;
 use crate::transport::error::LinkError;
 use crate::transport::{MeshError, MeshLimits};
 

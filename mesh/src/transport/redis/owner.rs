@@ -30,7 +30,7 @@ use super::message::{
 };
 use crate::redis_conn::redact_url;
 use crate::transport::budget::{StreamClass, is_event_stream};
-use crate::transport::server::ServerShared;
+use crate::transport::serving::ServerShared;
 use crate::transport::{MeshError, PeerInfo, ResponsePart, TransportKind};
 
 /// The owner's side: the request channel's subscriber and the exchanges it runs.

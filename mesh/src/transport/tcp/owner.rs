@@ -20,7 +20,7 @@ use super::mux::{MuxRead, MuxReader, Outbox, PushError, write_loop};
 use crate::transport::PeerInfo;
 use crate::transport::error::LinkError;
 use crate::transport::framed::SendError;
-use crate::transport::server::{
+use crate::transport::serving::{
     CallerEvent, ExchangeEnd, ExchangeLink, ServerShared, error_for, serve_request,
 };
 
