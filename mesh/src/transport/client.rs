@@ -14,13 +14,12 @@ use tokio::time::{Instant, timeout_at};
 
 use super::budget::{Budgets, Permit, StreamClass, is_event_stream};
 use super::calling::ExState;
-use super::error::LinkError;
-use super::observe::Observer;
-use super::tls::IdentityBook;
-use super::{
-    ClientTls, MeshError, MeshLimits, MeshObserver, RedisTransportConfig, TransportKind, quic,
-    redis, tcp,
-};
+use super::config::{MeshLimits, TransportKind};
+use super::error::{LinkError, MeshError};
+use super::observe::{MeshObserver, Observer};
+use super::redis::RedisTransportConfig;
+use super::tls::{ClientTls, IdentityBook};
+use super::{quic, redis, tcp};
 
 /// How long after a request's own deadline the caller still waits for the owner's
 /// answer. The owner stops the request at the deadline and says so; if that answer

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use mcpgw_certs::PeerIdentity;
 use parking_lot::Mutex;
 
-use super::MeshError;
+use super::error::MeshError;
 
 /// Receives mesh connection events. Called on connection set-up and tear-down only,
 /// never per request.
@@ -23,7 +23,7 @@ pub trait MeshObserver: Send + Sync + 'static {
     /// registered for the worker), `"timeout"`, `"refused"` (nothing listens),
     /// `"greeting"` (`Hello`/`Welcome` failed: version, protocol), `"over_cap"` (owner
     /// side: closed unread because too many handshakes were in progress, see
-    /// [`MeshLimits::max_handshakes`](super::MeshLimits::max_handshakes)) or `"io"`.
+    /// [`MeshLimits::max_handshakes`](super::config::MeshLimits::max_handshakes)) or `"io"`.
     fn handshake(&self, side: &'static str, outcome: &'static str);
 
     /// Connections open on `side` changed by `delta` (+1 opened, -1 closed).

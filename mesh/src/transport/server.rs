@@ -10,10 +10,14 @@ use std::time::Duration;
 use tokio::time::timeout;
 use tracing::{debug, warn};
 
-use super::observe::Observer;
+use super::config::{MeshLimits, TransportKind};
+use super::error::MeshError;
+use super::observe::{MeshObserver, Observer};
+use super::redis::RedisTransportConfig;
+use super::service::MeshService;
 use super::serving::ServerShared;
-use super::{MeshError, MeshLimits, MeshObserver, MeshService, TransportKind};
-use super::{RedisTransportConfig, ServerTls, quic, redis, tcp};
+use super::tls::ServerTls;
+use super::{quic, redis, tcp};
 
 /// Starts mesh servers. See [`MeshServer::bind`].
 #[derive(Debug)]

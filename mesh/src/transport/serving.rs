@@ -21,11 +21,12 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
 use super::budget::{Budgets, Permit, StreamClass, is_event_stream};
+use super::config::{MeshLimits, TransportKind};
 use super::error::LinkError;
 use super::framed::{FrameReader, FrameWriter, SendError};
 use super::guard::{FAILURE_LOG_INTERVAL, FailureLog, HandshakeGate};
 use super::observe::Observer;
-use super::{MeshLimits, MeshService, PeerInfo, ResponsePart, TransportKind};
+use super::service::{MeshService, PeerInfo, ResponsePart};
 
 /// State shared by one server's accept loop, connections and requests.
 pub(crate) struct ServerShared {

@@ -21,11 +21,11 @@ use super::{
     CONNECTION_TOO_OLD, GREETING_FAILED, endpoint_on, idle_timeout, peer_chain, sparse_acks,
 };
 use crate::transport::calling::{ExState, greet, resolve};
-use crate::transport::error::{LinkError, quic_tls_cause};
+use crate::transport::config::MeshLimits;
+use crate::transport::error::{LinkError, MeshError, quic_tls_cause};
 use crate::transport::framed::{FrameReader, FrameWriter, SendError};
 use crate::transport::observe::{self, Observer};
-use crate::transport::tls::{ConnectionLife, IdentityBook};
-use crate::transport::{ClientTls, MeshError, MeshLimits};
+use crate::transport::tls::{ClientTls, ConnectionLife, IdentityBook};
 
 /// Application error code on a stream the caller abandons (reset and stop).
 const CANCEL_CODE: VarInt = VarInt::from_u32(1);

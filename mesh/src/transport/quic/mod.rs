@@ -21,7 +21,8 @@ use std::time::Duration;
 use quinn::{Connection, Endpoint, IdleTimeout, VarInt};
 use rustls::pki_types::CertificateDer;
 
-use super::{MeshError, MeshLimits};
+use super::config::MeshLimits;
+use super::error::MeshError;
 
 /// Application error code closing a connection whose greeting failed.
 pub(super) const GREETING_FAILED: VarInt = VarInt::from_u32(3);

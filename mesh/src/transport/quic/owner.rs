@@ -17,14 +17,15 @@ use tracing::{debug, warn};
 use super::{
     CONNECTION_TOO_OLD, GREETING_FAILED, endpoint_on, idle_timeout, peer_chain, sparse_acks,
 };
-use crate::transport::error::{LinkError, quic_tls_cause};
+use crate::transport::config::{MeshLimits, TransportKind};
+use crate::transport::error::{LinkError, MeshError, quic_tls_cause};
 use crate::transport::framed::{FrameReader, FrameWriter, SendError};
 use crate::transport::guard::HandshakePermit;
+use crate::transport::service::PeerInfo;
 use crate::transport::serving::{
     CallerEvent, ExchangeEnd, ExchangeLink, ServerShared, greet, serve_next, timed_out,
 };
-use crate::transport::tls::ConnectionLife;
-use crate::transport::{MeshError, MeshLimits, PeerInfo, ServerTls, TransportKind};
+use crate::transport::tls::{ConnectionLife, ServerTls};
 
 /// Application error code on a stream the owner abandons (write failed, stopping).
 const ABORT_CODE: VarInt = VarInt::from_u32(2);

@@ -21,7 +21,7 @@ use tokio::time::{Instant, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use super::RedisTransportConfig;
+use super::config::RedisTransportConfig;
 use super::conn::{
     STOP_GRACE, Subscription, connect_publisher, keepalive_interval, open_client, publish, scrub,
 };
@@ -30,8 +30,10 @@ use super::message::{
 };
 use crate::redis_conn::redact_url;
 use crate::transport::budget::{StreamClass, is_event_stream};
+use crate::transport::config::TransportKind;
+use crate::transport::error::MeshError;
+use crate::transport::service::{PeerInfo, ResponsePart};
 use crate::transport::serving::ServerShared;
-use crate::transport::{MeshError, PeerInfo, ResponsePart, TransportKind};
 
 /// The owner's side: the request channel's subscriber and the exchanges it runs.
 struct Owner {

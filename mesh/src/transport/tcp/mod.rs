@@ -48,13 +48,15 @@ pub(crate) use caller::TcpExchange;
 use self::caller::{CallerConn, read_loop};
 use self::mux::{MuxReader, Outbox, write_loop};
 use super::calling::{greet as client_greet, resolve};
+use super::config::{MeshLimits, TransportKind};
+use super::error::MeshError;
 use super::error::tls_cause;
 use super::framed::{FrameReader, FrameWriter};
 use super::guard::HandshakePermit;
 use super::observe::{self, Observer};
+use super::service::PeerInfo;
 use super::serving::{ServerShared, greet as server_greet};
-use super::tls::{ConnectionLife, IdentityBook};
-use super::{ClientTls, MeshError, MeshLimits, PeerInfo, ServerTls, TransportKind};
+use super::tls::{ClientTls, ConnectionLife, IdentityBook, ServerTls};
 
 /// Sets the socket options every mesh TCP connection wants, on both ends.
 fn tune(stream: &TcpStream, limits: &MeshLimits) {
