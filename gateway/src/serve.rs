@@ -536,6 +536,7 @@ async fn join_fleet(
                 worker.id.clone(),
                 service,
                 limits.clone(),
+                Some(Arc::clone(&worker.metrics) as _),
             )
             .await
             .map_err(|e| {
@@ -558,7 +559,6 @@ async fn join_fleet(
     .await
     .map_err(|e| WorkerError::Failed(e.to_string()))?;
     directory.observe_with(Arc::clone(&worker.metrics) as _);
-    mcpgw_mesh::transport::observe_mesh_with(Arc::clone(&worker.metrics) as _);
     let registered_at = tokio::time::Instant::now();
     let mut info = process::worker_info(Some(admin_addr.to_string()));
     info.mesh_identity = tls.as_ref().map(|tls| tls.current().leaf().uri.clone());
@@ -585,12 +585,21 @@ async fn join_fleet(
         let _ = worker.mesh_tls.set(tls.clone());
     }
     let (client, probe_client) = match dial {
-        Dial::Tls(client_tls) => (
-            MeshClient::new(kind, client_tls.clone(), worker.id.clone(), limits.clone())
+        Dial::Tls(client_tls) => {
+            let observer = || Some(Arc::clone(&worker.metrics) as _);
+            (
+                MeshClient::new(
+                    kind,
+                    client_tls.clone(),
+                    worker.id.clone(),
+                    limits.clone(),
+                    observer(),
+                )
                 .map_err(|e| WorkerError::Fatal(e.to_string()))?,
-            MeshClient::new(kind, client_tls, worker.id.clone(), limits)
-                .map_err(|e| WorkerError::Fatal(e.to_string()))?,
-        ),
+                MeshClient::new(kind, client_tls, worker.id.clone(), limits, observer())
+                    .map_err(|e| WorkerError::Fatal(e.to_string()))?,
+            )
+        }
         Dial::Redis(redis) => {
             // One client serves both: a second would subscribe the worker's reply
             // channel twice and receive every reply twice, and a probe over Redis is a

@@ -195,6 +195,7 @@ async fn silent_handshakes_are_capped_per_address_and_logged_in_few_lines(kind: 
         mesh.pki.member("late").client_config(),
         "late-1",
         limits(),
+        None,
     )
     .expect("client");
     let response = fresh
@@ -234,16 +235,22 @@ async fn made_up_worker_ids_share_one_identity_budget(kind: TransportKind) {
     let leaf = mesh.pki.member("leaf");
     let mut held = Vec::new();
     for i in 0..budget {
-        let client = MeshClient::new(kind, leaf.client_config(), format!("made-up-{i}"), limits())
-            .expect("client");
+        let client = MeshClient::new(
+            kind,
+            leaf.client_config(),
+            format!("made-up-{i}"),
+            limits(),
+            None,
+        )
+        .expect("client");
         let response = client
             .forward(&mesh.addr(), OWNER, request("/hang", ""))
             .await
             .unwrap_or_else(|e| panic!("{kind}: held exchange {i} within the budget: {e}"));
         held.push((client, response));
     }
-    let extra =
-        MeshClient::new(kind, leaf.client_config(), "made-up-extra", limits()).expect("client");
+    let extra = MeshClient::new(kind, leaf.client_config(), "made-up-extra", limits(), None)
+        .expect("client");
     let err = extra
         .forward(&mesh.addr(), OWNER, request("/hang", ""))
         .await

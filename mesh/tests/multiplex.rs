@@ -198,8 +198,8 @@ impl Pair {
         });
         let server =
             serve_on_loopback(kind, owner.server_config(), OWNER, service, server_limits).await;
-        let client =
-            MeshClient::new(kind, caller.client_config(), CALLER, client_limits).expect("client");
+        let client = MeshClient::new(kind, caller.client_config(), CALLER, client_limits, None)
+            .expect("client");
         Self {
             _pki: pki,
             server,

@@ -131,6 +131,10 @@ async fn a_worker_without_a_subscriber_is_refused(redis: &RedisServer) {
     );
     assert!(err.proves_peer_gone());
     assert!(!err.may_have_executed());
+    // Yet not proof of death: an owner whose subscriber is reconnecting to Redis
+    // looks the same for a moment, so only its lease can tell.
+    assert!(!mesh.client.refusal_proves_death());
+    assert_eq!(mesh.client.label(), "redis");
     assert!(
         started.elapsed() < patient().connect_timeout,
         "refusal must not wait for a timeout ({:?})",

@@ -210,8 +210,8 @@ fn a_staged_ca_rollover_reaches_new_connections_and_shuts_out_old_material() {
         )
         .await;
         let addr = server.local_addr().to_string();
-        let client =
-            MeshClient::new(kind, caller_tls.clone(), CALLER, limits.clone()).expect("client");
+        let client = MeshClient::new(kind, caller_tls.clone(), CALLER, limits.clone(), None)
+            .expect("client");
         let stale_tls = MeshTls::load(&MeshTlsFiles::in_dir(stale_dir.path(), "stale"))
             .expect("stale material");
         // A peer that never retires its connection (maximum age 0: an old version, a
@@ -225,6 +225,7 @@ fn a_staged_ca_rollover_reaches_new_connections_and_shuts_out_old_material() {
                 max_connection_age: Duration::ZERO,
                 ..limits.clone()
             },
+            None,
         )
         .expect("client");
         echo(&client, &addr, OWNER).await.expect("before");
@@ -353,7 +354,8 @@ fn a_retired_connection_finishes_its_exchange_and_then_closes() {
             tcp_pool_size: 1,
             ..limits()
         };
-        let client = MeshClient::new(kind, caller.client_config(), CALLER, short).expect("client");
+        let client =
+            MeshClient::new(kind, caller.client_config(), CALLER, short, None).expect("client");
         let first = echo(&client, &addr, OWNER).await.expect("first");
         let gated = client
             .forward(&addr, OWNER, request("/gated", "2"))
@@ -420,7 +422,7 @@ fn with_maximum_age_zero_only_the_peers_certificate_expiry_ends_a_connection() {
             )
             .await;
             let addr = server.local_addr().to_string();
-            let client = MeshClient::new(kind, caller.client_config(), CALLER, never.clone())
+            let client = MeshClient::new(kind, caller.client_config(), CALLER, never.clone(), None)
                 .expect("client");
             let connection = echo(&client, &addr, OWNER).await.expect("while valid");
             let held = client
@@ -471,8 +473,8 @@ fn an_expired_leaf_closes_its_connection_and_is_refused() {
         write_leaf(pki.dir.path(), &pki.ca, "brief", Duration::from_secs(3));
         let brief = MeshTls::load(&MeshTlsFiles::in_dir(pki.dir.path(), "brief"))
             .expect("brief leaf loads while valid");
-        let client =
-            MeshClient::new(kind, brief.client_config(), "brief-1", limits()).expect("client");
+        let client = MeshClient::new(kind, brief.client_config(), "brief-1", limits(), None)
+            .expect("client");
         let first = echo(&client, &addr, OWNER).await.expect("while valid");
         let wait = brief
             .leaf_not_after()
@@ -515,6 +517,7 @@ fn a_welcome_counts_only_from_the_identity_registered_for_the_worker() {
                 mesh.pki.member("caller").client_config(),
                 CALLER,
                 limits(),
+                None,
             )
             .expect("client");
             let rogue_addr = rogue_server.local_addr().to_string();
@@ -596,8 +599,14 @@ fn a_hello_counts_only_from_the_identity_registered_for_the_caller() {
         .await;
         let addr = server.local_addr().to_string();
         let client = |member: &str, worker: &str| {
-            MeshClient::new(kind, pki.member(member).client_config(), worker, limits())
-                .expect("client")
+            MeshClient::new(
+                kind,
+                pki.member(member).client_config(),
+                worker,
+                limits(),
+                None,
+            )
+            .expect("client")
         };
         echo(&client("caller", CALLER), &addr, OWNER)
             .await
@@ -658,7 +667,7 @@ fn a_bad_file_keeps_the_old_material_and_a_fixed_one_is_taken() {
         assert_eq!(owner_tls.current().leaf_fingerprint(), fingerprint);
         // New connections still get the old material.
         let client =
-            MeshClient::new(kind, caller.client_config(), CALLER, limits()).expect("client");
+            MeshClient::new(kind, caller.client_config(), CALLER, limits(), None).expect("client");
         echo(&client, &addr, OWNER)
             .await
             .expect("served with the old material");
@@ -676,7 +685,7 @@ fn a_bad_file_keeps_the_old_material_and_a_fixed_one_is_taken() {
         ));
         assert_ne!(owner_tls.current().leaf_fingerprint(), fingerprint);
         let fresh =
-            MeshClient::new(kind, caller.client_config(), CALLER, limits()).expect("client");
+            MeshClient::new(kind, caller.client_config(), CALLER, limits(), None).expect("client");
         echo(&fresh, &addr, OWNER)
             .await
             .expect("served with the new material");

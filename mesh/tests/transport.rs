@@ -134,6 +134,10 @@ async fn closed_port_is_refused(kind: TransportKind) {
         "{kind}: expected Refused, got {err:?}"
     );
     assert!(err.proves_peer_gone());
+    // A refusal at the owner's address is proof of its death on both transports, so
+    // the gateway may act on it without asking the directory.
+    assert!(mesh.client.refusal_proves_death(), "{kind}");
+    assert_eq!(mesh.client.label(), kind.to_string());
     assert!(
         started.elapsed() < patient().connect_timeout,
         "{kind}: refusal must not wait for the connect timeout ({:?})",
@@ -218,14 +222,20 @@ async fn client_from_another_ca_is_rejected(kind: TransportKind) {
     let bundle = format!("{}{}", other.ca.cert, mesh.pki.ca.cert);
     std::fs::write(other.dir.path().join("ca.crt"), bundle).expect("bundle");
     let tls = other.member("caller").client_config();
-    let client = MeshClient::new(kind, tls, "impostor-1", limits()).expect("client");
+    let client = MeshClient::new(kind, tls, "impostor-1", limits(), None).expect("client");
     assert_rejected(&mesh, client).await;
 }
 
 async fn client_without_certificate_is_rejected(kind: TransportKind) {
     let mesh = Mesh::start(kind).await;
-    let client = MeshClient::new(kind, mesh.pki.anonymous_client(), "anonymous-1", limits())
-        .expect("client");
+    let client = MeshClient::new(
+        kind,
+        mesh.pki.anonymous_client(),
+        "anonymous-1",
+        limits(),
+        None,
+    )
+    .expect("client");
     assert_rejected(&mesh, client).await;
 }
 

@@ -32,7 +32,7 @@ pub fn forward_once(
         Err(e) => return vec![Err(format!("runtime: {e}"))],
     };
     runtime.block_on(async {
-        let client = match MeshClient::new(kind, tls, as_worker, MeshLimits::default()) {
+        let client = match MeshClient::new(kind, tls, as_worker, MeshLimits::default(), None) {
             Ok(client) => client,
             Err(e) => return vec![Err(e.to_string())],
         };

@@ -934,9 +934,14 @@ scopes = ["mcp"]
             .build()
             .expect("runtime");
         runtime.block_on(async {
-            let client =
-                MeshClient::new(TransportKind::Quic, tls, "auth-test", MeshLimits::default())
-                    .expect("mesh client");
+            let client = MeshClient::new(
+                TransportKind::Quic,
+                tls,
+                "auth-test",
+                MeshLimits::default(),
+                None,
+            )
+            .expect("mesh client");
             let response = tokio::time::timeout(
                 Duration::from_secs(15),
                 client.forward(&addr, &owner, frame),

@@ -18,7 +18,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use mcpgw_mesh::directory::{Directory, DirectoryError};
-use mcpgw_mesh::transport::{ForwardedResponse, MeshClient, MeshError, TransportKind};
+use mcpgw_mesh::transport::{ForwardedResponse, MeshClient, MeshError};
 use mcpgw_wire::RequestFrame;
 use parking_lot::RwLock;
 use tokio::time::Instant;
@@ -145,11 +145,7 @@ impl Forwarder {
 
     /// The mesh transport's name as a metric label.
     pub fn transport_label(&self) -> &'static str {
-        match self.mesh.kind() {
-            mcpgw_mesh::transport::TransportKind::Quic => "quic",
-            mcpgw_mesh::transport::TransportKind::Tcp => "tcp",
-            mcpgw_mesh::transport::TransportKind::Redis => "redis",
-        }
+        self.mesh.label()
     }
 
     /// Sends `call` (for a session this worker does not hold) to the session's owner
@@ -194,7 +190,7 @@ impl Forwarder {
     }
 
     fn refusal_proves(&self) -> bool {
-        self.mesh.kind() != TransportKind::Redis
+        self.mesh.refusal_proves_death()
     }
 
     /// Runs `machine` to its end: carries out each action and feeds back what it found.

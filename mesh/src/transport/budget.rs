@@ -9,7 +9,7 @@
 //! Both ends keep the same books: the caller per peer address, the owner per peer
 //! mesh identity (its certificate's, not the worker id it declares; over Redis, which
 //! has no mTLS, the worker id). A full budget refuses at once (the caller gets
-//! [`MeshError::BudgetExhausted`](super::MeshError::BudgetExhausted), the owner answers
+//! [`MeshError::BudgetExhausted`](super::error::MeshError::BudgetExhausted), the owner answers
 //! `Error(Busy)`); nothing ever waits for a slot, so a budget can never turn into a
 //! hang.
 //!

@@ -1,25 +1,25 @@
-//! The caller's side, shared by all transports: the peer pool facade, the greeting,
-//! and reading a forwarded response.
+//! The caller's facade over the transports: [`MeshClient`], which dispatches to the
+//! transport's peer pool, and reading a forwarded response, whichever link carries
+//! it. What the transports' callers share (the greeting, resolving) is in `calling`.
 
 use std::fmt;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::stream::{self, BoxStream, StreamExt};
-use mcpgw_wire::{Frame, MeshCodec, OLDEST_PROTOCOL_VERSION, RequestFrame, ResponseHead};
-use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::time::{Instant, timeout, timeout_at};
+use mcpgw_wire::{Frame, MeshCodec, RequestFrame, ResponseHead};
+use tokio::time::{Instant, timeout_at};
 
 use super::budget::{Budgets, Permit, StreamClass, is_event_stream};
-use super::error::LinkError;
-use super::framed::{FrameReader, FrameWriter};
-use super::tls::IdentityBook;
-use super::{
-    ClientTls, MeshError, MeshLimits, RedisTransportConfig, TransportKind, quic, redis, tcp,
-};
+use super::calling::ExState;
+use super::config::{MeshLimits, TransportKind};
+use super::error::{LinkError, MeshError};
+use super::observe::{MeshObserver, Observer};
+use super::redis::RedisTransportConfig;
+use super::tls::{ClientTls, IdentityBook};
+use super::{quic, redis, tcp};
 
 /// How long after a request's own deadline the caller still waits for the owner's
 /// answer. The owner stops the request at the deadline and says so; if that answer
@@ -55,7 +55,7 @@ fn budgets_for(limits: &MeshLimits) -> Arc<Budgets> {
     reason = "one per client, behind an Arc; boxing would only add an indirection"
 )]
 enum Transport {
-    Quic(quic::QuicClient),
+    Quic(quic::caller::QuicClient),
     Tcp(tcp::TcpClient),
     Redis(redis::RedisClient),
 }
@@ -72,30 +72,37 @@ impl MeshClient {
     /// A client for `kind`. `tls` comes from `mcpgw-certs` (our leaf, mesh CA): a fixed
     /// config, or a `MeshTlsSource` whose new material every new dial uses; the mesh
     /// ALPN is added here when it is missing. `local_worker_id` is announced in every `Hello`.
-    /// Sockets are opened on first use, so this needs no runtime.
+    /// `observer`, when given, is told of this client's dials and connections (see
+    /// [`MeshObserver`]); each client reports to its own, so workers sharing a process
+    /// keep their counts apart. Sockets are opened on first use, so this needs no
+    /// runtime.
     pub fn new(
         kind: TransportKind,
         tls: impl Into<ClientTls>,
         local_worker_id: impl Into<String>,
         limits: MeshLimits,
+        observer: Option<Arc<dyn MeshObserver>>,
     ) -> Result<Self, MeshError> {
+        let observer = Observer::from(observer);
         let tls = tls.into();
         let worker_id = local_worker_id.into();
         let max_frame = limits.max_frame;
         let budgets = budgets_for(&limits);
         let identities = Arc::new(IdentityBook::default());
         let transport = match kind {
-            TransportKind::Quic => Transport::Quic(quic::QuicClient::new(
+            TransportKind::Quic => Transport::Quic(quic::caller::QuicClient::new(
                 tls,
                 worker_id,
                 limits,
                 identities.clone(),
+                observer,
             )?),
             TransportKind::Tcp => Transport::Tcp(tcp::TcpClient::new(
                 tls,
                 worker_id,
                 limits,
                 identities.clone(),
+                observer,
             )),
             TransportKind::Redis => {
                 return Err(MeshError::Config(
@@ -150,6 +157,27 @@ impl MeshClient {
             Transport::Quic(_) => TransportKind::Quic,
             Transport::Tcp(_) => TransportKind::Tcp,
             Transport::Redis(_) => TransportKind::Redis,
+        }
+    }
+
+    /// The transport's name as a metric label (`"quic"`, `"tcp"` or `"redis"`).
+    pub fn label(&self) -> &'static str {
+        self.kind().as_str()
+    }
+
+    /// Whether [`MeshError::Refused`] from this client proves the owner gone, so a
+    /// caller may act on it without asking the directory.
+    ///
+    /// QUIC and TCP: yes. A refusal there is a closed port (or an endpoint closed by a
+    /// worker that stopped) at the address the owner registered, and a `WrongWorker`
+    /// answer is another worker's greeting there; a live owner shows neither. Redis
+    /// pub/sub: no. "No subscriber on the owner's channel" is also what an owner looks
+    /// like for the moment its subscriber reconnects to Redis, so only the directory's
+    /// lease can tell.
+    pub fn refusal_proves_death(&self) -> bool {
+        match self.inner.transport {
+            Transport::Quic(_) | Transport::Tcp(_) => true,
+            Transport::Redis(_) => false,
         }
     }
 
@@ -350,21 +378,10 @@ impl ForwardedResponse {
     }
 }
 
-/// What the caller knows about an exchange's link when the exchange is dropped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ExState {
-    /// The response is still running: dropping cancels it at the owner.
-    Open,
-    /// The exchange ended with `End` or `Error`: the link can be reused.
-    Clean,
-    /// The link is unusable.
-    Broken,
-}
-
 /// One request's link: a QUIC stream pair, a pooled TCP connection, or a Redis
 /// exchange's reply queue.
 pub(crate) enum Exchange {
-    Quic(quic::QuicExchange),
+    Quic(quic::caller::QuicExchange),
     Tcp(tcp::TcpExchange),
     Redis(redis::RedisExchange),
 }
@@ -420,85 +437,4 @@ async fn read_head(exchange: &mut Exchange, deadline: Instant) -> Result<Respons
     exchange.set_state(state);
     exchange.release();
     Err(result)
-}
-
-/// Says `Hello` (offering protocol versions up to `newest`) on a fresh link and reads
-/// `Welcome`: the real worker id at `addr`, and the protocol version the owner chose.
-pub(crate) async fn greet<R, W>(
-    addr: &str,
-    local_worker_id: &str,
-    expect_worker_id: &str,
-    newest: u32,
-    reader: &mut FrameReader<R>,
-    writer: &mut FrameWriter<W>,
-) -> Result<(String, u32), MeshError>
-where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
-{
-    let hello = Frame::Hello {
-        version: newest,
-        worker_id: local_worker_id.to_owned(),
-        expect_worker_id: expect_worker_id.to_owned(),
-    };
-    let connect_err = |reason: String| MeshError::Connect {
-        addr: addr.to_owned(),
-        reason,
-    };
-    // A write failure here is reported by the read that follows, with the TLS alert
-    // that caused it when there is one (TLS 1.3 servers reject client certificates
-    // after the client considers the handshake done).
-    let sent = writer.send(&hello).await;
-    match reader.next().await {
-        Ok(Some(Frame::Welcome { version, worker_id })) => {
-            // The owner answers with the version both speak; an owner too old or too
-            // new for us answers with its own, and refuses.
-            if !(OLDEST_PROTOCOL_VERSION..=newest).contains(&version) {
-                return Err(MeshError::VersionMismatch {
-                    addr: addr.to_owned(),
-                    ours: newest,
-                    theirs: version,
-                });
-            }
-            Ok((worker_id, version))
-        }
-        Ok(Some(Frame::Error(e))) => Err(connect_err(format!("peer refused the greeting: {e}"))),
-        Ok(Some(other)) => Err(MeshError::Protocol(format!(
-            "expected Welcome, got {}",
-            other.name()
-        ))),
-        Ok(None) => Err(connect_err(match sent {
-            Err(e) => format!("connection closed during the greeting: {e}"),
-            Ok(()) => "peer closed the connection without answering Hello".into(),
-        })),
-        Err(LinkError::Broken {
-            tls: Some(reason), ..
-        }) => Err(MeshError::Tls {
-            addr: addr.to_owned(),
-            reason,
-        }),
-        Err(LinkError::Broken { reason, .. }) => Err(connect_err(reason)),
-        Err(LinkError::BadFrame(e)) => Err(MeshError::Protocol(e.to_string())),
-    }
-}
-
-/// Resolves `host:port` (an IP literal needs no lookup).
-pub(crate) async fn resolve(peer_addr: &str, within: Duration) -> Result<SocketAddr, MeshError> {
-    if let Ok(addr) = peer_addr.parse() {
-        return Ok(addr);
-    }
-    let lookup = timeout(within, tokio::net::lookup_host(peer_addr)).await;
-    let connect_err = |reason: String| MeshError::Connect {
-        addr: peer_addr.to_owned(),
-        reason,
-    };
-    match lookup {
-        Err(_) => Err(MeshError::ConnectTimeout {
-            addr: peer_addr.to_owned(),
-        }),
-        Ok(Err(e)) => Err(connect_err(format!("cannot resolve the address: {e}"))),
-        Ok(Ok(mut addrs)) => addrs
-            .next()
-            .ok_or_else(|| connect_err("the name resolves to no address".into())),
-    }
 }

@@ -154,7 +154,7 @@ impl MeshError {
     }
 
     /// True when the request may have run at the owner, so it must not be retried
-    /// elsewhere (DESIGN: "forwarded, then the owner died before answering").
+    /// elsewhere (docs/architecture.md: "forwarded, then the owner died before answering").
     pub fn may_have_executed(&self) -> bool {
         match self {
             MeshError::LostMidResponse(_) | MeshError::DeadlineExceeded => true,

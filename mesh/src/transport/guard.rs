@@ -3,12 +3,12 @@
 //!
 //! Anyone who reaches the mesh port can open connections and never finish the TLS
 //! handshake. Each such connection holds a descriptor and a task until the handshake
-//! deadline ([`MeshLimits::connect_timeout`](super::MeshLimits::connect_timeout)), and
+//! deadline ([`MeshLimits::connect_timeout`](super::config::MeshLimits::connect_timeout)), and
 //! each failure used to write a warning. So:
 //!
 //! - [`HandshakeGate`] caps the handshakes in progress, per source address
-//!   ([`MeshLimits::max_handshakes_per_addr`](super::MeshLimits::max_handshakes_per_addr))
-//!   and in all ([`MeshLimits::max_handshakes`](super::MeshLimits::max_handshakes)); a
+//!   ([`MeshLimits::max_handshakes_per_addr`](super::config::MeshLimits::max_handshakes_per_addr))
+//!   and in all ([`MeshLimits::max_handshakes`](super::config::MeshLimits::max_handshakes)); a
 //!   connection over either cap is closed at once, before any TLS work. Mesh members
 //!   that are already connected are not affected, and one noisy address cannot use up
 //!   the whole cap.

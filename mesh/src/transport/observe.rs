@@ -1,16 +1,18 @@
 //! What the mesh transports report for metrics: handshakes by side and outcome, and
-//! connections open now. One observer per process (a worker is one process), set once
-//! by the gateway; without one, nothing is counted. The connections open now, with
-//! the peer certificate each was made with, are listed by [`open_connections`].
+//! connections open now. Each `MeshClient` and `MeshServer` reports to the observer it
+//! was given at construction, so two workers in one process (as the tests and the
+//! benchmark run them) each count their own; without one, nothing is counted. The
+//! connections open now, with the peer certificate each was made with, are listed by
+//! [`open_connections`], for the whole process.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
 
 use mcpgw_certs::PeerIdentity;
 use parking_lot::Mutex;
 
-use super::MeshError;
+use super::error::MeshError;
 
 /// Receives mesh connection events. Called on connection set-up and tear-down only,
 /// never per request.
@@ -21,32 +23,49 @@ pub trait MeshObserver: Send + Sync + 'static {
     /// registered for the worker), `"timeout"`, `"refused"` (nothing listens),
     /// `"greeting"` (`Hello`/`Welcome` failed: version, protocol), `"over_cap"` (owner
     /// side: closed unread because too many handshakes were in progress, see
-    /// [`MeshLimits::max_handshakes`](super::MeshLimits::max_handshakes)) or `"io"`.
+    /// [`MeshLimits::max_handshakes`](super::config::MeshLimits::max_handshakes)) or `"io"`.
     fn handshake(&self, side: &'static str, outcome: &'static str);
 
     /// Connections open on `side` changed by `delta` (+1 opened, -1 closed).
     fn connections(&self, side: &'static str, delta: i64);
 }
 
-static OBSERVER: OnceLock<Arc<dyn MeshObserver>> = OnceLock::new();
+/// The observer one client or server reports to, if it was given one; cloned into
+/// every connection it opens, so a connection reports its close to the same one.
+#[derive(Clone, Default)]
+pub(crate) struct Observer(Option<Arc<dyn MeshObserver>>);
 
-/// Reports every later mesh connection event of this process to `observer` (the first
-/// one set stays).
-pub fn observe_mesh_with(observer: Arc<dyn MeshObserver>) {
-    let _ = OBSERVER.set(observer);
-}
-
-pub(crate) fn handshake(side: &'static str, outcome: &'static str) {
-    if let Some(observer) = OBSERVER.get() {
-        observer.handshake(side, outcome);
+impl From<Option<Arc<dyn MeshObserver>>> for Observer {
+    fn from(observer: Option<Arc<dyn MeshObserver>>) -> Self {
+        Observer(observer)
     }
 }
 
-/// Counts a fresh connection refused for its owner's identity (a `WrongWorker` answer
-/// is a successful handshake with news, not a failure).
-pub(crate) fn answer_refused(error: &MeshError) {
-    if matches!(error, MeshError::IdentityMismatch { .. }) {
-        handshake("caller", "identity");
+impl Observer {
+    pub(crate) fn handshake(&self, side: &'static str, outcome: &'static str) {
+        if let Some(observer) = &self.0 {
+            observer.handshake(side, outcome);
+        }
+    }
+
+    /// Counts a fresh connection refused for its owner's identity (a `WrongWorker`
+    /// answer is a successful handshake with news, not a failure).
+    pub(crate) fn answer_refused(&self, error: &MeshError) {
+        if matches!(error, MeshError::IdentityMismatch { .. }) {
+            self.handshake("caller", "identity");
+        }
+    }
+
+    /// Counts one open connection on `side` for as long as the value lives, and lists
+    /// it with the peer certificate it was made with.
+    pub(crate) fn open(&self, side: &'static str, peer: &PeerIdentity) -> OpenConnection {
+        OpenConnection::new(self.clone(), side, peer)
+    }
+
+    fn connections(&self, side: &'static str, delta: i64) {
+        if let Some(observer) = &self.0 {
+            observer.connections(side, delta);
+        }
     }
 }
 
@@ -89,15 +108,15 @@ pub fn open_connections() -> Vec<OpenConnectionInfo> {
 /// Counts one open connection on `side` for as long as it lives, and lists it with
 /// the peer certificate it was made with.
 pub(crate) struct OpenConnection {
+    /// Told of the close, as it was told of the open.
+    observer: Observer,
     side: &'static str,
     key: u64,
 }
 
 impl OpenConnection {
-    pub(crate) fn new(side: &'static str, peer: &PeerIdentity) -> Self {
-        if let Some(observer) = OBSERVER.get() {
-            observer.connections(side, 1);
-        }
+    fn new(observer: Observer, side: &'static str, peer: &PeerIdentity) -> Self {
+        observer.connections(side, 1);
         let key = NEXT_OPEN.fetch_add(1, Ordering::Relaxed);
         OPEN.lock().insert(
             key,
@@ -107,15 +126,17 @@ impl OpenConnection {
                 peer_leaf_fingerprint: peer.leaf_fingerprint.clone(),
             },
         );
-        OpenConnection { side, key }
+        OpenConnection {
+            observer,
+            side,
+            key,
+        }
     }
 }
 
 impl Drop for OpenConnection {
     fn drop(&mut self) {
         OPEN.lock().remove(&self.key);
-        if let Some(observer) = OBSERVER.get() {
-            observer.connections(self.side, -1);
-        }
+        self.observer.connections(self.side, -1);
     }
 }

@@ -7,7 +7,7 @@
 //! already up keep theirs. Old material still leaves the fleet within a known time:
 //!
 //! - a caller stops opening exchanges on a connection older than
-//!   [`MeshLimits::max_connection_age`](super::MeshLimits::max_connection_age) and
+//!   [`MeshLimits::max_connection_age`](super::config::MeshLimits::max_connection_age) and
 //!   lets it close once its exchanges end (a new connection takes the new requests), so
 //!   no request fails because its connection was replaced;
 //! - an owner closes a connection that is still open at
@@ -29,7 +29,8 @@ use rustls::pki_types::CertificateDer;
 use rustls::{ClientConfig, ServerConfig};
 use tokio::time::Instant;
 
-use super::{MESH_ALPN, MeshError};
+use super::config::MESH_ALPN;
+use super::error::MeshError;
 
 /// The ALPN list every mesh config carries.
 pub(crate) fn mesh_alpn() -> Vec<Vec<u8>> {

@@ -61,6 +61,7 @@ pub async fn serve_on_loopback(
         worker,
         service,
         limits,
+        None,
     )
     .await
     .expect("bind mesh server")
@@ -296,7 +297,7 @@ impl Mesh {
         });
         let server =
             serve_on_loopback(kind, owner.server_config(), OWNER, service, server_limits).await;
-        let client = MeshClient::new(kind, caller.client_config(), CALLER, client_limits)
+        let client = MeshClient::new(kind, caller.client_config(), CALLER, client_limits, None)
             .expect("mesh client");
         Self {
             pki,

@@ -17,15 +17,15 @@ use tokio::time::{Instant, sleep, timeout, timeout_at};
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::{debug, warn};
 
-use super::RedisTransportConfig;
+use super::config::RedisTransportConfig;
 use super::conn::{
     RESUBSCRIBE_MAX, RESUBSCRIBE_MIN, Subscription, connect_publisher, open_client, publish,
 };
 use super::message::{decode_to_caller, encode_to_owner, readable, version_mismatch};
 use crate::redis_conn::redact_url;
-use crate::transport::client::ExState;
-use crate::transport::error::LinkError;
-use crate::transport::{MeshError, MeshLimits};
+use crate::transport::calling::ExState;
+use crate::transport::config::MeshLimits;
+use crate::transport::error::{LinkError, MeshError};
 
 /// The caller's side: publishes requests, and routes what arrives on this worker's
 /// reply channel to the exchange it belongs to.

@@ -12,9 +12,10 @@ use tokio::time::{Instant, sleep, timeout};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info};
 
-use super::RedisTransportConfig;
+use super::config::RedisTransportConfig;
 use crate::redis_conn::{self, ConnectFailure};
-use crate::transport::{MeshError, MeshLimits};
+use crate::transport::config::MeshLimits;
+use crate::transport::error::MeshError;
 
 /// First wait before subscribing again after a subscription broke; doubles per failure.
 pub(super) const RESUBSCRIBE_MIN: Duration = Duration::from_millis(50);

@@ -21,7 +21,7 @@ use tokio::time::{Instant, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use super::RedisTransportConfig;
+use super::config::RedisTransportConfig;
 use super::conn::{
     STOP_GRACE, Subscription, connect_publisher, keepalive_interval, open_client, publish, scrub,
 };
@@ -30,8 +30,10 @@ use super::message::{
 };
 use crate::redis_conn::redact_url;
 use crate::transport::budget::{StreamClass, is_event_stream};
-use crate::transport::server::ServerShared;
-use crate::transport::{MeshError, PeerInfo, ResponsePart, TransportKind};
+use crate::transport::config::TransportKind;
+use crate::transport::error::MeshError;
+use crate::transport::service::{PeerInfo, ResponsePart};
+use crate::transport::serving::ServerShared;
 
 /// The owner's side: the request channel's subscriber and the exchanges it runs.
 struct Owner {
@@ -67,7 +69,7 @@ pub(crate) async fn serve(
         .map_err(|reason| {
             MeshError::Redis(format!("cannot subscribe to {channel} at {url}: {reason}"))
         })?;
-    // One listener per worker channel (DESIGN invariant 2). Counted after subscribing,
+    // One listener per worker channel (docs/architecture.md, invariant 2). Counted after subscribing,
     // so two processes that start at once cannot both miss each other; the messages
     // that arrived meanwhile are dropped unread when the check fails.
     let counted: Result<(String, i64), RedisError> = redis::cmd("PUBSUB")

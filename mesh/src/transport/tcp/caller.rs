@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::mux::{MuxRead, MuxReader, Outbox, PushError};
-use crate::transport::client::ExState;
+use crate::transport::calling::ExState;
 use crate::transport::error::LinkError;
 use crate::transport::tls::ConnectionLife;
 

@@ -47,14 +47,16 @@ pub(crate) use caller::TcpExchange;
 
 use self::caller::{CallerConn, read_loop};
 use self::mux::{MuxReader, Outbox, write_loop};
-use super::client::{greet as client_greet, resolve};
+use super::calling::{greet as client_greet, resolve};
+use super::config::{MeshLimits, TransportKind};
+use super::error::MeshError;
 use super::error::tls_cause;
 use super::framed::{FrameReader, FrameWriter};
 use super::guard::HandshakePermit;
-use super::observe::{self, OpenConnection};
-use super::server::{ServerShared, greet as server_greet};
-use super::tls::{ConnectionLife, IdentityBook};
-use super::{ClientTls, MeshError, MeshLimits, PeerInfo, ServerTls, TransportKind};
+use super::observe::{self, Observer};
+use super::service::PeerInfo;
+use super::serving::{ServerShared, greet as server_greet};
+use super::tls::{ClientTls, ConnectionLife, IdentityBook, ServerTls};
 
 /// Sets the socket options every mesh TCP connection wants, on both ends.
 fn tune(stream: &TcpStream, limits: &MeshLimits) {
@@ -101,7 +103,7 @@ async fn accept_loop(listener: TcpListener, tls: ServerTls, shared: Arc<ServerSh
                     Err(full) => {
                         // Closed before any TLS work: the descriptor is free again now.
                         drop(stream);
-                        observe::handshake("owner", "over_cap");
+                        shared.observer.handshake("owner", "over_cap");
                         shared.handshake_failures.failed(
                             "tcp",
                             remote,
@@ -143,7 +145,7 @@ async fn connection(
     let acceptor = TlsAcceptor::from(material.config());
     let tls = match timeout(limits.connect_timeout, acceptor.accept(stream)).await {
         Err(_) => {
-            observe::handshake("owner", "timeout");
+            shared.observer.handshake("owner", "timeout");
             failures.failed(
                 "tcp",
                 remote,
@@ -154,7 +156,7 @@ async fn connection(
         }
         Ok(Err(e)) => {
             let reason = tls_cause(&e).unwrap_or_else(|| e.to_string());
-            observe::handshake("owner", "tls");
+            shared.observer.handshake("owner", "tls");
             failures.failed("tcp", remote, "tls", &reason);
             return;
         }
@@ -168,12 +170,12 @@ async fn connection(
     {
         Some(Ok(identity)) => identity,
         Some(Err(e)) => {
-            observe::handshake("owner", "identity");
+            shared.observer.handshake("owner", "identity");
             failures.failed("tcp", remote, "identity", &format!("no mesh identity: {e}"));
             return;
         }
         None => {
-            observe::handshake("owner", "identity");
+            shared.observer.handshake("owner", "identity");
             failures.failed("tcp", remote, "identity", "no client certificate");
             return;
         }
@@ -183,14 +185,14 @@ async fn connection(
     let mut writer = FrameWriter::new(write, limits.max_frame);
     let greeted = server_greet(&shared, remote, &identity.uri, &mut reader, &mut writer).await;
     let Some((worker_id, protocol)) = greeted else {
-        observe::handshake("owner", "greeting");
+        shared.observer.handshake("owner", "greeting");
         let _ = writer.get_mut().shutdown().await;
         return;
     };
-    observe::handshake("owner", "ok");
+    shared.observer.handshake("owner", "ok");
     // Authenticated and greeted: no longer a handshake in progress.
     drop(permit);
-    let _open = OpenConnection::new("owner", &identity);
+    let _open = shared.observer.open("owner", &identity);
     let close_at = ConnectionLife::owner_close_at(limits.max_connection_age, identity.not_after);
     let peer = PeerInfo {
         addr: remote,
@@ -220,6 +222,8 @@ struct Dialer {
     limits: MeshLimits,
     /// Cancelled when the client is dropped: its connections' tasks end.
     stop: CancellationToken,
+    /// Told of every dial and of every connection's open and close.
+    observer: Observer,
 }
 
 /// The TCP peer pool: up to [`MeshLimits::tcp_pool_size`] multiplexed connections
@@ -289,6 +293,7 @@ impl TcpClient {
         worker_id: String,
         limits: MeshLimits,
         identities: Arc<IdentityBook>,
+        observer: Observer,
     ) -> Self {
         let stop = CancellationToken::new();
         Self {
@@ -298,6 +303,7 @@ impl TcpClient {
                 worker_id,
                 limits,
                 stop: stop.clone(),
+                observer,
             }),
             peers: Mutex::new(HashMap::new()),
             _stop: stop.drop_guard(),
@@ -389,7 +395,7 @@ impl TcpClient {
                 retried = true;
                 continue;
             }
-            answer.inspect_err(observe::answer_refused)?;
+            answer.inspect_err(|e| self.dialer.observer.answer_refused(e))?;
             match conn.start(request) {
                 Ok(exchange) => return Ok(exchange),
                 Err(Some(e)) => return Err(MeshError::RequestTooLarge(e.to_string())),
@@ -477,10 +483,10 @@ impl Dialer {
         let (reader, writer, worker_id, identity) = timeout(limits.connect_timeout, attempt)
             .await
             .unwrap_or_else(|_| Err(MeshError::ConnectTimeout { addr: addr_str() }))
-            .inspect_err(|e| observe::handshake("caller", observe::dial_failure(e)))?;
-        observe::handshake("caller", "ok");
+            .inspect_err(|e| self.observer.handshake("caller", observe::dial_failure(e)))?;
+        self.observer.handshake("caller", "ok");
         let life = ConnectionLife::starting_now(limits.max_connection_age, identity.not_after);
-        let open = OpenConnection::new("caller", &identity);
+        let open = self.observer.open("caller", &identity);
         let outbox = Outbox::new(limits.max_frame);
         let conn = CallerConn::new(
             outbox.clone(),

@@ -17,10 +17,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::mux::{MuxRead, MuxReader, Outbox, PushError, write_loop};
-use crate::transport::PeerInfo;
 use crate::transport::error::LinkError;
 use crate::transport::framed::SendError;
-use crate::transport::server::{
+use crate::transport::service::PeerInfo;
+use crate::transport::serving::{
     CallerEvent, ExchangeEnd, ExchangeLink, ServerShared, error_for, serve_request,
 };
 
