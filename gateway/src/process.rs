@@ -3,6 +3,7 @@
 //! line, exit codes), and the public port every worker of a host shares.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use tracing::info;
 
@@ -127,3 +128,18 @@ fn shared_socket(addr: SocketAddr) -> std::io::Result<socket2::Socket> {
     socket.bind(&addr.into())?;
     Ok(socket)
 }
+
+/// How long open client exchanges may run on after a shutdown signal.
+pub const DRAIN_GRACE: Duration = Duration::from_secs(10);
+
+/// How long a drained worker's mesh endpoint stays up after its sessions ended, so
+/// peers that still send to it hear "not mine" instead of a closed connection.
+pub const NOT_MINE_GRACE: Duration = Duration::from_millis(500);
+
+/// The longest a drain takes after its lame-duck delay: the public port's exchanges,
+/// the handover, forwarded requests in flight and ending the sessions (one grace
+/// each), then "not mine" answers and the mesh's close. Supervisors, Kubernetes'
+/// termination grace and compose's stop grace must allow this plus the delay.
+pub const DRAIN_WORST_CASE: Duration = Duration::from_millis(
+    4 * DRAIN_GRACE.as_millis() as u64 + NOT_MINE_GRACE.as_millis() as u64 + 1000,
+);

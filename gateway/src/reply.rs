@@ -39,7 +39,7 @@ impl Reply {
         // insufficient_scope challenge. The edge adds `resource_metadata` later
         // (`Authenticator::complete_challenge`), where it knows the client's URL.
         if let Some(challenge) =
-            crate::auth::challenge_of(error).and_then(|c| HeaderValue::from_str(&c).ok())
+            crate::auth::metadata::challenge_of(error).and_then(|c| HeaderValue::from_str(&c).ok())
         {
             headers.insert(http::header::WWW_AUTHENTICATE, challenge);
         }

@@ -22,23 +22,9 @@ use crate::forward::owner::OwnerService;
 use crate::front;
 use crate::lease::LeaseHolder;
 use crate::process::{self, generate_worker_id, wait_for_signal};
+use crate::process::{DRAIN_GRACE, NOT_MINE_GRACE};
 use crate::session::Session;
 use crate::worker::Worker;
-
-/// How long open client exchanges may run on after a shutdown signal.
-const DRAIN_GRACE: Duration = Duration::from_secs(10);
-
-/// How long a drained worker's mesh endpoint stays up after its sessions ended, so
-/// peers that still send to it hear "not mine" instead of a closed connection.
-const NOT_MINE_GRACE: Duration = Duration::from_millis(500);
-
-/// The longest a drain takes after its lame-duck delay: the public port's exchanges,
-/// the handover, forwarded requests in flight and ending the sessions (one grace
-/// each), then "not mine" answers and the mesh's close. Supervisors, Kubernetes'
-/// termination grace and compose's stop grace must allow this plus the delay.
-pub const DRAIN_WORST_CASE: Duration = Duration::from_millis(
-    4 * DRAIN_GRACE.as_millis() as u64 + NOT_MINE_GRACE.as_millis() as u64 + 1000,
-);
 
 /// How long a fenced worker lets answers already being written go out before it exits.
 const FENCED_GRACE: Duration = Duration::from_millis(500);

@@ -177,7 +177,7 @@ async fn supervise(mut config: Config) -> ExitCode {
         }
     }
     let _ = stop_tx.send(true);
-    let deadline = config.limits.drain_delay + crate::serve::DRAIN_WORST_CASE + STOP_MARGIN;
+    let deadline = config.limits.drain_delay + crate::process::DRAIN_WORST_CASE + STOP_MARGIN;
     stop_all(&pids, &mut events, deadline).await;
     drop(reservation);
     exit

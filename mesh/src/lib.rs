@@ -7,7 +7,7 @@ pub mod directory;
 mod redis_conn;
 pub mod transport;
 
-pub use redis_conn::RedisEndpoint;
+pub use redis_conn::{REDIS_SCHEMES, RedisEndpoint};
 pub use transport::{
     ForwardedResponse, MeshClient, MeshError, MeshLimits, MeshServer, MeshServerHandle,
     MeshService, PeerInfo, ResponsePart, TransportKind,

@@ -14,6 +14,17 @@ use redis::io::tcp::TcpSettings;
 use redis::{ConnectionAddr, IntoConnectionInfo, ProtocolVersion, RedisConnectionInfo};
 use tokio::time::{Instant, sleep, timeout_at};
 
+/// The Redis URL schemes [`RedisEndpoint`] and the directory open: plain and TLS, one
+/// server, Sentinel or Cluster.
+pub const REDIS_SCHEMES: [&str; 6] = [
+    "redis://",
+    "rediss://",
+    "redis+sentinel://",
+    "rediss+sentinel://",
+    "redis+cluster://",
+    "rediss+cluster://",
+];
+
 /// Pause between attempts of a first connection to a Redis that is not answering yet.
 const CONNECT_RETRY: Duration = Duration::from_millis(100);
 

@@ -20,7 +20,7 @@ use serde_json::Value;
 const KUBERNETES_VERSIONS: [&str; 2] = ["1.30", "1.37"];
 
 /// The worst case of a SIGTERM drain after its lame-duck delay, in seconds
-/// (`DRAIN_WORST_CASE` in gateway/src/serve.rs): the public port's exchanges (10 s),
+/// (`DRAIN_WORST_CASE` in gateway/src/process.rs): the public port's exchanges (10 s),
 /// the handover (10 s), forwarded requests in flight (10 s), ending the sessions
 /// (10 s), "not mine" answers and the mesh's close (1.5 s).
 const DRAIN_WORST_CASE_SECS: f64 = 41.5;

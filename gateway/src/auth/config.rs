@@ -12,7 +12,7 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::config::ConfigError;
+use crate::config::error::{ConfigError, invalid};
 
 /// Leeway on `exp` and `nbf` when none is configured: clocks of the issuer and the
 /// gateway may disagree by this much.
@@ -388,7 +388,7 @@ impl AuthConfig {
                     ));
                 }
                 Some(url)
-                    if !crate::config::REDIS_SCHEMES
+                    if !mcpgw_mesh::REDIS_SCHEMES
                         .iter()
                         .any(|scheme| url.starts_with(scheme)) =>
                 {
@@ -409,13 +409,6 @@ impl RateLimitConfig {
     pub fn timeout(&self) -> Duration {
         self.timeout_ms
             .map_or(DEFAULT_RATE_LIMIT_TIMEOUT, Duration::from_millis)
-    }
-}
-
-pub(crate) fn invalid(field: &str, problem: impl Into<String>) -> ConfigError {
-    ConfigError {
-        field: field.to_owned(),
-        problem: problem.into(),
     }
 }
 

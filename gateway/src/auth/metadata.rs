@@ -3,9 +3,12 @@
 //! `/.well-known/oauth-protected-resource{route path}`, and `WWW-Authenticate`
 //! challenges (RFC 6750) that point at it.
 
-use http::HeaderMap;
 use http::header::HOST;
+use http::{HeaderMap, StatusCode};
 use serde_json::{Value, json};
+
+use crate::mcp::GatewayError;
+use crate::reason::Reason;
 
 /// The well-known prefix; the resource's path follows it.
 pub const WELL_KNOWN: &str = "/.well-known/oauth-protected-resource";
@@ -80,6 +83,44 @@ pub fn valid_scope(scope: &str) -> bool {
         && scope
             .bytes()
             .all(|b| (0x21..=0x7e).contains(&b) && b != b'"' && b != b'\\')
+}
+
+/// The `WWW-Authenticate` challenge (RFC 6750) an error answer carries: every 401 has
+/// one (with `error="invalid_token"` when a credential was refused, without an error
+/// code when none was sent), and a 403 for missing scopes has `insufficient_scope`.
+/// It says nothing the error body does not, and never anything of the token.
+pub fn challenge_of(error: &GatewayError) -> Option<String> {
+    let data = error.data.as_ref();
+    let field = |name: &str| data.and_then(|d| d.get(name));
+    let reason = error.reason;
+    let scopes: Vec<String> = field("required_scopes")
+        .and_then(|s| s.as_array())
+        .map(|list| {
+            list.iter()
+                .filter_map(|s| s.as_str())
+                .filter(|s| valid_scope(s))
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default();
+    match (error.status, reason) {
+        (StatusCode::UNAUTHORIZED, Some(Reason::InvalidToken)) => {
+            let problem = field("problem").and_then(|p| p.as_str()).unwrap_or("");
+            Some(challenge(
+                Some(("invalid_token", super::jwt::describe(problem))),
+                &scopes,
+            ))
+        }
+        (StatusCode::UNAUTHORIZED, _) => Some(challenge(None, &scopes)),
+        (StatusCode::FORBIDDEN, Some(Reason::InsufficientScope)) => Some(challenge(
+            Some((
+                "insufficient_scope",
+                "The token lacks a scope this request needs",
+            )),
+            &scopes,
+        )),
+        _ => None,
+    }
 }
 
 #[cfg(test)]

@@ -31,12 +31,13 @@ use http::{HeaderMap, HeaderValue, Method, StatusCode};
 use mcpgw_wire::{AuthContext, AuthMode};
 use serde_json::json;
 
+use crate::config::error::invalid;
 use crate::config::{Config, ConfigError};
 use crate::mcp::{self, GatewayError};
 use crate::reply::Reply;
 use crate::request::Call;
 use api_key::ApiKeys;
-use config::{Mode, invalid};
+use config::Mode;
 use jwks::{Jwks, JwksSource, KeySet, load_static_key};
 use jwt::{JwtVerifier, TokenProblem};
 use rate_limit::RateLimiter;
@@ -641,7 +642,7 @@ fn bearer<'a>(headers: &'a HeaderMap, policy: &RoutePolicy) -> Result<&'a str, G
 }
 
 /// A 401. Its data names the reason (and the scopes the route needs), from which
-/// [`challenge_of`] makes the `WWW-Authenticate` header, at the edge or at an owner.
+/// [`metadata::challenge_of`] makes the `WWW-Authenticate` header, at the edge or at an owner.
 fn unauthorized(
     policy: &RoutePolicy,
     reason: Reason,
@@ -658,44 +659,6 @@ fn unauthorized(
     GatewayError::new(StatusCode::UNAUTHORIZED, mcp::code::GATEWAY_ERROR, message)
         .with_reason(reason)
         .with_data(data)
-}
-
-/// The `WWW-Authenticate` challenge (RFC 6750) an error answer carries: every 401 has
-/// one (with `error="invalid_token"` when a credential was refused, without an error
-/// code when none was sent), and a 403 for missing scopes has `insufficient_scope`.
-/// It says nothing the error body does not, and never anything of the token.
-pub fn challenge_of(error: &GatewayError) -> Option<String> {
-    let data = error.data.as_ref();
-    let field = |name: &str| data.and_then(|d| d.get(name));
-    let reason = error.reason;
-    let scopes: Vec<String> = field("required_scopes")
-        .and_then(|s| s.as_array())
-        .map(|list| {
-            list.iter()
-                .filter_map(|s| s.as_str())
-                .filter(|s| metadata::valid_scope(s))
-                .map(str::to_owned)
-                .collect()
-        })
-        .unwrap_or_default();
-    match (error.status, reason) {
-        (StatusCode::UNAUTHORIZED, Some(Reason::InvalidToken)) => {
-            let problem = field("problem").and_then(|p| p.as_str()).unwrap_or("");
-            Some(metadata::challenge(
-                Some(("invalid_token", jwt::describe(problem))),
-                &scopes,
-            ))
-        }
-        (StatusCode::UNAUTHORIZED, _) => Some(metadata::challenge(None, &scopes)),
-        (StatusCode::FORBIDDEN, Some(Reason::InsufficientScope)) => Some(metadata::challenge(
-            Some((
-                "insufficient_scope",
-                "The token lacks a scope this request needs",
-            )),
-            &scopes,
-        )),
-        _ => None,
-    }
 }
 
 /// The tool a `tools/call` names.
@@ -775,7 +738,7 @@ scopes = ["mcp"]
         .unwrap();
         let error = run(auth.authenticate(0, &HeaderMap::new())).unwrap_err();
         assert_eq!(error.status, StatusCode::UNAUTHORIZED);
-        let challenge = challenge_of(&error).unwrap();
+        let challenge = metadata::challenge_of(&error).unwrap();
         assert_eq!(challenge, "Bearer realm=\"mcpgw\", scope=\"mcp\"");
         let mut headers = HeaderMap::new();
         headers.insert(WWW_AUTHENTICATE, HeaderValue::from_str(&challenge).unwrap());

@@ -17,25 +17,13 @@ use mcpgw_mesh::transport::MeshLimits;
 use crate::auth::config::AuthConfig;
 
 mod args;
+pub(crate) mod error;
 mod file;
 mod validate;
 
 pub use args::ServeArgs;
-
-/// A configuration value that cannot be used, named by its field.
-#[derive(Debug, thiserror::Error)]
-#[error("invalid configuration: {field}: {problem}")]
-pub struct ConfigError {
-    pub field: String,
-    pub problem: String,
-}
-
-fn invalid(field: &str, problem: impl Into<String>) -> ConfigError {
-    ConfigError {
-        field: field.to_owned(),
-        problem: problem.into(),
-    }
-}
+pub use error::ConfigError;
+use error::invalid;
 
 /// Everything one worker (and the supervisor) needs. Serialized to hand the resolved
 /// configuration to worker processes, so every worker sees exactly what was validated.
@@ -539,16 +527,6 @@ impl Config {
         }
     }
 }
-
-/// The Redis URL schemes the fleet directory accepts (see `mcpgw_mesh::redis_conn`).
-pub(crate) const REDIS_SCHEMES: [&str; 6] = [
-    "redis://",
-    "rediss://",
-    "redis+sentinel://",
-    "rediss+sentinel://",
-    "redis+cluster://",
-    "rediss+cluster://",
-];
 
 pub fn valid_worker_id(id: &str) -> bool {
     !id.is_empty()

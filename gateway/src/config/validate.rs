@@ -2,6 +2,7 @@
 //! [`Config::check_files`], which only looks for the files the settings name.
 
 use super::*;
+use mcpgw_mesh::REDIS_SCHEMES;
 
 impl Limits {
     fn validate(&self) -> Result<(), ConfigError> {

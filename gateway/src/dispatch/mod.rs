@@ -50,7 +50,7 @@ impl Worker {
         // A 2026-07-28 call to an upstream that keeps state in sessions runs in the
         // session its principal shares there (execute/shared.rs).
         let call = self.bind_shared_session(call);
-        if crate::execute::shared::is_bound(&call) {
+        if call.is_shared_bound() {
             return self.dispatch_shared(call).await;
         }
         // Kept only when a stateless answer could stand in for an "unknown" one.
@@ -191,7 +191,7 @@ impl Worker {
                 self.metrics.adoption_refused("stdio");
                 let why = "its upstream process ended with the worker that held it";
                 info!(session = %tag, "session not adopted: {why}");
-                if crate::execute::shared::is_bound(&call) {
+                if call.is_shared_bound() {
                     // Its clients are told once, by whichever call takes the
                     // directory's memory of it.
                     return AdoptionOutcome::NotAdoptable(call);
@@ -270,7 +270,7 @@ impl Worker {
             streams,
         )
         .with_quota_key(call.quota_key());
-        session.shared = crate::execute::shared::is_bound(&call);
+        session.shared = call.is_shared_bound();
         session.upstream_init = upstream_init;
         let session = self.sessions.insert(session);
         let held = self.sessions.enter(&sid);

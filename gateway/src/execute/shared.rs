@@ -46,11 +46,6 @@ const SHARED_PROTOCOL_VERSION: &str = "2025-11-25";
 /// Largest `initialize` answer read whole.
 const MAX_INITIALIZE_BYTES: usize = 1024 * 1024;
 
-/// Whether a call was bound to a shared session by [`Worker::bind_shared_session`].
-pub fn is_bound(call: &Call) -> bool {
-    call.era == Era::Modern && call.session_id.is_some()
-}
-
 impl Worker {
     /// Binds a 2026-07-28 call on a route whose upstream keeps state in sessions to the
     /// session its principal shares there. The edge and the owner both bind, from the

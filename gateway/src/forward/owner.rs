@@ -168,7 +168,7 @@ async fn run_forwarded(
         adopts: worker.adopts(),
         ..Known::of(
             Side::Owner,
-            match crate::execute::shared::is_bound(&call) {
+            match call.is_shared_bound() {
                 true => SessionKind::Shared,
                 false => SessionKind::Own,
             },
