@@ -108,9 +108,16 @@ impl CallerConn {
     }
 
     /// Lets the pool drop this connection: it closes as soon as nothing runs on it.
+    /// Decided under the routes lock, as [`start`](Self::start) decides whether it may
+    /// open an exchange: an exchange is either routed before the retirement (and the
+    /// connection waits for it) or refused unsent, never cut off after it was queued.
     pub(super) fn retire(&self) {
-        self.retiring.store(true, Ordering::Relaxed);
-        if self.load() == 0 {
+        let idle = {
+            let routes = self.routes.lock();
+            self.retiring.store(true, Ordering::Relaxed);
+            routes.map.is_empty()
+        };
+        if idle {
             self.fail_all(LinkError::Broken {
                 reason: "the connection was retired".into(),
                 tls: None,
@@ -127,15 +134,17 @@ impl CallerConn {
         let inbox = Arc::new(Inbox::default());
         let id = {
             let mut routes = self.routes.lock();
-            if routes.closed.is_some() {
+            // Retiring (a GoAway, an old connection, a forgotten peer): the pool dials
+            // or picks another; nothing was queued here.
+            if routes.closed.is_some() || self.retiring.load(Ordering::Relaxed) {
                 return Err(None);
             }
             let id = routes.next_id;
             routes.next_id += 1;
             routes.map.insert(id, inbox.clone());
+            self.open.fetch_add(1, Ordering::Relaxed);
             id
         };
-        self.open.fetch_add(1, Ordering::Relaxed);
         self.outbox.exchange_started();
         let exchange = TcpExchange {
             conn: self.clone(),
@@ -173,8 +182,12 @@ impl CallerConn {
     /// its last one.
     fn one_less(&self) {
         self.outbox.exchange_ended();
-        let left = self.open.fetch_sub(1, Ordering::Relaxed).saturating_sub(1);
-        if left == 0 && self.retiring.load(Ordering::Relaxed) {
+        let _ = self
+            .open
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        // The routes, not the counter, say whether anything still runs here: an exchange
+        // being opened is routed (under the lock) before it is counted.
+        if self.retiring.load(Ordering::Relaxed) && self.routes.lock().map.is_empty() {
             self.fail_all(LinkError::Broken {
                 reason: "the connection was retired".into(),
                 tls: None,
