@@ -174,17 +174,18 @@ async fn run_forwarded(
             },
         )
     };
-    let situation = loop {
+    // Decided again once the one fact the core may ask for is in.
+    let (situation, decided) = loop {
         let situation = decision::situation(&known);
         match decision::decide(&situation) {
             Decision::Ask(Fact::OwnRecord) => {
                 let id = call.session_id.as_deref().unwrap_or_default();
                 known.recorded_here = Some(worker.records_as_own(id).await);
             }
-            _ => break situation,
+            decided => break (situation, decided),
         }
     };
-    match decision::decide(&situation) {
+    match decided {
         Decision::ExecuteHere => {}
         Decision::NotMine => {
             let id = call.session_id.as_deref().unwrap_or_default();
