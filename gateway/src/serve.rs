@@ -218,9 +218,14 @@ async fn run_worker(
         }
         let _ = stop_tx.send(Some(grace));
     });
+    // The lease is renewed for as long as this worker holds sessions: through the
+    // lame duck, the port's drain and the handover, which together may outlast the
+    // lease many times over. A draining owner whose lease lapsed would refuse the
+    // forwarded requests of sessions it still holds ("owner in doubt").
+    let (lease_ends, lease_ends_rx) = watch::channel(false);
     let heartbeat = mesh
         .as_ref()
-        .map(|_| tokio::spawn(heartbeat(Arc::clone(&worker), stop_rx.clone())));
+        .map(|_| tokio::spawn(heartbeat(Arc::clone(&worker), lease_ends_rx)));
     tokio::spawn(expire_idle_sessions(Arc::clone(&worker), stop_rx.clone()));
     tokio::spawn(crate::admin::serve(Arc::clone(&worker), admin));
     if mesh.is_some() {
@@ -241,11 +246,6 @@ async fn run_worker(
         .await
         .map_err(|e| WorkerError::Failed(format!("front failed: {e}")))?;
     stop.abort();
-    // The heartbeat ends before anything is deregistered, so it can never write the
-    // lease back after it was removed.
-    if let Some(heartbeat) = heartbeat {
-        let _ = heartbeat.await;
-    }
     if *worker.fenced().borrow() {
         // Sessions are already dropped and their records belong to whoever reclaimed
         // them; the lease is not ours to delete.
@@ -268,6 +268,12 @@ async fn run_worker(
         warn!(worker = %worker.id, "forwarded requests still running at the drain deadline");
     }
     end_sessions(&worker, Ending::End).await;
+    // The heartbeat ends before the lease is deregistered, so it can never write the
+    // lease back after it was removed.
+    let _ = lease_ends.send(true);
+    if let Some(heartbeat) = heartbeat {
+        let _ = heartbeat.await;
+    }
     if let Some(fleet) = worker.fleet() {
         fleet.lease.deregister().await;
     }
@@ -408,14 +414,17 @@ async fn sweep_dead_workers(worker: Arc<Worker>, mut stop: watch::Receiver<Optio
     }
 }
 
-/// Renews the lease every third of its time until the worker stops.
-async fn heartbeat(worker: Arc<Worker>, mut stop: watch::Receiver<Option<Duration>>) {
+/// Renews the lease every third of its time until `lease_ends` says the worker gives
+/// it up, or the worker is fenced (the lease is lost for good).
+async fn heartbeat(worker: Arc<Worker>, mut lease_ends: watch::Receiver<bool>) {
     let period = worker.config.fleet.lease / 3;
+    let mut fenced = worker.fenced();
     loop {
         tokio::select! {
             () = tokio::time::sleep(period) => {}
             () = failover_seen(&worker) => {}
-            _ = stop.wait_for(Option::is_some) => return,
+            _ = lease_ends.wait_for(|ends| *ends) => return,
+            _ = fenced.wait_for(|fenced| *fenced) => return,
         }
         worker.renew_lease(false).await;
     }

@@ -807,6 +807,53 @@ fn a_drained_worker_finishes_in_flight_requests_then_its_sessions_are_gone() {
     }
 }
 
+/// A drain can outlast the lease: the public port waits for its exchanges (here a
+/// four-second call), and only then are the sessions handed over or ended. Through all
+/// of it the owner still holds its sessions and keeps its lease, so a request for one
+/// forwarded to it meanwhile is served, not refused as "owner in doubt". (Compose CI
+/// found it: a draining owner whose lease lapsed mid-drain answered `Draining`, and
+/// its edge told the client 503 `ownership_unknown`.)
+#[test]
+fn a_draining_owner_keeps_its_lease_and_serves_forwarded_requests_until_its_sessions_end() {
+    let fleet = LocalFleet::start("tcp", 1, &["--lease-ms", "1500", "--adopt", "never"]);
+    let sessions: Vec<String> = (0..2).map(|_| initialize(&fleet.a.addr, "/mcp")).collect();
+    let victim = owner(&sessions[0]);
+    assert_eq!(owner(&sessions[1]), victim, "host-a runs one worker");
+    let calls_before = fleet.upstream.counter("tool_calls");
+    let slow = {
+        let (addr, session) = (fleet.a.addr.clone(), sessions[0].clone());
+        thread::spawn(move || try_call_tool(&addr, &session, 2, "sleep_ms", json!({"ms": 4000})))
+    };
+    eventually(WITHIN, || {
+        let now = fleet.upstream.counter("tool_calls");
+        if now > calls_before { Ok(()) } else { Err(now) }
+    });
+    signal::send(fleet.pid_of(&victim), Signal::SIGTERM);
+    // Well past the lease's own deadline (1.2 s after its last renewal) while the
+    // drain still waits for the slow call.
+    thread::sleep(Duration::from_millis(2500));
+    let forwarded = call_tool(
+        &fleet.b.addr,
+        "/mcp",
+        &sessions[1],
+        3,
+        "counter_increment",
+        json!({}),
+    );
+    assert_eq!(forwarded.status, 200, "{}", forwarded.text());
+    assert_eq!(forwarded.expect_tool_text(), "1");
+    assert_eq!(
+        forwarded.header("mcpgw-owner-worker"),
+        Some(victim.as_str()),
+        "served by its draining owner"
+    );
+    let slow = match slow.join() {
+        Ok(answer) => answer.expect("an HTTP answer"),
+        Err(panic) => std::panic::resume_unwind(panic),
+    };
+    assert_eq!(slow.status, 200, "{}", slow.text());
+}
+
 /// README: "Drain (SIGTERM to a worker or the supervisor): the public port closes,
 /// exchanges and forwarded requests in flight finish, then the sessions end upstream
 /// and in the directory, so later requests for them get a fast 404."

@@ -155,10 +155,9 @@ async fn run_forwarded(
     if let Err(error) = worker.auth.check_forwarded(&call) {
         return Ok(Reply::from_error(&error));
     }
-    let session = match call.session_id.as_deref() {
-        Some(id) => worker.sessions.enter(id),
-        None => None,
-    };
+    // A lease past its own deadline is revalidated first, as at the edge: an owner
+    // whose heartbeat is merely late serves, and only one in real doubt refuses.
+    let session = worker.hold_session(&call).await;
     let mut known = Known {
         has_session_id: call.session_id.is_some(),
         held_here: session.is_some(),
