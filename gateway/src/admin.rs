@@ -168,18 +168,13 @@ impl Readiness {
 /// encoded in the OpenMetrics text format.
 fn metrics(worker: &Worker) -> Response<ReplyBody> {
     let metrics = &worker.metrics;
-    metrics
-        .sessions_owned
-        .set(i64::try_from(worker.sessions.len()).unwrap_or(i64::MAX));
-    metrics.draining.set(i64::from(worker.draining()));
-    metrics.lease_valid.set(i64::from(worker.lease_valid()));
-    let replay = &worker.replay_budget;
-    metrics
-        .replay_bytes
-        .set(i64::try_from(replay.used()).unwrap_or(i64::MAX));
-    metrics
-        .replay_budget_bytes
-        .set(i64::try_from(replay.limit()).unwrap_or(i64::MAX));
+    metrics.set_worker_state(crate::metrics::WorkerState {
+        sessions_owned: worker.sessions.len(),
+        draining: worker.draining(),
+        lease_valid: worker.lease_valid(),
+        replay_bytes: worker.replay_budget.used(),
+        replay_budget_bytes: worker.replay_budget.limit(),
+    });
     if let Some(tls) = worker.mesh_tls.get() {
         metrics.set_mesh_certs(tls);
     }

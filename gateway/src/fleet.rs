@@ -178,8 +178,7 @@ impl Fleet {
             }
             if let Some(sids) = self.directory.reclaim_worker(&id, None).await? {
                 info!(worker = %id, sessions = sids.len(), "swept a dead worker's keys");
-                self.metrics.workers_reclaimed.inc();
-                self.metrics.sessions_reclaimed.inc_by(sids.len() as u64);
+                self.metrics.worker_reclaimed(sids.len());
                 freed += sids.len();
             }
         }

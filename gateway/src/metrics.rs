@@ -15,7 +15,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::registry::{Metric, Registry, Unit};
 
 /// MCP methods counted by name; any other method is counted as `other`.
 const KNOWN_METHODS: &[&str] = &[
@@ -153,223 +153,301 @@ pub struct BuildLabels {
     pub version: &'static str,
 }
 
-/// Every metric of a worker. Cheap to update from any task: counters and histograms
-/// are atomics behind `Arc`s.
+/// Every metric of a worker, in four groups by what they watch. Cheap to update from
+/// any task: counters and histograms are atomics behind `Arc`s.
 pub struct Metrics {
     registry: Registry,
-    pub requests: Family<RequestLabels, Counter>,
-    pub request_seconds: Family<RouteLabels, Histogram>,
-    pub tool_calls: Family<ToolLabels, Counter>,
-    pub forwards: Family<ForwardLabels, Counter>,
-    pub forward_seconds: Family<TransportLabels, Histogram>,
-    pub sessions_opened: Counter,
-    pub sessions_ended: Family<ReasonLabels, Counter>,
-    pub sessions_owned: Gauge,
-    pub deaths_proven: Family<ReasonLabels, Counter>,
-    pub workers_reclaimed: Counter,
-    pub sessions_reclaimed: Counter,
-    pub leases_in_doubt: Counter,
-    pub directory_failovers: Counter,
-    pub sessions_adopted: Family<CauseLabels, Counter>,
-    pub adoptions_refused: Family<WhyLabels, Counter>,
-    pub lease_valid: Gauge,
-    pub draining: Gauge,
-    pub mesh_streams: Family<StreamLabels, Gauge>,
-    pub mesh_peers: Family<SideLabels, Gauge>,
-    pub directory_calls: Family<DirectoryLabels, Counter>,
-    pub directory_seconds: Family<OpLabels, Histogram>,
-    pub mesh_handshakes: Family<HandshakeLabels, Counter>,
-    pub mesh_connections: Family<SideLabels, Gauge>,
-    pub mesh_cert_expiration: Gauge,
-    pub mesh_cert_reloads: Family<ResultLabels, Counter>,
-    pub mesh_cert_refused_pending: Gauge,
-    pub replay_bytes: Gauge,
-    pub replay_budget_bytes: Gauge,
+    path: PathMetrics,
+    sessions: SessionMetrics,
+    fleet: FleetMetrics,
+    mesh: MeshMetrics,
+}
+
+/// The request path: what clients asked, what ran here, what was forwarded.
+struct PathMetrics {
+    requests: Family<RequestLabels, Counter>,
+    request_seconds: Family<RouteLabels, Histogram>,
+    tool_calls: Family<ToolLabels, Counter>,
+    forwards: Family<ForwardLabels, Counter>,
+    forward_seconds: Family<TransportLabels, Histogram>,
     /// Tool names each upstream lists, by upstream index: the only tool names that
     /// become label values.
     known_tools: RwLock<Vec<Vec<Arc<String>>>>,
     other: Arc<String>,
 }
 
+/// The sessions this worker holds, and the replay logs that keep their streams.
+struct SessionMetrics {
+    opened: Counter,
+    ended: Family<ReasonLabels, Counter>,
+    owned: Gauge,
+    adopted: Family<CauseLabels, Counter>,
+    adoptions_refused: Family<WhyLabels, Counter>,
+    replay_bytes: Gauge,
+    replay_budget_bytes: Gauge,
+}
+
+/// Membership: the lease, the directory, and the deaths this worker proved.
+struct FleetMetrics {
+    deaths_proven: Family<ReasonLabels, Counter>,
+    workers_reclaimed: Counter,
+    sessions_reclaimed: Counter,
+    leases_in_doubt: Counter,
+    directory_failovers: Counter,
+    lease_valid: Gauge,
+    draining: Gauge,
+    directory_calls: Family<DirectoryLabels, Counter>,
+    directory_seconds: Family<OpLabels, Histogram>,
+}
+
+/// The mesh: its exchanges, connections and certificates.
+struct MeshMetrics {
+    streams: Family<StreamLabels, Gauge>,
+    peers: Family<SideLabels, Gauge>,
+    handshakes: Family<HandshakeLabels, Counter>,
+    connections: Family<SideLabels, Gauge>,
+    cert_expiration: Gauge,
+    cert_reloads: Family<ResultLabels, Counter>,
+    cert_refused_pending: Gauge,
+}
+
+/// Registers `metric` as `name` and hands back the handle the worker updates.
+fn add<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
+/// [`add`] for a histogram of seconds.
+fn add_seconds<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register_with_unit(name, help, Unit::Seconds, metric.clone());
+    metric
+}
+
+/// A family of latency histograms.
+fn latencies<S: Clone + std::hash::Hash + Eq>() -> Family<S, Histogram> {
+    Family::new_with_constructor(latency as fn() -> Histogram)
+}
+
+/// Latency buckets from 100 µs, doubling, to about 52 s.
+fn latency() -> Histogram {
+    Histogram::new(exponential_buckets(0.000_1, 2.0, 20))
+}
+
+impl PathMetrics {
+    fn register(r: &mut Registry, upstreams: usize) -> PathMetrics {
+        PathMetrics {
+            requests: add(
+                r,
+                "requests",
+                "Client requests answered, by route, MCP method and status class",
+                Family::default(),
+            ),
+            request_seconds: add_seconds(
+                r,
+                "request_duration",
+                "Time from a request's arrival to its answer's head",
+                latencies(),
+            ),
+            tool_calls: add(
+                r,
+                "tool_calls",
+                "tools/call executed on this worker, by upstream, tool and status class",
+                Family::default(),
+            ),
+            forwards: add(
+                r,
+                "forwards",
+                "Requests forwarded to a session's owner, by transport and outcome",
+                Family::default(),
+            ),
+            forward_seconds: add_seconds(
+                r,
+                "forward_duration",
+                "Time from sending a forwarded request to the owner's answer head",
+                latencies(),
+            ),
+            known_tools: RwLock::new(vec![Vec::new(); upstreams]),
+            other: Arc::new("other".to_owned()),
+        }
+    }
+}
+
+impl SessionMetrics {
+    fn register(r: &mut Registry) -> SessionMetrics {
+        SessionMetrics {
+            opened: add(
+                r,
+                "sessions_opened",
+                "Sessions opened on this worker",
+                Counter::default(),
+            ),
+            ended: add(
+                r,
+                "sessions_ended",
+                "Sessions this worker ended, by reason (deleted, expired, drained, handed_over, fenced, lost)",
+                Family::default(),
+            ),
+            owned: add(
+                r,
+                "sessions_owned",
+                "Sessions this worker holds now",
+                Gauge::default(),
+            ),
+            adopted: add(
+                r,
+                "sessions_adopted",
+                "Sessions this worker took on after their owner left them, by cause (death, drain)",
+                Family::default(),
+            ),
+            adoptions_refused: add(
+                r,
+                "adoptions_refused",
+                "Sessions whose owner left them that could not continue here, by why (stdio, upstream_forgot, key_unknown, record_unreadable)",
+                Family::default(),
+            ),
+            replay_bytes: add(
+                r,
+                "replay_bytes",
+                "Bytes of stream events this worker keeps now so clients can resume their streams",
+                Gauge::default(),
+            ),
+            replay_budget_bytes: add(
+                r,
+                "replay_budget_bytes",
+                "Bytes of stream events this worker may keep for resumption (limits.replay_budget_bytes)",
+                Gauge::default(),
+            ),
+        }
+    }
+}
+
+impl FleetMetrics {
+    fn register(r: &mut Registry) -> FleetMetrics {
+        FleetMetrics {
+            deaths_proven: add(
+                r,
+                "owner_deaths_proven",
+                "Owners this worker proved dead, by proof (refused, wrong_worker, lease_expired)",
+                Family::default(),
+            ),
+            workers_reclaimed: add(
+                r,
+                "workers_reclaimed",
+                "Dead workers whose sessions this worker reclaimed (it proved the death first, or swept)",
+                Counter::default(),
+            ),
+            sessions_reclaimed: add(
+                r,
+                "sessions_reclaimed",
+                "Sessions of dead workers this worker freed in the directory",
+                Counter::default(),
+            ),
+            leases_in_doubt: add(
+                r,
+                "leases_in_doubt",
+                "Renewals that could not confirm this worker's lease in time",
+                Counter::default(),
+            ),
+            directory_failovers: add(
+                r,
+                "directory_failovers",
+                "Redis failovers this worker saw (a new primary behind Sentinel) and re-asserted its lease and sessions after",
+                Counter::default(),
+            ),
+            lease_valid: add(
+                r,
+                "lease_valid",
+                "1 while this worker may act for its sessions (lease valid by its own clock)",
+                Gauge::default(),
+            ),
+            draining: add(
+                r,
+                "draining",
+                "1 once this worker drains (or was fenced)",
+                Gauge::default(),
+            ),
+            directory_calls: add(
+                r,
+                "directory_calls",
+                "Fleet directory (Redis) calls, by operation and outcome (answered or failed: timed out, refused, unreachable)",
+                Family::default(),
+            ),
+            directory_seconds: add_seconds(
+                r,
+                "directory_call_duration",
+                "Time a fleet directory call took, answered or not",
+                latencies(),
+            ),
+        }
+    }
+}
+
+impl MeshMetrics {
+    fn register(r: &mut Registry) -> MeshMetrics {
+        MeshMetrics {
+            streams: add(
+                r,
+                "mesh_streams",
+                "Mesh exchanges in flight now, by side and budget",
+                Family::default(),
+            ),
+            peers: add(
+                r,
+                "mesh_peers",
+                "Peers with mesh exchanges in flight now, by side",
+                Family::default(),
+            ),
+            handshakes: add(
+                r,
+                "mesh_handshakes",
+                "Mesh connection handshakes by side (caller dialled, owner accepted) and outcome: ok, or the cause of the failure (tls, identity, timeout, refused, greeting, io)",
+                Family::default(),
+            ),
+            connections: add(
+                r,
+                "mesh_connections",
+                "Mesh connections open now, by side",
+                Family::default(),
+            ),
+            cert_expiration: add(
+                r,
+                "mesh_cert_expiration_timestamp_seconds",
+                "When the mesh leaf in use expires (unix seconds); 0 without mesh certificates",
+                Gauge::default(),
+            ),
+            cert_reloads: add(
+                r,
+                "mesh_cert_reloads",
+                "Changes of the mesh certificate files, by result: reloaded (new handshakes use them) or refused (the material in use stays)",
+                Family::default(),
+            ),
+            cert_refused_pending: add(
+                r,
+                "mesh_cert_refused_pending",
+                "1 while the mesh certificate files hold content that was refused, so the material in use is older than the files",
+                Gauge::default(),
+            ),
+        }
+    }
+}
+
+/// What the worker-state gauges show, read at scrape time.
+pub struct WorkerState {
+    pub sessions_owned: usize,
+    pub draining: bool,
+    pub lease_valid: bool,
+    pub replay_bytes: usize,
+    pub replay_budget_bytes: usize,
+}
+
+/// A gauge value from a count (saturating: a count never fits badly into a gauge).
+fn gauge_value(count: usize) -> i64 {
+    i64::try_from(count).unwrap_or(i64::MAX)
+}
+
 impl Metrics {
     pub fn new(upstreams: usize) -> Metrics {
         let mut registry = Registry::with_prefix("mcpgw");
-        let latency = || Histogram::new(exponential_buckets(0.000_1, 2.0, 20));
-        let requests = Family::<RequestLabels, Counter>::default();
-        registry.register(
-            "requests",
-            "Client requests answered, by route, MCP method and status class",
-            requests.clone(),
-        );
-        let request_seconds =
-            Family::<RouteLabels, Histogram>::new_with_constructor(latency as fn() -> Histogram);
-        registry.register_with_unit(
-            "request_duration",
-            "Time from a request's arrival to its answer's head",
-            Unit::Seconds,
-            request_seconds.clone(),
-        );
-        let tool_calls = Family::<ToolLabels, Counter>::default();
-        registry.register(
-            "tool_calls",
-            "tools/call executed on this worker, by upstream, tool and status class",
-            tool_calls.clone(),
-        );
-        let forwards = Family::<ForwardLabels, Counter>::default();
-        registry.register(
-            "forwards",
-            "Requests forwarded to a session's owner, by transport and outcome",
-            forwards.clone(),
-        );
-        let forward_seconds = Family::<TransportLabels, Histogram>::new_with_constructor(
-            latency as fn() -> Histogram,
-        );
-        registry.register_with_unit(
-            "forward_duration",
-            "Time from sending a forwarded request to the owner's answer head",
-            Unit::Seconds,
-            forward_seconds.clone(),
-        );
-        let sessions_opened = Counter::default();
-        registry.register(
-            "sessions_opened",
-            "Sessions opened on this worker",
-            sessions_opened.clone(),
-        );
-        let sessions_ended = Family::<ReasonLabels, Counter>::default();
-        registry.register(
-            "sessions_ended",
-            "Sessions this worker ended, by reason (deleted, expired, drained, handed_over, fenced, lost)",
-            sessions_ended.clone(),
-        );
-        let sessions_owned = Gauge::default();
-        registry.register(
-            "sessions_owned",
-            "Sessions this worker holds now",
-            sessions_owned.clone(),
-        );
-        let deaths_proven = Family::<ReasonLabels, Counter>::default();
-        registry.register(
-            "owner_deaths_proven",
-            "Owners this worker proved dead, by proof (refused, wrong_worker, lease_expired)",
-            deaths_proven.clone(),
-        );
-        let workers_reclaimed = Counter::default();
-        registry.register(
-            "workers_reclaimed",
-            "Dead workers whose sessions this worker reclaimed (it proved the death first, or swept)",
-            workers_reclaimed.clone(),
-        );
-        let sessions_reclaimed = Counter::default();
-        registry.register(
-            "sessions_reclaimed",
-            "Sessions of dead workers this worker freed in the directory",
-            sessions_reclaimed.clone(),
-        );
-        let leases_in_doubt = Counter::default();
-        registry.register(
-            "leases_in_doubt",
-            "Renewals that could not confirm this worker's lease in time",
-            leases_in_doubt.clone(),
-        );
-        let sessions_adopted = Family::<CauseLabels, Counter>::default();
-        registry.register(
-            "sessions_adopted",
-            "Sessions this worker took on after their owner left them, by cause (death, drain)",
-            sessions_adopted.clone(),
-        );
-        let adoptions_refused = Family::<WhyLabels, Counter>::default();
-        registry.register(
-            "adoptions_refused",
-            "Sessions whose owner left them that could not continue here, by why (stdio, upstream_forgot, key_unknown, record_unreadable)",
-            adoptions_refused.clone(),
-        );
-        let directory_failovers = Counter::default();
-        registry.register(
-            "directory_failovers",
-            "Redis failovers this worker saw (a new primary behind Sentinel) and re-asserted its lease and sessions after",
-            directory_failovers.clone(),
-        );
-        let lease_valid = Gauge::default();
-        registry.register(
-            "lease_valid",
-            "1 while this worker may act for its sessions (lease valid by its own clock)",
-            lease_valid.clone(),
-        );
-        let draining = Gauge::default();
-        registry.register(
-            "draining",
-            "1 once this worker drains (or was fenced)",
-            draining.clone(),
-        );
-        let mesh_streams = Family::<StreamLabels, Gauge>::default();
-        registry.register(
-            "mesh_streams",
-            "Mesh exchanges in flight now, by side and budget",
-            mesh_streams.clone(),
-        );
-        let mesh_peers = Family::<SideLabels, Gauge>::default();
-        registry.register(
-            "mesh_peers",
-            "Peers with mesh exchanges in flight now, by side",
-            mesh_peers.clone(),
-        );
-        let directory_calls = Family::<DirectoryLabels, Counter>::default();
-        registry.register(
-            "directory_calls",
-            "Fleet directory (Redis) calls, by operation and outcome (answered or failed: timed out, refused, unreachable)",
-            directory_calls.clone(),
-        );
-        let directory_seconds =
-            Family::<OpLabels, Histogram>::new_with_constructor(latency as fn() -> Histogram);
-        registry.register_with_unit(
-            "directory_call_duration",
-            "Time a fleet directory call took, answered or not",
-            Unit::Seconds,
-            directory_seconds.clone(),
-        );
-        let mesh_handshakes = Family::<HandshakeLabels, Counter>::default();
-        registry.register(
-            "mesh_handshakes",
-            "Mesh connection handshakes by side (caller dialled, owner accepted) and outcome: ok, or the cause of the failure (tls, identity, timeout, refused, greeting, io)",
-            mesh_handshakes.clone(),
-        );
-        let mesh_connections = Family::<SideLabels, Gauge>::default();
-        registry.register(
-            "mesh_connections",
-            "Mesh connections open now, by side",
-            mesh_connections.clone(),
-        );
-        let mesh_cert_expiration = Gauge::default();
-        registry.register(
-            "mesh_cert_expiration_timestamp_seconds",
-            "When the mesh leaf in use expires (unix seconds); 0 without mesh certificates",
-            mesh_cert_expiration.clone(),
-        );
-        let mesh_cert_reloads = Family::<ResultLabels, Counter>::default();
-        registry.register(
-            "mesh_cert_reloads",
-            "Changes of the mesh certificate files, by result: reloaded (new handshakes use them) or refused (the material in use stays)",
-            mesh_cert_reloads.clone(),
-        );
-        let mesh_cert_refused_pending = Gauge::default();
-        registry.register(
-            "mesh_cert_refused_pending",
-            "1 while the mesh certificate files hold content that was refused, so the material in use is older than the files",
-            mesh_cert_refused_pending.clone(),
-        );
-        let replay_bytes = Gauge::default();
-        registry.register(
-            "replay_bytes",
-            "Bytes of stream events this worker keeps now so clients can resume their streams",
-            replay_bytes.clone(),
-        );
-        let replay_budget_bytes = Gauge::default();
-        registry.register(
-            "replay_budget_bytes",
-            "Bytes of stream events this worker may keep for resumption (limits.replay_budget_bytes)",
-            replay_budget_bytes.clone(),
-        );
         registry.register(
             "build",
             "mcpgw build information",
@@ -377,38 +455,13 @@ impl Metrics {
                 version: env!("CARGO_PKG_VERSION"),
             }),
         );
+        // Fields are evaluated in the order written: `registry` is moved last.
         Metrics {
+            path: PathMetrics::register(&mut registry, upstreams),
+            sessions: SessionMetrics::register(&mut registry),
+            fleet: FleetMetrics::register(&mut registry),
+            mesh: MeshMetrics::register(&mut registry),
             registry,
-            requests,
-            request_seconds,
-            tool_calls,
-            forwards,
-            forward_seconds,
-            sessions_opened,
-            sessions_ended,
-            sessions_owned,
-            deaths_proven,
-            workers_reclaimed,
-            sessions_reclaimed,
-            leases_in_doubt,
-            directory_failovers,
-            sessions_adopted,
-            adoptions_refused,
-            lease_valid,
-            draining,
-            mesh_streams,
-            mesh_peers,
-            directory_calls,
-            directory_seconds,
-            mesh_handshakes,
-            mesh_connections,
-            mesh_cert_expiration,
-            mesh_cert_reloads,
-            mesh_cert_refused_pending,
-            replay_bytes,
-            replay_budget_bytes,
-            known_tools: RwLock::new(vec![Vec::new(); upstreams]),
-            other: Arc::new("other".to_owned()),
         }
     }
 
@@ -427,14 +480,16 @@ impl Metrics {
         status: http::StatusCode,
         elapsed: Duration,
     ) {
-        self.requests
+        self.path
+            .requests
             .get_or_create(&RequestLabels {
                 route: Arc::clone(route),
                 method,
                 outcome: status_class(status),
             })
             .inc();
-        self.request_seconds
+        self.path
+            .request_seconds
             .get_or_create(&RouteLabels {
                 route: Arc::clone(route),
             })
@@ -450,12 +505,14 @@ impl Metrics {
         status: http::StatusCode,
     ) {
         let tool = self
+            .path
             .known_tools
             .read()
             .get(upstream)
             .and_then(|names| names.iter().find(|known| known.as_str() == tool).cloned())
-            .unwrap_or_else(|| Arc::clone(&self.other));
-        self.tool_calls
+            .unwrap_or_else(|| Arc::clone(&self.path.other));
+        self.path
+            .tool_calls
             .get_or_create(&ToolLabels {
                 upstream: Arc::clone(upstream_name),
                 tool,
@@ -467,7 +524,7 @@ impl Metrics {
     /// Adds the tool names upstream `upstream` listed (bounded: a misbehaving upstream
     /// cannot make the label set grow past [`MAX_TOOLS_PER_UPSTREAM`]).
     pub fn learn_tools(&self, upstream: usize, names: Vec<String>) {
-        let mut known = self.known_tools.write();
+        let mut known = self.path.known_tools.write();
         let Some(slot) = known.get_mut(upstream) else {
             return;
         };
@@ -501,36 +558,73 @@ impl Metrics {
 
     /// Counts a forward and, when the owner answered, its time to the head.
     pub fn forward(&self, transport: &'static str, outcome: &'static str, elapsed: Duration) {
-        self.forwards
+        self.path
+            .forwards
             .get_or_create(&ForwardLabels { transport, outcome })
             .inc();
         if outcome == "answered" {
-            self.forward_seconds
+            self.path
+                .forward_seconds
                 .get_or_create(&TransportLabels { transport })
                 .observe(elapsed.as_secs_f64());
         }
     }
 
+    pub fn session_opened(&self) {
+        self.sessions.opened.inc();
+    }
+
+    /// A dead worker's sessions freed in the directory by this worker.
+    pub fn worker_reclaimed(&self, sessions: usize) {
+        self.fleet.workers_reclaimed.inc();
+        self.fleet.sessions_reclaimed.inc_by(sessions as u64);
+    }
+
+    pub fn lease_in_doubt(&self) {
+        self.fleet.leases_in_doubt.inc();
+    }
+
+    pub fn directory_failover(&self) {
+        self.fleet.directory_failovers.inc();
+    }
+
+    /// Sets the gauges that mirror the worker's state (at scrape time).
+    pub fn set_worker_state(&self, state: WorkerState) {
+        self.sessions.owned.set(gauge_value(state.sessions_owned));
+        self.fleet.draining.set(i64::from(state.draining));
+        self.fleet.lease_valid.set(i64::from(state.lease_valid));
+        self.sessions
+            .replay_bytes
+            .set(gauge_value(state.replay_bytes));
+        self.sessions
+            .replay_budget_bytes
+            .set(gauge_value(state.replay_budget_bytes));
+    }
+
     pub fn session_ended(&self, reason: &'static str, count: u64) {
-        self.sessions_ended
+        self.sessions
+            .ended
             .get_or_create(&ReasonLabels { reason })
             .inc_by(count);
     }
 
     pub fn session_adopted(&self, cause: &'static str) {
-        self.sessions_adopted
+        self.sessions
+            .adopted
             .get_or_create(&CauseLabels { cause })
             .inc();
     }
 
     pub fn adoption_refused(&self, why: &'static str) {
-        self.adoptions_refused
+        self.sessions
+            .adoptions_refused
             .get_or_create(&WhyLabels { why })
             .inc();
     }
 
     pub fn death_proven(&self, proof: &'static str) {
-        self.deaths_proven
+        self.fleet
+            .deaths_proven
             .get_or_create(&ReasonLabels { reason: proof })
             .inc();
     }
@@ -539,10 +633,12 @@ impl Metrics {
 impl mcpgw_mesh::directory::DirectoryObserver for Metrics {
     fn observe(&self, op: &'static str, elapsed: Duration, answered: bool) {
         let outcome = if answered { "answered" } else { "failed" };
-        self.directory_calls
+        self.fleet
+            .directory_calls
             .get_or_create(&DirectoryLabels { op, outcome })
             .inc();
-        self.directory_seconds
+        self.fleet
+            .directory_seconds
             .get_or_create(&OpLabels { op })
             .observe(elapsed.as_secs_f64());
     }
@@ -550,13 +646,15 @@ impl mcpgw_mesh::directory::DirectoryObserver for Metrics {
 
 impl mcpgw_mesh::transport::MeshObserver for Metrics {
     fn handshake(&self, side: &'static str, outcome: &'static str) {
-        self.mesh_handshakes
+        self.mesh
+            .handshakes
             .get_or_create(&HandshakeLabels { side, outcome })
             .inc();
     }
 
     fn connections(&self, side: &'static str, delta: i64) {
-        self.mesh_connections
+        self.mesh
+            .connections
             .get_or_create(&SideLabels { side })
             .inc_by(delta);
     }
@@ -572,16 +670,19 @@ impl Metrics {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
-        self.mesh_cert_expiration
+        self.mesh
+            .cert_expiration
             .set(i64::try_from(not_after).unwrap_or(i64::MAX));
         let stats = tls.stats();
         for (result, total) in [("reloaded", stats.reloaded), ("refused", stats.refused)] {
             let counter = self
-                .mesh_cert_reloads
+                .mesh
+                .cert_reloads
                 .get_or_create(&ResultLabels { result });
             counter.inc_by(total.saturating_sub(counter.get()));
         }
-        self.mesh_cert_refused_pending
+        self.mesh
+            .cert_refused_pending
             .set(i64::from(stats.pending_refusal.is_some()));
     }
 
@@ -592,14 +693,16 @@ impl Metrics {
         counts: mcpgw_mesh::transport::StreamCounts,
     ) {
         let gauge = |budget| {
-            self.mesh_streams
+            self.mesh
+                .streams
                 .get_or_create(&StreamLabels { side, budget })
         };
-        gauge("short").set(i64::try_from(counts.short).unwrap_or(i64::MAX));
-        gauge("long").set(i64::try_from(counts.long).unwrap_or(i64::MAX));
-        self.mesh_peers
+        gauge("short").set(gauge_value(counts.short));
+        gauge("long").set(gauge_value(counts.long));
+        self.mesh
+            .peers
             .get_or_create(&SideLabels { side })
-            .set(i64::try_from(counts.peers).unwrap_or(i64::MAX));
+            .set(gauge_value(counts.peers));
     }
 }
 

@@ -167,11 +167,11 @@ impl Worker {
                 true
             }
             LeaseCheck::InDoubt => {
-                self.metrics.leases_in_doubt.inc();
+                self.metrics.lease_in_doubt();
                 false
             }
             LeaseCheck::FailedOver { taken } => {
-                self.metrics.directory_failovers.inc();
+                self.metrics.directory_failover();
                 for sid in taken {
                     warn!(session = %crate::session::tag_of(&sid), "session now owned elsewhere; dropping it here");
                     self.sessions.remove(&sid);

@@ -126,25 +126,22 @@ pub enum Event {
     Registered(Lookup<Option<Duration>>),
     /// No head within the time the last `Send` or `Await` gave.
     HeadTimeout,
-    /// A probe's result. `sent`: whether the forwarded request had been written by
-    /// then; `replaced_by`: the worker that answered at the target's address instead.
-    Probed {
-        sign: ProbeSign,
-        sent: bool,
-        replaced_by: Option<String>,
-    },
+    /// A probe's result.
+    Probed(Probed),
     /// The owner's answer began.
     Answered,
     /// The forward failed ([`Failure::of`] the mesh error).
     Failed(Failure),
 }
 
-/// A probe's result, kept while its judgement waits for the lease.
+/// What a probe of the target found. `sent`: whether the forwarded request had been
+/// written by then; `replaced_by`: the worker that answered at the target's address
+/// instead.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Probed {
-    sign: ProbeSign,
-    sent: bool,
-    replaced_by: Option<String>,
+pub struct Probed {
+    pub sign: ProbeSign,
+    pub sent: bool,
+    pub replaced_by: Option<String>,
 }
 
 /// Where a dead owner's departure, checked against the send time, leads.
@@ -272,25 +269,56 @@ impl Forwarding {
                     after: Duration::ZERO,
                 }
             }
-            (
-                Phase::Suspecting { probe: None },
-                Event::Probed {
-                    sign,
-                    sent,
-                    replaced_by,
-                },
-            ) => self.suspected(
-                Probed {
-                    sign,
-                    sent,
-                    replaced_by,
-                },
-                None,
-            ),
+            (Phase::Suspecting { probe: None }, Event::Probed(probe)) => {
+                self.suspected(probe, None)
+            }
             (Phase::Suspecting { probe: Some(probe) }, Event::Lease(state)) => {
                 let proof = self.judge_lease(state);
                 self.suspected(probe, Some(proof))
             }
+            (phase @ Phase::LeftCheck { .. }, event) => self.on_left_check(at, phase, event),
+            (
+                Phase::Failed {
+                    failure, record, ..
+                },
+                Event::Lease(state),
+            ) => {
+                let proof = self.judge_lease(state);
+                self.failed(at, failure, Some(proof), record)
+            }
+            (Phase::Failed { failure, lease, .. }, Event::Record(recorded)) => {
+                let recorded = self.judge_record(recorded);
+                self.failed(at, failure, lease, Some(recorded))
+            }
+            (
+                Phase::Lost {
+                    failure,
+                    since,
+                    probe: None,
+                },
+                Event::Probed(probe),
+            ) => self.lost(at, failure, since, probe, None),
+            (
+                Phase::Lost {
+                    failure,
+                    since,
+                    probe: Some(probe),
+                },
+                Event::Lease(state),
+            ) => {
+                let proof = self.judge_lease(state);
+                self.lost(at, failure, since, probe, Some(proof))
+            }
+            (Phase::NotOwner, Event::Record(recorded)) => self.not_owner_located(recorded),
+            (phase, event) => out_of_turn(&phase, &event),
+        }
+    }
+
+    /// A dead owner: did it leave before the request was sent? `Gone` says when its
+    /// end was recorded; `Registered`, when the worker now at its address registered.
+    fn on_left_check(&mut self, at: Duration, phase: Phase, event: Event) -> Action {
+        let since_send = at - self.sent_at;
+        match (phase, event) {
             (
                 Phase::LeftCheck {
                     dead_why,
@@ -301,7 +329,7 @@ impl Forwarding {
             ) => {
                 let left = gone
                     .ok()
-                    .and_then(|gone| proofs::left_before_sending(at - self.sent_at, gone));
+                    .and_then(|gone| proofs::left_before_sending(since_send, gone));
                 match (left, replaced_by) {
                     // Nobody recorded its end yet, but another worker answers at its
                     // address: if that one registered before the request went out, the
@@ -327,76 +355,26 @@ impl Forwarding {
                 Event::Registered(registered),
             ) => {
                 let left = registered.ok().and_then(|registered| {
-                    proofs::replaced_before_sending(at - self.sent_at, registered)
+                    proofs::replaced_before_sending(since_send, registered)
                         .then_some(GoneHow::Reclaimed)
                 });
                 self.left_checked(dead_why, then, left)
             }
-            (
-                Phase::Failed {
-                    failure, record, ..
-                },
-                Event::Lease(state),
-            ) => {
-                let proof = self.judge_lease(state);
-                self.failed(at, failure, Some(proof), record)
+            (phase, event) => out_of_turn(&phase, &event),
+        }
+    }
+
+    /// "Not mine": forward once to the owner the directory records, if it is another.
+    fn not_owner_located(&mut self, recorded: Lookup<Recorded>) -> Action {
+        let recorded = self.judge_record(recorded);
+        match proofs::after_not_owner(&self.target, &self.caller.this_worker, &recorded) {
+            AfterNotOwner::ForwardTo(owner) => {
+                self.target = owner;
+                self.retargeted = true;
+                self.address()
             }
-            (Phase::Failed { failure, lease, .. }, Event::Record(recorded)) => {
-                let recorded = self.judge_record(recorded);
-                self.failed(at, failure, lease, Some(recorded))
-            }
-            (
-                Phase::Lost {
-                    failure,
-                    since,
-                    probe: None,
-                },
-                Event::Probed {
-                    sign,
-                    sent,
-                    replaced_by,
-                },
-            ) => {
-                let probe = Probed {
-                    sign,
-                    sent,
-                    replaced_by,
-                };
-                self.lost(at, failure, since, probe, None)
-            }
-            (
-                Phase::Lost {
-                    failure,
-                    since,
-                    probe: Some(probe),
-                },
-                Event::Lease(state),
-            ) => {
-                let proof = self.judge_lease(state);
-                self.lost(at, failure, since, probe, Some(proof))
-            }
-            (Phase::NotOwner, Event::Record(recorded)) => {
-                let recorded = self.judge_record(recorded);
-                match proofs::after_not_owner(&self.target, &self.caller.this_worker, &recorded) {
-                    AfterNotOwner::ForwardTo(owner) => {
-                        self.target = owner;
-                        self.retargeted = true;
-                        self.address()
-                    }
-                    AfterNotOwner::Answer(situation) => {
-                        refuse(Unanswered::new(situation, "its owner no longer holds it"))
-                    }
-                }
-            }
-            (phase, event) => {
-                // A caller that feeds an event its phase never asked for has a bug; the
-                // honest answer for it is "unknown" (nothing was proven).
-                let detail = format!("forward machine got {event:?} in {phase:?}");
-                refuse(Unanswered {
-                    situation: Situation::Unknown,
-                    why: "the gateway lost track of this forward".into(),
-                    detail,
-                })
+            AfterNotOwner::Answer(situation) => {
+                refuse(Unanswered::new(situation, "its owner no longer holds it"))
             }
         }
     }
@@ -648,6 +626,16 @@ impl Forwarding {
     }
 }
 
+/// A caller that feeds an event its phase never asked for has a bug; the honest answer
+/// for it is "unknown" (nothing was proven).
+fn out_of_turn(phase: &Phase, event: &Event) -> Action {
+    refuse(Unanswered {
+        situation: Situation::Unknown,
+        why: "the gateway lost track of this forward".into(),
+        detail: format!("forward machine got {event:?} in {phase:?}"),
+    })
+}
+
 fn refuse(unanswered: Unanswered) -> Action {
     Action::Refuse {
         unanswered,
@@ -703,11 +691,11 @@ mod tests {
     }
 
     fn probed(sign: ProbeSign, sent: bool, replaced_by: Option<&str>) -> Event {
-        Event::Probed {
+        Event::Probed(Probed {
             sign,
             sent,
             replaced_by: replaced_by.map(str::to_owned),
-        }
+        })
     }
 
     fn refused() -> ProbeSign {

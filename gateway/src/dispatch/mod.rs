@@ -285,7 +285,7 @@ impl Worker {
             }
             (Some(cause), None) => {
                 self.metrics.session_adopted(cause.as_str());
-                self.metrics.sessions_opened.inc();
+                self.metrics.session_opened();
                 info!(
                     session = %session.tag,
                     cause = cause.as_str(),

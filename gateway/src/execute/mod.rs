@@ -187,7 +187,7 @@ impl Worker {
             return Err(error.with_id(id));
         }
         let session = self.sessions.insert(session);
-        self.metrics.sessions_opened.inc();
+        self.metrics.session_opened();
         debug!(session = %session.tag, upstream = self.upstreams[upstream_index].name(), "session opened");
         let header = HeaderValue::from_str(&session_id).map_err(|_| {
             GatewayError::gateway(

@@ -27,7 +27,7 @@ use tracing::{debug, info, warn};
 use crate::body::{BoxError, ReplyBody};
 use crate::config::Config;
 use crate::decision::Situation;
-use crate::decision::forward::{Action, Address, Caller, Event, Forwarding, Unanswered};
+use crate::decision::forward::{Action, Address, Caller, Event, Forwarding, Probed, Unanswered};
 use crate::decision::proofs::{Failure, ProbeSign, describe};
 use crate::lease::LeaseHolder;
 use crate::mcp;
@@ -249,11 +249,11 @@ impl Forwarder {
                             tokio::time::sleep(after).await;
                         }
                         let (sign, replaced_by) = self.probe(machine.target(), &addr).await;
-                        Event::Probed {
+                        Event::Probed(Probed {
                             sign,
                             sent: sent.load(Ordering::Acquire),
                             replaced_by,
-                        }
+                        })
                     };
                     self.raced(&mut in_flight, &mut answer, probe).await
                 }
@@ -424,8 +424,7 @@ impl Forwarder {
         self.remember_dead(owner);
         match self.directory.reclaim_worker(owner, token.as_deref()).await {
             Ok(Some(sids)) => {
-                self.metrics.workers_reclaimed.inc();
-                self.metrics.sessions_reclaimed.inc_by(sids.len() as u64);
+                self.metrics.worker_reclaimed(sids.len());
                 info!(
                     owner,
                     sessions = sids.len(),
