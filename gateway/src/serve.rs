@@ -183,41 +183,9 @@ async fn run_worker(
     let addr = listener
         .local_addr()
         .map_err(|e| WorkerError::Failed(format!("cannot read the bound address: {e}")))?;
-    // The one place that decides how this process ends: a signal or an operator's
-    // drain request (`mcpgw drain`, `POST /drain`) drains it, a fence stops it at once
-    // for a replacement under a new id.
     // `Some(grace)`: stop taking requests and let open ones finish within `grace`.
     let (stop_tx, stop_rx) = watch::channel(None::<Duration>);
-    let mut fenced = worker.fenced();
-    let mut drain_requested = worker.drain_requests();
-    let stopping = Arc::clone(&worker);
-    let stop = tokio::spawn(async move {
-        let grace = tokio::select! {
-            () = wait_for_signal() => DRAIN_GRACE,
-            _ = drain_requested.wait_for(|requested| *requested) => DRAIN_GRACE,
-            _ = fenced.wait_for(|fenced| *fenced) => FENCED_GRACE,
-        };
-        // Draining from the decision on, not once the port is done: /readyz says so
-        // through the grace, and a request still arriving opens no session here.
-        stopping.start_draining();
-        let delay = stopping.config.limits.drain_delay;
-        if grace == DRAIN_GRACE && !delay.is_zero() {
-            // Lame duck: the port still serves (every answer says `Connection: close`)
-            // while load balancers that follow /readyz take this worker out, so that
-            // no connection is opened to it once it closes. The lease is renewed
-            // meanwhile (the heartbeat follows `stop`, not the decision); a fence
-            // ends the pause at once.
-            info!(worker = %stopping.id, ?delay, "draining: serving as a lame duck before the port closes");
-            tokio::select! {
-                () = tokio::time::sleep(delay) => {}
-                _ = fenced.wait_for(|fenced| *fenced) => {
-                    let _ = stop_tx.send(Some(FENCED_GRACE));
-                    return;
-                }
-            }
-        }
-        let _ = stop_tx.send(Some(grace));
-    });
+    let stop = tokio::spawn(decide_stop(Arc::clone(&worker), stop_tx));
     // The lease is renewed for as long as this worker holds sessions: through the
     // lame duck, the port's drain and the handover, which together may outlast the
     // lease many times over. A draining owner whose lease lapsed would refuse the
@@ -254,20 +222,63 @@ async fn run_worker(
         }
         return Err(WorkerError::Fenced);
     }
-    // Drain: the public port is closed and its exchanges are done. Sessions that can
-    // continue elsewhere are handed over first, while the mesh still takes requests:
-    // from then on a forwarded request for one is answered "not mine", and its edge
-    // adopts it, so no client sees an error (exchanges already running here finish).
-    // Then forwarded requests in flight finish; only then do the other sessions end
-    // (upstream and in the directory), so later requests for them get a fast "gone".
+    drain(&worker, mesh, lease_ends, heartbeat).await;
+    info!(worker = %worker.id, "worker stopped");
+    Ok(())
+}
+
+/// The one place that decides how this process ends: a signal or an operator's drain
+/// request (`mcpgw drain`, `POST /drain`) drains it, a fence stops it at once for a
+/// replacement under a new id. Sends the grace the port's exchanges get.
+async fn decide_stop(worker: Arc<Worker>, stop_tx: watch::Sender<Option<Duration>>) {
+    let mut fenced = worker.fenced();
+    let mut drain_requested = worker.drain_requests();
+    let grace = tokio::select! {
+        () = wait_for_signal() => DRAIN_GRACE,
+        _ = drain_requested.wait_for(|requested| *requested) => DRAIN_GRACE,
+        _ = fenced.wait_for(|fenced| *fenced) => FENCED_GRACE,
+    };
+    // Draining from the decision on, not once the port is done: /readyz says so
+    // through the grace, and a request still arriving opens no session here.
     worker.start_draining();
-    end_sessions(&worker, Ending::HandOver).await;
+    let delay = worker.config.limits.drain_delay;
+    if grace == DRAIN_GRACE && !delay.is_zero() {
+        // Lame duck: the port still serves (every answer says `Connection: close`)
+        // while load balancers that follow /readyz take this worker out, so that
+        // no connection is opened to it once it closes. A fence ends the pause at
+        // once.
+        info!(worker = %worker.id, ?delay, "draining: serving as a lame duck before the port closes");
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            _ = fenced.wait_for(|fenced| *fenced) => {
+                let _ = stop_tx.send(Some(FENCED_GRACE));
+                return;
+            }
+        }
+    }
+    let _ = stop_tx.send(Some(grace));
+}
+
+/// The drain, once the public port is closed and its exchanges are done. Sessions that
+/// can continue elsewhere are handed over first, while the mesh still takes requests:
+/// from then on a forwarded request for one is answered "not mine", and its edge
+/// adopts it, so no client sees an error (exchanges already running here finish).
+/// Then forwarded requests in flight finish; only then do the other sessions end
+/// (upstream and in the directory), so later requests for them get a fast "gone".
+async fn drain(
+    worker: &Arc<Worker>,
+    mesh: Option<MeshMembership>,
+    lease_ends: watch::Sender<bool>,
+    heartbeat: Option<tokio::task::JoinHandle<()>>,
+) {
+    worker.start_draining();
+    end_sessions(worker, Ending::HandOver).await;
     if let Some(mesh) = &mesh
         && !mesh.server.wait_idle(DRAIN_GRACE).await
     {
         warn!(worker = %worker.id, "forwarded requests still running at the drain deadline");
     }
-    end_sessions(&worker, Ending::End).await;
+    end_sessions(worker, Ending::End).await;
     // The heartbeat ends before the lease is deregistered, so it can never write the
     // lease back after it was removed.
     let _ = lease_ends.send(true);
@@ -283,8 +294,6 @@ async fn run_worker(
         tokio::time::sleep(NOT_MINE_GRACE).await;
         mesh.server.shutdown(Duration::from_secs(1)).await;
     }
-    info!(worker = %worker.id, "worker stopped");
-    Ok(())
 }
 
 /// The keys sessions are recorded for adoption with, or none when `--adopt never`.
@@ -454,157 +463,16 @@ async fn join_fleet(
     admin_addr: std::net::SocketAddr,
 ) -> Result<MeshMembership, WorkerError> {
     mcpgw_certs::install_crypto_provider();
-    let mesh = &config.mesh;
-    let limits = mesh.limits.clone();
-    let service = Arc::new(OwnerService(Arc::clone(worker)));
-    /// What this worker's mesh client needs to reach its peers: the mTLS client
-    /// config, or the Redis that carries the baseline transport.
-    enum Dial<Tls> {
-        Tls(Tls),
-        Redis(mcpgw_mesh::transport::RedisTransportConfig),
-    }
-    // The fifth: the mesh TLS material, whose identity and leaf expiry are published
-    // with the lease (none over the Redis transport, which has no certificates).
-    let (kind, server, advertised, dial, tls) = match mesh.transport {
-        // The measured baseline: requests travel through the fleet's Redis, on
-        // channels named by worker id. No socket to bind and no mTLS (Redis is the
-        // trust boundary).
-        MeshTransport::Redis => {
-            let redis = mcpgw_mesh::transport::RedisTransportConfig {
-                redis_url: config.fleet.redis_url.clone().unwrap_or_default(),
-                prefix: config.fleet.key_prefix.clone(),
-            };
-            let server =
-                MeshServer::bind_redis(redis.clone(), worker.id.clone(), service, limits.clone())
-                    .await
-                    .map_err(|e| {
-                        WorkerError::Failed(format!("cannot take the mesh channel: {e}"))
-                    })?;
-            // Callers derive the channel from the worker id; the directory records it
-            // for operators.
-            let advertised = server.redis_channel().unwrap_or_default().to_owned();
-            (
-                TransportKind::Redis,
-                server,
-                advertised,
-                Dial::Redis(redis),
-                None,
-            )
-        }
-        MeshTransport::Quic | MeshTransport::Tcp => {
-            let (Some(ca), Some(cert), Some(key)) = (&mesh.ca, &mesh.cert, &mesh.key) else {
-                return Err(WorkerError::Fatal(
-                    "a fleet worker needs --mesh-ca, --mesh-cert and --mesh-key".into(),
-                ));
-            };
-            let files = MeshTlsFiles {
-                ca: ca.clone(),
-                cert: cert.clone(),
-                key: key.clone(),
-            };
-            let trust_domain = mcpgw_certs::TrustDomain::new(&mesh.trust_domain)
-                .map_err(|e| WorkerError::Fatal(e.to_string()))?;
-            // Followed from now on: new handshakes take reloaded material, a bad file is
-            // refused and the material in use stays.
-            let tls = mcpgw_certs::MeshTlsSource::watch(
-                &files,
-                &mcpgw_mesh::transport::mesh_tls_settings(trust_domain),
-                mcpgw_certs::ReloadOptions {
-                    poll_interval: mesh.cert_reload_interval,
-                    ..mcpgw_certs::ReloadOptions::default()
-                },
-            )
-            .map_err(|e| WorkerError::Fatal(e.to_string()))?;
-            let kind = if mesh.transport == MeshTransport::Quic {
-                TransportKind::Quic
-            } else {
-                TransportKind::Tcp
-            };
-            let mut listen = mesh.listen;
-            if listen.port() != 0 {
-                listen.set_port(offset_port(listen.port(), index)?);
-            }
-            let server = MeshServer::bind(
-                kind,
-                listen,
-                tls.clone(),
-                worker.id.clone(),
-                service,
-                limits.clone(),
-                Some(Arc::clone(&worker.metrics) as _),
-            )
-            .await
-            .map_err(|e| {
-                WorkerError::Fatal(format!("cannot bind the mesh endpoint {listen}: {e}"))
-            })?;
-            let advertised = advertise_addr(mesh.advertise.as_deref(), server.local_addr(), index)
-                .map_err(WorkerError::Fatal)?;
-            (kind, server, advertised, Dial::Tls(tls.clone()), Some(tls))
-        }
+    let bound = match config.mesh.transport {
+        MeshTransport::Redis => bind_redis_mesh(worker, config).await?,
+        MeshTransport::Quic | MeshTransport::Tcp => bind_tls_mesh(worker, config, index).await?,
     };
-    let redis_url = config.fleet.redis_url.clone().unwrap_or_default();
-    let directory = Directory::connect(DirectoryConfig {
-        redis_url,
-        prefix: config.fleet.key_prefix.clone(),
-        lease: config.fleet.lease,
-        op_timeout: config.fleet.directory_timeout,
-        adoptable_for: config.limits.session_idle_timeout,
-        ..DirectoryConfig::default()
-    })
-    .await
-    .map_err(|e| WorkerError::Failed(e.to_string()))?;
-    directory.observe_with(Arc::clone(&worker.metrics) as _);
-    let registered_at = tokio::time::Instant::now();
-    let mut info = process::worker_info(Some(admin_addr.to_string()));
-    info.mesh_identity = tls.as_ref().map(|tls| tls.current().leaf().uri.clone());
-    let cert_not_after = tls.as_ref().map(|tls| tls.current().leaf_not_after());
-    let lease = match directory
-        .register_worker_with_cert(&worker.id, &info, &advertised, cert_not_after)
-        .await
-    {
-        Ok(lease) => lease,
-        Err(e @ DirectoryError::WorkerIdTaken { .. }) => {
-            return Err(WorkerError::Fatal(format!("refusing to start: {e}")));
-        }
-        Err(e) => return Err(WorkerError::Failed(e.to_string())),
-    };
-    let lease = Arc::new(LeaseHolder::new(
-        directory.clone(),
-        info,
-        lease,
-        config.fleet.lease,
-        registered_at,
-    ));
-    if let Some(tls) = &tls {
+    let (directory, lease) = register(worker, config, admin_addr, &bound).await?;
+    if let Some(tls) = &bound.tls {
         follow_reloads(tls, &lease);
         let _ = worker.mesh_tls.set(tls.clone());
     }
-    let (client, probe_client) = match dial {
-        Dial::Tls(client_tls) => {
-            let observer = || Some(Arc::clone(&worker.metrics) as _);
-            (
-                MeshClient::new(
-                    kind,
-                    client_tls.clone(),
-                    worker.id.clone(),
-                    limits.clone(),
-                    observer(),
-                )
-                .map_err(|e| WorkerError::Fatal(e.to_string()))?,
-                MeshClient::new(kind, client_tls, worker.id.clone(), limits, observer())
-                    .map_err(|e| WorkerError::Fatal(e.to_string()))?,
-            )
-        }
-        Dial::Redis(redis) => {
-            // One client serves both: a second would subscribe the worker's reply
-            // channel twice and receive every reply twice, and a probe over Redis is a
-            // fresh PUBLISH anyway, with no pooled connection to go stale.
-            let client = MeshClient::new_redis(redis, worker.id.clone(), limits)
-                .await
-                .map_err(|e| WorkerError::Failed(e.to_string()))?;
-            (client.clone(), client)
-        }
-    };
+    let (client, probe_client) = mesh_clients(worker, config, bound.kind, bound.dial).await?;
     let forwarder = Forwarder::new(
         worker.id.clone(),
         directory.clone(),
@@ -622,12 +490,198 @@ async fn join_fleet(
         Arc::clone(&worker.metrics),
         adoption_keys(config)?,
     ));
-    let _ = worker
-        .mesh_streams
-        .set((forwarder.mesh.stream_counter(), server.stream_counter()));
+    let _ = worker.mesh_streams.set((
+        forwarder.mesh.stream_counter(),
+        bound.server.stream_counter(),
+    ));
     worker.join(fleet, forwarder);
-    info!(worker = %worker.id, mesh = %advertised, transport = %kind, "joined the fleet");
+    let (server, advertised) = (bound.server, bound.advertised);
+    info!(worker = %worker.id, mesh = %advertised, transport = %bound.kind, "joined the fleet");
     Ok(MeshMembership { server, advertised })
+}
+
+/// A mesh endpoint bound and not yet registered.
+struct BoundMesh {
+    kind: TransportKind,
+    server: MeshServerHandle,
+    /// The address (or Redis channel) peers reach it at.
+    advertised: String,
+    dial: Dial,
+    /// The mesh TLS material, whose identity and leaf expiry are published with the
+    /// lease (none over the Redis transport, which has no certificates).
+    tls: Option<mcpgw_certs::MeshTlsSource>,
+}
+
+/// What this worker's mesh client needs to reach its peers: the mTLS material, or the
+/// Redis that carries the baseline transport.
+enum Dial {
+    Tls(mcpgw_certs::MeshTlsSource),
+    Redis(mcpgw_mesh::transport::RedisTransportConfig),
+}
+
+/// The measured baseline: requests travel through the fleet's Redis, on channels named
+/// by worker id. No socket to bind and no mTLS (Redis is the trust boundary).
+async fn bind_redis_mesh(worker: &Arc<Worker>, config: &Config) -> Result<BoundMesh, WorkerError> {
+    let redis = mcpgw_mesh::transport::RedisTransportConfig {
+        redis_url: config.fleet.redis_url.clone().unwrap_or_default(),
+        prefix: config.fleet.key_prefix.clone(),
+    };
+    let service = Arc::new(OwnerService(Arc::clone(worker)));
+    let limits = config.mesh.limits.clone();
+    let server = MeshServer::bind_redis(redis.clone(), worker.id.clone(), service, limits)
+        .await
+        .map_err(|e| WorkerError::Failed(format!("cannot take the mesh channel: {e}")))?;
+    // Callers derive the channel from the worker id; the directory records it for
+    // operators.
+    let advertised = server.redis_channel().unwrap_or_default().to_owned();
+    Ok(BoundMesh {
+        kind: TransportKind::Redis,
+        server,
+        advertised,
+        dial: Dial::Redis(redis),
+        tls: None,
+    })
+}
+
+/// Binds the QUIC or TCP endpoint with the mesh TLS material, followed from now on:
+/// new handshakes take reloaded material, a bad file is refused and the material in
+/// use stays.
+async fn bind_tls_mesh(
+    worker: &Arc<Worker>,
+    config: &Config,
+    index: usize,
+) -> Result<BoundMesh, WorkerError> {
+    let mesh = &config.mesh;
+    let (Some(ca), Some(cert), Some(key)) = (&mesh.ca, &mesh.cert, &mesh.key) else {
+        return Err(WorkerError::Fatal(
+            "a fleet worker needs --mesh-ca, --mesh-cert and --mesh-key".into(),
+        ));
+    };
+    let files = MeshTlsFiles {
+        ca: ca.clone(),
+        cert: cert.clone(),
+        key: key.clone(),
+    };
+    let trust_domain = mcpgw_certs::TrustDomain::new(&mesh.trust_domain)
+        .map_err(|e| WorkerError::Fatal(e.to_string()))?;
+    let tls = mcpgw_certs::MeshTlsSource::watch(
+        &files,
+        &mcpgw_mesh::transport::mesh_tls_settings(trust_domain),
+        mcpgw_certs::ReloadOptions {
+            poll_interval: mesh.cert_reload_interval,
+            ..mcpgw_certs::ReloadOptions::default()
+        },
+    )
+    .map_err(|e| WorkerError::Fatal(e.to_string()))?;
+    let kind = if mesh.transport == MeshTransport::Quic {
+        TransportKind::Quic
+    } else {
+        TransportKind::Tcp
+    };
+    let mut listen = mesh.listen;
+    if listen.port() != 0 {
+        listen.set_port(offset_port(listen.port(), index)?);
+    }
+    let server = MeshServer::bind(
+        kind,
+        listen,
+        tls.clone(),
+        worker.id.clone(),
+        Arc::new(OwnerService(Arc::clone(worker))),
+        mesh.limits.clone(),
+        Some(Arc::clone(&worker.metrics) as _),
+    )
+    .await
+    .map_err(|e| WorkerError::Fatal(format!("cannot bind the mesh endpoint {listen}: {e}")))?;
+    let advertised = advertise_addr(mesh.advertise.as_deref(), server.local_addr(), index)
+        .map_err(WorkerError::Fatal)?;
+    Ok(BoundMesh {
+        kind,
+        server,
+        advertised,
+        dial: Dial::Tls(tls.clone()),
+        tls: Some(tls),
+    })
+}
+
+/// Connects to the fleet directory and registers this worker's lease at `bound`'s
+/// address (refusing to start if its id is leased).
+async fn register(
+    worker: &Arc<Worker>,
+    config: &Config,
+    admin_addr: std::net::SocketAddr,
+    bound: &BoundMesh,
+) -> Result<(Directory, Arc<LeaseHolder>), WorkerError> {
+    let directory = Directory::connect(DirectoryConfig {
+        redis_url: config.fleet.redis_url.clone().unwrap_or_default(),
+        prefix: config.fleet.key_prefix.clone(),
+        lease: config.fleet.lease,
+        op_timeout: config.fleet.directory_timeout,
+        adoptable_for: config.limits.session_idle_timeout,
+        ..DirectoryConfig::default()
+    })
+    .await
+    .map_err(|e| WorkerError::Failed(e.to_string()))?;
+    directory.observe_with(Arc::clone(&worker.metrics) as _);
+    let registered_at = tokio::time::Instant::now();
+    let mut info = process::worker_info(Some(admin_addr.to_string()));
+    let tls = bound.tls.as_ref();
+    info.mesh_identity = tls.map(|tls| tls.current().leaf().uri.clone());
+    let cert_not_after = tls.map(|tls| tls.current().leaf_not_after());
+    let lease = match directory
+        .register_worker_with_cert(&worker.id, &info, &bound.advertised, cert_not_after)
+        .await
+    {
+        Ok(lease) => lease,
+        Err(e @ DirectoryError::WorkerIdTaken { .. }) => {
+            return Err(WorkerError::Fatal(format!("refusing to start: {e}")));
+        }
+        Err(e) => return Err(WorkerError::Failed(e.to_string())),
+    };
+    let lease = LeaseHolder::new(
+        directory.clone(),
+        info,
+        lease,
+        config.fleet.lease,
+        registered_at,
+    );
+    Ok((directory, Arc::new(lease)))
+}
+
+/// The mesh clients that forward and that probe owners (a probe dials a fresh
+/// connection, so it needs a pool of its own).
+async fn mesh_clients(
+    worker: &Arc<Worker>,
+    config: &Config,
+    kind: TransportKind,
+    dial: Dial,
+) -> Result<(MeshClient, MeshClient), WorkerError> {
+    let limits = config.mesh.limits.clone();
+    match dial {
+        Dial::Tls(tls) => {
+            let client = || {
+                let observer = Some(Arc::clone(&worker.metrics) as _);
+                MeshClient::new(
+                    kind,
+                    tls.clone(),
+                    worker.id.clone(),
+                    limits.clone(),
+                    observer,
+                )
+                .map_err(|e| WorkerError::Fatal(e.to_string()))
+            };
+            Ok((client()?, client()?))
+        }
+        Dial::Redis(redis) => {
+            // One client serves both: a second would subscribe the worker's reply
+            // channel twice and receive every reply twice, and a probe over Redis is a
+            // fresh PUBLISH anyway, with no pooled connection to go stale.
+            let client = MeshClient::new_redis(redis, worker.id.clone(), limits)
+                .await
+                .map_err(|e| WorkerError::Failed(e.to_string()))?;
+            Ok((client.clone(), client))
+        }
+    }
 }
 
 /// Keeps the lease's published leaf expiry in step with reloads of the mesh material,
