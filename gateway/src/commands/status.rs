@@ -243,7 +243,7 @@ impl fmt::Display for Problem {
 /// certificates, versions.
 pub fn find_problems(snapshot: &FleetSnapshot, policy: &Policy) -> Vec<Problem> {
     let mut problems = Vec::new();
-    let live: Vec<(&WorkerSnapshot, &mcpgw_mesh::directory::WorkerInfo)> = snapshot
+    let live: Vec<Live<'_>> = snapshot
         .workers
         .iter()
         .filter_map(|w| match &w.lease {
@@ -254,10 +254,24 @@ pub fn find_problems(snapshot: &FleetSnapshot, policy: &Policy) -> Vec<Problem> 
     if live.is_empty() {
         problems.push(Problem::NoLiveWorker);
     }
+    shared_identities(&live, &mut problems);
+    unreadable_leases(snapshot, &mut problems);
+    sessions_without_owner(snapshot, policy, &mut problems);
+    request_channels(&live, &mut problems);
+    expiring_certificates(snapshot, &live, policy, &mut problems);
+    primary_disagreement(snapshot, &live, &mut problems);
+    mixed_versions(&live, &mut problems);
+    problems
+}
 
+/// A worker with a live lease, and what the lease publishes.
+type Live<'a> = (&'a WorkerSnapshot, &'a mcpgw_mesh::directory::WorkerInfo);
+
+/// Two live workers at one mesh address, or in one process.
+fn shared_identities(live: &[Live<'_>], problems: &mut Vec<Problem>) {
     let mut by_addr: BTreeMap<&str, Vec<String>> = BTreeMap::new();
     let mut by_process: BTreeMap<(&str, u32), Vec<String>> = BTreeMap::new();
-    for (worker, info) in &live {
+    for (worker, info) in live {
         if let Some(addr) = worker.addr.as_deref() {
             by_addr.entry(addr).or_default().push(worker.id.clone());
         }
@@ -283,6 +297,9 @@ pub fn find_problems(snapshot: &FleetSnapshot, policy: &Policy) -> Vec<Problem> 
             });
         }
     }
+}
+
+fn unreadable_leases(snapshot: &FleetSnapshot, problems: &mut Vec<Problem>) {
     for worker in &snapshot.workers {
         if worker.lease == LeaseView::Unreadable {
             problems.push(Problem::UnreadableLease {
@@ -290,7 +307,11 @@ pub fn find_problems(snapshot: &FleetSnapshot, policy: &Policy) -> Vec<Problem> 
             });
         }
     }
+}
 
+/// Sessions recorded for a worker whose lease is gone: an expired lease that still owns
+/// sessions, or records nobody's set holds.
+fn sessions_without_owner(snapshot: &FleetSnapshot, policy: &Policy, problems: &mut Vec<Problem>) {
     // A missing lease proves nothing in a directory younger than a lease: after Redis
     // came back empty, live workers need that long to register again.
     let directory_settled = snapshot.generation_created_unix_ms.is_some_and(|created| {
@@ -337,8 +358,11 @@ pub fn find_problems(snapshot: &FleetSnapshot, policy: &Policy) -> Vec<Problem> 
             });
         }
     }
+}
 
-    for (worker, _) in &live {
+/// Over the Redis transport, each live worker's request channel has one subscriber.
+fn request_channels(live: &[Live<'_>], problems: &mut Vec<Problem>) {
+    for (worker, _) in live {
         if let (Some(subscribers), Some(channel)) =
             (worker.request_channel_subscribers, worker.addr.as_ref())
             && subscribers != 1
@@ -350,8 +374,15 @@ pub fn find_problems(snapshot: &FleetSnapshot, policy: &Policy) -> Vec<Problem> 
             });
         }
     }
+}
 
-    for (worker, info) in &live {
+fn expiring_certificates(
+    snapshot: &FleetSnapshot,
+    live: &[Live<'_>],
+    policy: &Policy,
+    problems: &mut Vec<Problem>,
+) {
+    for (worker, info) in live {
         if let Some(not_after) = worker.cert_not_after_unix_ms {
             let ms_left = signed_ms(not_after) - signed_ms(snapshot.redis_now_unix_ms);
             if ms_left < signed_ms(millis(policy.cert_warning)) {
@@ -364,10 +395,13 @@ pub fn find_problems(snapshot: &FleetSnapshot, policy: &Policy) -> Vec<Problem> 
             }
         }
     }
+}
 
+/// Workers that follow another Redis primary than the one this command reached.
+fn primary_disagreement(snapshot: &FleetSnapshot, live: &[Live<'_>], problems: &mut Vec<Problem>) {
     if let Some(reached) = &snapshot.primary {
         let mut elsewhere: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        for (worker, _) in &live {
+        for (worker, _) in live {
             if let Some(followed) = &worker.followed_primary
                 && followed != reached
             {
@@ -384,9 +418,11 @@ pub fn find_problems(snapshot: &FleetSnapshot, policy: &Policy) -> Vec<Problem> 
             });
         }
     }
+}
 
+fn mixed_versions(live: &[Live<'_>], problems: &mut Vec<Problem>) {
     let mut versions: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for (worker, info) in &live {
+    for (worker, info) in live {
         versions
             .entry(info.version.clone())
             .or_default()
@@ -395,7 +431,6 @@ pub fn find_problems(snapshot: &FleetSnapshot, policy: &Policy) -> Vec<Problem> 
     if versions.len() > 1 {
         problems.push(Problem::MixedVersions { versions });
     }
-    problems
 }
 
 /// `mcpgw status`.

@@ -209,27 +209,18 @@ impl Forwarder {
         let mut action = machine.start();
         loop {
             let event = match action {
-                Action::Relay => {
-                    return match answer.take() {
-                        Some(response) => Ok(from_forwarded(response)),
-                        None => Err(Unanswered::new(
-                            Situation::Unknown,
-                            "the gateway lost track of this forward",
-                        )),
-                    };
-                }
+                Action::Relay => return answer.take().map(from_forwarded).ok_or_else(lost_track),
                 Action::Refuse { unanswered, bury } => {
                     if let Some(proof) = bury {
-                        self.metrics.death_proven(proof);
-                        self.bury(machine.target(), &addr).await;
+                        self.bury_proven(proof, machine.target(), &addr).await;
                     }
                     return Err(unanswered);
                 }
                 Action::Send { suspect_after } => {
+                    // A fresh flag per send: a probe reads whether this request left.
                     sent = Arc::new(AtomicBool::new(false));
-                    let request_id = self.request_ids.fetch_add(1, Ordering::Relaxed);
-                    let frame = to_frame(call, request_id, self.config.mesh.forward_timeout);
                     let owner = machine.target().to_owned();
+                    let frame = self.frame_of(call);
                     in_flight = Some(Box::pin(self.send(
                         addr.clone(),
                         owner,
@@ -244,17 +235,7 @@ impl Forwarder {
                         .await
                 }
                 Action::Probe { after } => {
-                    let probe = async {
-                        if !after.is_zero() {
-                            tokio::time::sleep(after).await;
-                        }
-                        let (sign, replaced_by) = self.probe(machine.target(), &addr).await;
-                        Event::Probed(Probed {
-                            sign,
-                            sent: sent.load(Ordering::Acquire),
-                            replaced_by,
-                        })
-                    };
+                    let probe = self.probe_after(after, machine.target(), &addr, &sent);
                     self.raced(&mut in_flight, &mut answer, probe).await
                 }
                 Action::AskRecord => {
@@ -271,22 +252,7 @@ impl Forwarder {
                     };
                     self.raced(&mut in_flight, &mut answer, lease).await
                 }
-                Action::AskAddress => {
-                    addr.clear();
-                    let owner = machine.target();
-                    Event::Address(if self.known_dead(owner) {
-                        Address::KnownDead
-                    } else {
-                        match self.peer_addr(owner).await {
-                            Ok(Some(found)) => {
-                                addr = found;
-                                Address::Found
-                            }
-                            Ok(None) => Address::Missing,
-                            Err(e) => Address::Failed(e.to_string()),
-                        }
-                    })
-                }
+                Action::AskAddress => self.ask_address(machine.target(), &mut addr).await,
                 Action::AskGone => {
                     let gone = self.directory.gone_record(machine.target()).await;
                     Event::Gone(gone.map_err(|e| e.to_string()))
@@ -305,6 +271,54 @@ impl Forwarder {
                 in_flight = None;
             }
         }
+    }
+
+    /// Counts the proof of `owner`'s death, then forgets it and reclaims its sessions.
+    async fn bury_proven(&self, proof: &'static str, owner: &str, addr: &str) {
+        self.metrics.death_proven(proof);
+        self.bury(owner, addr).await;
+    }
+
+    /// `call` as a mesh frame under this worker's next request id.
+    fn frame_of(&self, call: &Call) -> RequestFrame {
+        let request_id = self.request_ids.fetch_add(1, Ordering::Relaxed);
+        to_frame(call, request_id, self.config.mesh.forward_timeout)
+    }
+
+    /// Probes `owner` at `addr` once `after` has passed; `sent` says whether the
+    /// forwarded request had been written by then.
+    async fn probe_after(
+        &self,
+        after: Duration,
+        owner: &str,
+        addr: &str,
+        sent: &AtomicBool,
+    ) -> Event {
+        if !after.is_zero() {
+            tokio::time::sleep(after).await;
+        }
+        let (sign, replaced_by) = self.probe(owner, addr).await;
+        Event::Probed(Probed {
+            sign,
+            sent: sent.load(Ordering::Acquire),
+            replaced_by,
+        })
+    }
+
+    /// Where `owner` is reached: `addr` is set when the registry names its address.
+    async fn ask_address(&self, owner: &str, addr: &mut String) -> Event {
+        addr.clear();
+        if self.known_dead(owner) {
+            return Event::Address(Address::KnownDead);
+        }
+        Event::Address(match self.peer_addr(owner).await {
+            Ok(Some(found)) => {
+                *addr = found;
+                Address::Found
+            }
+            Ok(None) => Address::Missing,
+            Err(e) => Address::Failed(e.to_string()),
+        })
     }
 
     /// The forward itself, owning what it needs, so the caller can hold it across the
@@ -483,6 +497,12 @@ pub fn to_frame(call: &Call, request_id: u64, deadline: Duration) -> RequestFram
 
 /// The owner's answer as a reply for the client: head as sent, body chunks relayed
 /// one by one as they arrive. Dropping the reply (client gone) drops the forwarded
+/// The machine relayed an answer that never came: it has a bug, and nothing was
+/// proven.
+fn lost_track() -> Unanswered {
+    Unanswered::new(Situation::Unknown, "the gateway lost track of this forward")
+}
+
 /// response, which cancels the request at the owner.
 pub fn from_forwarded(response: ForwardedResponse) -> Reply {
     let head = response.head();
