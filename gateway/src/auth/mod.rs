@@ -37,7 +37,7 @@ use crate::mcp::{self, GatewayError};
 use crate::reply::Reply;
 use crate::request::Call;
 use api_key::ApiKeys;
-use config::Mode;
+use config::{Mode, ResolvedJwt, RouteSettings};
 use jwks::{Jwks, JwksSource, KeySet, load_static_key};
 use jwt::{JwtVerifier, TokenProblem};
 use rate_limit::RateLimiter;
@@ -87,144 +87,16 @@ impl Authenticator {
         let auth = &config.auth;
         let names: Vec<&str> = config.upstreams.iter().map(|u| u.name.as_str()).collect();
         auth.validate_shape(&names, config.fleet.redis_url.as_deref())?;
-        let api_keys = match &auth.tokens_file {
-            Some(path) => Some(Arc::new(
-                ApiKeys::from_file(path).map_err(|problem| invalid("auth.tokens_file", problem))?,
-            )),
-            None => None,
-        };
-        // The keys of [auth.jwt]'s issuer: trusted only by routes that use that issuer
-        // and name no keys of their own.
-        let global_keys = Arc::new(load_keys(&auth.jwt.keys, "auth.jwt.keys")?);
-        let default_route = config.default_upstream().map(|u| u.name.as_str());
-        // One cache per JWKS (and CA): routes naming the same one share its keys and
-        // its refresh budget. A file's keys as read at start are kept for the check of
-        // HMAC secrets.
-        let mut caches: Vec<(JwksId, Arc<Jwks>, Option<KeySet>)> = Vec::new();
-        let mut secrets = SecretOwners::default();
-        let mut routes = Vec::with_capacity(config.upstreams.len());
-        for upstream in &config.upstreams {
-            let name = upstream.name.as_str();
-            let mode = auth.mode_of(name);
-            let settings = auth.routes.get(name).cloned().unwrap_or_default();
-            let mut policy = RoutePolicy {
-                name: name.to_owned(),
-                mode,
-                api_keys: None,
-                jwt: None,
-                scopes: settings.scopes,
-                tool_scopes: settings.tool_scopes,
-                authorization_servers: Vec::new(),
-            };
-            for scope in policy
-                .scopes
-                .iter()
-                .chain(policy.tool_scopes.values().flatten())
-            {
-                if !metadata::valid_scope(scope) {
-                    return Err(invalid(
-                        &format!("auth.routes.{name}.scopes"),
-                        format!(
-                            "{scope:?} is not a scope token (printable ASCII, no space, no quote)"
-                        ),
-                    ));
-                }
-            }
-            match mode {
-                Mode::Public => {}
-                Mode::ApiKey => {
-                    policy.api_keys = Some(api_keys.clone().ok_or_else(|| {
-                        invalid(
-                            &format!("auth.routes.{name}.mode"),
-                            "api-key mode needs the keys: set [auth] tokens_file or pass --auth-tokens-file",
-                        )
-                    })?);
-                }
-                Mode::Jwt => {
-                    let resolved = auth.jwt_of(name, default_route == Some(name))?;
-                    let (keys_field, jwks_field) = if resolved.own_keys {
-                        (
-                            format!("auth.routes.{name}.keys"),
-                            format!("auth.routes.{name}.jwks"),
-                        )
-                    } else {
-                        ("auth.jwt.keys".to_owned(), "auth.jwt.jwks".to_owned())
-                    };
-                    let static_keys = if resolved.own_keys {
-                        Arc::new(load_keys(&settings.keys, &keys_field)?)
-                    } else {
-                        Arc::clone(&global_keys)
-                    };
-                    secrets.note(&resolved.issuer, &static_keys, |i, _| {
-                        format!("{keys_field}[{i}]")
-                    })?;
-                    let jwks = match &resolved.jwks {
-                        None => None,
-                        Some(text) => {
-                            let id = (text.clone(), resolved.jwks_ca.clone());
-                            let at = match caches.iter().position(|(known, _, _)| *known == id) {
-                                Some(at) => at,
-                                None => {
-                                    let (cache, read) = jwks_cache(text, &resolved, &jwks_field)?;
-                                    caches.push((id, cache, read));
-                                    caches.len() - 1
-                                }
-                            };
-                            let (_, cache, read) = &caches[at];
-                            if let Some(read) = read {
-                                secrets.note(&resolved.issuer, read, |_, kid| {
-                                    format!("{jwks_field} (kid {kid:?})")
-                                })?;
-                            }
-                            Some(Arc::clone(cache))
-                        }
-                    };
-                    if jwks.is_none() && static_keys.keys.is_empty() {
-                        let problem = if resolved.own_keys {
-                            format!(
-                                "route {name} sets its own issuer, jwks or keys, so it trusts \
-                                 only the keys named in [auth.routes.{name}] (those of \
-                                 [auth.jwt] belong to its issuer): set jwks there (a file or an \
-                                 https:// URL) or add [[auth.routes.{name}.keys]]"
-                            )
-                        } else {
-                            format!(
-                                "route {name} is in jwt mode but has no keys: set jwks (a file \
-                                 or an https:// URL; --jwt-jwks) or [[auth.jwt.keys]]"
-                            )
-                        };
-                        return Err(invalid(&jwks_field, problem));
-                    }
-                    policy.authorization_servers = resolved.authorization_servers;
-                    policy.jwt = Some(JwtVerifier {
-                        issuer: resolved.issuer,
-                        audience: resolved.audience,
-                        leeway_secs: resolved.leeway_secs,
-                        static_keys,
-                        jwks,
-                    });
-                }
-            }
-            routes.push(policy);
-        }
-        let limiter = match &auth.rate_limit {
-            None => None,
-            Some(limit) => {
-                let url = limit
-                    .redis_url
-                    .as_deref()
-                    .or(config.fleet.redis_url.as_deref())
-                    .unwrap_or_default();
-                Some(
-                    RateLimiter::new(limit, url, &config.fleet.key_prefix)
-                        .map_err(|p| invalid("auth.rate_limit.redis_url", p))?,
-                )
-            }
-        };
+        let mut policies = Policies::new(config)?;
+        let routes = config
+            .upstreams
+            .iter()
+            .map(|upstream| policies.route(&upstream.name))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Authenticator {
             routes,
             public_base: auth.public_base().map(str::to_owned),
-            limiter,
+            limiter: rate_limiter(config)?,
         })
     }
 
@@ -675,6 +547,188 @@ pub fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Builds each route's policy from the validated configuration, sharing what routes
+/// share: the API keys, [auth.jwt]'s keys, and one cache per JWKS (and CA), so routes
+/// naming the same one share its keys and its refresh budget.
+struct Policies<'c> {
+    config: &'c Config,
+    api_keys: Option<Arc<ApiKeys>>,
+    /// The keys of [auth.jwt]'s issuer: trusted only by routes that use that issuer
+    /// and name no keys of their own.
+    global_keys: Arc<KeySet>,
+    /// A file's keys as read at start are kept for the check of HMAC secrets.
+    caches: Vec<(JwksId, Arc<Jwks>, Option<KeySet>)>,
+    secrets: SecretOwners,
+}
+
+impl<'c> Policies<'c> {
+    fn new(config: &'c Config) -> Result<Policies<'c>, ConfigError> {
+        let auth = &config.auth;
+        let api_keys = match &auth.tokens_file {
+            Some(path) => Some(Arc::new(
+                ApiKeys::from_file(path).map_err(|problem| invalid("auth.tokens_file", problem))?,
+            )),
+            None => None,
+        };
+        Ok(Policies {
+            config,
+            api_keys,
+            global_keys: Arc::new(load_keys(&auth.jwt.keys, "auth.jwt.keys")?),
+            caches: Vec::new(),
+            secrets: SecretOwners::default(),
+        })
+    }
+
+    /// The policy of route `name`.
+    fn route(&mut self, name: &str) -> Result<RoutePolicy, ConfigError> {
+        let auth = &self.config.auth;
+        let mode = auth.mode_of(name);
+        let settings = auth.routes.get(name).cloned().unwrap_or_default();
+        let mut policy = RoutePolicy {
+            name: name.to_owned(),
+            mode,
+            api_keys: None,
+            jwt: None,
+            scopes: settings.scopes.clone(),
+            tool_scopes: settings.tool_scopes.clone(),
+            authorization_servers: Vec::new(),
+        };
+        check_scopes(&policy)?;
+        match mode {
+            Mode::Public => {}
+            Mode::ApiKey => {
+                policy.api_keys = Some(self.api_keys.clone().ok_or_else(|| {
+                    invalid(
+                        &format!("auth.routes.{name}.mode"),
+                        "api-key mode needs the keys: set [auth] tokens_file or pass --auth-tokens-file",
+                    )
+                })?);
+            }
+            Mode::Jwt => {
+                let (verifier, servers) = self.jwt_verifier(name, &settings)?;
+                policy.authorization_servers = servers;
+                policy.jwt = Some(verifier);
+            }
+        }
+        Ok(policy)
+    }
+
+    /// The JWT verifier of route `name` in jwt mode, and its authorization servers.
+    fn jwt_verifier(
+        &mut self,
+        name: &str,
+        settings: &RouteSettings,
+    ) -> Result<(JwtVerifier, Vec<String>), ConfigError> {
+        let default_route = self.config.default_upstream().map(|u| u.name.as_str());
+        let resolved = self.config.auth.jwt_of(name, default_route == Some(name))?;
+        let (keys_field, jwks_field) = if resolved.own_keys {
+            (
+                format!("auth.routes.{name}.keys"),
+                format!("auth.routes.{name}.jwks"),
+            )
+        } else {
+            ("auth.jwt.keys".to_owned(), "auth.jwt.jwks".to_owned())
+        };
+        let static_keys = if resolved.own_keys {
+            Arc::new(load_keys(&settings.keys, &keys_field)?)
+        } else {
+            Arc::clone(&self.global_keys)
+        };
+        self.secrets.note(&resolved.issuer, &static_keys, |i, _| {
+            format!("{keys_field}[{i}]")
+        })?;
+        let jwks = match &resolved.jwks {
+            None => None,
+            Some(text) => Some(self.jwks_cache(text, &resolved, &jwks_field)?),
+        };
+        if jwks.is_none() && static_keys.keys.is_empty() {
+            return Err(invalid(&jwks_field, no_keys(name, resolved.own_keys)));
+        }
+        let verifier = JwtVerifier {
+            issuer: resolved.issuer,
+            audience: resolved.audience,
+            leeway_secs: resolved.leeway_secs,
+            static_keys,
+            jwks,
+        };
+        Ok((verifier, resolved.authorization_servers))
+    }
+
+    /// The one cache of the JWKS `text` (with the resolved CA), made on first use.
+    fn jwks_cache(
+        &mut self,
+        text: &str,
+        resolved: &ResolvedJwt,
+        jwks_field: &str,
+    ) -> Result<Arc<Jwks>, ConfigError> {
+        let id = (text.to_owned(), resolved.jwks_ca.clone());
+        let at = match self.caches.iter().position(|(known, _, _)| *known == id) {
+            Some(at) => at,
+            None => {
+                let (cache, read) = jwks_cache(text, resolved, jwks_field)?;
+                self.caches.push((id, cache, read));
+                self.caches.len() - 1
+            }
+        };
+        let (_, cache, read) = &self.caches[at];
+        if let Some(read) = read {
+            self.secrets.note(&resolved.issuer, read, |_, kid| {
+                format!("{jwks_field} (kid {kid:?})")
+            })?;
+        }
+        Ok(Arc::clone(cache))
+    }
+}
+
+/// Every scope a route names must be a scope token.
+fn check_scopes(policy: &RoutePolicy) -> Result<(), ConfigError> {
+    let name = &policy.name;
+    for scope in policy
+        .scopes
+        .iter()
+        .chain(policy.tool_scopes.values().flatten())
+    {
+        if !metadata::valid_scope(scope) {
+            return Err(invalid(
+                &format!("auth.routes.{name}.scopes"),
+                format!("{scope:?} is not a scope token (printable ASCII, no space, no quote)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// What to do about a route in jwt mode that trusts no key.
+fn no_keys(name: &str, own_keys: bool) -> String {
+    if own_keys {
+        format!(
+            "route {name} sets its own issuer, jwks or keys, so it trusts only the keys named \
+             in [auth.routes.{name}] (those of [auth.jwt] belong to its issuer): set jwks there \
+             (a file or an https:// URL) or add [[auth.routes.{name}.keys]]"
+        )
+    } else {
+        format!(
+            "route {name} is in jwt mode but has no keys: set jwks (a file or an https:// URL; \
+             --jwt-jwks) or [[auth.jwt.keys]]"
+        )
+    }
+}
+
+/// The per-principal rate limiter, on its own Redis or the fleet's.
+fn rate_limiter(config: &Config) -> Result<Option<RateLimiter>, ConfigError> {
+    let Some(limit) = &config.auth.rate_limit else {
+        return Ok(None);
+    };
+    let url = limit
+        .redis_url
+        .as_deref()
+        .or(config.fleet.redis_url.as_deref())
+        .unwrap_or_default();
+    RateLimiter::new(limit, url, &config.fleet.key_prefix)
+        .map(Some)
+        .map_err(|p| invalid("auth.rate_limit.redis_url", p))
 }
 
 #[cfg(test)]
