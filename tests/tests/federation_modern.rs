@@ -391,3 +391,29 @@ fn a_member_that_fails_is_left_out_of_the_list_and_its_calls_name_it() {
         "1"
     );
 }
+
+#[test]
+fn a_stateful_member_in_another_auth_mode_is_refused_by_name_and_the_rest_served() {
+    let demo = Upstream::start();
+    let path = config("modes", &demo);
+    let text = std::fs::read_to_string(&path).expect("read the configuration");
+    let demo_table = "[[upstream]]\nname = \"demo\"";
+    let text = text.replace(
+        demo_table,
+        &format!("[auth.routes.st]\nmode = \"public\"\n\n{demo_table}"),
+    );
+    std::fs::write(&path, text).expect("write the configuration");
+    let gateway = Gateway::start(&["--config", &path.display().to_string()]);
+    let refused = call(&gateway.addr, ALICE, "st__counter_increment");
+    assert_eq!(refused.status, 501, "{}", refused.text());
+    assert_eq!(refused.reason().as_deref(), Some("virtual_server_protocol"));
+    let error = refused.error().expect("a JSON-RPC error");
+    assert_eq!(error["data"]["member"], "st", "{error}");
+    let merged = list(&gateway.addr, ALICE);
+    let missing = &merged["_meta"]["mcpgw/federation"]["missing"];
+    assert_eq!(missing[0]["member"], "st", "{merged}");
+    assert!(
+        names_of(&merged).contains(&"time__get_current_time".to_owned()),
+        "the stateful member in the virtual server's mode is served: {merged}"
+    );
+}
