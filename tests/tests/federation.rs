@@ -427,7 +427,8 @@ tools = {{ include = ["echo"] }}
         "a tool of the last page runs"
     );
 
-    // 2026-07-28 clients are told plainly that virtual servers do not serve them yet.
+    // A 2026-07-28 client gets the same merged list, and a call found through it
+    // (the `conflicts` rule: the owner is known only from the members' lists).
     let modern = http::request(
         &gateway.addr,
         "POST",
@@ -435,8 +436,15 @@ tools = {{ include = ["echo"] }}
         &http::modern_headers("tools/list", None),
         &http::modern_body(1, "tools/list", json!({})),
     );
-    assert_eq!(modern.status, 501, "{}", modern.text());
-    assert_eq!(modern.reason().as_deref(), Some("virtual_server_protocol"));
+    assert_eq!(tool_names(&modern), expected, "{}", modern.text());
+    let page = http::request(
+        &gateway.addr,
+        "POST",
+        ALL,
+        &http::modern_headers("tools/call", Some("page_6")),
+        &http::modern_body(2, "tools/call", json!({"name": "page_6", "arguments": {}})),
+    );
+    assert_eq!(page.expect_tool_text(), "ran page_6", "{}", page.text());
 }
 
 #[test]

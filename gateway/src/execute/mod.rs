@@ -64,13 +64,10 @@ impl Worker {
             .message
             .as_ref()
             .is_some_and(|m| m.method() == Some("tools/list"));
-        if call.era == Era::Modern && matches!(self.upstreams[upstream], Upstream::Virtual(_)) {
-            return Err(
-                crate::federation::modern_refused(&self.config.upstreams[upstream].name)
-                    .with_id(call.id()),
-            );
-        }
+        let virtual_server = matches!(self.upstreams[upstream], Upstream::Virtual(_));
         let result = match (call.era, session) {
+            // A 2026-07-28 call on a virtual server: its members' calls made for it.
+            (Era::Modern, _) if virtual_server => self.serve_federated_modern(call).await,
             // A 2026-07-28 call bound to its (principal, route) session (`shared.rs`).
             (Era::Modern, Some(session)) => self.run_shared(call, session).await,
             (Era::Modern, None) if call.session_id.is_some() => self.open_shared(call).await,
@@ -94,9 +91,12 @@ impl Worker {
                 metrics.learn_tools_from_answer(upstream, &answer)
             });
         }
+        // A virtual server's answer came from a member call that said where it ran
+        // (a stateful member's shared session may live on another worker).
         reply
             .headers
-            .insert(HEADER_OWNER_WORKER, self.id_header.clone());
+            .entry(HEADER_OWNER_WORKER)
+            .or_insert_with(|| self.id_header.clone());
         Ok(reply)
     }
 

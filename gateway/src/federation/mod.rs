@@ -18,6 +18,7 @@
 //! adopts it rebuilds this link from the session's record, its stdio members lost.
 
 mod adopt;
+mod modern;
 mod names;
 mod open;
 
@@ -712,17 +713,4 @@ fn member_lost(link: &FederatedLink, member: &Member, why: &str, id: &Value) -> 
     )
     .with_data(json!({ "member": member.name(), "detail": why, "retryable": false }))
     .with_id(id.clone())
-}
-
-/// A 2026-07-28 request on a virtual server: refused, never answered wrongly.
-pub fn modern_refused(server: &str) -> GatewayError {
-    GatewayError::gateway(
-        StatusCode::NOT_IMPLEMENTED,
-        Reason::VirtualServerProtocol,
-        format!(
-            "virtual server {server} serves MCP 2025 protocol clients (sessions, initialize) \
-             only for now: connect in a 2025-* protocol version"
-        ),
-    )
-    .with_data(json!({ "supported": mcp::LEGACY_VERSIONS, "retryable": false }))
 }

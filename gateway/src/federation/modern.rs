@@ -1,0 +1,538 @@
+//! 2026-07-28 clients on a virtual server. Such a client has no session, so nothing
+//! of the legacy path's [`super::FederatedLink`] exists for it: each request is
+//! answered by whichever worker receives it, from member calls made for it.
+//!
+//! A member call is the request the client would have sent to the member's own route
+//! (`/servers/{member}/mcp`), rewritten to the member's own name, and it runs through
+//! [`Worker::dispatch`] exactly as that request would: a stateless HTTP member is
+//! called straight from here; a stateful member (stdio, `legacy_only`) runs in the
+//! session its principal shares on that route (`execute/shared.rs`), wherever in the
+//! fleet that session lives, with its loss told once like on the plain route. So the
+//! principal's state on a stateful member is the same through the virtual server and
+//! through the member's own route: one session per (principal, upstream).
+//!
+//! Lists are merged from every member (each followed page by page), exposed by the
+//! same rule and filters as for legacy sessions (`names.rs`); a member that fails is
+//! left out of the list, which says so in `_meta`, and its calls get its own error,
+//! naming it. Calls find their member by prefix when the rule allows no doubt, else
+//! from a merged list.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, StatusCode};
+use serde_json::{Value, json};
+use tracing::debug;
+
+use super::names::{self, Listed};
+use super::{INVALID_PARAMS, Kind, MAX_ANSWER_BYTES, MAX_LIST_PAGES};
+use crate::config::{MemberConfig, PrefixRule};
+use crate::execute::upstream::{Upstream, UpstreamReply, VirtualUpstream, read_answer};
+use crate::mcp::{self, Era, GatewayError};
+use crate::reason::Reason;
+use crate::reply::Reply;
+use crate::request::{self, Call};
+use crate::worker::Worker;
+
+/// A member call's answer, boxed: a member call re-enters the dispatch that brought
+/// the client's request here.
+type Dispatched<'a> = Pin<Box<dyn Future<Output = Result<Reply, GatewayError>> + Send + 'a>>;
+
+/// One member's whole list of a kind, with the caching hints its last page gave.
+struct MemberList {
+    items: Vec<Value>,
+    ttl_ms: Option<u64>,
+    private: bool,
+}
+
+/// Every member's list merged: the exposed items, the members left out with why, and
+/// the owner of each exposed name.
+struct Merged {
+    items: Vec<Value>,
+    missing: Vec<Value>,
+    /// Positions (in the server's members) of the members left out.
+    unlisted: Vec<usize>,
+    owners: std::collections::HashMap<String, names::Owner>,
+    ttl_ms: Option<u64>,
+    private: bool,
+}
+
+impl Worker {
+    /// A 2026-07-28 request on the virtual server `call` addresses, answered here.
+    pub(crate) async fn serve_federated_modern(
+        self: &Arc<Self>,
+        call: Call,
+    ) -> Result<Reply, GatewayError> {
+        let Upstream::Virtual(server) = &self.upstreams[call.upstream] else {
+            return Err(GatewayError::session_not_found().with_id(call.id()));
+        };
+        let id = call.id();
+        let message = call.message.as_ref();
+        let method = message.and_then(|m| m.method()).map(str::to_owned);
+        let is_request = message.is_some_and(|m| m.json.get("id").is_some());
+        let (Some(method), true) = (method, is_request) else {
+            // Notifications and responses have no member to go to without a session
+            // (a 2026-07-28 client's cancellation ends its own HTTP request).
+            return Ok(accepted());
+        };
+        Ok(match method.as_str() {
+            "server/discover" => discover(&id, &server.name),
+            "ping" => Reply::json(
+                StatusCode::OK,
+                Bytes::from(json!({"jsonrpc": "2.0", "id": id, "result": {}}).to_string()),
+            ),
+            "tools/list" => self.answer_list(server, &call, Kind::Tools).await,
+            "prompts/list" => self.answer_list(server, &call, Kind::Prompts).await,
+            "tools/call" => return self.call_owner(server, &call, Kind::Tools).await,
+            "prompts/get" => return self.call_owner(server, &call, Kind::Prompts).await,
+            other => rpc_error(
+                &id,
+                mcp::code::METHOD_NOT_FOUND,
+                format!(
+                    "{other} is not served by virtual server {} to 2026-07-28 clients (it \
+                     serves tools/list, tools/call, prompts/list, prompts/get and \
+                     server/discover)",
+                    server.name
+                ),
+            ),
+        })
+    }
+
+    /// `tools/list` or `prompts/list`: every member's list, merged whole.
+    async fn answer_list(
+        self: &Arc<Self>,
+        server: &VirtualUpstream,
+        call: &Call,
+        kind: Kind,
+    ) -> Reply {
+        let id = call.id();
+        let asked_cursor = call
+            .message
+            .as_ref()
+            .and_then(|m| m.json.get("params")?.get("cursor"))
+            .is_some_and(|c| !c.is_null());
+        if asked_cursor {
+            return rpc_error(
+                &id,
+                INVALID_PARAMS,
+                format!(
+                    "virtual server {} returns its whole list in one page and issued no cursor",
+                    server.name
+                ),
+            );
+        }
+        let merged = self.merged_modern_list(server, call, kind).await;
+        let mut result = json!({ kind.key(): merged.items, "resultType": "complete" });
+        // A list missing a member is not worth keeping: ask again soon.
+        let ttl = match merged.missing.is_empty() {
+            true => merged.ttl_ms,
+            false => Some(0),
+        };
+        if let Some(ttl) = ttl {
+            result["ttlMs"] = Value::from(ttl);
+        }
+        if merged.private || ttl.is_some() {
+            let scope = if merged.private { "private" } else { "public" };
+            result["cacheScope"] = Value::from(scope);
+        }
+        if !merged.missing.is_empty() {
+            result["_meta"] = json!({ "mcpgw/federation": { "missing": merged.missing } });
+        }
+        let body = json!({ "jsonrpc": "2.0", "id": id, "result": result });
+        Reply::json(StatusCode::OK, Bytes::from(body.to_string()))
+    }
+
+    /// Every member's list of `kind`, merged and exposed by the server's rule.
+    async fn merged_modern_list(
+        self: &Arc<Self>,
+        server: &VirtualUpstream,
+        call: &Call,
+        kind: Kind,
+    ) -> Merged {
+        let members = &server.server.members;
+        let listings = futures_util::future::join_all(
+            members
+                .iter()
+                .map(|member| self.list_member_modern(server, call, member, kind)),
+        )
+        .await;
+        let mut merged = Merged {
+            items: Vec::new(),
+            missing: Vec::new(),
+            unlisted: Vec::new(),
+            owners: Default::default(),
+            ttl_ms: None,
+            private: false,
+        };
+        let mut items: Vec<Vec<Value>> = Vec::with_capacity(members.len());
+        for (at, (member, listing)) in members.iter().zip(listings).enumerate() {
+            match listing {
+                Ok(list) => {
+                    merged.ttl_ms = min_ttl(merged.ttl_ms, list.ttl_ms);
+                    merged.private |= list.private;
+                    items.push(list.items);
+                }
+                Err(why) => {
+                    merged
+                        .missing
+                        .push(json!({ "member": member.upstream, "why": why }));
+                    merged.unlisted.push(at);
+                    items.push(Vec::new());
+                }
+            }
+        }
+        let listed: Vec<Listed<'_>> = members
+            .iter()
+            .zip(&items)
+            .map(|(member, list)| Listed {
+                prefix: &member.prefix,
+                filter: kind.filter(member),
+                names: list
+                    .iter()
+                    .filter_map(|item| item.get("name")?.as_str().map(str::to_owned))
+                    .collect(),
+            })
+            .collect();
+        let exposure = names::expose(server.server.prefix, &server.server.separator, &listed);
+        for (name, loser, keeper) in &exposure.hidden {
+            debug!(server = %server.name, "{} {name:?} of member {} is hidden by member {}",
+                kind.singular(), members[*loser].upstream, members[*keeper].upstream);
+        }
+        for (name, owner) in exposure.exposed {
+            let own = Some(owner.own.as_str());
+            let item = items[owner.member]
+                .iter()
+                .find(|item| item.get("name").and_then(Value::as_str) == own);
+            if let Some(mut item) = item.cloned() {
+                item["name"] = Value::from(name);
+                merged.items.push(item);
+            }
+        }
+        merged.owners = exposure.owners;
+        merged
+    }
+
+    /// One member's whole list of `kind`, following its `nextCursor` to the end, or
+    /// why it could not be had.
+    async fn list_member_modern(
+        self: &Arc<Self>,
+        server: &VirtualUpstream,
+        call: &Call,
+        member: &MemberConfig,
+        kind: Kind,
+    ) -> Result<MemberList, String> {
+        let template = call
+            .message
+            .as_ref()
+            .map_or(Value::Null, |m| m.json.clone());
+        let mut list = MemberList {
+            items: Vec::new(),
+            ttl_ms: None,
+            private: false,
+        };
+        let mut cursor: Option<Value> = None;
+        for _ in 0..MAX_LIST_PAGES {
+            let mut page = template.clone();
+            if !page["params"].is_object() {
+                page["params"] = json!({});
+            }
+            match cursor.take() {
+                Some(cursor) => page["params"]["cursor"] = cursor,
+                None => {
+                    if let Some(params) = page["params"].as_object_mut() {
+                        params.remove("cursor");
+                    }
+                }
+            }
+            let reply = self
+                .member_call(server, call, member, &page, None)
+                .await
+                .map_err(|e| e.message)?;
+            let reply = UpstreamReply {
+                status: reply.status,
+                headers: reply.headers,
+                body: reply.body,
+            };
+            let timeout = self.config.limits.upstream_request_timeout;
+            let answer = read_answer(reply, &member.upstream, MAX_ANSWER_BYTES, timeout).await?;
+            let Some(result) = answer.get("result") else {
+                return Err(format!("it answered {}: {answer}", kind.list_method()));
+            };
+            if let Some(items) = result.get(kind.key()).and_then(Value::as_array) {
+                list.items.extend(items.iter().cloned());
+            }
+            list.ttl_ms = min_ttl(list.ttl_ms, result.get("ttlMs").and_then(Value::as_u64));
+            list.private |= result.get("cacheScope").and_then(Value::as_str) == Some("private");
+            match result.get("nextCursor") {
+                Some(next) if !next.is_null() => cursor = Some(next.clone()),
+                _ => return Ok(list),
+            }
+        }
+        Err(format!(
+            "its {} did not end within {MAX_LIST_PAGES} pages",
+            kind.list_method()
+        ))
+    }
+
+    /// `tools/call` or `prompts/get`: sent to the member that owns the exposed name,
+    /// under the member's own name; its answer (JSON, or a stream) relayed as it came.
+    async fn call_owner(
+        self: &Arc<Self>,
+        server: &VirtualUpstream,
+        call: &Call,
+        kind: Kind,
+    ) -> Result<Reply, GatewayError> {
+        let id = call.id();
+        let mut message = call
+            .message
+            .as_ref()
+            .map_or(Value::Null, |m| m.json.clone());
+        let name = message["params"]
+            .get("name")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let Some((member, own)) = self.owner_of_modern(server, call, kind, &name).await else {
+            return Ok(rpc_error(
+                &id,
+                INVALID_PARAMS,
+                format!(
+                    "unknown {} {name:?} on virtual server {}",
+                    kind.singular(),
+                    server.name
+                ),
+            ));
+        };
+        message["params"]["name"] = Value::from(own.as_str());
+        self.member_call(server, call, member, &message, Some(&own))
+            .await
+    }
+
+    /// The member that owns the exposed `name` and its own name for it. By prefix
+    /// where the rule leaves one candidate; else from a merged list; a name no list
+    /// has goes to a member left out of it that could own it, whose call then tells
+    /// why it is missing.
+    async fn owner_of_modern<'s>(
+        self: &Arc<Self>,
+        server: &'s VirtualUpstream,
+        call: &Call,
+        kind: Kind,
+        name: &str,
+    ) -> Option<(&'s MemberConfig, String)> {
+        let members = &server.server.members;
+        let separator = &server.server.separator;
+        if server.server.prefix == PrefixRule::Always {
+            let mut candidates = members.iter().filter_map(|member| {
+                let own = name.strip_prefix(&format!("{}{separator}", member.prefix))?;
+                names::passes(kind.filter(member), own).then(|| (member, own.to_owned()))
+            });
+            let first = candidates.next();
+            if candidates.next().is_none() {
+                return first;
+            }
+        }
+        let merged = self.merged_modern_list(server, call, kind).await;
+        if let Some(owner) = merged.owners.get(name) {
+            return Some((&members[owner.member], owner.own.clone()));
+        }
+        merged.unlisted.iter().find_map(|&at| {
+            let member = &members[at];
+            let prefixed = format!("{}{separator}", member.prefix);
+            let own = match (name.strip_prefix(&prefixed), server.server.prefix) {
+                (Some(own), PrefixRule::Always | PrefixRule::Conflicts) => own,
+                (_, PrefixRule::Conflicts | PrefixRule::Never) => name,
+                (None, PrefixRule::Always) => return None,
+            };
+            names::passes(kind.filter(member), own).then(|| (member, own.to_owned()))
+        })
+    }
+
+    /// `message` as a request of the member's own route, dispatched as that route's
+    /// request would be (straight upstream, or in the principal's shared session of
+    /// that route, wherever it lives). `name`: the member's own name of a tool or
+    /// prompt, for the `Mcp-Name` header. A refusal names the member.
+    fn member_call<'a>(
+        self: &'a Arc<Self>,
+        server: &'a VirtualUpstream,
+        call: &'a Call,
+        member: &'a MemberConfig,
+        message: &'a Value,
+        name: Option<&'a str>,
+    ) -> Dispatched<'a> {
+        // Boxed as a `Send` future by its type: the dispatch it runs may come back here.
+        Box::pin(async move {
+            let route = &self.config.upstreams[member.index];
+            if route.legacy_only
+                && self.config.auth.mode_of(&server.name) != self.config.auth.mode_of(&route.name)
+            {
+                return Err(modes_differ(&route.name, &server.name).with_id(call.id()));
+            }
+            let mut headers = call.headers.clone();
+            let method = message.get("method").and_then(Value::as_str).unwrap_or("");
+            if let Ok(method) = HeaderValue::from_str(method) {
+                headers.insert(mcp::HEADER_METHOD, method);
+            }
+            match name.map(name_header) {
+                Some(value) => headers.insert(mcp::HEADER_NAME, value),
+                None => headers.remove(mcp::HEADER_NAME),
+            };
+            let mut auth = call.auth.clone();
+            auth.route = route.name.clone();
+            let path = format!("/servers/{}/mcp", route.name);
+            let body = Bytes::from(message.to_string());
+            let result = match request::parse_call(
+                member.index,
+                Era::Modern,
+                Method::POST,
+                &path,
+                &headers,
+                body,
+                auth,
+            ) {
+                Ok(mut member_call) => {
+                    member_call.client = call.client;
+                    self.dispatch(member_call).await
+                }
+                Err(e) => Err(e),
+            };
+            result.map_err(|error| of_member(error, &route.name, &server.name))
+        })
+    }
+}
+
+/// A stateful member whose route authenticates in another mode than the virtual
+/// server: its shared session belongs to a principal of the member's own route.
+fn modes_differ(member: &str, server: &str) -> GatewayError {
+    GatewayError::gateway(
+        StatusCode::NOT_IMPLEMENTED,
+        Reason::VirtualServerProtocol,
+        format!(
+            "member {member} of virtual server {server} keeps state in sessions and its route \
+             authenticates in another mode than the virtual server, so 2026-07-28 clients \
+             cannot reach it here: use a 2025-* protocol version, or give both routes one \
+             auth mode"
+        ),
+    )
+    .with_data(json!({ "member": member, "retryable": false }))
+}
+
+/// A member's refusal, said to be the member's: its name in the message and `data`.
+fn of_member(mut error: GatewayError, member: &str, server: &str) -> GatewayError {
+    error.message = format!(
+        "member {member} of virtual server {server}: {}",
+        error.message
+    );
+    let data = error.data.get_or_insert_with(|| Box::new(json!({})));
+    if let Some(fields) = data.as_object_mut() {
+        fields.insert("member".into(), Value::from(member));
+    }
+    error
+}
+
+/// The smaller of two optional `ttlMs`; a member that gives none does not bind.
+fn min_ttl(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// An `Mcp-Name` value: the name itself, or `=?base64?…?=` when it is no visible
+/// ASCII (the form `mcp::decode_header_value` reads).
+fn name_header(name: &str) -> HeaderValue {
+    let visible = !name.is_empty() && name.bytes().all(|b| (0x21..0x7f).contains(&b));
+    match visible.then(|| HeaderValue::from_str(name).ok()).flatten() {
+        Some(value) => value,
+        None => {
+            let encoded = format!("=?base64?{}?=", base64_encode(name.as_bytes()));
+            HeaderValue::from_str(&encoded).unwrap_or(HeaderValue::from_static(""))
+        }
+    }
+}
+
+/// Standard base64 with padding; small enough not to warrant a dependency.
+fn base64_encode(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &b)| n | (u32::from(b) << (16 - 8 * i)));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(char::from(ALPHABET[(n >> (18 - 6 * i)) as usize & 63]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// `server/discover` of a virtual server: what it serves, in the 2026-07-28 version.
+fn discover(id: &Value, server: &str) -> Reply {
+    let result = json!({
+        "supportedVersions": mcp::MODERN_VERSIONS,
+        "capabilities": { "tools": {}, "prompts": {} },
+        "serverInfo": { "name": server, "version": env!("CARGO_PKG_VERSION") },
+        "resultType": "complete",
+        "ttlMs": 0,
+        "cacheScope": "private",
+    });
+    let body = json!({ "jsonrpc": "2.0", "id": id, "result": result });
+    Reply::json(StatusCode::OK, Bytes::from(body.to_string()))
+}
+
+fn rpc_error(id: &Value, code: i64, message: String) -> Reply {
+    let body = json!({ "jsonrpc": "2.0", "id": id, "error": { "code": code, "message": message } });
+    Reply::json(StatusCode::OK, Bytes::from(body.to_string()))
+}
+
+/// The answer to a notification or response: taken, nothing to say.
+fn accepted() -> Reply {
+    Reply {
+        status: StatusCode::ACCEPTED,
+        headers: http::HeaderMap::new(),
+        body: crate::body::full(Bytes::new()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_smallest_ttl_binds_and_a_member_without_one_does_not() {
+        assert_eq!(min_ttl(None, None), None);
+        assert_eq!(min_ttl(Some(5000), None), Some(5000));
+        assert_eq!(min_ttl(None, Some(0)), Some(0));
+        assert_eq!(min_ttl(Some(5000), Some(300)), Some(300));
+    }
+
+    #[test]
+    fn names_that_are_no_visible_ascii_travel_base64_encoded() {
+        assert_eq!(name_header("echo"), "echo");
+        assert_eq!(name_header("héllo"), "=?base64?aMOpbGxv?=");
+        let encoded = name_header("a b");
+        assert_eq!(
+            mcp::decode_header_value(encoded.as_bytes()).as_deref(),
+            Some("a b")
+        );
+        assert_eq!(base64_encode(b"echo"), "ZWNobw==");
+        assert_eq!(base64_encode(b"ab"), "YWI=");
+        assert_eq!(base64_encode(b"abc"), "YWJj");
+    }
+
+    #[test]
+    fn a_member_refusal_names_the_member_once() {
+        let error = GatewayError::gateway(StatusCode::NOT_FOUND, Reason::SessionGone, "gone");
+        let error = of_member(error, "st", "all");
+        assert_eq!(error.message, "member st of virtual server all: gone");
+        let data = error.data.as_deref().cloned().unwrap_or_default();
+        assert_eq!(data["member"], "st");
+        assert_eq!(data["reason"], "session_gone");
+    }
+}
