@@ -515,7 +515,7 @@ resources = {{ exclude = ["*/hidden"] }}
 
 [[server.member]]
 upstream = "beta"
-resources = {{ include = ["mem://beta/*", "shared://*"], exclude = ["mem://beta/hidden"] }}
+resources = {{ include = ["mem://beta/*", "shared://*"], exclude = ["*/hidden", "*/secret"] }}
 
 [[server.member]]
 upstream = "demo"
@@ -639,7 +639,13 @@ fn unknown_or_filtered_uris_are_refused_and_a_lost_members_resources_leave() {
     let gateway = start(&config);
     let addr = gateway.addr.clone();
     let session = initialize(&addr, ALL);
-    for (id, uri) in [(1, "mem://gamma/x"), (2, "mem://alpha/hidden")] {
+    // Not listed by anyone; kept out of alpha's list by its filter; matched by beta's
+    // template but kept out by beta's filter.
+    for (id, uri) in [
+        (1, "mem://gamma/x"),
+        (2, "mem://alpha/hidden"),
+        (10, "mem://beta/notes/secret"),
+    ] {
         let response = rpc(&addr, &session, id, "resources/read", json!({"uri": uri}));
         let error = answer_of(&response, "error");
         assert_eq!(error["code"], -32602, "{error}");
