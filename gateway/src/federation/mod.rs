@@ -749,7 +749,10 @@ impl Worker {
 /// A list method's `cursor`: refused, since every merged list is returned whole.
 fn refuse_cursor(link: &FederatedLink, id: &Value, message: &Value) -> Option<UpstreamReply> {
     let method = message.get("method").and_then(Value::as_str)?;
-    let listing = method.ends_with("/list") && method != "roots/list";
+    let listing = matches!(
+        method,
+        "tools/list" | "prompts/list" | "resources/list" | "resources/templates/list"
+    );
     let cursor = message["params"]
         .get("cursor")
         .is_some_and(|c| !c.is_null());
