@@ -7,13 +7,20 @@ usage: federation_client.py URL SCENARIO
              (demo__echo, time__get_current_time, st__pid); counters of the demo and
              stdio members in two sessions; a call of an excluded tool
     open     initialize only: the server's name, its instructions and tool list
+    resources  the announced capabilities, the merged resource and template lists,
+             reads of listed and template-matched URIs, completions of a prompt
+             argument and a template variable, subscribe (and the updated
+             notification, on the GET stream: the member sends it when the client
+             says its roots changed), unsubscribe, each member's subscriptions
 """
 
 import asyncio
 import json
 import sys
+import warnings
 
 import mcp
+import mcp_types as types
 
 
 def text_of(result):
@@ -73,7 +80,54 @@ async def opened(url):
         }
 
 
-SCENARIOS = {"merged": merged, "open": opened}
+def read_text(result):
+    return "".join(getattr(c, "text", "") for c in result.contents)
+
+
+async def resources(url):
+    updates = asyncio.Queue()
+
+    async def on_message(message):
+        if isinstance(message, types.ResourceUpdatedNotification):
+            await updates.put(message.params.uri)
+
+    async with mcp.Client(url, mode="legacy", message_handler=on_message) as client:
+        capabilities = client.server_capabilities
+        listed = await client.list_resources()
+        templates = await client.list_resource_templates()
+        reads = {}
+        for uri in ["mem://alpha/readme", "shared://common", "mem://beta/notes/n1", "shared://any/x",
+                    "demo://session/state"]:
+            reads[uri] = read_text(await client.read_resource(uri, cache_mode="refresh"))
+        prompt = await client.complete(types.PromptReference(name="beta__greet"), {"name": "who", "value": "al"})
+        template = await client.complete(
+            types.ResourceTemplateReference(uri="mem://alpha/notes/{note}"), {"name": "note", "value": "n"})
+        await client.subscribe_resource("mem://beta/readme")
+        subscribed = {
+            member: text_of(await client.call_tool(f"{member}__subscriptions", {}))
+            for member in ("alpha", "beta")
+        }
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            await client.send_roots_list_changed()
+        updated = await asyncio.wait_for(updates.get(), 120)
+        await client.unsubscribe_resource("mem://beta/readme")
+        after = text_of(await client.call_tool("beta__subscriptions", {}))
+        return {
+            "capabilities": capabilities.model_dump(by_alias=True, exclude_none=True),
+            "resources": [r.uri for r in listed.resources],
+            "resources_meta": (listed.meta or {}).get("mcpgw/federation"),
+            "templates": [t.uri_template for t in templates.resource_templates],
+            "reads": reads,
+            "prompt_completion": prompt.completion.values,
+            "template_completion": template.completion.values,
+            "subscribed": subscribed,
+            "updated": updated,
+            "after_unsubscribe": after,
+        }
+
+
+SCENARIOS = {"merged": merged, "open": opened, "resources": resources}
 
 if __name__ == "__main__":
     url, scenario = sys.argv[1], sys.argv[2]

@@ -487,3 +487,250 @@ prefix = "x"
         "the refusal names both members: {stderr}"
     );
 }
+
+/// `[[upstream]]` tables of two SDK-built resource servers over stdio (`alpha`,
+/// `beta`: the same resources under their own names, plus `shared://` ones both list)
+/// and the demo upstream, and the virtual server `all` of them with resource filters.
+fn resource_servers(demo_url: &str) -> String {
+    let server = |name: &str| {
+        format!(
+            "[{}, {}, {}]",
+            quoted(&python().display().to_string()),
+            quoted(&python_script("resource_server.py").display().to_string()),
+            quoted(name)
+        )
+    };
+    format!(
+        r#"
+[[upstream]]
+name = "alpha"
+command = {alpha}
+
+[[upstream]]
+name = "beta"
+command = {beta}
+
+[[upstream]]
+name = "demo"
+url = {demo}
+
+[[server]]
+name = "all"
+
+[[server.member]]
+upstream = "alpha"
+resources = {{ exclude = ["*/hidden"] }}
+
+[[server.member]]
+upstream = "beta"
+resources = {{ include = ["mem://beta/*", "shared://*"], exclude = ["*/hidden", "*/secret"] }}
+
+[[server.member]]
+upstream = "demo"
+tools = {{ include = ["echo"] }}
+"#,
+        alpha = server("alpha"),
+        beta = server("beta"),
+        demo = quoted(demo_url),
+    )
+}
+
+/// One JSON-RPC request in `session` on `ALL`, answered whole.
+fn rpc(addr: &str, session: &str, id: u64, method: &str, params: Value) -> http::Response {
+    let response = http::request(
+        addr,
+        "POST",
+        ALL,
+        &mcp_headers(Some(session)),
+        &rpc_body(id, method, params),
+    );
+    assert_eq!(response.status, 200, "{method}: {}", response.text());
+    response
+}
+
+/// The result (or the error) of a JSON-RPC answer.
+fn answer_of(response: &http::Response, key: &str) -> Value {
+    response
+        .messages()
+        .into_iter()
+        .find_map(|m| m.get(key).cloned())
+        .unwrap_or_else(|| panic!("no {key} in {}", response.text()))
+}
+
+/// The URIs (or templates: `field`) of a resource list answer under `list`.
+fn identities(response: &http::Response, list: &str, field: &str) -> Vec<String> {
+    answer_of(response, "result")[list]
+        .as_array()
+        .unwrap_or_else(|| panic!("no {list}: {}", response.text()))
+        .iter()
+        .map(|item| item[field].as_str().expect("an identity").to_owned())
+        .collect()
+}
+
+#[test]
+fn the_sdk_client_reads_subscribes_and_completes_across_members() {
+    let demo = Upstream::start();
+    let config = config_file("resources", &resource_servers(&demo.url));
+    let gateway = start(&config);
+    let url = format!("http://{}{ALL}", gateway.addr);
+    let out = run_python("federation_client.py", &[&url, "resources"]);
+    let capabilities = &out["capabilities"];
+    assert_eq!(
+        capabilities["resources"],
+        json!({"listChanged": true, "subscribe": true}),
+        "{capabilities}"
+    );
+    assert!(capabilities.get("completions").is_some(), "{capabilities}");
+    assert_eq!(
+        out["resources"],
+        json!([
+            "mem://alpha/readme",
+            "shared://common",
+            "mem://beta/readme",
+            "demo://session/state"
+        ]),
+        "each member's resources, unrenamed, filtered; a URI two members list is the \
+         earlier one's"
+    );
+    assert_eq!(
+        out["resources_meta"]["hidden"],
+        json!([{"uri": "shared://common", "member": "beta", "kept_by": "alpha"}]),
+        "the URI left out is named: {out}"
+    );
+    assert_eq!(
+        out["templates"],
+        json!([
+            "mem://alpha/notes/{note}",
+            "shared://any/{thing}",
+            "mem://beta/notes/{note}"
+        ])
+    );
+    let reads = &out["reads"];
+    assert_eq!(reads["mem://alpha/readme"], "readme of alpha");
+    assert_eq!(reads["shared://common"], "common of alpha");
+    assert_eq!(
+        reads["mem://beta/notes/n1"], "note n1 of beta",
+        "a template-matched URI reaches the template's member"
+    );
+    assert_eq!(reads["shared://any/x"], "any x of alpha");
+    assert!(
+        reads["demo://session/state"]
+            .as_str()
+            .is_some_and(|s| s.contains("counter")),
+        "the HTTP member's resource: {reads}"
+    );
+    assert_eq!(
+        out["prompt_completion"],
+        json!(["beta-al-prompt"]),
+        "completion of beta__greet reached beta under its own name"
+    );
+    assert_eq!(
+        out["template_completion"],
+        json!(["alpha-n-for-mem://alpha/notes/{note}"])
+    );
+    assert_eq!(
+        out["subscribed"],
+        json!({"alpha": "[]", "beta": "[\"mem://beta/readme\"]"}),
+        "the subscription reached the member that lists the URI, and only it"
+    );
+    assert_eq!(
+        out["updated"], "mem://beta/readme",
+        "the member's notification reached the client"
+    );
+    assert_eq!(out["after_unsubscribe"], "[]", "unsubscribe reached it too");
+}
+
+#[test]
+fn unknown_or_filtered_uris_are_refused_and_a_lost_members_resources_leave() {
+    let demo = Upstream::start();
+    let config = config_file("resources-lost", &resource_servers(&demo.url));
+    let gateway = start(&config);
+    let addr = gateway.addr.clone();
+    let session = initialize(&addr, ALL);
+    // Not listed by anyone; kept out of alpha's list by its filter; matched by beta's
+    // template but kept out by beta's filter.
+    for (id, uri) in [
+        (1, "mem://gamma/x"),
+        (2, "mem://alpha/hidden"),
+        (10, "mem://beta/notes/secret"),
+    ] {
+        let response = rpc(&addr, &session, id, "resources/read", json!({"uri": uri}));
+        let error = answer_of(&response, "error");
+        assert_eq!(error["code"], -32602, "{error}");
+        let message = error["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains(uri) && message.contains("resources/templates/list"),
+            "names the URI and what to do: {message}"
+        );
+    }
+    let read = |id: u64, uri: &str| rpc(&addr, &session, id, "resources/read", json!({"uri": uri}));
+    let text = answer_of(&read(3, "mem://beta/notes/z"), "result")["contents"][0]["text"].clone();
+    assert_eq!(text, "note z of beta");
+    let pid: u32 = call_text(&addr, &session, 4, "beta__pid")
+        .parse()
+        .expect("a pid");
+
+    send(pid, Signal::SIGKILL);
+
+    for (id, uri) in [(5, "mem://beta/readme"), (6, "mem://beta/notes/z")] {
+        let lost = eventually(Duration::from_secs(60), || {
+            let response = read(id, uri);
+            match response.reason().as_deref() {
+                Some("member_lost") => Ok(response),
+                _ => Err(response.text()),
+            }
+        });
+        assert_eq!(
+            lost.error().expect("an error")["data"]["member"],
+            "beta",
+            "{uri}"
+        );
+    }
+    let listed = rpc(&addr, &session, 7, "resources/list", json!({}));
+    assert_eq!(
+        identities(&listed, "resources", "uri"),
+        [
+            "mem://alpha/readme",
+            "shared://common",
+            "demo://session/state"
+        ],
+        "the lost member's resources leave the list"
+    );
+    let missing = &answer_of(&listed, "result")["_meta"]["mcpgw/federation"]["missing"];
+    assert_eq!(missing[0]["member"], "beta", "{missing}");
+    let templates = rpc(&addr, &session, 8, "resources/templates/list", json!({}));
+    assert_eq!(
+        identities(&templates, "resourceTemplates", "uriTemplate"),
+        ["mem://alpha/notes/{note}", "shared://any/{thing}"]
+    );
+    assert_eq!(
+        answer_of(&read(9, "mem://alpha/notes/y"), "result")["contents"][0]["text"],
+        "note y of alpha",
+        "the other members go on"
+    );
+    let (seen, heard) = std::sync::mpsc::channel();
+    {
+        let (addr, session) = (addr.clone(), session.clone());
+        std::thread::spawn(move || {
+            let headers = [
+                ("Accept", "text/event-stream"),
+                ("MCP-Protocol-Version", "2025-11-25"),
+                ("Mcp-Session-Id", session.as_str()),
+            ];
+            let stream = read_stream(&addr, "GET", ALL, &headers, b"", Until::Events(3));
+            let _ = seen.send(stream);
+        });
+    }
+    let stream = heard
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the GET stream heard the loss");
+    let methods: Vec<&str> = stream
+        .events
+        .iter()
+        .filter_map(|e| e.data["method"].as_str())
+        .collect();
+    assert!(
+        methods.contains(&"notifications/resources/list_changed"),
+        "{methods:?}"
+    );
+}

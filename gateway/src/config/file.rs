@@ -72,6 +72,8 @@ struct FileMember {
     tools: NameFilter,
     #[serde(default)]
     prompts: NameFilter,
+    #[serde(default)]
+    resources: NameFilter,
     required: Option<bool>,
 }
 
@@ -149,6 +151,7 @@ impl FileServer {
                 prefix,
                 tools: member.tools,
                 prompts: member.prompts,
+                resources: member.resources,
                 required: member.required.unwrap_or(true),
             });
         }

@@ -166,6 +166,9 @@ pub struct MemberConfig {
     pub prefix: String,
     pub tools: NameFilter,
     pub prompts: NameFilter,
+    /// Matched against resource URIs and resource templates as written (never
+    /// renamed): what of the member's resources the server lists and reaches.
+    pub resources: NameFilter,
     /// Initialize fails without this member (else the session opens without it).
     pub required: bool,
 }

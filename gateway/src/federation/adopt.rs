@@ -142,6 +142,7 @@ impl Worker {
             get_stream: streams.new_get(&self.id),
             ending: Arc::new(AtomicBool::new(false)),
             catalog: Mutex::default(),
+            resources: Mutex::default(),
         };
         for (at, why) in &lost {
             link.mark_lost(&link.members[*at], why);

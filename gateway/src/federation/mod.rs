@@ -21,6 +21,8 @@ mod adopt;
 mod modern;
 mod names;
 mod open;
+mod resources;
+mod uris;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -44,6 +46,7 @@ use crate::reason::Reason;
 use crate::reply::Reply;
 use crate::worker::Worker;
 use names::{Exposure, Listed, Owner};
+use uris::ResourceCatalog;
 
 /// JSON-RPC "invalid params": an unknown tool or prompt name, a cursor never issued.
 const INVALID_PARAMS: i64 = -32602;
@@ -60,20 +63,35 @@ enum Kind {
     Prompts,
 }
 
+/// One list method of a member: how it is asked for and read.
+#[derive(Debug, Clone, Copy)]
+struct ListOf {
+    method: &'static str,
+    /// The key of the list in the result.
+    key: &'static str,
+    /// The capability a member announces it with.
+    capability: &'static str,
+}
+
 impl Kind {
-    fn list_method(self) -> &'static str {
+    fn listing(self) -> ListOf {
         match self {
-            Kind::Tools => "tools/list",
-            Kind::Prompts => "prompts/list",
+            Kind::Tools => ListOf {
+                method: "tools/list",
+                key: "tools",
+                capability: "tools",
+            },
+            Kind::Prompts => ListOf {
+                method: "prompts/list",
+                key: "prompts",
+                capability: "prompts",
+            },
         }
     }
 
     /// The key of the list in a list result, and the capability that announces it.
     fn key(self) -> &'static str {
-        match self {
-            Kind::Tools => "tools",
-            Kind::Prompts => "prompts",
-        }
+        self.listing().key
     }
 
     fn filter(self, member: &MemberConfig) -> &NameFilter {
@@ -109,6 +127,8 @@ pub struct FederatedLink {
     /// Exposed name → owning member, per kind, from the last merged list; names of
     /// members lost since stay, so their calls are told the loss, not "unknown".
     catalog: Mutex<HashMap<Kind, HashMap<String, Owner>>>,
+    /// The URIs and templates of the last merged resource lists, kept the same way.
+    resources: Mutex<ResourceCatalog>,
 }
 
 /// One member's upstream session inside a federated session.
@@ -138,8 +158,8 @@ impl Member {
         self.health.lost.lock().clone()
     }
 
-    fn has(&self, kind: Kind) -> bool {
-        self.capabilities.get(kind.key()).is_some()
+    fn has(&self, capability: &str) -> bool {
+        self.capabilities.get(capability).is_some()
     }
 
     /// One exchange with the member in its session. A member without a link answers
@@ -265,29 +285,11 @@ impl FederatedLink {
     /// by the server's rule; the catalog is renewed from it. Returns the list and the
     /// members missing from it with why.
     async fn merged_list(&self, worker: &Worker, kind: Kind) -> (Vec<Value>, Vec<Value>) {
-        let listings = futures_util::future::join_all(self.members.iter().map(|member| async {
-            if let Some(why) = member.lost() {
-                return Err(format!("its upstream session was lost ({why})"));
-            }
-            if !member.has(kind) {
-                return Ok(Vec::new());
-            }
-            self.list_member(worker, member, kind).await
-        }))
-        .await;
-        let mut missing = Vec::new();
-        let mut unlisted = vec![false; listings.len()];
-        let mut items: Vec<Vec<Value>> = Vec::with_capacity(listings.len());
-        for (at, (member, listing)) in self.members.iter().zip(listings).enumerate() {
-            match listing {
-                Ok(list) => items.push(list),
-                Err(why) => {
-                    missing.push(json!({ "member": member.name(), "why": why }));
-                    unlisted[at] = true;
-                    items.push(Vec::new());
-                }
-            }
-        }
+        let Gathered {
+            items,
+            missing,
+            unlisted,
+        } = self.gather(worker, kind.listing()).await;
         let listed: Vec<Listed<'_>> = self
             .members
             .iter()
@@ -338,19 +340,52 @@ impl FederatedLink {
         (merged, missing)
     }
 
-    /// One member's whole list of `kind`, following its `nextCursor` to the end.
+    /// Every member's whole list of `of`, at once: the items per member (none for a
+    /// member that could not list), and which members are missing with why.
+    async fn gather(&self, worker: &Worker, of: ListOf) -> Gathered {
+        let listings = futures_util::future::join_all(self.members.iter().map(|member| async {
+            if let Some(why) = member.lost() {
+                return Err(format!("its upstream session was lost ({why})"));
+            }
+            if !member.has(of.capability) {
+                return Ok(Vec::new());
+            }
+            self.list_member(worker, member, of).await
+        }))
+        .await;
+        let mut gathered = Gathered {
+            items: Vec::with_capacity(listings.len()),
+            missing: Vec::new(),
+            unlisted: vec![false; listings.len()],
+        };
+        for (at, (member, listing)) in self.members.iter().zip(listings).enumerate() {
+            match listing {
+                Ok(list) => gathered.items.push(list),
+                Err(why) => {
+                    gathered
+                        .missing
+                        .push(json!({ "member": member.name(), "why": why }));
+                    gathered.unlisted[at] = true;
+                    gathered.items.push(Vec::new());
+                }
+            }
+        }
+        gathered
+    }
+
+    /// One member's whole list of `of`, following its `nextCursor` to the end.
     async fn list_member(
         &self,
         worker: &Worker,
         member: &Member,
-        kind: Kind,
+        of: ListOf,
     ) -> Result<Vec<Value>, String> {
         let mut items = Vec::new();
         let mut cursor: Option<Value> = None;
         for page in 0..MAX_LIST_PAGES {
             let mut request = json!({
                 "jsonrpc": "2.0", "id": format!("mcpgw-list-{page}"),
-                "method": kind.list_method(), "params": {},
+                "method": of.method, "params": {},
             });
             if let Some(cursor) = cursor.take() {
                 request["params"]["cursor"] = cursor;
@@ -360,8 +395,8 @@ impl FederatedLink {
                 .await?;
             let result = answer
                 .get("result")
-                .ok_or_else(|| format!("it answered {}: {answer}", kind.list_method()))?;
-            if let Some(list) = result.get(kind.key()).and_then(Value::as_array) {
+                .ok_or_else(|| format!("it answered {}: {answer}", of.method))?;
+            if let Some(list) = result.get(of.key).and_then(Value::as_array) {
                 items.extend(list.iter().cloned());
             }
             match result.get("nextCursor") {
@@ -371,7 +406,7 @@ impl FederatedLink {
         }
         Err(format!(
             "its {} did not end within {MAX_LIST_PAGES} pages",
-            kind.list_method()
+            of.method
         ))
     }
 
@@ -441,6 +476,16 @@ impl FederatedLink {
     }
 }
 
+/// Every member's list of one method, in the session's member order.
+struct Gathered {
+    /// Each member's items (empty for a member in `missing`).
+    items: Vec<Vec<Value>>,
+    /// `{member, why}` of each member that could not list.
+    missing: Vec<Value>,
+    /// Per member: it is in `missing`.
+    unlisted: Vec<bool>,
+}
+
 /// Why a member did not answer.
 enum MemberFailure {
     /// Its session is gone; the request never ran there.
@@ -460,7 +505,7 @@ fn mark_lost(server: &str, member: &str, health: &MemberHealth, get_stream: &Str
         *lost = Some(why.to_owned());
     }
     warn!(server = %server, member = %member, "member of a virtual server's session lost: {why}; its names leave the lists, it is not reopened");
-    for kind in ["tools", "prompts"] {
+    for kind in ["tools", "prompts", "resources"] {
         get_stream.push_message(
             json!({"jsonrpc": "2.0", "method": format!("notifications/{kind}/list_changed")})
                 .to_string()
@@ -541,34 +586,13 @@ impl Worker {
         let (Some(id), Some(method)) = (id, method) else {
             return Ok(self.pass_to_members(link, &headers, body).await);
         };
+        if let Some(refused) = refuse_cursor(link, &id, &message) {
+            return Ok(refused);
+        }
         Ok(match method {
             "ping" => result(&id, json!({})),
-            "tools/list" | "prompts/list" => {
-                let kind = if method == "tools/list" {
-                    Kind::Tools
-                } else {
-                    Kind::Prompts
-                };
-                if message["params"]
-                    .get("cursor")
-                    .is_some_and(|c| !c.is_null())
-                {
-                    return Ok(error(
-                        &id,
-                        INVALID_PARAMS,
-                        format!(
-                            "virtual server {} returns its whole list in one page and issued no cursor",
-                            link.server
-                        ),
-                    ));
-                }
-                let (list, missing) = link.merged_list(self, kind).await;
-                let mut listed = json!({ kind.key(): list });
-                if !missing.is_empty() {
-                    listed["_meta"] = json!({ "mcpgw/federation": { "missing": missing } });
-                }
-                result(&id, listed)
-            }
+            "tools/list" => list_names(self, link, Kind::Tools, &id).await,
+            "prompts/list" => list_names(self, link, Kind::Prompts, &id).await,
             "tools/call" => {
                 self.call_member(link, Kind::Tools, &id, message, headers)
                     .await
@@ -577,6 +601,18 @@ impl Worker {
                 self.call_member(link, Kind::Prompts, &id, message, headers)
                     .await
             }
+            "resources/list" => {
+                self.list_resources(link, resources::ResourceList::Resources, &id)
+                    .await
+            }
+            "resources/templates/list" => {
+                self.list_resources(link, resources::ResourceList::Templates, &id)
+                    .await
+            }
+            "resources/read" | "resources/subscribe" | "resources/unsubscribe" => {
+                self.resource_request(link, &id, message, headers).await
+            }
+            "completion/complete" => self.complete(link, &id, message, headers).await,
             "logging/setLevel" => {
                 self.pass_to_members(link, &headers, body).await;
                 result(&id, json!({}))
@@ -585,7 +621,8 @@ impl Worker {
                 &id,
                 mcp::code::METHOD_NOT_FOUND,
                 format!(
-                    "{other} is not served by virtual server {} (it serves tools, prompts, ping and logging/setLevel)",
+                    "{other} is not served by virtual server {} (it serves tools, prompts, \
+                     resources, resource templates, completion, ping and logging/setLevel)",
                     link.server
                 ),
             ),
@@ -618,11 +655,24 @@ impl Worker {
                 ),
             );
         };
-        let member = &link.members[owner.member];
+        message["params"]["name"] = Value::from(owner.own);
+        self.relay(link, owner.member, id, message, headers).await
+    }
+
+    /// A client request for the member at `at`, its answer (JSON, or a stream with
+    /// progress) relayed as it came; a lost member's loss told instead.
+    async fn relay(
+        &self,
+        link: &FederatedLink,
+        at: usize,
+        id: &Value,
+        message: Value,
+        headers: HeaderMap,
+    ) -> UpstreamReply {
+        let member = &link.members[at];
         if let Some(why) = member.lost() {
             return from_gateway_error(&member_lost(link, member, &why, id));
         }
-        message["params"]["name"] = Value::from(owner.own);
         let reply = member
             .send(
                 self,
@@ -695,6 +745,43 @@ impl Worker {
             body: crate::body::full(Bytes::new()),
         }
     }
+}
+
+/// A list method's `cursor`: refused, since every merged list is returned whole.
+fn refuse_cursor(link: &FederatedLink, id: &Value, message: &Value) -> Option<UpstreamReply> {
+    let method = message.get("method").and_then(Value::as_str)?;
+    let listing = matches!(
+        method,
+        "tools/list" | "prompts/list" | "resources/list" | "resources/templates/list"
+    );
+    let cursor = message["params"]
+        .get("cursor")
+        .is_some_and(|c| !c.is_null());
+    (listing && cursor).then(|| {
+        error(
+            id,
+            INVALID_PARAMS,
+            format!(
+                "virtual server {} returns its whole list in one page and issued no cursor",
+                link.server
+            ),
+        )
+    })
+}
+
+/// `tools/list` or `prompts/list`: the merged list, with the members missing from it.
+async fn list_names(
+    worker: &Worker,
+    link: &FederatedLink,
+    kind: Kind,
+    id: &Value,
+) -> UpstreamReply {
+    let (list, missing) = link.merged_list(worker, kind).await;
+    let mut listed = json!({ kind.key(): list });
+    if !missing.is_empty() {
+        listed["_meta"] = json!({ "mcpgw/federation": { "missing": missing } });
+    }
+    result(id, listed)
 }
 
 /// A call for a lost member's name: 200 with a JSON-RPC error, since the client's

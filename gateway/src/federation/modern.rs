@@ -258,7 +258,7 @@ impl Worker {
             let timeout = self.config.limits.upstream_request_timeout;
             let answer = read_answer(reply, &member.upstream, MAX_ANSWER_BYTES, timeout).await?;
             let Some(result) = answer.get("result") else {
-                return Err(format!("it answered {}: {answer}", kind.list_method()));
+                return Err(format!("it answered {}: {answer}", kind.listing().method));
             };
             if let Some(items) = result.get(kind.key()).and_then(Value::as_array) {
                 list.items.extend(items.iter().cloned());
@@ -272,7 +272,7 @@ impl Worker {
         }
         Err(format!(
             "its {} did not end within {MAX_LIST_PAGES} pages",
-            kind.list_method()
+            kind.listing().method
         ))
     }
 

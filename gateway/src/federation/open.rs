@@ -90,6 +90,7 @@ impl Worker {
             get_stream,
             ending,
             catalog: Mutex::default(),
+            resources: Mutex::default(),
         });
         if !refused.is_empty() {
             // The error answer is the truth for the client; whoever opened the link
@@ -257,9 +258,21 @@ impl Worker {
 fn initialize_result(link: &FederatedLink, version: &str) -> Value {
     let mut capabilities = json!({});
     for kind in [super::Kind::Tools, super::Kind::Prompts] {
-        if link.members.iter().any(|m| m.has(kind)) {
+        if link.members.iter().any(|m| m.has(kind.key())) {
             capabilities[kind.key()] = json!({ "listChanged": true });
         }
+    }
+    // listChanged always, as for tools: the gateway itself says the list changed when
+    // a member is lost. Subscriptions only where a member takes them.
+    if link.members.iter().any(|m| m.has("resources")) {
+        let subscribe = link
+            .members
+            .iter()
+            .any(|m| m.capabilities["resources"]["subscribe"] == json!(true));
+        capabilities["resources"] = json!({ "listChanged": true, "subscribe": subscribe });
+    }
+    if link.members.iter().any(|m| m.has("completions")) {
+        capabilities["completions"] = json!({});
     }
     if link
         .members
@@ -287,7 +300,7 @@ fn initialize_result(link: &FederatedLink, version: &str) -> Value {
             .collect();
         result["instructions"] = Value::from(format!(
             "This session of virtual server {} opened without its optional member(s) {}: \
-             their tools are not in it.",
+             their tools, prompts and resources are not in it.",
             link.server,
             missing.join(", ")
         ));

@@ -1,0 +1,310 @@
+//! Resources, resource templates, subscriptions and completion on a virtual server.
+//!
+//! URIs are identities: they are never renamed. `resources/list` and
+//! `resources/templates/list` merge every live member's list (each followed to its
+//! end) through the member's `resources` filter; a URI (or template) two members list
+//! is the earlier member's in the configuration, and the later one's is left out,
+//! named in `_meta["mcpgw/federation"].hidden` and the log. `resources/read`,
+//! `subscribe` and `unsubscribe` go to the member that listed the URI, else to the
+//! member whose template matches it (`uris.rs`); `completion/complete` goes to the
+//! member that owns the prompt (under its own name) or the resource template.
+
+use http::HeaderMap;
+use serde_json::{Value, json};
+use tracing::warn;
+
+use super::names::{self, Listed};
+use super::{FederatedLink, Gathered, INVALID_PARAMS, Kind, ListOf, error, result};
+use crate::config::PrefixRule;
+use crate::execute::upstream::UpstreamReply;
+use crate::worker::Worker;
+
+/// The two resource lists a virtual server merges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ResourceList {
+    Resources,
+    Templates,
+}
+
+impl ResourceList {
+    fn listing(self) -> ListOf {
+        match self {
+            ResourceList::Resources => ListOf {
+                method: "resources/list",
+                key: "resources",
+                capability: "resources",
+            },
+            ResourceList::Templates => ListOf {
+                method: "resources/templates/list",
+                key: "resourceTemplates",
+                capability: "resources",
+            },
+        }
+    }
+
+    /// The field of an item that names it.
+    fn identity(self) -> &'static str {
+        match self {
+            ResourceList::Resources => "uri",
+            ResourceList::Templates => "uriTemplate",
+        }
+    }
+}
+
+/// A merged resource list: the items, the members missing from it, and the items
+/// left out because an earlier member lists the same identity.
+struct MergedResources {
+    items: Vec<Value>,
+    missing: Vec<Value>,
+    hidden: Vec<Value>,
+}
+
+impl FederatedLink {
+    /// Every live member's `list`, merged without renaming; the resource catalog is
+    /// renewed from it (a member missing from it keeps its previous entries, so a
+    /// lost member's URIs are told the loss, not "unknown").
+    async fn merged_resources(&self, worker: &Worker, list: ResourceList) -> MergedResources {
+        let Gathered {
+            items,
+            missing,
+            unlisted,
+        } = self.gather(worker, list.listing()).await;
+        let listed: Vec<Listed<'_>> = self
+            .members
+            .iter()
+            .zip(&items)
+            .map(|(member, items)| Listed {
+                prefix: "",
+                filter: &member.config.resources,
+                names: items
+                    .iter()
+                    .filter_map(|item| item.get(list.identity())?.as_str().map(str::to_owned))
+                    .collect(),
+            })
+            .collect();
+        // Never renamed: the "never" rule keeps names as they are, the earlier member's.
+        let exposure = names::expose(PrefixRule::Never, "", &listed);
+        let mut hidden = Vec::with_capacity(exposure.hidden.len());
+        for (identity, loser, keeper) in &exposure.hidden {
+            let (loser, keeper) = (self.members[*loser].name(), self.members[*keeper].name());
+            warn!(server = %self.server, "{} {identity:?} of member {loser} is left out: member {keeper} (earlier in the configuration) lists it too", list.identity());
+            hidden.push(json!({ list.identity(): identity, "member": loser, "kept_by": keeper }));
+        }
+        let merged = exposure
+            .exposed
+            .iter()
+            .filter_map(|(identity, owner)| {
+                items[owner.member]
+                    .iter()
+                    .find(|item| {
+                        item.get(list.identity()).and_then(Value::as_str) == Some(identity)
+                    })
+                    .cloned()
+            })
+            .collect();
+        self.renew_resources(list, &exposure.exposed, &unlisted);
+        MergedResources {
+            items: merged,
+            missing,
+            hidden,
+        }
+    }
+
+    /// The catalog's `list` part from a new listing; the entries of members that did
+    /// not list (`unlisted`) stay as they were.
+    fn renew_resources(
+        &self,
+        list: ResourceList,
+        exposed: &[(String, names::Owner)],
+        unlisted: &[bool],
+    ) {
+        let mut catalog = self.resources.lock();
+        match list {
+            ResourceList::Resources => {
+                let mut uris: std::collections::HashMap<String, usize> = exposed
+                    .iter()
+                    .map(|(uri, owner)| (uri.clone(), owner.member))
+                    .collect();
+                for (uri, member) in catalog.uris.drain() {
+                    if unlisted[member] {
+                        uris.entry(uri).or_insert(member);
+                    }
+                }
+                catalog.uris = uris;
+            }
+            ResourceList::Templates => {
+                let previous = std::mem::take(&mut catalog.templates);
+                catalog.templates = (0..self.members.len())
+                    .flat_map(|member| {
+                        let kept: Vec<(String, usize)> = if unlisted[member] {
+                            previous
+                                .iter()
+                                .filter(|(_, m)| *m == member)
+                                .cloned()
+                                .collect()
+                        } else {
+                            exposed
+                                .iter()
+                                .filter(|(_, owner)| owner.member == member)
+                                .map(|(template, _)| (template.clone(), member))
+                                .collect()
+                        };
+                        kept
+                    })
+                    .collect();
+            }
+        }
+    }
+
+    /// The member (its position) that serves `uri`: by the catalog, refreshed once by
+    /// both lists when it does not know the URI. `as_template`: `uri` may also name a
+    /// listed template exactly (a completion's `ref/resource`).
+    async fn resource_owner(&self, worker: &Worker, uri: &str, as_template: bool) -> Option<usize> {
+        let known = |link: &FederatedLink| {
+            let catalog = link.resources.lock();
+            as_template
+                .then(|| catalog.template_owner(uri))
+                .flatten()
+                .or_else(|| {
+                    catalog.route(uri, |member, uri| {
+                        names::passes(&link.members[member].config.resources, uri)
+                    })
+                })
+        };
+        if let Some(member) = known(self) {
+            return Some(member);
+        }
+        futures_util::future::join(
+            self.merged_resources(worker, ResourceList::Resources),
+            self.merged_resources(worker, ResourceList::Templates),
+        )
+        .await;
+        known(self)
+    }
+
+    /// -32602 for a URI no member serves, saying what to do.
+    fn unknown_uri(&self, id: &Value, uri: &str) -> UpstreamReply {
+        let lost: Vec<&str> = self
+            .members
+            .iter()
+            .filter(|m| m.lost().is_some())
+            .map(|m| m.name())
+            .collect();
+        let lost = if lost.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " (lost member(s) {} cannot be asked: if it was theirs, their state is lost)",
+                lost.join(", ")
+            )
+        };
+        error(
+            id,
+            INVALID_PARAMS,
+            format!(
+                "unknown resource {uri:?} on virtual server {}: no member listed it and no \
+                 member's resource template matches it (templates match at RFC 6570 level 1: \
+                 {{var}} is one run without '/', '?' or '#'); see resources/list and \
+                 resources/templates/list for what it serves{lost}",
+                self.server
+            ),
+        )
+    }
+}
+
+impl Worker {
+    /// `resources/list` or `resources/templates/list` of a virtual server.
+    pub(super) async fn list_resources(
+        &self,
+        link: &FederatedLink,
+        list: ResourceList,
+        id: &Value,
+    ) -> UpstreamReply {
+        let merged = link.merged_resources(self, list).await;
+        let mut listed = json!({ list.listing().key: merged.items });
+        let mut federation = serde_json::Map::new();
+        if !merged.missing.is_empty() {
+            federation.insert("missing".into(), Value::from(merged.missing));
+        }
+        if !merged.hidden.is_empty() {
+            federation.insert("hidden".into(), Value::from(merged.hidden));
+        }
+        if !federation.is_empty() {
+            listed["_meta"] = json!({ "mcpgw/federation": federation });
+        }
+        result(id, listed)
+    }
+
+    /// `resources/read`, `resources/subscribe`, `resources/unsubscribe`: to the member
+    /// that serves `params.uri`, unchanged.
+    pub(super) async fn resource_request(
+        &self,
+        link: &FederatedLink,
+        id: &Value,
+        message: Value,
+        headers: HeaderMap,
+    ) -> UpstreamReply {
+        let method = message["method"].as_str().unwrap_or_default().to_owned();
+        let Some(uri) = message["params"].get("uri").and_then(Value::as_str) else {
+            return error(
+                id,
+                INVALID_PARAMS,
+                format!("{method} needs params.uri, the resource's URI as a string"),
+            );
+        };
+        let uri = uri.to_owned();
+        match link.resource_owner(self, &uri, false).await {
+            Some(member) => self.relay(link, member, id, message, headers).await,
+            None => link.unknown_uri(id, &uri),
+        }
+    }
+
+    /// `completion/complete`: a `ref/prompt` to the member that owns the exposed
+    /// prompt, under its own name; a `ref/resource` to the member whose template it is
+    /// (or that serves the URI).
+    pub(super) async fn complete(
+        &self,
+        link: &FederatedLink,
+        id: &Value,
+        mut message: Value,
+        headers: HeaderMap,
+    ) -> UpstreamReply {
+        let reference = &message["params"]["ref"];
+        let text = |key: &str| {
+            reference
+                .get(key)
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        };
+        match (
+            reference.get("type").and_then(Value::as_str),
+            text("name"),
+            text("uri"),
+        ) {
+            (Some("ref/prompt"), Some(name), _) => {
+                let Some(owner) = link.owner_of(self, Kind::Prompts, &name).await else {
+                    return error(
+                        id,
+                        INVALID_PARAMS,
+                        format!("unknown prompt {name:?} on virtual server {}", link.server),
+                    );
+                };
+                message["params"]["ref"]["name"] = Value::from(owner.own);
+                self.relay(link, owner.member, id, message, headers).await
+            }
+            (Some("ref/resource"), _, Some(uri)) => {
+                match link.resource_owner(self, &uri, true).await {
+                    Some(member) => self.relay(link, member, id, message, headers).await,
+                    None => link.unknown_uri(id, &uri),
+                }
+            }
+            _ => error(
+                id,
+                INVALID_PARAMS,
+                "completion/complete needs params.ref: {\"type\": \"ref/prompt\", \"name\": ...} \
+                 or {\"type\": \"ref/resource\", \"uri\": ...}"
+                    .to_owned(),
+            ),
+        }
+    }
+}
