@@ -88,6 +88,14 @@ pub struct ToolLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MemberLabels {
+    pub server: Arc<String>,
+    pub member: Arc<String>,
+    pub method: &'static str,
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ForwardLabels {
     pub transport: &'static str,
     pub outcome: &'static str,
@@ -168,6 +176,7 @@ struct PathMetrics {
     requests: Family<RequestLabels, Counter>,
     request_seconds: Family<RouteLabels, Histogram>,
     tool_calls: Family<ToolLabels, Counter>,
+    member_requests: Family<MemberLabels, Counter>,
     forwards: Family<ForwardLabels, Counter>,
     forward_seconds: Family<TransportLabels, Histogram>,
     /// Tool names each upstream lists, by upstream index: the only tool names that
@@ -252,6 +261,12 @@ impl PathMetrics {
                 r,
                 "tool_calls",
                 "tools/call executed on this worker, by upstream, tool and status class",
+                Family::default(),
+            ),
+            member_requests: add(
+                r,
+                "member_requests",
+                "Client requests a virtual server sent to one of its members, by virtual server, member, MCP method and outcome (answered, lost, outcome_unknown, failed)",
                 Family::default(),
             ),
             forwards: add(
@@ -554,6 +569,25 @@ impl Metrics {
             .filter_map(|tool| Some(tool.get("name")?.as_str()?.to_owned()))
             .collect();
         self.learn_tools(upstream, names);
+    }
+
+    /// Counts a client request a virtual server sent to its member `member`.
+    pub fn member_request(
+        &self,
+        server: &Arc<String>,
+        member: &Arc<String>,
+        method: Option<&str>,
+        outcome: &'static str,
+    ) {
+        self.path
+            .member_requests
+            .get_or_create(&MemberLabels {
+                server: Arc::clone(server),
+                member: Arc::clone(member),
+                method: method_label(method, &http::Method::POST),
+                outcome,
+            })
+            .inc();
     }
 
     /// Counts a forward and, when the owner answered, its time to the head.

@@ -309,6 +309,20 @@ fn a_killed_member_process_is_lost_alone_and_never_restarted() {
         "{stream:?}"
     );
 
+    // The metrics say which member answered and which was lost, per virtual server.
+    let admin = gateway.admin.as_deref().expect("the gateway announces its admin listener");
+    let metrics = mcpgw_testkit::admin::scrape(admin);
+    let member = |member: &str, method: &str, outcome: &str| {
+        let sample = format!(
+            "mcpgw_member_requests_total{{server=\"all\",member=\"{member}\",method=\"{method}\",outcome=\"{outcome}\"}}"
+        );
+        metrics.get(&sample).copied().unwrap_or(0.0)
+    };
+    assert_eq!(member("st", "tools/call", "answered"), 2.0, "{metrics:?}");
+    assert!(member("st", "tools/call", "lost") >= 2.0, "{metrics:?}");
+    assert_eq!(member("demo", "tools/call", "answered"), 2.0, "{metrics:?}");
+    assert!(member("demo", "tools/list", "answered") >= 1.0, "{metrics:?}");
+
     // DELETE ends every member's session.
     assert_eq!(demo.counter("sessions_open"), 1);
     assert_eq!(http::delete_session(&addr, ALL, &session).status, 200);

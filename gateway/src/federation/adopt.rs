@@ -135,6 +135,7 @@ impl Worker {
         }
         let link = FederatedLink {
             server: server.name.clone(),
+            label: Arc::new(server.name.clone()),
             rule: server.server.prefix,
             separator: server.server.separator.clone(),
             members: built,

@@ -113,6 +113,8 @@ impl Kind {
 pub struct FederatedLink {
     /// The virtual server's route name, for messages and logs.
     server: String,
+    /// `server` as a metric label value.
+    label: Arc<String>,
     rule: PrefixRule,
     separator: String,
     /// The members opened at initialize, in configuration order.
@@ -343,14 +345,30 @@ impl FederatedLink {
     /// Every member's whole list of `of`, at once: the items per member (none for a
     /// member that could not list), and which members are missing with why.
     async fn gather(&self, worker: &Worker, of: ListOf) -> Gathered {
+        let count = |member: &Member, outcome| {
+            let label = &worker.route_labels[member.config.index];
+            worker
+                .metrics
+                .member_request(&self.label, label, Some(of.method), outcome);
+        };
         let listings = futures_util::future::join_all(self.members.iter().map(|member| async {
             if let Some(why) = member.lost() {
+                count(member, "lost");
                 return Err(format!("its upstream session was lost ({why})"));
             }
             if !member.has(of.capability) {
                 return Ok(Vec::new());
             }
-            self.list_member(worker, member, of).await
+            let listed = self.list_member(worker, member, of).await;
+            count(
+                member,
+                match (&listed, member.lost()) {
+                    (Ok(_), _) => "answered",
+                    (Err(_), Some(_)) => "lost",
+                    (Err(_), None) => "failed",
+                },
+            );
+            listed
         }))
         .await;
         let mut gathered = Gathered {
@@ -670,7 +688,17 @@ impl Worker {
         headers: HeaderMap,
     ) -> UpstreamReply {
         let member = &link.members[at];
+        let method = message
+            .get("method")
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        let count = |outcome| {
+            let label = &self.route_labels[member.config.index];
+            self.metrics
+                .member_request(&link.label, label, method.as_deref(), outcome);
+        };
         if let Some(why) = member.lost() {
+            count("lost");
             return from_gateway_error(&member_lost(link, member, &why, id));
         }
         let reply = member
@@ -680,7 +708,14 @@ impl Worker {
                 Bytes::from(message.to_string()),
             )
             .await;
-        match link.judge(member, reply) {
+        let judged = link.judge(member, reply);
+        count(match &judged {
+            Ok(_) => "answered",
+            Err(MemberFailure::Lost(_)) => "lost",
+            Err(MemberFailure::LostWhileRunning(_)) => "outcome_unknown",
+            Err(MemberFailure::Failed(_)) => "failed",
+        });
+        match judged {
             Ok(reply) => reply,
             Err(MemberFailure::Lost(why)) => {
                 from_gateway_error(&member_lost(link, member, &why, id))

@@ -397,6 +397,18 @@ impl Worker {
                 }
                 Err(e) => Err(e),
             };
+            let outcome = match &result {
+                Ok(_) => "answered",
+                Err(e) if e.reason == Some(Reason::SessionGone) => "lost",
+                Err(e) if e.reason == Some(Reason::OutcomeUnknown) => "outcome_unknown",
+                Err(_) => "failed",
+            };
+            self.metrics.member_request(
+                &self.route_labels[call.upstream],
+                &self.route_labels[member.index],
+                Some(method),
+                outcome,
+            );
             result.map_err(|error| of_member(error, &route.name, &server.name))
         })
     }

@@ -83,6 +83,7 @@ impl Worker {
         }
         let link = Arc::new(FederatedLink {
             server: server.name.clone(),
+            label: Arc::new(server.name.clone()),
             rule: server.server.prefix,
             separator: server.server.separator.clone(),
             members,
