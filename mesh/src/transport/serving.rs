@@ -775,3 +775,81 @@ pub(crate) async fn serve_next<L: ExchangeLink>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(content_type: &str) -> ResponseHead {
+        ResponseHead {
+            status: 200,
+            headers: vec![("content-type".into(), content_type.into())],
+        }
+    }
+
+    /// A response order over a fresh short slot, and the budgets it draws on.
+    fn order() -> (ResponseOrder, Arc<Budgets>) {
+        let budgets = Budgets::new(4, 4);
+        let slot = budgets.admit("peer", StreamClass::Short).expect("room");
+        (ResponseOrder::new(slot, 7), budgets)
+    }
+
+    fn internal_message(part: OrderedPart) -> String {
+        match part {
+            OrderedPart::Last(Frame::Error(e)) if e.kind == ErrorKind::Internal => e.message,
+            _ => panic!("expected an internal error as the last frame"),
+        }
+    }
+
+    #[test]
+    fn a_response_in_order_passes_and_ends_with_end() {
+        let (mut order, _budgets) = order();
+        let first = order.check(Some(ResponsePart::Head(head("application/json"))));
+        assert!(matches!(first, OrderedPart::Head(_)));
+        assert!(order.head_sent());
+        let body = order.check(Some(ResponsePart::Chunk("{}".into())));
+        assert!(matches!(body, OrderedPart::Chunk(_)));
+        let last = order.check(Some(ResponsePart::End));
+        assert!(matches!(last, OrderedPart::Last(Frame::End)));
+    }
+
+    #[test]
+    fn parts_out_of_order_end_the_response_with_an_internal_error() {
+        let (mut order, _budgets) = order();
+        let chunk_first = order.check(Some(ResponsePart::Chunk("x".into())));
+        assert!(internal_message(chunk_first).contains("malformed"));
+        let (mut order, _budgets) = self::order();
+        let end_first = order.check(Some(ResponsePart::End));
+        assert!(internal_message(end_first).contains("malformed"));
+        let (mut order, _budgets) = self::order();
+        order.check(Some(ResponsePart::Head(head("application/json"))));
+        let second_head = order.check(Some(ResponsePart::Head(head("application/json"))));
+        assert!(internal_message(second_head).contains("malformed"));
+        let stopped = order.check(None);
+        assert!(internal_message(stopped).contains("without End"));
+    }
+
+    #[test]
+    fn the_services_error_ends_the_response_before_or_after_the_head() {
+        let (mut order, _budgets) = order();
+        let refused = ErrorFrame::new(ErrorKind::Busy, "busy");
+        let last = order.check(Some(ResponsePart::Error(refused.clone())));
+        assert!(matches!(last, OrderedPart::Last(Frame::Error(e)) if e == refused));
+        let (mut order, _budgets) = self::order();
+        order.check(Some(ResponsePart::Head(head("application/json"))));
+        let last = order.check(Some(ResponsePart::Error(refused.clone())));
+        assert!(matches!(last, OrderedPart::Last(Frame::Error(e)) if e == refused));
+    }
+
+    #[test]
+    fn an_event_stream_head_moves_the_exchange_to_the_stream_budget() {
+        let (mut order, budgets) = order();
+        order.check(Some(ResponsePart::Head(head("text/event-stream"))));
+        let counts = budgets.counts();
+        assert_eq!((counts.short, counts.long), (0, 1));
+        let (mut order, budgets) = self::order();
+        order.check(Some(ResponsePart::Head(head("application/json"))));
+        let counts = budgets.counts();
+        assert_eq!((counts.short, counts.long), (1, 0));
+    }
+}
