@@ -51,6 +51,17 @@ pub enum LeaseView {
     Absent,
 }
 
+/// What a lease key's value (`None`: no key) says.
+fn lease_view(value: Option<String>) -> LeaseView {
+    match value {
+        None => LeaseView::Absent,
+        Some(value) => match serde_json::from_str::<LeaseValue>(&value) {
+            Ok(v) => LeaseView::Live(v.info),
+            Err(_) => LeaseView::Unreadable,
+        },
+    }
+}
+
 /// One worker id in a [`FleetSnapshot`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerSnapshot {
@@ -85,12 +96,8 @@ impl Directory {
         let mut pipe = redis::pipe();
         pipe.cmd("GET").arg(self.key_worker(id));
         pipe.cmd("GET").arg(self.key_addr(id));
-        let (lease, addr): (Option<String>, Option<String>) = self
-            .run("worker", |mut c, _| {
-                let pipe = pipe.clone();
-                async move { pipe.query_async(&mut c).await }
-            })
-            .await?;
+        let (lease, addr): (Option<String>, Option<String>) =
+            self.run_pipe("worker", &pipe).await?;
         let Some(lease) = lease else { return Ok(None) };
         Ok(serde_json::from_str::<LeaseValue>(&lease)
             .ok()
@@ -114,12 +121,8 @@ impl Directory {
         let mut pipe = redis::pipe();
         pipe.cmd("GET").arg(self.key_addr(id));
         pipe.cmd("GET").arg(self.key_worker(id));
-        let (addr, lease): (Option<String>, Option<String>) = self
-            .run("worker_endpoint", |mut c, _| {
-                let pipe = pipe.clone();
-                async move { pipe.query_async(&mut c).await }
-            })
-            .await?;
+        let (addr, lease): (Option<String>, Option<String>) =
+            self.run_pipe("worker_endpoint", &pipe).await?;
         let Some(addr) = addr else { return Ok(None) };
         let identity = lease
             .and_then(|lease| serde_json::from_str::<LeaseValue>(&lease).ok())
@@ -156,12 +159,7 @@ impl Directory {
                 pipe.cmd("GET").arg(self.key_worker(id));
                 pipe.cmd("GET").arg(self.key_addr(id));
             }
-            let values: Vec<Option<String>> = self
-                .run("workers (GET)", |mut c, _| {
-                    let pipe = pipe.clone();
-                    async move { pipe.query_async(&mut c).await }
-                })
-                .await?;
+            let values: Vec<Option<String>> = self.run_pipe("workers (GET)", &pipe).await?;
             let mut values = values.into_iter();
             for id in chunk {
                 let (lease, addr) = (values.next().flatten(), values.next().flatten());
@@ -193,6 +191,38 @@ impl Directory {
         // Records first, leases after: a record is only written while its owner holds a
         // lease, so a worker that registers during the reads is never seen as a
         // record's lease-less owner.
+        let session_records = self.session_records_per_owner().await?;
+        let mut ids = self
+            .scan_suffixes("fleet_snapshot (SCAN sessions)", &self.key_sessions(""))
+            .await?;
+        ids.extend(
+            self.scan_suffixes("fleet_snapshot (SCAN leases)", &self.key_worker(""))
+                .await?,
+        );
+        let renewals = self.renewal_scores().await?;
+        ids.extend(renewals.keys().cloned());
+        let ids: Vec<String> = ids.into_iter().collect();
+        let mut workers = self.worker_snapshots(&ids, &renewals).await?;
+        self.count_request_channel_subscribers(&mut workers).await?;
+        let mut pipe = redis::pipe();
+        pipe.cmd("TIME");
+        pipe.cmd("GET").arg(self.key_generation());
+        let ((now_s, now_us), generation): ((u64, u64), Option<String>) =
+            self.run_pipe("fleet_snapshot (TIME)", &pipe).await?;
+        Ok(FleetSnapshot {
+            redis_now_unix_ms: now_s * 1000 + now_us / 1000,
+            generation_created_unix_ms: generation
+                .as_deref()
+                .and_then(|g| g.rsplit_once('@'))
+                .and_then(|(_, ms)| ms.parse().ok()),
+            workers,
+            session_records,
+            primary: Some(self.followed_primary()).filter(|p| !p.is_empty()),
+        })
+    }
+
+    /// How many session records name each owner id.
+    async fn session_records_per_owner(&self) -> Result<BTreeMap<String, u64>, DirectoryError> {
         let record_prefix = self.key_pool_owner("");
         let sids: Vec<String> = self
             .scan_suffixes("fleet_snapshot (SCAN records)", &record_prefix)
@@ -205,31 +235,22 @@ impl Directory {
             for sid in chunk {
                 pipe.cmd("GET").arg(self.key_pool_owner(sid));
             }
-            let owners: Vec<Option<String>> = self
-                .run("fleet_snapshot (GET records)", |mut c, _| {
-                    let pipe = pipe.clone();
-                    async move { pipe.query_async(&mut c).await }
-                })
-                .await?;
+            let owners: Vec<Option<String>> =
+                self.run_pipe("fleet_snapshot (GET records)", &pipe).await?;
             for owner in owners.into_iter().flatten() {
                 *session_records.entry(owner).or_insert(0) += 1;
             }
         }
-        let mut ids = self
-            .scan_suffixes("fleet_snapshot (SCAN sessions)", &self.key_sessions(""))
-            .await?;
-        ids.extend(
-            self.scan_suffixes("fleet_snapshot (SCAN leases)", &self.key_worker(""))
-                .await?,
-        );
-        let renewals = self.renewal_scores().await?;
-        ids.extend(renewals.keys().cloned());
+        Ok(session_records)
+    }
 
-        let channels = crate::transport::RedisTransportConfig {
-            prefix: self.inner.cfg.prefix.clone(),
-            ..Default::default()
-        };
-        let ids: Vec<String> = ids.into_iter().collect();
+    /// What the directory holds for each of `ids`, in their order; the subscribers of
+    /// request channels are counted afterwards.
+    async fn worker_snapshots(
+        &self,
+        ids: &[String],
+        renewals: &BTreeMap<String, u64>,
+    ) -> Result<Vec<WorkerSnapshot>, DirectoryError> {
         let mut workers = Vec::with_capacity(ids.len());
         for chunk in ids.chunks(RECLAIM_BATCH) {
             let mut pipe = redis::pipe();
@@ -241,12 +262,8 @@ impl Directory {
                 pipe.cmd("EXISTS").arg(self.key_drain(id));
                 pipe.cmd("GET").arg(self.key_primary(id));
             }
-            let values: Vec<redis::Value> = self
-                .run("fleet_snapshot (GET workers)", |mut c, _| {
-                    let pipe = pipe.clone();
-                    async move { pipe.query_async(&mut c).await }
-                })
-                .await?;
+            let values: Vec<redis::Value> =
+                self.run_pipe("fleet_snapshot (GET workers)", &pipe).await?;
             let mut values = values.into_iter();
             for id in chunk {
                 let mut next = || values.next().unwrap_or(redis::Value::Nil);
@@ -256,16 +273,9 @@ impl Directory {
                 let cert: Option<String> = self.decode("fleet_snapshot", next())?;
                 let drain: i64 = self.decode("fleet_snapshot", next())?;
                 let followed_primary: Option<String> = self.decode("fleet_snapshot", next())?;
-                let lease = match lease {
-                    None => LeaseView::Absent,
-                    Some(value) => match serde_json::from_str::<LeaseValue>(&value) {
-                        Ok(v) => LeaseView::Live(v.info),
-                        Err(_) => LeaseView::Unreadable,
-                    },
-                };
                 workers.push(WorkerSnapshot {
                     id: id.clone(),
-                    lease,
+                    lease: lease_view(lease),
                     addr,
                     last_renewal_unix_ms: renewals.get(id).copied(),
                     sessions_owned,
@@ -276,8 +286,20 @@ impl Directory {
                 });
             }
         }
-        // The Redis transport records its request channel as the address: how many
-        // listen on it is invariant 2's business.
+        Ok(workers)
+    }
+
+    /// Fills in the subscribers of the request channel of each worker whose address is
+    /// one: the Redis transport records its request channel as the address, and how
+    /// many listen on it is invariant 2's business.
+    async fn count_request_channel_subscribers(
+        &self,
+        workers: &mut [WorkerSnapshot],
+    ) -> Result<(), DirectoryError> {
+        let channels = crate::transport::RedisTransportConfig {
+            prefix: self.inner.cfg.prefix.clone(),
+            ..Default::default()
+        };
         let on_channels: Vec<usize> = workers
             .iter()
             .enumerate()
@@ -302,25 +324,17 @@ impl Directory {
                     Some(self.decode("fleet_snapshot (PUBSUB NUMSUB)", count)?);
             }
         }
-        let mut pipe = redis::pipe();
-        pipe.cmd("TIME");
-        pipe.cmd("GET").arg(self.key_generation());
-        let ((now_s, now_us), generation): ((u64, u64), Option<String>) = self
-            .run("fleet_snapshot (TIME)", |mut c, _| {
-                let pipe = pipe.clone();
-                async move { pipe.query_async(&mut c).await }
-            })
-            .await?;
-        Ok(FleetSnapshot {
-            redis_now_unix_ms: now_s * 1000 + now_us / 1000,
-            generation_created_unix_ms: generation
-                .as_deref()
-                .and_then(|g| g.rsplit_once('@'))
-                .and_then(|(_, ms)| ms.parse().ok()),
-            workers,
-            session_records,
-            primary: Some(self.followed_primary()).filter(|p| !p.is_empty()),
-        })
+        Ok(())
+    }
+
+    /// Runs `pipe` as one Redis exchange (see `run`).
+    async fn run_pipe<T: redis::FromRedisValue>(
+        &self,
+        op: &'static str,
+        pipe: &redis::Pipeline,
+    ) -> Result<T, DirectoryError> {
+        self.run(op, |mut c, _| async move { pipe.query_async(&mut c).await })
+            .await
     }
 
     /// Asks worker `id` to drain, as SIGTERM would: its next lease renewal (within a

@@ -255,6 +255,20 @@ enum Follow {
 }
 
 impl Follow {
+    /// How to follow `target`'s primary (`None` for a standalone server). A cluster
+    /// keeps every key in one slot: the prefix takes a hash tag.
+    fn of(target: RedisTarget, cfg: &mut DirectoryConfig) -> Option<Self> {
+        match target {
+            RedisTarget::Standalone(_) => None,
+            RedisTarget::Sentinel(spec) => Some(Follow::Sentinel(spec)),
+            RedisTarget::Cluster(spec) => {
+                cfg.prefix = hash_tagged(&cfg.prefix);
+                let key = format!("{}generation", cfg.prefix);
+                Some(Follow::Cluster(spec, key))
+            }
+        }
+    }
+
     async fn resolve(&self, op_timeout: Duration) -> Result<redis_conn::Primary, String> {
         match self {
             Follow::Sentinel(spec) => redis_conn::resolve_primary(spec, op_timeout, None).await,
@@ -468,16 +482,7 @@ impl Directory {
     /// [`DirectoryConfig::connect_timeout`] if Redis is unreachable.
     pub async fn connect(mut cfg: DirectoryConfig) -> Result<Self, DirectoryError> {
         let url = redact_url(&cfg.redis_url);
-        if cfg.lease < Duration::from_millis(1) {
-            return Err(DirectoryError::InvalidConfig(
-                "the lease time must be at least 1ms".into(),
-            ));
-        }
-        if cfg.op_timeout.is_zero() || cfg.connect_timeout.is_zero() {
-            return Err(DirectoryError::InvalidConfig(
-                "op_timeout and connect_timeout must be positive".into(),
-            ));
-        }
+        check_timing(&cfg)?;
         let target = redis_conn::parse_target(&cfg.redis_url, None)
             .map_err(DirectoryError::InvalidConfig)?;
         let target_client = match &target {
@@ -495,15 +500,7 @@ impl Directory {
             url: url.clone(),
             reason,
         };
-        let follow = match target {
-            RedisTarget::Standalone(_) => None,
-            RedisTarget::Sentinel(spec) => Some(Follow::Sentinel(spec)),
-            RedisTarget::Cluster(spec) => {
-                cfg.prefix = hash_tagged(&cfg.prefix);
-                let key = format!("{}generation", cfg.prefix);
-                Some(Follow::Cluster(spec, key))
-            }
-        };
+        let follow = Follow::of(target, &mut cfg);
         let (client, topology, secrets, replid) = match (&follow, target_client) {
             (None, Some(client)) => {
                 let secrets = redis_conn::password(&client).into_iter().collect();
@@ -896,6 +893,21 @@ impl Directory {
 /// still starting is waited for, and a failure reports its real cause (refused, wrong
 /// password) rather than the manager's generic retry exhaustion. Only then is the
 /// self-reconnecting manager built. The error is already scrubbed of the password.
+/// Refuses timings that could never work: no lease, or Redis calls with no time.
+fn check_timing(cfg: &DirectoryConfig) -> Result<(), DirectoryError> {
+    if cfg.lease < Duration::from_millis(1) {
+        return Err(DirectoryError::InvalidConfig(
+            "the lease time must be at least 1ms".into(),
+        ));
+    }
+    if cfg.op_timeout.is_zero() || cfg.connect_timeout.is_zero() {
+        return Err(DirectoryError::InvalidConfig(
+            "op_timeout and connect_timeout must be positive".into(),
+        ));
+    }
+    Ok(())
+}
+
 async fn connect_first(
     client: &redis::Client,
     manager_cfg: &ConnectionManagerConfig,

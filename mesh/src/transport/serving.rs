@@ -6,17 +6,21 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use futures_util::stream::BoxStream;
 use futures_util::{FutureExt, StreamExt};
+use mcpgw_certs::PeerIdentity;
 use mcpgw_wire::{
-    ErrorFrame, ErrorKind, Frame, OLDEST_PROTOCOL_VERSION, RequestFrame, WireError, negotiate,
+    ErrorFrame, ErrorKind, Frame, OLDEST_PROTOCOL_VERSION, RequestFrame, ResponseHead, WireError,
+    negotiate,
 };
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::{Instant, sleep_until, timeout};
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
@@ -24,9 +28,10 @@ use super::budget::{Budgets, Permit, StreamClass, is_event_stream};
 use super::config::{MeshLimits, TransportKind};
 use super::error::LinkError;
 use super::framed::{FrameReader, FrameWriter, SendError};
-use super::guard::{FAILURE_LOG_INTERVAL, FailureLog, HandshakeGate};
-use super::observe::Observer;
+use super::guard::{FAILURE_LOG_INTERVAL, FailureLog, HandshakeGate, HandshakePermit};
+use super::observe::{Observer, OpenConnection};
 use super::service::{MeshService, PeerInfo, ResponsePart};
+use super::tls::ConnectionLife;
 
 /// State shared by one server's accept loop, connections and requests.
 pub(crate) struct ServerShared {
@@ -131,7 +136,7 @@ impl ServerShared {
 
 /// Answers the caller's `Hello`. Returns the caller's worker id and the protocol
 /// version agreed, or `None` when the connection must close (bad greeting, versions
-/// two apart, caller gone).
+/// two apart, an identity that is not the worker's, caller gone).
 pub(crate) async fn greet<R, W>(
     shared: &ServerShared,
     remote: SocketAddr,
@@ -143,99 +148,175 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
+    let first = read_first_frame(shared, remote, reader, writer).await?;
+    let Frame::Hello {
+        version,
+        worker_id,
+        expect_worker_id,
+    } = first
+    else {
+        warn!(%remote, frame = first.name(), "mesh peer did not start with Hello; closing");
+        let refusal = ErrorFrame::new(
+            ErrorKind::Malformed,
+            format!("expected Hello first, got {}", first.name()),
+        );
+        let _ = writer.send(&Frame::Error(refusal)).await;
+        return None;
+    };
     let newest = shared.limits.max_protocol_version;
-    let first = match timeout(shared.limits.connect_timeout, reader.next()).await {
+    let Some(agreed) = negotiate(OLDEST_PROTOCOL_VERSION, newest, version) else {
+        warn!(%remote, peer_worker = %worker_id, theirs = version, ours = newest,
+            "mesh peer's protocol version is two or more apart from ours; refusing");
+        refuse_version(shared, version, writer).await;
+        return None;
+    };
+    if !identity_is_the_workers(shared, remote, &worker_id, presented, writer).await {
+        return None;
+    }
+    if expect_worker_id != shared.worker_id {
+        // Not refused here: the caller decides, and this answer is its proof.
+        debug!(%remote, expected = %expect_worker_id, ours = %shared.worker_id,
+            "mesh peer expected another worker at this address");
+    }
+    let welcome = Frame::Welcome {
+        version: agreed,
+        worker_id: shared.worker_id.clone(),
+    };
+    writer.send(&welcome).await.ok()?;
+    Some((worker_id, agreed))
+}
+
+/// The caller's first frame, within the connect timeout; `None` (answered with an
+/// error frame where the caller can still read one) when there is none to greet.
+async fn read_first_frame<R, W>(
+    shared: &ServerShared,
+    remote: SocketAddr,
+    reader: &mut FrameReader<R>,
+    writer: &mut FrameWriter<W>,
+) -> Option<Frame>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    match timeout(shared.limits.connect_timeout, reader.next()).await {
         Err(_) => {
             warn!(%remote, "mesh peer sent no Hello within the connect timeout; closing");
-            return None;
+            None
         }
-        Ok(Ok(Some(frame))) => frame,
-        Ok(Ok(None)) => return None,
+        Ok(Ok(Some(frame))) => Some(frame),
+        Ok(Ok(None)) => None,
         Ok(Err(e @ LinkError::BadFrame(_))) => {
             warn!(%remote, error = %e.reason(), "mesh peer's first frame is not a valid Hello; closing");
             let _ = writer.send(&error_for(&e)).await;
-            return None;
+            None
         }
         Ok(Err(e)) => {
             debug!(%remote, error = %e.reason(), "mesh connection broke before Hello");
-            return None;
-        }
-    };
-    match first {
-        Frame::Hello {
-            version,
-            worker_id,
-            expect_worker_id,
-        } => {
-            let Some(agreed) = negotiate(OLDEST_PROTOCOL_VERSION, newest, version) else {
-                warn!(%remote, peer_worker = %worker_id, theirs = version, ours = newest,
-                    "mesh peer's protocol version is two or more apart from ours; refusing");
-                // `Welcome` keeps its layout in every version, so the caller can read our
-                // version from it and refuse with both numbers; the error frame says why
-                // the connection is about to close.
-                let welcome = Frame::Welcome {
-                    version: newest,
-                    worker_id: shared.worker_id.clone(),
-                };
-                let _ = writer.send(&welcome).await;
-                let _ = writer
-                    .send(&Frame::Error(ErrorFrame::new(
-                        ErrorKind::VersionMismatch,
-                        format!(
-                            "this worker speaks mesh protocol versions \
-                             {OLDEST_PROTOCOL_VERSION} to {newest}, the caller {version}: \
-                             workers one release apart forward to each other, two apart do \
-                             not; upgrade the older workers one release at a time"
-                        ),
-                    )))
-                    .await;
-                return None;
-            };
-            let welcome = Frame::Welcome {
-                version: agreed,
-                worker_id: shared.worker_id.clone(),
-            };
-            let registered = timeout(
-                shared.limits.connect_timeout,
-                shared.service.registered_identity(&worker_id),
-            )
-            .await
-            .ok()
-            .flatten();
-            if let Some(registered) = registered
-                && registered != presented
-            {
-                warn!(%remote, peer_worker = %worker_id, %registered, %presented,
-                    "mesh peer claims a worker registered with another identity; refusing");
-                let _ = writer
-                    .send(&Frame::Error(ErrorFrame::new(
-                        ErrorKind::Internal,
-                        format!(
-                            "refused: worker {worker_id} registered identity {registered}, \
-                             and this connection's certificate carries {presented}"
-                        ),
-                    )))
-                    .await;
-                return None;
-            }
-            if expect_worker_id != shared.worker_id {
-                // Not refused here: the caller decides, and this answer is its proof.
-                debug!(%remote, expected = %expect_worker_id, ours = %shared.worker_id,
-                    "mesh peer expected another worker at this address");
-            }
-            writer.send(&welcome).await.ok()?;
-            Some((worker_id, agreed))
-        }
-        other => {
-            warn!(%remote, frame = other.name(), "mesh peer did not start with Hello; closing");
-            let _ = writer
-                .send(&Frame::Error(ErrorFrame::new(
-                    ErrorKind::Malformed,
-                    format!("expected Hello first, got {}", other.name()),
-                )))
-                .await;
             None
         }
+    }
+}
+
+/// Refuses a caller whose protocol version is two or more apart from ours.
+async fn refuse_version<W: AsyncWrite + Unpin>(
+    shared: &ServerShared,
+    theirs: u32,
+    writer: &mut FrameWriter<W>,
+) {
+    let newest = shared.limits.max_protocol_version;
+    // `Welcome` keeps its layout in every version, so the caller can read our version
+    // from it and refuse with both numbers; the error frame says why the connection is
+    // about to close.
+    let welcome = Frame::Welcome {
+        version: newest,
+        worker_id: shared.worker_id.clone(),
+    };
+    let _ = writer.send(&welcome).await;
+    let refusal = ErrorFrame::new(
+        ErrorKind::VersionMismatch,
+        format!(
+            "this worker speaks mesh protocol versions {OLDEST_PROTOCOL_VERSION} to {newest}, \
+             the caller {theirs}: workers one release apart forward to each other, two apart \
+             do not; upgrade the older workers one release at a time"
+        ),
+    );
+    let _ = writer.send(&Frame::Error(refusal)).await;
+}
+
+/// Whether the certificate the caller `presented` carries the identity registered for
+/// the worker it claims to be (or none is registered, or the directory cannot say in
+/// time); a caller speaking as another worker is refused, with an error frame.
+async fn identity_is_the_workers<W: AsyncWrite + Unpin>(
+    shared: &ServerShared,
+    remote: SocketAddr,
+    worker_id: &str,
+    presented: &str,
+    writer: &mut FrameWriter<W>,
+) -> bool {
+    let registered = timeout(
+        shared.limits.connect_timeout,
+        shared.service.registered_identity(worker_id),
+    )
+    .await
+    .ok()
+    .flatten();
+    let Some(registered) = registered.filter(|registered| registered != presented) else {
+        return true;
+    };
+    warn!(%remote, peer_worker = %worker_id, %registered, %presented,
+        "mesh peer claims a worker registered with another identity; refusing");
+    let refusal = ErrorFrame::new(
+        ErrorKind::Internal,
+        format!(
+            "refused: worker {worker_id} registered identity {registered}, \
+             and this connection's certificate carries {presented}"
+        ),
+    );
+    let _ = writer.send(&Frame::Error(refusal)).await;
+    false
+}
+
+/// A connection that passed authentication and the greeting, as its owner serves it.
+pub(crate) struct AdmittedConnection {
+    /// Who is on the other end, handed to the service with each of its requests.
+    pub(crate) peer: PeerInfo,
+    /// When the owner cuts the connection off, busy or not: past its maximum age (with
+    /// room for the caller to retire it first) or its peer's certificate.
+    pub(crate) close_at: Instant,
+    /// Counts the connection as open for the observer until it is dropped.
+    pub(crate) open: OpenConnection,
+}
+
+/// The owner's side of a greeting that succeeded, the same for every transport that
+/// has connections: the handshake is over (its permit frees the caller's slot in the
+/// handshake gate), the connection counts as open, and the peer its requests come
+/// from is named: by the identity its certificate proves, whose budgets they draw on.
+pub(crate) fn admit_connection(
+    shared: &ServerShared,
+    remote: SocketAddr,
+    identity: PeerIdentity,
+    (worker_id, protocol): (String, u32),
+    permit: HandshakePermit,
+) -> AdmittedConnection {
+    shared.observer.handshake("owner", "ok");
+    drop(permit);
+    let open = shared.observer.open("owner", &identity);
+    let close_at =
+        ConnectionLife::owner_close_at(shared.limits.max_connection_age, identity.not_after);
+    let peer = PeerInfo {
+        addr: remote,
+        identity: identity.member,
+        worker_id,
+        transport: shared.kind,
+        protocol,
+        connection: shared.next_connection(),
+    };
+    debug!(%remote, transport = %shared.kind, peer = %peer.worker_id, identity = %peer.identity,
+        "mesh peer connected");
+    AdmittedConnection {
+        peer,
+        close_at,
+        open,
     }
 }
 
@@ -306,180 +387,312 @@ pub(crate) async fn serve_request<L: ExchangeLink>(
     link: &mut L,
 ) -> ExchangeEnd {
     let request_id = request.request_id;
-    let deadline = Instant::now() + Duration::from_millis(u64::from(request.deadline_ms));
-    let refuse = |kind, msg: String| Frame::Error(ErrorFrame::new(kind, msg));
+    let deadline = head_deadline_of(&request);
+    let slot = match admit_request(shared, budget_key(peer), &request) {
+        Ok(slot) => slot,
+        Err(refused) => return finish(link, refused, deadline).await,
+    };
+    let response = shared.service.serve(request, peer.clone());
+    let mut responding = Responding {
+        shared,
+        peer,
+        request_id,
+        deadline,
+        link,
+        order: ResponseOrder::new(slot, request_id),
+    };
+    responding.run(response).await
+}
+
+/// The error frame that ends an exchange with `kind`.
+pub(crate) fn refusal(kind: ErrorKind, message: impl Into<String>) -> Frame {
+    Frame::Error(ErrorFrame::new(kind, message))
+}
+
+/// When the head of `request`'s response must have gone out: the caller stops
+/// waiting then.
+pub(crate) fn head_deadline_of(request: &RequestFrame) -> Instant {
+    Instant::now() + Duration::from_millis(u64::from(request.deadline_ms))
+}
+
+/// Takes `request` in, or answers it with the error frame that says why not: the
+/// server drains, the request has no time left, or the budget of its class is full
+/// for the peer whose budget is `budget_key`. The slot it returns is held until the
+/// exchange ends. Every transport's owner admits its requests here.
+pub(crate) fn admit_request(
+    shared: &Arc<ServerShared>,
+    budget_key: &str,
+    request: &RequestFrame,
+) -> Result<Permit, Frame> {
     if shared.draining.load(Ordering::SeqCst) {
-        let frame = refuse(
-            ErrorKind::Draining,
-            format!("worker {} is shutting down", shared.worker_id),
-        );
-        return finish(link, frame, deadline).await;
+        let message = format!("worker {} is shutting down", shared.worker_id);
+        return Err(refusal(ErrorKind::Draining, message));
     }
     if request.deadline_ms == 0 {
-        let frame = refuse(
-            ErrorKind::DeadlineExceeded,
-            "request arrived with no time left".into(),
-        );
-        return finish(link, frame, deadline).await;
+        let message = "request arrived with no time left";
+        return Err(refusal(ErrorKind::DeadlineExceeded, message));
     }
     let class = StreamClass::of_request(&request.method);
-    let mut slot = match shared.admit(budget_key(peer), class) {
-        Ok(slot) => slot,
-        Err(busy) => {
-            debug!(request_id, peer = %peer.worker_id, class = class.name(), "mesh budget full; answered Busy");
-            return finish(link, busy, deadline).await;
-        }
-    };
+    shared.admit(budget_key, class).inspect_err(|_| {
+        debug!(request_id = request.request_id, budget_of = %budget_key, class = class.name(),
+            "mesh budget full; answered Busy");
+    })
+}
 
-    let mut response = shared.service.serve(request, peer.clone());
-    let mut head_sent = false;
-    // The deadline bounds the time to the head. After it, a stream (SSE, a session's
-    // GET stream) runs as long as the service produces it and the caller reads it;
-    // each send is bounded by `stall` so a caller that stops reading cannot hold it.
-    let stall = shared.limits.idle_timeout;
-    // Made once: each `cancelled()` future takes the token's lock when first polled.
-    let stopped = shared.stop.cancelled();
-    tokio::pin!(stopped);
-    loop {
-        let head_deadline = async {
+/// Where a response stands in `Head, Chunk*, End` (or `Error` at any point), so that
+/// a service that breaks the order is caught the same way over every transport; and
+/// the budget slot the response runs in, moved to the stream budget when its head
+/// says it is an event stream.
+pub(crate) struct ResponseOrder {
+    /// The exchange's place in its peer's budget.
+    slot: Permit,
+    /// The head went out: from now on only chunks and the end may follow.
+    head_sent: bool,
+    /// For log lines about a service that broke the order.
+    request_id: u64,
+}
+
+/// One part of a response, checked against the order.
+pub(crate) enum OrderedPart {
+    /// The head, the first part.
+    Head(ResponseHead),
+    /// A body chunk, after the head.
+    Chunk(bytes::Bytes),
+    /// The response's last frame: `End`, the service's `Error`, or the internal error
+    /// that replaces a part out of order or a response that stopped without `End`.
+    Last(Frame),
+}
+
+impl ResponseOrder {
+    pub(crate) fn new(slot: Permit, request_id: u64) -> Self {
+        Self {
+            slot,
+            head_sent: false,
+            request_id,
+        }
+    }
+
+    pub(crate) fn head_sent(&self) -> bool {
+        self.head_sent
+    }
+
+    pub(crate) fn request_id(&self) -> u64 {
+        self.request_id
+    }
+
+    /// What the service's next `part` (`None`: its stream ended) is in the order.
+    pub(crate) fn check(&mut self, part: Option<ResponsePart>) -> OrderedPart {
+        let request_id = self.request_id;
+        match part {
+            Some(ResponsePart::Head(head)) if !self.head_sent => {
+                self.head_sent = true;
+                if is_event_stream(&head) {
+                    self.slot.promote();
+                }
+                OrderedPart::Head(head)
+            }
+            Some(ResponsePart::Chunk(bytes)) if self.head_sent => OrderedPart::Chunk(bytes),
+            Some(ResponsePart::End) if self.head_sent => OrderedPart::Last(Frame::End),
+            Some(ResponsePart::Error(e)) => OrderedPart::Last(Frame::Error(e)),
+            Some(other) => {
+                warn!(
+                    request_id,
+                    part = other.name(),
+                    head_sent = self.head_sent,
+                    "mesh service produced a response out of order (Head, Chunk*, End)"
+                );
+                let message = "owner produced a malformed response";
+                OrderedPart::Last(refusal(ErrorKind::Internal, message))
+            }
+            None => {
+                warn!(request_id, "mesh service ended a response without End");
+                let message = "owner ended the response without End";
+                OrderedPart::Last(refusal(ErrorKind::Internal, message))
+            }
+        }
+    }
+}
+
+/// One admitted exchange while its response runs, over a link with its own
+/// backpressure (a QUIC stream, a multiplexed TCP exchange).
+struct Responding<'a, L> {
+    shared: &'a Arc<ServerShared>,
+    peer: &'a PeerInfo,
+    request_id: u64,
+    /// The head must have gone out by then.
+    deadline: Instant,
+    link: &'a mut L,
+    order: ResponseOrder,
+}
+
+/// What ended the wait for the service's next part before the part came.
+enum Interruption {
+    /// The server stops everything at once.
+    Stopped,
+    /// The request's deadline passed before the head went out.
+    HeadDeadline,
+    /// The caller cancelled, left or sent something out of place.
+    Caller(CallerEvent),
+}
+
+impl<L: ExchangeLink> Responding<'_, L> {
+    /// Relays the service's response until its end, an interruption, or a caller that
+    /// stopped taking it.
+    async fn run(&mut self, mut response: BoxStream<'static, ResponsePart>) -> ExchangeEnd {
+        let shared = self.shared;
+        // The deadline bounds the time to the head. After it, a stream (SSE, a session's
+        // GET stream) runs as long as the service produces it and the caller reads it;
+        // each send is bounded by `stall` so a caller that stops reading cannot hold it.
+        let stall = shared.limits.idle_timeout;
+        // Made once: each `cancelled()` future takes the token's lock when first polled.
+        let stopped = shared.stop.cancelled();
+        tokio::pin!(stopped);
+        loop {
+            let send_by = if self.order.head_sent() {
+                Instant::now() + stall
+            } else {
+                self.deadline
+            };
+            let part = match self.next_part(&mut response, stopped.as_mut()).await {
+                Ok(part) => part,
+                Err(interruption) => {
+                    // The service stops before the caller hears why.
+                    drop(response);
+                    return self.interrupted(interruption, send_by).await;
+                }
+            };
+            let ending = self.queue_ready(part, &mut response);
+            if let Some(end) = self.send_queued(ending, send_by).await {
+                return end;
+            }
+        }
+    }
+
+    /// Waits for the service's next part, or for what interrupts the response first.
+    async fn next_part(
+        &mut self,
+        response: &mut BoxStream<'static, ResponsePart>,
+        stopped: Pin<&mut WaitForCancellationFuture<'_>>,
+    ) -> Result<Option<ResponsePart>, Interruption> {
+        let (head_sent, deadline) = (self.order.head_sent(), self.deadline);
+        let head_deadline = async move {
             if head_sent {
                 std::future::pending::<()>().await
             } else {
                 sleep_until(deadline).await
             }
         };
-        let send_by = if head_sent {
-            Instant::now() + stall
-        } else {
-            deadline
-        };
-        let part = tokio::select! {
+        tokio::select! {
             biased;
-            () = &mut stopped => return ExchangeEnd::Broken,
-            () = head_deadline => {
-                drop(response);
-                debug!(request_id, peer = %peer.worker_id, "mesh request deadline passed; stopped");
-                let frame = refuse(ErrorKind::DeadlineExceeded, "the request's deadline passed at the owner".into());
+            () = stopped => Err(Interruption::Stopped),
+            () = head_deadline => Err(Interruption::HeadDeadline),
+            event = self.link.caller_event() => Err(Interruption::Caller(event)),
+            part = response.next() => Ok(part),
+        }
+    }
+
+    /// Ends an interrupted exchange, telling the caller why where it still listens.
+    async fn interrupted(&mut self, why: Interruption, send_by: Instant) -> ExchangeEnd {
+        let (request_id, peer) = (self.request_id, &self.peer.worker_id);
+        let frame = match why {
+            Interruption::Stopped => return ExchangeEnd::Broken,
+            Interruption::Caller(CallerEvent::Gone) => {
+                debug!(request_id, %peer, "mesh caller went away; request stopped");
+                return ExchangeEnd::Broken;
+            }
+            Interruption::HeadDeadline => {
+                debug!(request_id, %peer, "mesh request deadline passed; stopped");
+                let message = "the request's deadline passed at the owner";
+                let frame = refusal(ErrorKind::DeadlineExceeded, message);
                 // The deadline is over: give the error frame a moment of its own.
-                return finish(link, frame, Instant::now() + shared.limits.connect_timeout).await;
+                let by = Instant::now() + self.shared.limits.connect_timeout;
+                return finish(self.link, frame, by).await;
             }
-            event = link.caller_event() => {
-                drop(response);
-                let frame = match event {
-                    CallerEvent::Cancelled => {
-                        debug!(request_id, peer = %peer.worker_id, "mesh request cancelled by caller");
-                        refuse(ErrorKind::Cancelled, "cancelled by the caller".into())
-                    }
-                    CallerEvent::Gone => {
-                        debug!(request_id, peer = %peer.worker_id, "mesh caller went away; request stopped");
-                        return ExchangeEnd::Broken;
-                    }
-                    CallerEvent::Unexpected(name) => {
-                        warn!(request_id, peer = %peer.worker_id, frame = name,
-                            "mesh caller sent a frame during a response; request cancelled");
-                        refuse(ErrorKind::Malformed, format!("unexpected {name} during a response"))
-                    }
-                    CallerEvent::Bad(e) => {
-                        warn!(request_id, peer = %peer.worker_id, error = %e.reason(),
-                            "mesh caller sent a bad frame during a response; request cancelled");
-                        error_for(&e)
-                    }
-                };
-                return finish(link, frame, send_by).await;
+            Interruption::Caller(CallerEvent::Cancelled) => {
+                debug!(request_id, %peer, "mesh request cancelled by caller");
+                refusal(ErrorKind::Cancelled, "cancelled by the caller")
             }
-            part = response.next() => part,
+            Interruption::Caller(CallerEvent::Unexpected(name)) => {
+                warn!(request_id, %peer, frame = name,
+                    "mesh caller sent a frame during a response; request cancelled");
+                refusal(
+                    ErrorKind::Malformed,
+                    format!("unexpected {name} during a response"),
+                )
+            }
+            Interruption::Caller(CallerEvent::Bad(e)) => {
+                warn!(request_id, %peer, error = %e.reason(),
+                    "mesh caller sent a bad frame during a response; request cancelled");
+                error_for(&e)
+            }
         };
-        // Queue this part and every part that is already ready behind it (a JSON
-        // answer is Head, Chunk and End at once), then send them in one go; a stream
-        // still gets each event out as it is produced.
-        let mut part = part;
-        let mut ending: Option<Frame> = None;
+        finish(self.link, frame, send_by).await
+    }
+
+    /// Queues `part` and every part that is already ready behind it (a JSON answer is
+    /// Head, Chunk and End at once), so they leave in one send; a stream still gets
+    /// each event out as it is produced. Returns the response's last frame once the
+    /// response ended, unqueued.
+    fn queue_ready(
+        &mut self,
+        mut part: Option<ResponsePart>,
+        response: &mut BoxStream<'static, ResponsePart>,
+    ) -> Option<Frame> {
         loop {
-            let queued = match part {
-                Some(ResponsePart::Head(head)) if !head_sent => {
-                    head_sent = true;
-                    if is_event_stream(&head) {
-                        slot.promote();
-                    }
-                    link.queue(Frame::Head(head))
-                }
-                Some(ResponsePart::Chunk(bytes)) if head_sent => queue_chunk(link, bytes),
-                Some(ResponsePart::End) if head_sent => {
-                    ending = Some(Frame::End);
-                    break;
-                }
-                Some(ResponsePart::Error(e)) => {
-                    ending = Some(Frame::Error(e));
-                    break;
-                }
-                Some(other) => {
-                    warn!(
-                        request_id,
-                        part = other.name(),
-                        head_sent,
-                        "mesh service produced a response out of order (Head, Chunk*, End)"
-                    );
-                    ending = Some(refuse(
-                        ErrorKind::Internal,
-                        "owner produced a malformed response".into(),
-                    ));
-                    break;
-                }
-                None => {
-                    warn!(request_id, "mesh service ended a response without End");
-                    ending = Some(refuse(
-                        ErrorKind::Internal,
-                        "owner ended the response without End".into(),
-                    ));
-                    break;
-                }
+            let queued = match self.order.check(part) {
+                OrderedPart::Head(head) => self.link.queue(Frame::Head(head)),
+                OrderedPart::Chunk(bytes) => queue_chunk(self.link, bytes),
+                OrderedPart::Last(frame) => return Some(frame),
             };
             if let Err(e) = queued {
-                warn!(request_id, error = %e, "mesh response part cannot be encoded");
-                ending = Some(refuse(
-                    ErrorKind::Internal,
-                    format!("owner cannot encode the response: {e}"),
-                ));
-                break;
+                warn!(request_id = self.request_id, error = %e, "mesh response part cannot be encoded");
+                let message = format!("owner cannot encode the response: {e}");
+                return Some(refusal(ErrorKind::Internal, message));
             }
-            if link.queued_len() >= link.gather_limit() {
-                break;
+            if self.link.queued_len() >= self.link.gather_limit() {
+                return None;
             }
-            match response.next().now_or_never() {
-                Some(next) => part = next,
-                None => break,
-            }
+            part = response.next().now_or_never()?;
         }
+    }
+
+    /// Sends what is queued, and the response's last frame when it came. `None` while
+    /// the response goes on.
+    async fn send_queued(
+        &mut self,
+        ending: Option<Frame>,
+        send_by: Instant,
+    ) -> Option<ExchangeEnd> {
+        let request_id = self.request_id;
         let last = ending.is_some();
         let queued = match ending {
-            Some(frame) => link.queue(frame),
+            Some(frame) => self.link.queue(frame),
             None => Ok(()),
         };
         let written = match queued {
             Ok(()) => {
+                // As in `finish`: the last frame gets a second at least.
                 let by = if last {
                     send_by.max(Instant::now() + Duration::from_secs(1))
                 } else {
                     send_by
                 };
-                link.flush(by).await
+                self.link.flush(by).await
             }
             Err(e) => Err(SendError::Encode(e)),
         };
         match written {
-            Ok(()) if last => return ExchangeEnd::Clean,
-            Ok(()) => {}
+            Ok(()) if last => Some(ExchangeEnd::Clean),
+            Ok(()) => None,
             Err(SendError::Encode(e)) => {
                 warn!(request_id, error = %e, "mesh response cannot be encoded");
-                let frame = refuse(
-                    ErrorKind::Internal,
-                    format!("owner cannot encode the response: {e}"),
-                );
-                return finish(link, frame, deadline).await;
+                let message = format!("owner cannot encode the response: {e}");
+                let frame = refusal(ErrorKind::Internal, message);
+                Some(finish(self.link, frame, self.deadline).await)
             }
             Err(SendError::Io(e)) => {
                 debug!(request_id, error = %e, "mesh caller stopped reading; request stopped");
-                return ExchangeEnd::Broken;
+                Some(ExchangeEnd::Broken)
             }
         }
     }
@@ -560,5 +773,83 @@ pub(crate) async fn serve_next<L: ExchangeLink>(
             debug!(peer = %peer.worker_id, %reason, "mesh connection closed");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(content_type: &str) -> ResponseHead {
+        ResponseHead {
+            status: 200,
+            headers: vec![("content-type".into(), content_type.into())],
+        }
+    }
+
+    /// A response order over a fresh short slot, and the budgets it draws on.
+    fn order() -> (ResponseOrder, Arc<Budgets>) {
+        let budgets = Budgets::new(4, 4);
+        let slot = budgets.admit("peer", StreamClass::Short).expect("room");
+        (ResponseOrder::new(slot, 7), budgets)
+    }
+
+    fn internal_message(part: OrderedPart) -> String {
+        match part {
+            OrderedPart::Last(Frame::Error(e)) if e.kind == ErrorKind::Internal => e.message,
+            _ => panic!("expected an internal error as the last frame"),
+        }
+    }
+
+    #[test]
+    fn a_response_in_order_passes_and_ends_with_end() {
+        let (mut order, _budgets) = order();
+        let first = order.check(Some(ResponsePart::Head(head("application/json"))));
+        assert!(matches!(first, OrderedPart::Head(_)));
+        assert!(order.head_sent());
+        let body = order.check(Some(ResponsePart::Chunk("{}".into())));
+        assert!(matches!(body, OrderedPart::Chunk(_)));
+        let last = order.check(Some(ResponsePart::End));
+        assert!(matches!(last, OrderedPart::Last(Frame::End)));
+    }
+
+    #[test]
+    fn parts_out_of_order_end_the_response_with_an_internal_error() {
+        let (mut order, _budgets) = order();
+        let chunk_first = order.check(Some(ResponsePart::Chunk("x".into())));
+        assert!(internal_message(chunk_first).contains("malformed"));
+        let (mut order, _budgets) = self::order();
+        let end_first = order.check(Some(ResponsePart::End));
+        assert!(internal_message(end_first).contains("malformed"));
+        let (mut order, _budgets) = self::order();
+        order.check(Some(ResponsePart::Head(head("application/json"))));
+        let second_head = order.check(Some(ResponsePart::Head(head("application/json"))));
+        assert!(internal_message(second_head).contains("malformed"));
+        let stopped = order.check(None);
+        assert!(internal_message(stopped).contains("without End"));
+    }
+
+    #[test]
+    fn the_services_error_ends_the_response_before_or_after_the_head() {
+        let (mut order, _budgets) = order();
+        let refused = ErrorFrame::new(ErrorKind::Busy, "busy");
+        let last = order.check(Some(ResponsePart::Error(refused.clone())));
+        assert!(matches!(last, OrderedPart::Last(Frame::Error(e)) if e == refused));
+        let (mut order, _budgets) = self::order();
+        order.check(Some(ResponsePart::Head(head("application/json"))));
+        let last = order.check(Some(ResponsePart::Error(refused.clone())));
+        assert!(matches!(last, OrderedPart::Last(Frame::Error(e)) if e == refused));
+    }
+
+    #[test]
+    fn an_event_stream_head_moves_the_exchange_to_the_stream_budget() {
+        let (mut order, budgets) = order();
+        order.check(Some(ResponsePart::Head(head("text/event-stream"))));
+        let counts = budgets.counts();
+        assert_eq!((counts.short, counts.long), (0, 1));
+        let (mut order, budgets) = self::order();
+        order.check(Some(ResponsePart::Head(head("application/json"))));
+        let counts = budgets.counts();
+        assert_eq!((counts.short, counts.long), (1, 0));
     }
 }

@@ -8,7 +8,7 @@ use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use mcpgw_certs::MESH_SERVER_NAME;
+use mcpgw_certs::{MESH_SERVER_NAME, PeerIdentity};
 use mcpgw_wire::{ErrorFrame, ErrorKind, Frame};
 use parking_lot::Mutex;
 use quinn::crypto::rustls::QuicClientConfig;
@@ -246,46 +246,9 @@ impl QuicClient {
                     reason,
                 })?;
             match self.greet(&conn, peer_addr, expect).await {
-                Ok(worker_id) => {
-                    let life = ConnectionLife::starting_now(
-                        self.limits.max_connection_age,
-                        identity.not_after,
-                    );
-                    // A connection never outlives its peer's certificate, busy or not,
-                    // nor its last user.
-                    let expiring = conn.clone();
-                    let open = self.observer.open("caller", &identity);
-                    let unused = tokio_util::sync::CancellationToken::new();
-                    let let_go = unused.clone();
-                    tokio::spawn(async move {
-                        let _open = open;
-                        tokio::select! {
-                            () = tokio::time::sleep_until(life.close_at) => {
-                                expiring.close(CONNECTION_TOO_OLD, b"the peer's certificate expired");
-                            }
-                            () = let_go.cancelled() => {
-                                expiring.close(RETIRED, b"retired");
-                            }
-                            _ = expiring.closed() => {}
-                        }
-                    });
-                    Ok(PeerConn {
-                        conn,
-                        worker_id,
-                        identity: identity.uri,
-                        life,
-                        in_use: Arc::new(InUse(unused)),
-                    })
-                }
+                Ok(worker_id) => Ok(self.admitted(conn, worker_id, identity)),
                 Err(e) => {
-                    // A TLS 1.3 server rejects our certificate after our side of the
-                    // handshake is done; the close reason says so.
-                    let e = match (conn.close_reason(), &e) {
-                        (Some(reason), MeshError::Connect { .. } | MeshError::Protocol(_)) => {
-                            connection_error(peer_addr, &reason)
-                        }
-                        _ => e,
-                    };
+                    let e = greeting_error(&conn, peer_addr, e);
                     conn.close(GREETING_FAILED, b"greeting failed");
                     Err(e)
                 }
@@ -307,6 +270,35 @@ impl QuicClient {
                 .map_or_else(observe::dial_failure, |_| "ok"),
         );
         dialled
+    }
+
+    /// A greeted connection, pooled from now on. A connection never outlives its
+    /// peer's certificate, busy or not, nor its last user: a task closes it then.
+    fn admitted(&self, conn: Connection, worker_id: String, identity: PeerIdentity) -> PeerConn {
+        let life = ConnectionLife::starting_now(self.limits.max_connection_age, identity.not_after);
+        let expiring = conn.clone();
+        let open = self.observer.open("caller", &identity);
+        let unused = tokio_util::sync::CancellationToken::new();
+        let let_go = unused.clone();
+        tokio::spawn(async move {
+            let _open = open;
+            tokio::select! {
+                () = tokio::time::sleep_until(life.close_at) => {
+                    expiring.close(CONNECTION_TOO_OLD, b"the peer's certificate expired");
+                }
+                () = let_go.cancelled() => {
+                    expiring.close(RETIRED, b"retired");
+                }
+                _ = expiring.closed() => {}
+            }
+        });
+        PeerConn {
+            conn,
+            worker_id,
+            identity: identity.uri,
+            life,
+            in_use: Arc::new(InUse(unused)),
+        }
     }
 
     async fn greet(
@@ -412,6 +404,17 @@ impl QuicClient {
                 }
             }
         }
+    }
+}
+
+/// Why a greeting failed, for the caller. A TLS 1.3 server rejects our certificate
+/// after our side of the handshake is done; the connection's close reason says so.
+fn greeting_error(conn: &Connection, peer_addr: &str, e: MeshError) -> MeshError {
+    match (conn.close_reason(), &e) {
+        (Some(reason), MeshError::Connect { .. } | MeshError::Protocol(_)) => {
+            connection_error(peer_addr, &reason)
+        }
+        _ => e,
     }
 }
 

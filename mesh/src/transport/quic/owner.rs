@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use mcpgw_certs::PeerIdentity;
 use mcpgw_wire::Frame;
 use quinn::crypto::rustls::QuicServerConfig;
 use quinn::{Connection, Endpoint, RecvStream, SendStream, TransportConfig, VarInt};
@@ -17,15 +18,16 @@ use tracing::{debug, warn};
 use super::{
     CONNECTION_TOO_OLD, GREETING_FAILED, endpoint_on, idle_timeout, peer_chain, sparse_acks,
 };
-use crate::transport::config::{MeshLimits, TransportKind};
+use crate::transport::config::MeshLimits;
 use crate::transport::error::{LinkError, MeshError, quic_tls_cause};
 use crate::transport::framed::{FrameReader, FrameWriter, SendError};
 use crate::transport::guard::HandshakePermit;
 use crate::transport::service::PeerInfo;
 use crate::transport::serving::{
-    CallerEvent, ExchangeEnd, ExchangeLink, ServerShared, greet, serve_next, timed_out,
+    CallerEvent, ExchangeEnd, ExchangeLink, ServerShared, admit_connection, greet, serve_next,
+    timed_out,
 };
-use crate::transport::tls::{ConnectionLife, ServerTls};
+use crate::transport::tls::ServerTls;
 
 /// Application error code on a stream the owner abandons (write failed, stopping).
 const ABORT_CODE: VarInt = VarInt::from_u32(2);
@@ -140,6 +142,8 @@ async fn accept_loop(endpoint: Endpoint, tls: ServerTls, shared: Arc<ServerShare
     }
 }
 
+/// One accepted connection: its handshake, its greeting, then the exchanges its later
+/// streams carry, until it closes or the server stops.
 async fn connection(
     incoming: quinn::Incoming,
     tls: ServerTls,
@@ -147,9 +151,27 @@ async fn connection(
     permit: HandshakePermit,
 ) {
     let remote = incoming.remote_address();
-    let limits = &shared.limits;
+    let Some((conn, identity)) = authenticate(incoming, &tls, &shared).await else {
+        return;
+    };
+    let Some(greeted) = greet_on_first_stream(&conn, &shared, remote, &identity.uri).await else {
+        return;
+    };
+    let admitted = admit_connection(&shared, remote, identity, greeted, permit);
+    serve_streams(&conn, &shared, &admitted.peer, admitted.close_at).await;
+}
+
+/// Finishes the QUIC handshake within the connect timeout and reads the mesh identity
+/// the caller's certificate proves; `None` (counted and logged as a failed handshake)
+/// when either fails.
+async fn authenticate(
+    incoming: quinn::Incoming,
+    tls: &ServerTls,
+    shared: &ServerShared,
+) -> Option<(Connection, PeerIdentity)> {
+    let remote = incoming.remote_address();
     let failures = &shared.handshake_failures;
-    let conn = match timeout(limits.connect_timeout, incoming).await {
+    let conn = match timeout(shared.limits.connect_timeout, incoming).await {
         Err(_) => {
             shared.observer.handshake("owner", "timeout");
             failures.failed(
@@ -158,7 +180,7 @@ async fn connection(
                 "timeout",
                 "QUIC handshake not finished within the connect timeout",
             );
-            return;
+            return None;
         }
         Ok(Err(e)) => {
             let cause = quic_tls_cause(&e);
@@ -166,62 +188,67 @@ async fn connection(
             let reason = cause.unwrap_or_else(|| e.to_string());
             shared.observer.handshake("owner", outcome);
             failures.failed("quic", remote, outcome, &reason);
-            return;
+            return None;
         }
         Ok(Ok(conn)) => conn,
     };
-    let identity =
-        match peer_chain(&conn).and_then(|chain| tls.peer(&chain).map_err(|e| e.to_string())) {
-            Ok(identity) => identity,
-            Err(reason) => {
-                shared.observer.handshake("owner", "identity");
-                failures.failed("quic", remote, "identity", &reason);
-                conn.close(GREETING_FAILED, b"no mesh identity");
-                return;
-            }
-        };
+    match peer_chain(&conn).and_then(|chain| tls.peer(&chain).map_err(|e| e.to_string())) {
+        Ok(identity) => Some((conn, identity)),
+        Err(reason) => {
+            shared.observer.handshake("owner", "identity");
+            failures.failed("quic", remote, "identity", &reason);
+            conn.close(GREETING_FAILED, b"no mesh identity");
+            None
+        }
+    }
+}
+
+/// Greets the caller on the first stream it opens. `None` when the greeting failed:
+/// the connection is closed by then, after the caller read the refusal.
+async fn greet_on_first_stream(
+    conn: &Connection,
+    shared: &ServerShared,
+    remote: SocketAddr,
+    presented: &str,
+) -> Option<(String, u32)> {
+    let limits = &shared.limits;
     let greeting = tokio::select! {
-        () = shared.stop.cancelled() => return,
+        () = shared.stop.cancelled() => return None,
         stream = timeout(limits.connect_timeout, conn.accept_bi()) => stream,
     };
     let Ok(Ok((send, recv))) = greeting else {
         debug!(%remote, "mesh peer opened no greeting stream; closing");
         shared.observer.handshake("owner", "greeting");
         conn.close(GREETING_FAILED, b"no greeting");
-        return;
+        return None;
     };
     let mut reader = FrameReader::new(recv, limits.max_frame);
     let mut writer = FrameWriter::new(send, limits.max_frame);
-    let greeted = greet(&shared, remote, &identity.uri, &mut reader, &mut writer).await;
-    let Some((worker_id, protocol)) = greeted else {
+    let greeted = greet(shared, remote, presented, &mut reader, &mut writer).await;
+    let _ = writer.get_mut().finish();
+    if greeted.is_none() {
         shared.observer.handshake("owner", "greeting");
-        let _ = writer.get_mut().finish();
         // Let the refusal reach the caller: it closes the connection when it has read
         // it. Closing first would discard the frames still in flight.
         let _ = timeout(limits.connect_timeout, conn.closed()).await;
         conn.close(GREETING_FAILED, b"greeting failed");
-        return;
-    };
-    let _ = writer.get_mut().finish();
-    drop((reader, writer));
-    shared.observer.handshake("owner", "ok");
-    // Authenticated and greeted: no longer a handshake in progress.
-    drop(permit);
-    let _open = shared.observer.open("owner", &identity);
-    let close_at = ConnectionLife::owner_close_at(limits.max_connection_age, identity.not_after);
-    let peer = PeerInfo {
-        addr: remote,
-        identity: identity.member,
-        worker_id,
-        transport: TransportKind::Quic,
-        protocol,
-        connection: shared.next_connection(),
-    };
-    debug!(%remote, peer = %peer.worker_id, identity = %peer.identity, "mesh QUIC peer connected");
+    }
+    greeted
+}
+
+/// Serves each stream the greeted connection opens as one exchange, until the
+/// connection closes, outlives `close_at`, or the server stops.
+async fn serve_streams(
+    conn: &Connection,
+    shared: &Arc<ServerShared>,
+    peer: &PeerInfo,
+    close_at: Instant,
+) {
+    let remote = peer.addr;
     let allowance = Arc::new(StreamAllowance {
         open: AtomicU32::new(0),
-        allowed: AtomicU32::new(INITIAL_STREAMS.min(stream_ceiling(limits))),
-        ceiling: stream_ceiling(limits),
+        allowed: AtomicU32::new(INITIAL_STREAMS.min(stream_ceiling(&shared.limits))),
+        ceiling: stream_ceiling(&shared.limits),
     });
     // Made once: each `cancelled()` future takes the token's lock when first polled.
     let stopped = shared.stop.cancelled();
@@ -244,7 +271,7 @@ async fn connection(
         };
         match stream {
             Ok((send, recv)) => {
-                let held = allowance.opened(&conn);
+                let held = allowance.opened(conn);
                 shared.exchanges.spawn(serve_stream(
                     send,
                     recv,

@@ -6,11 +6,10 @@ use std::collections::hash_map::Entry;
 use std::future::pending;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
 use mcpgw_wire::{
     ErrorFrame, ErrorKind, Frame, MeshCodec, PROTOCOL_VERSION, RequestFrame, WireError,
 };
@@ -29,11 +28,12 @@ use super::message::{
     MESSAGE_VERSION, decode_to_owner, encode_to_caller, readable, valid_worker_id, version_mismatch,
 };
 use crate::redis_conn::redact_url;
-use crate::transport::budget::{StreamClass, is_event_stream};
 use crate::transport::config::TransportKind;
 use crate::transport::error::MeshError;
 use crate::transport::service::{PeerInfo, ResponsePart};
-use crate::transport::serving::ServerShared;
+use crate::transport::serving::{
+    OrderedPart, ResponseOrder, ServerShared, admit_request, head_deadline_of, refusal,
+};
 
 /// The owner's side: the request channel's subscriber and the exchanges it runs.
 struct Owner {
@@ -247,36 +247,53 @@ impl Owner {
         let shared = &self.shared;
         let mut reply = self.replier(caller, exchange);
         let request_id = request.request_id;
-        let deadline = Instant::now() + Duration::from_millis(u64::from(request.deadline_ms));
-        let refuse = |kind, message: String| Frame::Error(ErrorFrame::new(kind, message));
-        if shared.draining.load(Ordering::SeqCst) {
-            let message = format!("worker {} is shutting down", shared.worker_id);
-            return reply.finish(&refuse(ErrorKind::Draining, message)).await;
-        }
-        if request.deadline_ms == 0 {
-            let message = "request arrived with no time left".into();
-            return reply
-                .finish(&refuse(ErrorKind::DeadlineExceeded, message))
-                .await;
-        }
-        let class = StreamClass::of_request(&request.method);
-        let mut slot = match shared.admit(caller, class) {
+        let deadline = head_deadline_of(&request);
+        // Over Redis, the trust boundary, a caller's budget is its declared worker id.
+        let slot = match admit_request(shared, caller, &request) {
             Ok(slot) => slot,
-            Err(busy) => return reply.finish(&busy).await,
+            Err(refused) => return reply.finish(&refused).await,
         };
-        let peer = PeerInfo {
-            // No socket and no certificate: Redis stands between the workers.
-            addr: SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
-            identity: String::new(),
-            worker_id: caller.to_owned(),
-            transport: TransportKind::Redis,
-            protocol: MESSAGE_VERSION,
-            connection: 0,
-        };
-        let mut response = shared.service.serve(request, peer);
+        let mut response = shared.service.serve(request, redis_peer(caller));
+        let mut order = ResponseOrder::new(slot, request_id);
+        let relayed = self
+            .relay(
+                caller,
+                &mut reply,
+                &mut response,
+                &mut order,
+                deadline,
+                cancel,
+            )
+            .await;
+        // The service stops before the last message goes out.
+        drop(response);
+        match relayed {
+            Relayed::Last(frame) => reply.finish(&frame).await,
+            Relayed::Unanswered => {}
+            Relayed::Stopped => {
+                let message = "the owner stopped while the response was running";
+                let frame = refusal(ErrorKind::Internal, message);
+                let _ = timeout(STOP_GRACE, reply.finish(&frame)).await;
+            }
+        }
+    }
+
+    /// Publishes the service's response as it is produced, with keep-alives while it
+    /// is quiet, until it ends or something stops it.
+    async fn relay(
+        &self,
+        caller: &str,
+        reply: &mut Replier,
+        response: &mut BoxStream<'static, ResponsePart>,
+        order: &mut ResponseOrder,
+        deadline: Instant,
+        cancel: &CancellationToken,
+    ) -> Relayed {
+        let shared = &self.shared;
+        let request_id = order.request_id();
         let keepalive = keepalive_interval(&shared.limits);
-        let mut head_sent = false;
-        let last = loop {
+        loop {
+            let head_sent = order.head_sent();
             let head_deadline = async {
                 if head_sent {
                     pending::<()>().await
@@ -292,74 +309,52 @@ impl Owner {
             };
             let sent = tokio::select! {
                 biased;
-                () = shared.stop.cancelled() => {
-                    drop(response);
-                    let frame = refuse(ErrorKind::Internal, "the owner stopped while the response was running".into());
-                    let _ = timeout(STOP_GRACE, reply.finish(&frame)).await;
-                    return;
-                }
+                () = shared.stop.cancelled() => return Relayed::Stopped,
                 () = cancel.cancelled() => {
                     // The caller dropped its exchange: nobody reads an answer.
                     debug!(request_id, peer = %caller, "mesh request cancelled by caller");
-                    break None;
+                    return Relayed::Unanswered;
                 }
                 () = head_deadline => {
                     debug!(request_id, peer = %caller, "mesh request deadline passed; stopped");
-                    break Some(refuse(ErrorKind::DeadlineExceeded, "the request's deadline passed at the owner".into()));
+                    let message = "the request's deadline passed at the owner";
+                    return Relayed::Last(refusal(ErrorKind::DeadlineExceeded, message));
                 }
                 () = quiet => reply.send(None).await,
-                part = response.next() => match part {
-                    Some(ResponsePart::Head(head)) if !head_sent => {
-                        head_sent = true;
-                        if is_event_stream(&head) {
-                            slot.promote();
-                        }
-                        reply.send(Some(&Frame::Head(head))).await
-                    }
-                    Some(ResponsePart::Chunk(bytes)) if head_sent => reply.send_chunk(bytes).await,
-                    Some(ResponsePart::End) if head_sent => break Some(Frame::End),
-                    Some(ResponsePart::Error(e)) => break Some(Frame::Error(e)),
-                    Some(other) => {
-                        warn!(request_id, part = other.name(), head_sent,
-                            "mesh service produced a response out of order (Head, Chunk*, End)");
-                        break Some(refuse(ErrorKind::Internal, "owner produced a malformed response".into()));
-                    }
-                    None => {
-                        warn!(request_id, "mesh service ended a response without End");
-                        break Some(refuse(ErrorKind::Internal, "owner ended the response without End".into()));
-                    }
+                part = response.next() => match order.check(part) {
+                    OrderedPart::Head(head) => reply.send(Some(&Frame::Head(head))).await,
+                    OrderedPart::Chunk(bytes) => reply.send_chunk(bytes).await,
+                    OrderedPart::Last(frame) => return Relayed::Last(frame),
                 },
             };
-            match sent {
-                Sent::Delivered => {}
-                Sent::CallerGone => {
-                    debug!(request_id, peer = %caller, "mesh caller's reply channel has no subscriber: caller gone; request stopped");
-                    break None;
-                }
-                Sent::Unencodable(e) => {
-                    warn!(request_id, error = %e, "mesh response head cannot be encoded");
-                    break Some(refuse(
-                        ErrorKind::Internal,
-                        format!("owner cannot encode the response: {e}"),
-                    ));
-                }
-                Sent::Failed(reason) => {
-                    // The message may be lost, so the stream is broken either way; try to
-                    // say so (the publisher may have reconnected by now).
-                    warn!(request_id, peer = %caller, %reason, "publishing a mesh reply failed; request stopped");
-                    break Some(refuse(
-                        ErrorKind::Internal,
-                        format!("owner could not publish the response: {reason}"),
-                    ));
-                }
+            if let Some(relayed) = sent.ends_relay(request_id, caller) {
+                return relayed;
             }
-        };
-        // The service stops before the last message goes out.
-        drop(response);
-        if let Some(frame) = last {
-            reply.finish(&frame).await;
         }
     }
+}
+
+/// Who sent a request over Redis: no socket and no certificate, as Redis stands
+/// between the workers.
+fn redis_peer(caller: &str) -> PeerInfo {
+    PeerInfo {
+        addr: SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
+        identity: String::new(),
+        worker_id: caller.to_owned(),
+        transport: TransportKind::Redis,
+        protocol: MESSAGE_VERSION,
+        connection: 0,
+    }
+}
+
+/// How the relay of a response ended.
+enum Relayed {
+    /// The response ended, or stopped for a reason this frame tells the caller.
+    Last(Frame),
+    /// Nobody reads an answer: the caller cancelled or left.
+    Unanswered,
+    /// The server stops; the caller is told if Redis takes it in time.
+    Stopped,
 }
 
 /// What became of one published reply.
@@ -372,6 +367,31 @@ enum Sent {
     Unencodable(WireError),
     /// Redis did not take it (connection lost, timeout).
     Failed(String),
+}
+
+impl Sent {
+    /// How the relay ends after this reply, or `None` when it goes on.
+    fn ends_relay(self, request_id: u64, caller: &str) -> Option<Relayed> {
+        match self {
+            Sent::Delivered => None,
+            Sent::CallerGone => {
+                debug!(request_id, peer = %caller, "mesh caller's reply channel has no subscriber: caller gone; request stopped");
+                Some(Relayed::Unanswered)
+            }
+            Sent::Unencodable(e) => {
+                warn!(request_id, error = %e, "mesh response head cannot be encoded");
+                let message = format!("owner cannot encode the response: {e}");
+                Some(Relayed::Last(refusal(ErrorKind::Internal, message)))
+            }
+            Sent::Failed(reason) => {
+                // The message may be lost, so the stream is broken either way; try to
+                // say so (the publisher may have reconnected by now).
+                warn!(request_id, peer = %caller, %reason, "publishing a mesh reply failed; request stopped");
+                let message = format!("owner could not publish the response: {reason}");
+                Some(Relayed::Last(refusal(ErrorKind::Internal, message)))
+            }
+        }
+    }
 }
 
 /// Publishes one exchange's replies, in order, to the caller's reply channel.

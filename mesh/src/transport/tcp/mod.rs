@@ -31,12 +31,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use mcpgw_certs::MESH_SERVER_NAME;
+use mcpgw_certs::{MESH_SERVER_NAME, PeerIdentity};
 use mcpgw_wire::Frame;
 use parking_lot::Mutex;
 use rustls::pki_types::ServerName;
 use socket2::{SockRef, TcpKeepalive};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{Instant, timeout};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
@@ -48,14 +48,12 @@ pub(crate) use caller::TcpExchange;
 use self::caller::{CallerConn, read_loop};
 use self::mux::{MuxReader, Outbox, write_loop};
 use super::calling::{greet as client_greet, resolve};
-use super::config::{MeshLimits, TransportKind};
-use super::error::MeshError;
-use super::error::tls_cause;
+use super::config::MeshLimits;
+use super::error::{LinkError, MeshError, tls_cause};
 use super::framed::{FrameReader, FrameWriter};
 use super::guard::HandshakePermit;
 use super::observe::{self, Observer};
-use super::service::PeerInfo;
-use super::serving::{ServerShared, greet as server_greet};
+use super::serving::{AdmittedConnection, ServerShared, admit_connection, greet as server_greet};
 use super::tls::{ClientTls, ConnectionLife, IdentityBook, ServerTls};
 
 /// Sets the socket options every mesh TCP connection wants, on both ends.
@@ -184,25 +182,16 @@ async fn connection(
     let mut reader = FrameReader::new(read, limits.max_frame);
     let mut writer = FrameWriter::new(write, limits.max_frame);
     let greeted = server_greet(&shared, remote, &identity.uri, &mut reader, &mut writer).await;
-    let Some((worker_id, protocol)) = greeted else {
+    let Some(greeted) = greeted else {
         shared.observer.handshake("owner", "greeting");
         let _ = writer.get_mut().shutdown().await;
         return;
     };
-    shared.observer.handshake("owner", "ok");
-    // Authenticated and greeted: no longer a handshake in progress.
-    drop(permit);
-    let _open = shared.observer.open("owner", &identity);
-    let close_at = ConnectionLife::owner_close_at(limits.max_connection_age, identity.not_after);
-    let peer = PeerInfo {
-        addr: remote,
-        identity: identity.member,
-        worker_id,
-        transport: TransportKind::Tcp,
-        protocol,
-        connection: shared.next_connection(),
-    };
-    debug!(%remote, peer = %peer.worker_id, identity = %peer.identity, "mesh TCP peer connected");
+    let AdmittedConnection {
+        peer,
+        close_at,
+        open: _open,
+    } = admit_connection(&shared, remote, identity, greeted, permit);
     let (read, leftover) = reader.into_parts();
     let reader = MuxReader::new(read, leftover, limits.max_frame);
     owner::serve_connection(shared.clone(), peer, reader, writer.into_inner(), close_at).await;
@@ -416,56 +405,16 @@ impl TcpClient {
     }
 }
 
+/// The caller's end of a mesh TCP connection, as TLS leaves it.
+type CallerStream = tokio_rustls::client::TlsStream<TcpStream>;
+
 impl Dialer {
     /// Connects, handshakes and greets, all within the connect timeout, then starts the
     /// connection's reader and writer tasks.
     async fn dial(&self, peer_addr: &str, expect: &str) -> Result<Arc<CallerConn>, MeshError> {
-        let addr_str = || peer_addr.to_owned();
         let limits = &self.limits;
         let attempt = async {
-            let addr = resolve(peer_addr, limits.connect_timeout).await?;
-            let stream = TcpStream::connect(addr).await.map_err(|e| {
-                if e.kind() == std::io::ErrorKind::ConnectionRefused {
-                    MeshError::Refused { addr: addr_str() }
-                } else {
-                    MeshError::Connect {
-                        addr: addr_str(),
-                        reason: e.to_string(),
-                    }
-                }
-            })?;
-            tune(&stream, limits);
-            let name = ServerName::try_from(MESH_SERVER_NAME)
-                .map_err(|e| MeshError::Config(format!("mesh server name: {e}")))?;
-            // The client's TLS config is taken per dial, so new material reaches the
-            // next connection.
-            let tls = TlsConnector::from(self.tls.config())
-                .connect(name, stream)
-                .await
-                .map_err(|e| match tls_cause(&e) {
-                    Some(reason) => MeshError::Tls {
-                        addr: addr_str(),
-                        reason,
-                    },
-                    None => MeshError::Connect {
-                        addr: addr_str(),
-                        reason: format!("TLS handshake failed: {e}"),
-                    },
-                })?;
-            let identity = tls
-                .get_ref()
-                .1
-                .peer_certificates()
-                .map(|chain| self.tls.peer(chain))
-                .unwrap_or_else(|| {
-                    Err(mcpgw_certs::CertError::Parse(
-                        "the peer presented no certificate".into(),
-                    ))
-                })
-                .map_err(|e| MeshError::Tls {
-                    addr: addr_str(),
-                    reason: e.to_string(),
-                })?;
+            let (tls, identity) = self.handshake(peer_addr).await?;
             let (read, write) = tokio::io::split(tls);
             let mut reader = FrameReader::new(read, limits.max_frame);
             let mut writer = FrameWriter::new(write, limits.max_frame);
@@ -482,9 +431,76 @@ impl Dialer {
         };
         let (reader, writer, worker_id, identity) = timeout(limits.connect_timeout, attempt)
             .await
-            .unwrap_or_else(|_| Err(MeshError::ConnectTimeout { addr: addr_str() }))
+            .unwrap_or_else(|_| {
+                Err(MeshError::ConnectTimeout {
+                    addr: peer_addr.to_owned(),
+                })
+            })
             .inspect_err(|e| self.observer.handshake("caller", observe::dial_failure(e)))?;
         self.observer.handshake("caller", "ok");
+        Ok(self.start(reader, writer, worker_id, identity))
+    }
+
+    /// Opens the TCP connection and its TLS session, and reads the mesh identity the
+    /// owner's certificate proves.
+    async fn handshake(&self, peer_addr: &str) -> Result<(CallerStream, PeerIdentity), MeshError> {
+        let addr_str = || peer_addr.to_owned();
+        let addr = resolve(peer_addr, self.limits.connect_timeout).await?;
+        let stream = TcpStream::connect(addr).await.map_err(|e| {
+            if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                MeshError::Refused { addr: addr_str() }
+            } else {
+                MeshError::Connect {
+                    addr: addr_str(),
+                    reason: e.to_string(),
+                }
+            }
+        })?;
+        tune(&stream, &self.limits);
+        let name = ServerName::try_from(MESH_SERVER_NAME)
+            .map_err(|e| MeshError::Config(format!("mesh server name: {e}")))?;
+        // The client's TLS config is taken per dial, so new material reaches the next
+        // connection.
+        let tls = TlsConnector::from(self.tls.config())
+            .connect(name, stream)
+            .await
+            .map_err(|e| match tls_cause(&e) {
+                Some(reason) => MeshError::Tls {
+                    addr: addr_str(),
+                    reason,
+                },
+                None => MeshError::Connect {
+                    addr: addr_str(),
+                    reason: format!("TLS handshake failed: {e}"),
+                },
+            })?;
+        let identity = tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .map(|chain| self.tls.peer(chain))
+            .unwrap_or_else(|| {
+                Err(mcpgw_certs::CertError::Parse(
+                    "the peer presented no certificate".into(),
+                ))
+            })
+            .map_err(|e| MeshError::Tls {
+                addr: addr_str(),
+                reason: e.to_string(),
+            })?;
+        Ok((tls, identity))
+    }
+
+    /// Starts a greeted connection's tasks: the reader that routes frames to their
+    /// exchanges, the writer, and the watch on the peer's certificate.
+    fn start(
+        &self,
+        reader: FrameReader<ReadHalf<CallerStream>>,
+        writer: FrameWriter<WriteHalf<CallerStream>>,
+        worker_id: String,
+        identity: PeerIdentity,
+    ) -> Arc<CallerConn> {
+        let limits = &self.limits;
         let life = ConnectionLife::starting_now(limits.max_connection_age, identity.not_after);
         let open = self.observer.open("caller", &identity);
         let outbox = Outbox::new(limits.max_frame);
@@ -495,14 +511,27 @@ impl Dialer {
             life,
             limits.stream_window,
         );
-        // A connection never outlives its peer's certificate, busy or not.
+        self.close_when_expired(&conn, life.close_at);
+        let (read, leftover) = reader.into_parts();
+        let reader = MuxReader::new(read, leftover, limits.max_frame);
+        let (reading, stop) = (conn.clone(), self.stop.clone());
+        tokio::spawn(async move {
+            let _open = open;
+            read_loop(reading, reader, stop).await;
+        });
+        self.spawn_writer(&conn, outbox, writer.into_inner());
+        conn
+    }
+
+    /// A connection never outlives its peer's certificate, busy or not.
+    fn close_when_expired(&self, conn: &Arc<CallerConn>, close_at: Instant) {
         let expiring = conn.clone();
         let stop = self.stop.clone();
         tokio::spawn(async move {
             tokio::select! {
-                () = tokio::time::sleep_until(life.close_at) => {
+                () = tokio::time::sleep_until(close_at) => {
                     debug!(peer = %expiring.worker_id, "mesh TCP connection closed: the peer's certificate expired");
-                    expiring.fail_all(super::error::LinkError::Broken {
+                    expiring.fail_all(LinkError::Broken {
                         reason: "the peer's certificate expired".into(),
                         tls: None,
                     });
@@ -511,15 +540,17 @@ impl Dialer {
                 () = stop.cancelled() => {}
             }
         });
-        let (read, leftover) = reader.into_parts();
-        let reader = MuxReader::new(read, leftover, limits.max_frame);
-        let (reading, stop) = (conn.clone(), self.stop.clone());
-        tokio::spawn(async move {
-            let _open = open;
-            read_loop(reading, reader, stop).await;
-        });
-        let mut write = writer.into_inner();
-        let stall = limits.idle_timeout;
+    }
+
+    /// Spawns the task that writes what the connection's exchanges queue; a failed
+    /// write fails every exchange of the connection.
+    fn spawn_writer(
+        &self,
+        conn: &Arc<CallerConn>,
+        outbox: Arc<Outbox>,
+        mut write: WriteHalf<CallerStream>,
+    ) {
+        let stall = self.limits.idle_timeout;
         let writer_conn = conn.clone();
         let stop = self.stop.clone();
         tokio::spawn(async move {
@@ -533,13 +564,12 @@ impl Dialer {
                 }
                 Err(e) => {
                     debug!(error = %e, "mesh TCP connection: writing failed");
-                    writer_conn.fail_all(super::error::LinkError::Broken {
+                    writer_conn.fail_all(LinkError::Broken {
                         reason: format!("writing to the owner failed: {e}"),
                         tls: tls_cause(&e),
                     });
                 }
             }
         });
-        Ok(conn)
     }
 }

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::io;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
@@ -71,7 +72,7 @@ pub(super) async fn serve_connection<R, W>(
     shared: Arc<ServerShared>,
     peer: PeerInfo,
     mut reader: MuxReader<R>,
-    mut write: W,
+    write: W,
     close_at: tokio::time::Instant,
 ) where
     R: AsyncRead + Unpin + Send + 'static,
@@ -83,26 +84,7 @@ pub(super) async fn serve_connection<R, W>(
         exchanges: Mutex::new(HashMap::new()),
         window: limits.stream_window.max(1),
     });
-    // Set when the writer fails: the connection is unusable both ways.
-    let write_failed = CancellationToken::new();
-    shared.tracker.spawn({
-        let outbox = conn.outbox.clone();
-        let write_failed = write_failed.clone();
-        let stall = limits.idle_timeout;
-        let worker = peer.worker_id.clone();
-        async move {
-            match write_loop(&outbox, &mut write, stall).await {
-                Ok(()) => {
-                    let _ = timeout(std::time::Duration::from_secs(1), write.shutdown()).await;
-                }
-                Err(e) => {
-                    debug!(peer = %worker, error = %e, "mesh TCP connection: writing failed");
-                    outbox.close();
-                    write_failed.cancel();
-                }
-            }
-        }
-    });
+    let write_failed = spawn_writer(&shared, &conn, write, &peer);
     // Made once: each `cancelled()` future takes the token's lock when first polled.
     let (stopped, failed) = (shared.stop.cancelled(), write_failed.cancelled());
     let too_old = tokio::time::sleep_until(close_at);
@@ -130,51 +112,8 @@ pub(super) async fn serve_connection<R, W>(
             }
             read = reader.next() => read,
         };
-        match read {
-            MuxRead::Frame(id, Frame::Request(request)) => {
-                start_exchange(&shared, &conn, &peer, id, *request);
-            }
-            MuxRead::Frame(id, Frame::Cancel) => match conn.exchanges.lock().get(&id) {
-                Some(ctl) => ctl.set(CANCELLED),
-                // A Cancel that crossed the response's last frame.
-                None => {
-                    debug!(peer = %peer.worker_id, exchange = id, "Cancel for an exchange that is not running")
-                }
-            },
-            MuxRead::Frame(id, Frame::Credit(bytes)) => {
-                if let Some(ctl) = conn.exchanges.lock().get(&id) {
-                    ctl.add_credit(bytes);
-                }
-            }
-            MuxRead::Frame(id, other) => {
-                warn!(peer = %peer.worker_id, exchange = id, frame = other.name(),
-                    "mesh peer sent an unexpected frame; answered with an error");
-                refuse_exchange(
-                    &conn,
-                    id,
-                    ErrorFrame::new(
-                        ErrorKind::Malformed,
-                        format!("expected Request, Cancel or Credit, got {}", other.name()),
-                    ),
-                );
-            }
-            MuxRead::Bad(exchange, error) => {
-                warn!(peer = %peer.worker_id, ?exchange, %error, "mesh peer sent a bad frame; answered with an error");
-                let Frame::Error(frame) = error_for(&LinkError::BadFrame(error)) else {
-                    continue;
-                };
-                // Without an id the answer goes to exchange 0, which no caller uses:
-                // it is for logs and raw clients.
-                refuse_exchange(&conn, exchange.unwrap_or(0), frame);
-            }
-            MuxRead::End => {
-                debug!(peer = %peer.worker_id, "mesh TCP connection closed by the caller");
-                break;
-            }
-            MuxRead::Broken(e) => {
-                debug!(peer = %peer.worker_id, reason = %e.reason(), "mesh TCP connection broke");
-                break;
-            }
+        if on_read(&shared, &conn, &peer, read).is_break() {
+            break;
         }
     }
     // Every exchange still running learns that its caller is gone; the writer sends
@@ -183,6 +122,87 @@ pub(super) async fn serve_connection<R, W>(
         ctl.set(GONE);
     }
     conn.outbox.close();
+}
+
+/// Spawns the task that writes what the connection's exchanges queue. The token it
+/// returns is cancelled when writing fails: the connection is unusable both ways.
+fn spawn_writer<W>(
+    shared: &ServerShared,
+    conn: &OwnerConn,
+    mut write: W,
+    peer: &PeerInfo,
+) -> CancellationToken
+where
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let write_failed = CancellationToken::new();
+    let outbox = conn.outbox.clone();
+    let failed = write_failed.clone();
+    let stall = shared.limits.idle_timeout;
+    let worker = peer.worker_id.clone();
+    shared.tracker.spawn(async move {
+        match write_loop(&outbox, &mut write, stall).await {
+            Ok(()) => {
+                let _ = timeout(std::time::Duration::from_secs(1), write.shutdown()).await;
+            }
+            Err(e) => {
+                debug!(peer = %worker, error = %e, "mesh TCP connection: writing failed");
+                outbox.close();
+                failed.cancel();
+            }
+        }
+    });
+    write_failed
+}
+
+/// Acts on what the reader read: starts, cancels or credits the exchange a frame
+/// names, or answers a frame out of place. `Break` when the connection ended.
+fn on_read(
+    shared: &Arc<ServerShared>,
+    conn: &Arc<OwnerConn>,
+    peer: &PeerInfo,
+    read: MuxRead,
+) -> ControlFlow<()> {
+    match read {
+        MuxRead::Frame(id, Frame::Request(request)) => {
+            start_exchange(shared, conn, peer, id, *request);
+        }
+        MuxRead::Frame(id, Frame::Cancel) => match conn.exchanges.lock().get(&id) {
+            Some(ctl) => ctl.set(CANCELLED),
+            // A Cancel that crossed the response's last frame.
+            None => {
+                debug!(peer = %peer.worker_id, exchange = id, "Cancel for an exchange that is not running")
+            }
+        },
+        MuxRead::Frame(id, Frame::Credit(bytes)) => {
+            if let Some(ctl) = conn.exchanges.lock().get(&id) {
+                ctl.add_credit(bytes);
+            }
+        }
+        MuxRead::Frame(id, other) => {
+            warn!(peer = %peer.worker_id, exchange = id, frame = other.name(),
+                "mesh peer sent an unexpected frame; answered with an error");
+            let message = format!("expected Request, Cancel or Credit, got {}", other.name());
+            refuse_exchange(conn, id, ErrorFrame::new(ErrorKind::Malformed, message));
+        }
+        MuxRead::Bad(exchange, error) => {
+            warn!(peer = %peer.worker_id, ?exchange, %error, "mesh peer sent a bad frame; answered with an error");
+            if let Frame::Error(frame) = error_for(&LinkError::BadFrame(error)) {
+                // Without an id the answer goes to exchange 0, which no caller uses:
+                // it is for logs and raw clients.
+                refuse_exchange(conn, exchange.unwrap_or(0), frame);
+            }
+        }
+        MuxRead::End => {
+            debug!(peer = %peer.worker_id, "mesh TCP connection closed by the caller");
+            return ControlFlow::Break(());
+        }
+        MuxRead::Broken(e) => {
+            debug!(peer = %peer.worker_id, reason = %e.reason(), "mesh TCP connection broke");
+            return ControlFlow::Break(());
+        }
+    }
+    ControlFlow::Continue(())
 }
 
 /// Answers exchange `id` with an error, cancelling it if it runs.
