@@ -310,7 +310,10 @@ fn a_killed_member_process_is_lost_alone_and_never_restarted() {
     );
 
     // The metrics say which member answered and which was lost, per virtual server.
-    let admin = gateway.admin.as_deref().expect("the gateway announces its admin listener");
+    let admin = gateway
+        .admin
+        .as_deref()
+        .expect("the gateway announces its admin listener");
     let metrics = mcpgw_testkit::admin::scrape(admin);
     let member = |member: &str, method: &str, outcome: &str| {
         let sample = format!(
@@ -321,7 +324,10 @@ fn a_killed_member_process_is_lost_alone_and_never_restarted() {
     assert_eq!(member("st", "tools/call", "answered"), 2.0, "{metrics:?}");
     assert!(member("st", "tools/call", "lost") >= 2.0, "{metrics:?}");
     assert_eq!(member("demo", "tools/call", "answered"), 2.0, "{metrics:?}");
-    assert!(member("demo", "tools/list", "answered") >= 1.0, "{metrics:?}");
+    assert!(
+        member("demo", "tools/list", "answered") >= 1.0,
+        "{metrics:?}"
+    );
 
     // DELETE ends every member's session.
     assert_eq!(demo.counter("sessions_open"), 1);
