@@ -74,6 +74,21 @@ where
     .boxed_unsync()
 }
 
+/// [`sse_events`], with each event passed through `rewrite` on its way.
+pub fn rewrite_events<B, F>(inner: B, max_event: usize, mut rewrite: F) -> ReplyBody
+where
+    B: Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<BoxError>,
+    F: FnMut(Bytes) -> Bytes + Send + 'static,
+{
+    sse_events(inner, max_event)
+        .map_frame(move |frame| match frame.into_data() {
+            Ok(event) => Frame::data(rewrite(event)),
+            Err(frame) => frame,
+        })
+        .boxed_unsync()
+}
+
 /// Keeps `guard` alive exactly as long as `body`: until the answer is fully sent or
 /// the client is gone.
 pub fn hold<G: Send + Unpin + 'static>(body: ReplyBody, guard: G) -> ReplyBody {

@@ -12,6 +12,9 @@ usage: federation_client.py URL SCENARIO
              argument and a template variable, subscribe (and the updated
              notification, on the GET stream: the member sends it when the client
              says its roots changed), unsubscribe, each member's subscriptions
+    asking   two members (a__, b__) asking the client for sampling in one call each,
+             at once: the ids the client saw, the answer it gave to each, and what
+             each member says it was answered
 """
 
 import asyncio
@@ -127,7 +130,29 @@ async def resources(url):
         }
 
 
-SCENARIOS = {"merged": merged, "open": opened, "resources": resources}
+async def asking(url):
+    seen = []
+
+    async def on_sampling(context, params):
+        # Each request gets its own answer, named by the id it came with, so each
+        # member's report shows whether the answer it got was the one meant for it.
+        answer = f"answer to {context.request_id}"
+        seen.append({"id": context.request_id, "answer": answer})
+        return types.CreateMessageResult(
+            role="assistant",
+            content=types.TextContent(type="text", text=answer),
+            model="test",
+        )
+
+    async with mcp.Client(url, mode="legacy", sampling_callback=on_sampling) as client:
+        a, b = await asyncio.gather(
+            client.call_tool("a__ask_client", {"kind": "sampling"}),
+            client.call_tool("b__ask_client", {"kind": "sampling"}),
+        )
+        return {"seen": seen, "a": text_of(a), "b": text_of(b)}
+
+
+SCENARIOS = {"merged": merged, "open": opened, "resources": resources, "asking": asking}
 
 if __name__ == "__main__":
     url, scenario = sys.argv[1], sys.argv[2]

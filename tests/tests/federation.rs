@@ -587,6 +587,60 @@ fn identities(response: &http::Response, list: &str, field: &str) -> Vec<String>
         .collect()
 }
 
+/// Two members that ask the client at once both number their request 0: the client
+/// sees each under an id naming its member, and each member gets the answer meant for
+/// it, not the other's (README: issue #22 item 3).
+#[test]
+fn requests_two_members_send_the_client_at_once_get_their_own_answers() {
+    let asking = |name: &str| {
+        format!(
+            "[[upstream]]\nname = \"{name}\"\ncommand = [{}, {}, \"stdio\"]\n",
+            quoted(&python().display().to_string()),
+            quoted(&python_script("asking_server.py").display().to_string()),
+        )
+    };
+    let config = config_file(
+        "asking",
+        &format!(
+            "{}{}\n[[server]]\nname = \"all\"\n[[server.member]]\nupstream = \"a\"\n\
+             [[server.member]]\nupstream = \"b\"\n",
+            asking("a"),
+            asking("b")
+        ),
+    );
+    let gateway = start(&config);
+    let url = format!("http://{}{ALL}", gateway.addr);
+    let out = run_python("federation_client.py", &[&url, "asking"]);
+    let seen = out["seen"].as_array().expect("the requests the client saw");
+    let ids: Vec<&str> = seen.iter().filter_map(|s| s["id"].as_str()).collect();
+    assert_eq!(ids.len(), 2, "two requests under string ids: {out}");
+    assert_ne!(ids[0], ids[1], "distinct ids: {out}");
+    // Each member numbered its request alike: without the member in the id, the
+    // client's two answers would carry one id.
+    let own = |id: &str| id.rsplit('~').next().map(str::to_owned);
+    assert_eq!(
+        own(ids[0]),
+        own(ids[1]),
+        "the members' own ids collide: {out}"
+    );
+    for (member, at) in [("a", 0), ("b", 1)] {
+        let meant = seen
+            .iter()
+            .find(|s| {
+                s["id"]
+                    .as_str()
+                    .is_some_and(|id| id.starts_with(&format!("mcpgw~{at}~")))
+            })
+            .unwrap_or_else(|| panic!("member {member}'s request reached the client: {out}"));
+        let report = out[member].as_str().unwrap_or_default();
+        let answer = meant["answer"].as_str().expect("an answer");
+        assert!(
+            report.starts_with("answered:") && report.contains(answer),
+            "member {member} got the answer meant for it ({answer:?}): {report}"
+        );
+    }
+}
+
 #[test]
 fn the_sdk_client_reads_subscribes_and_completes_across_members() {
     let demo = Upstream::start();

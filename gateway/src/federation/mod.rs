@@ -18,6 +18,7 @@
 //! adopts it rebuilds this link from the session's record, its stdio members lost.
 
 mod adopt;
+mod ids;
 mod modern;
 mod names;
 mod open;
@@ -716,7 +717,7 @@ impl Worker {
             Err(MemberFailure::Failed(_)) => "failed",
         });
         match judged {
-            Ok(reply) => reply,
+            Ok(reply) => self.tag_member_requests(at, reply),
             Err(MemberFailure::Lost(why)) => {
                 from_gateway_error(&member_lost(link, member, &why, id))
             }
@@ -745,19 +746,44 @@ impl Worker {
         }
     }
 
-    /// A notification or response of the client: to every live member (the client's
-    /// `notifications/initialized` was sent to each at initialize already).
+    /// A member's answer stream, with the requests it sends the client on it under
+    /// ids that name the member ([`ids`]).
+    fn tag_member_requests(&self, at: usize, mut reply: UpstreamReply) -> UpstreamReply {
+        if crate::execute::is_sse(&reply.headers) {
+            let max_event = self.config.limits.max_sse_event_bytes;
+            let body = std::mem::replace(&mut reply.body, crate::body::full(Bytes::new()));
+            reply.body =
+                crate::body::rewrite_events(body, max_event, move |e| ids::tag_event(at, e));
+        }
+        reply
+    }
+
+    /// A notification or response of the client: an answer to a member's request to
+    /// the member that asked, under its own id ([`ids`]); anything else to every live
+    /// member (the client's `notifications/initialized` was sent to each at
+    /// initialize already).
     async fn pass_to_members(
         &self,
         link: &FederatedLink,
         headers: &HeaderMap,
         body: Bytes,
     ) -> UpstreamReply {
-        let initialized = serde_json::from_slice::<Value>(&body)
-            .ok()
-            .and_then(|m| m.get("method").and_then(Value::as_str).map(str::to_owned))
+        let mut message = serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null);
+        let initialized = message
+            .get("method")
+            .and_then(Value::as_str)
             .is_some_and(|m| m == "notifications/initialized");
-        if !initialized {
+        if let Some(at) = ids::untag(&mut message) {
+            if let Some(member) = link.members.get(at).filter(|m| m.lost().is_none()) {
+                let body = Bytes::from(message.to_string());
+                let reply = member
+                    .send(self, member_headers(&member.version, Some(headers)), body)
+                    .await;
+                if let Ok(reply) = link.judge(member, reply) {
+                    let _ = reply.body.collect().await;
+                }
+            }
+        } else if !initialized {
             futures_util::future::join_all(link.members.iter().filter(|m| m.lost().is_none()).map(
                 |member| async {
                     let reply = member
