@@ -3,7 +3,9 @@ resources, resource templates, subscriptions, a prompt and completion, for the
 federation tests. Every answer names the server (NAME), so a test knows which member
 answered.
 
-usage: resource_server.py NAME
+usage: resource_server.py NAME [LIST_DELAY_S]
+
+  LIST_DELAY_S: tools/list answers only after this many seconds (a slow member).
 
   resources  mem://NAME/readme, mem://NAME/hidden, shared://common (every instance
              lists this one: a conflict between members)
@@ -28,6 +30,7 @@ from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 
 NAME = sys.argv[1]
+LIST_DELAY_S = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
 subscribed: set[str] = set()
 
 
@@ -99,6 +102,8 @@ async def complete(ctx, params):
 
 
 async def list_tools(ctx, params):
+    if LIST_DELAY_S:
+        await anyio.sleep(LIST_DELAY_S)
     empty = {"type": "object", "properties": {}}
     return types.ListToolsResult(tools=[
         types.Tool(name="subscriptions", input_schema=empty),

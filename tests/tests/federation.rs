@@ -490,22 +490,27 @@ upstream = "two"
 prefix = "x"
 "#,
     );
+    let stderr = refused_at_start(&config);
+    assert!(
+        stderr.contains("\"one\"") && stderr.contains("\"two\"") && stderr.contains("collide"),
+        "the refusal names both members: {stderr}"
+    );
+}
+
+/// What `mcpgw serve` with `config` says on stderr as it refuses to start.
+fn refused_at_start(config: &Path) -> String {
     let log = config.with_extension("log");
     let mut command = std::process::Command::new(mcpgw_testkit::bin("mcpgw"));
     command
         .args(["serve", "--listen", "127.0.0.1:0", "--config"])
-        .arg(&config);
+        .arg(config);
     let stderr_file = std::fs::File::create(&log).expect("create the log file");
     let mut serve =
         mcpgw_testkit::Child::from_command_with_stderr("mcpgw", command, stderr_file.into())
             .expect("run mcpgw serve");
     let code = serve.wait_exit(Duration::from_secs(60));
-    assert_ne!(code, Some(0), "a colliding configuration starts");
-    let stderr = std::fs::read_to_string(&log).expect("read the log");
-    assert!(
-        stderr.contains("\"one\"") && stderr.contains("\"two\"") && stderr.contains("collide"),
-        "the refusal names both members: {stderr}"
-    );
+    assert_ne!(code, Some(0), "the configuration was refused");
+    std::fs::read_to_string(&log).expect("read the log")
 }
 
 /// `[[upstream]]` tables of two SDK-built resource servers over stdio (`alpha`,
@@ -585,6 +590,80 @@ fn identities(response: &http::Response, list: &str, field: &str) -> Vec<String>
         .iter()
         .map(|item| item[field].as_str().expect("an identity").to_owned())
         .collect()
+}
+
+/// A member slower than its `list_timeout_ms` delays a merged list by that much only:
+/// the list comes without it and says so, and the other members' names are in it.
+#[test]
+fn a_member_slower_than_its_list_deadline_is_left_out_of_the_list_and_named() {
+    let demo = Upstream::start();
+    let config = config_file(
+        "slow-list",
+        &format!(
+            r#"
+[[upstream]]
+name = "demo"
+url = "{demo}"
+
+[[upstream]]
+name = "slow"
+command = [{python}, {script}, "slow", "600"]
+
+[[server]]
+name = "all"
+[[server.member]]
+upstream = "demo"
+[[server.member]]
+upstream = "slow"
+list_timeout_ms = 300
+"#,
+            demo = demo.url,
+            python = quoted(&python().display().to_string()),
+            script = quoted(&python_script("resource_server.py").display().to_string()),
+        ),
+    );
+    let gateway = start(&config);
+    let addr = gateway.addr.clone();
+    let session = initialize(&addr, ALL);
+    let listed = http::request(
+        &addr,
+        "POST",
+        ALL,
+        &mcp_headers(Some(&session)),
+        &rpc_body(2, "tools/list", json!({})),
+    );
+    assert_eq!(listed.status, 200, "{}", listed.text());
+    let names = tool_names(&listed);
+    assert!(names.contains(&"demo__echo".to_owned()), "{names:?}");
+    assert!(!names.iter().any(|n| n.starts_with("slow__")), "{names:?}");
+    let message = listed
+        .messages()
+        .into_iter()
+        .find(|m| m.get("result").is_some())
+        .expect("a result");
+    let missing = &message["result"]["_meta"]["mcpgw/federation"]["missing"];
+    assert_eq!(missing[0]["member"], "slow", "{message}");
+    let why = missing[0]["why"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("within 300 ms") && why.contains("list_timeout_ms"),
+        "{why}"
+    );
+    assert_eq!(
+        call_text(&addr, &session, 3, "demo__counter_increment"),
+        "1"
+    );
+}
+
+#[test]
+fn a_zero_list_deadline_is_refused_at_start() {
+    let config = config_file(
+        "zero-list",
+        "[[upstream]]\nname = \"demo\"\nurl = \"http://127.0.0.1:9/mcp\"\n\
+         [[server]]\nname = \"all\"\n[[server.member]]\nupstream = \"demo\"\n\
+         list_timeout_ms = 0\n",
+    );
+    let stderr = refused_at_start(&config);
+    assert!(stderr.contains("list_timeout_ms"), "{stderr}");
 }
 
 /// Two members that ask the client at once both number their request 0: the client

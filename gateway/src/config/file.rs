@@ -75,6 +75,7 @@ struct FileMember {
     #[serde(default)]
     resources: NameFilter,
     required: Option<bool>,
+    list_timeout_ms: Option<u64>,
 }
 
 /// What a tool name may hold (the MCP spec's tool-name characters): prefixes and
@@ -153,6 +154,16 @@ impl FileServer {
                 prompts: member.prompts,
                 resources: member.resources,
                 required: member.required.unwrap_or(true),
+                list_timeout: match member.list_timeout_ms {
+                    Some(0) => {
+                        return Err(invalid(
+                            &format!("{field}.member.list_timeout_ms"),
+                            "must be at least 1 (milliseconds); leave it out to wait the \
+                             upstream request timeout",
+                        ));
+                    }
+                    ms => ms.map(std::time::Duration::from_millis),
+                },
             });
         }
         check_exposed_names(field, self.prefix, &members)?;

@@ -171,6 +171,18 @@ pub struct MemberConfig {
     pub resources: NameFilter,
     /// Initialize fails without this member (else the session opens without it).
     pub required: bool,
+    /// How long a merged list waits for this member before it is returned without it
+    /// (and says so); `None`: the upstream request timeout.
+    pub list_timeout: Option<std::time::Duration>,
+}
+
+impl MemberConfig {
+    /// How long a merged list waits for this member.
+    pub fn list_deadline(&self, limits: &Limits) -> std::time::Duration {
+        self.list_timeout
+            .unwrap_or(limits.upstream_request_timeout)
+            .min(limits.upstream_request_timeout)
+    }
 }
 
 /// Include and exclude patterns (`*` matches any run of characters); an empty include

@@ -360,7 +360,10 @@ impl FederatedLink {
             if !member.has(of.capability) {
                 return Ok(Vec::new());
             }
-            let listed = self.list_member(worker, member, of).await;
+            let deadline = member.config.list_deadline(&worker.config.limits);
+            let listed = tokio::time::timeout(deadline, self.list_member(worker, member, of))
+                .await
+                .unwrap_or_else(|_| Err(too_slow(of.method, deadline)));
             count(
                 member,
                 match (&listed, member.lost()) {
@@ -806,6 +809,15 @@ impl Worker {
             body: crate::body::full(Bytes::new()),
         }
     }
+}
+
+/// Why a member is missing from a merged list it did not answer in time.
+fn too_slow(method: &str, deadline: std::time::Duration) -> String {
+    format!(
+        "it did not answer {method} within {} ms (its list_timeout_ms); the list was \
+         returned without it",
+        deadline.as_millis()
+    )
 }
 
 /// A list method's `cursor`: refused, since every merged list is returned whole.

@@ -152,11 +152,13 @@ impl Worker {
         kind: Kind,
     ) -> Merged {
         let members = &server.server.members;
-        let listings = futures_util::future::join_all(
-            members
-                .iter()
-                .map(|member| self.list_member_modern(server, call, member, kind)),
-        )
+        let listings = futures_util::future::join_all(members.iter().map(|member| async move {
+            let deadline = member.list_deadline(&self.config.limits);
+            let listed = self.list_member_modern(server, call, member, kind);
+            tokio::time::timeout(deadline, listed)
+                .await
+                .unwrap_or_else(|_| Err(super::too_slow(kind.listing().method, deadline)))
+        }))
         .await;
         let mut merged = Merged {
             items: Vec::new(),
