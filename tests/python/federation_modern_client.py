@@ -16,24 +16,15 @@ import mcp
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
+# The legacy-mode driver's helpers (this directory is on the import path).
+from federation_client import error_of, text_of
+
 MODE = "2026-07-28"
 
 
 def connect(url, token):
     http = create_mcp_http_client(headers={"Authorization": f"Bearer {token}"})
     return mcp.Client(streamable_http_client(url, http_client=http), mode=MODE)
-
-
-def text_of(result):
-    return "".join(c.text for c in result.content if getattr(c, "type", "") == "text")
-
-
-async def error_of(client, name, arguments):
-    try:
-        result = await client.call_tool(name, arguments)
-    except Exception as e:  # the SDK raises the JSON-RPC error
-        return str(e)
-    return f"no error: {text_of(result)}"
 
 
 async def count(client):
