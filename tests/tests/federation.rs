@@ -666,11 +666,29 @@ fn a_zero_list_deadline_is_refused_at_start() {
     assert!(stderr.contains("list_timeout_ms"), "{stderr}");
 }
 
-/// Two members that ask the client at once both number their request 0: the client
-/// sees each under an id naming its member, and each member gets the answer meant for
-/// it, not the other's (README: issue #22 item 3).
 #[test]
 fn requests_two_members_send_the_client_at_once_get_their_own_answers() {
+    let gateway = start(&two_asking_members());
+    assert_each_member_got_its_own_answer(&format!("http://{}{ALL}", gateway.addr));
+}
+
+/// The same through a fleet: the calls land on a worker that does not own the session,
+/// the client's answers on a third one, and each still reaches the member that asked.
+#[test]
+fn a_members_request_is_answered_through_another_worker_and_reaches_it() {
+    let config = two_asking_members();
+    let fleet = Fleet::start(3, &["--config".into(), config.display().to_string()]);
+    let proxy = mcpgw_testkit::ScatterProxy::start_routed(fleet.addrs(), support::by_role);
+    assert_each_member_got_its_own_answer(&format!("http://{}{ALL}", proxy.addr));
+    let sent = proxy.sent_counts();
+    assert!(
+        sent[1] >= 2 && sent[2] >= 2,
+        "the calls went to worker 1, the answers to worker 2: {sent:?}"
+    );
+}
+
+/// A virtual server of two SDK servers (`a`, `b`, over stdio) whose tool asks the client.
+fn two_asking_members() -> PathBuf {
     let asking = |name: &str| {
         format!(
             "[[upstream]]\nname = \"{name}\"\ncommand = [{}, {}, \"stdio\"]\n",
@@ -678,7 +696,7 @@ fn requests_two_members_send_the_client_at_once_get_their_own_answers() {
             quoted(&python_script("asking_server.py").display().to_string()),
         )
     };
-    let config = config_file(
+    config_file(
         "asking",
         &format!(
             "{}{}\n[[server]]\nname = \"all\"\n[[server.member]]\nupstream = \"a\"\n\
@@ -686,10 +704,14 @@ fn requests_two_members_send_the_client_at_once_get_their_own_answers() {
             asking("a"),
             asking("b")
         ),
-    );
-    let gateway = start(&config);
-    let url = format!("http://{}{ALL}", gateway.addr);
-    let out = run_python("federation_client.py", &[&url, "asking"]);
+    )
+}
+
+/// Two members that ask the client at once both number their request alike: the
+/// client sees each under an id naming its member, and each member gets the answer
+/// meant for it, not the other's.
+fn assert_each_member_got_its_own_answer(url: &str) {
+    let out = run_python("federation_client.py", &[url, "asking"]);
     let seen = out["seen"].as_array().expect("the requests the client saw");
     let ids: Vec<&str> = seen.iter().filter_map(|s| s["id"].as_str()).collect();
     assert_eq!(ids.len(), 2, "two requests under string ids: {out}");

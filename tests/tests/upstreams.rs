@@ -387,18 +387,6 @@ fn the_process_limit_is_a_clear_503_and_a_place_frees_when_a_session_ends() {
     );
 }
 
-/// Sends each request to the worker its role calls for: initialize and everything
-/// else to worker 0 (the owner), `tools/call` to worker 1 (forwarded), and the
-/// client's answers to the server's requests to worker 2 (forwarded too).
-fn by_role(method: &str, body: &[u8]) -> usize {
-    let message: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-    match (method, message.get("method").and_then(Value::as_str)) {
-        ("POST", Some("tools/call")) => 1,
-        ("POST", None) if message.get("id").is_some() => 2,
-        _ => 0,
-    }
-}
-
 #[test]
 fn an_elicitation_mid_call_is_answered_through_a_third_worker() {
     let (_server, port) = python_http_server("stateful_server");
@@ -412,7 +400,7 @@ fn an_elicitation_mid_call_is_answered_through_a_third_worker() {
         ],
     );
     for route in ["web", "st"] {
-        let proxy = ScatterProxy::start_routed(fleet.addrs(), by_role);
+        let proxy = ScatterProxy::start_routed(fleet.addrs(), support::by_role);
         let url = format!("http://{}/servers/{route}/mcp", proxy.addr);
         let out = run_python("upstream_client.py", &[&url, "legacy", "elicit"]);
         assert_eq!(out["asked"], json!(["What is the answer?"]), "{route}");

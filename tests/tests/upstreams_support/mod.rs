@@ -270,3 +270,19 @@ fn parse_block(raw: &str) -> (Option<Event>, Vec<String>) {
         .map(|data| Event { id, data });
     (event, comments)
 }
+
+/// Sends each request to the worker its role calls for: initialize and everything
+/// else to worker 0 (the owner), `tools/call` to worker 1 (forwarded), and the
+/// client's answers to the server's requests to worker 2 (forwarded too).
+pub fn by_role(method: &str, body: &[u8]) -> usize {
+    let message: serde_json::Value =
+        serde_json::from_slice(body).unwrap_or(serde_json::Value::Null);
+    match (
+        method,
+        message.get("method").and_then(serde_json::Value::as_str),
+    ) {
+        ("POST", Some("tools/call")) => 1,
+        ("POST", None) if message.get("id").is_some() => 2,
+        _ => 0,
+    }
+}
