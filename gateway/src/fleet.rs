@@ -28,6 +28,8 @@ pub enum ClaimError {
     Collision,
     /// The directory did not answer in time: no session was created.
     DirectoryUnavailable(String),
+    /// This worker could not confirm its own lease: no session was created.
+    LeaseInDoubt,
     /// What it needs to continue elsewhere could not be sealed.
     Unrecordable(String),
 }

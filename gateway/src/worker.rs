@@ -199,13 +199,19 @@ impl Worker {
         session: &Session,
         initialize: Option<&serde_json::Value>,
     ) -> Result<(), GatewayError> {
-        match self.fleet.get() {
-            Some(fleet) => fleet
-                .claim(session, initialize)
-                .await
-                .map_err(claim_refused),
-            None => Ok(()),
+        let Some(fleet) = self.fleet.get() else {
+            return Ok(());
+        };
+        // A worker that cannot confirm its lease opens no session: it may be declared
+        // dead at any moment, and a request forwarded to it for the new session would
+        // find its owner in doubt. One renewal decides, as for a held session.
+        if !fleet.lease.valid() && !self.renew_lease(true).await {
+            return Err(claim_refused(ClaimError::LeaseInDoubt));
         }
+        fleet
+            .claim(session, initialize)
+            .await
+            .map_err(claim_refused)
     }
 
     /// Ends the sessions no exchange has used for the idle timeout, upstream and in
@@ -312,6 +318,15 @@ pub(crate) fn claim_refused(error: ClaimError) -> GatewayError {
         .with_data(serde_json::json!({ "retryable": true}))
         .with_retry_after(RETRY_AFTER_SECONDS)
         .with_log_detail(detail),
+        // The directory's fault as the client sees it: it did not answer the renewal.
+        ClaimError::LeaseInDoubt => GatewayError::gateway(
+            StatusCode::SERVICE_UNAVAILABLE,
+            Reason::DirectoryUnavailable,
+            "the fleet directory did not confirm this worker's lease in time; no session \
+             was created: retry initialize",
+        )
+        .with_data(serde_json::json!({ "retryable": true }))
+        .with_retry_after(RETRY_AFTER_SECONDS),
         ClaimError::Unrecordable(why) => GatewayError::gateway(
             StatusCode::INTERNAL_SERVER_ERROR,
             Reason::EntropyUnavailable,
