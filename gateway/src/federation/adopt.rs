@@ -23,6 +23,7 @@ use tracing::{info, warn};
 
 use super::{FederatedLink, Member, MemberHealth, PROCESS_LEFT_BEHIND};
 use crate::adoption::{AdoptionKeys, MemberRecord, MemberTransport, OpenError};
+use crate::config::MemberConfig;
 use crate::execute::streams::SessionStreams;
 use crate::execute::upstream::{Upstream, UpstreamLink};
 use crate::worker::Worker;
@@ -73,65 +74,11 @@ impl Worker {
                 warn!(server = %server.name, member = %record.upstream, "a member of an adopted session is no longer configured: it is left out");
                 continue;
             };
-            let health = Arc::new(MemberHealth {
-                lost: Mutex::new(None),
-            });
-            let http = matches!(self.upstreams[config.index], Upstream::Http(_));
-            let (link, version) = match (record.transport, &record.session) {
-                (MemberTransport::Http, Some(sealed)) if http => {
-                    let opened = keys
-                        .open_member(session_id, &record.upstream, sealed)
-                        .map_err(|e| {
-                            let label = match e {
-                                OpenError::UnknownKey(_) => "key_unknown",
-                                OpenError::Malformed => "record_unreadable",
-                            };
-                            refusal(label, format!("member {}: {e}", record.upstream))
-                        })?;
-                    let unreadable = || {
-                        refusal(
-                            "record_unreadable",
-                            format!(
-                                "member {}: its recorded session is not a header value",
-                                record.upstream
-                            ),
-                        )
-                    };
-                    let member_session = opened
-                        .session_id
-                        .map(|id| HeaderValue::from_str(&id))
-                        .transpose()
-                        .map_err(|_| unreadable())?;
-                    let version = HeaderValue::from_str(&opened.protocol_version)
-                        .map_err(|_| unreadable())?;
-                    let link = UpstreamLink::Http {
-                        session_id: member_session,
-                    };
-                    (Some(link), version)
-                }
-                (MemberTransport::Http, _) => {
-                    lost.push((
-                        built.len(),
-                        "it was an HTTP upstream when the session opened and is not one now"
-                            .to_owned(),
-                    ));
-                    (None, HeaderValue::from_static(super::open::LATEST_LEGACY))
-                }
-                (MemberTransport::Stdio, _) => {
-                    lost.push((
-                        built.len(),
-                        format!("its upstream process {PROCESS_LEFT_BEHIND}"),
-                    ));
-                    (None, HeaderValue::from_static(super::open::LATEST_LEGACY))
-                }
-            };
-            built.push(Member {
-                config: config.clone(),
-                link,
-                version,
-                capabilities: record.capabilities.clone(),
-                health,
-            });
+            let (member, why_lost) = self.rebuild_member(config, record, session_id, keys)?;
+            if let Some(why) = why_lost {
+                lost.push((built.len(), why));
+            }
+            built.push(member);
         }
         let link = FederatedLink {
             server: server.name.clone(),
@@ -148,48 +95,9 @@ impl Worker {
         for (at, why) in &lost {
             link.mark_lost(&link.members[*at], why);
         }
-        // Only a member holding a session can have forgotten it.
-        let probed: Vec<&Member> = link
-            .members
-            .iter()
-            .filter(|m| {
-                matches!(
-                    m.link,
-                    Some(UpstreamLink::Http {
-                        session_id: Some(_)
-                    })
-                )
-            })
-            .collect();
-        futures_util::future::join_all(probed.iter().map(|member| {
-            let ping = json!({"jsonrpc": "2.0", "id": "mcpgw-adopt-ping", "method": "ping"});
-            link.exchange(self, member, Bytes::from(ping.to_string()))
-        }))
-        .await;
-        let forgotten = probed.iter().any(|m| m.lost().is_some());
-        if link.members.iter().all(|m| m.lost().is_some()) {
-            link.ending.store(true, Ordering::Release);
-            let named: Vec<String> = link
-                .members
-                .iter()
-                .map(|m| format!("{} ({})", m.name(), m.lost().unwrap_or_default()))
-                .collect();
-            return Err(refusal(
-                if forgotten {
-                    "upstream_forgot"
-                } else {
-                    "stdio"
-                },
-                format!(
-                    "no member of virtual server {} could go on: {}",
-                    server.name,
-                    if named.is_empty() {
-                        "none is configured any more".to_owned()
-                    } else {
-                        named.join(", ")
-                    }
-                ),
-            ));
+        self.ping_members(&link).await;
+        if let Some(refused) = none_left(&link, &server.name) {
+            return Err(refused);
         }
         let live = link.members.iter().filter(|m| m.lost().is_none()).count();
         info!(
@@ -200,4 +108,139 @@ impl Worker {
         );
         Ok(UpstreamLink::Federated(Arc::new(link)))
     }
+
+    /// One member of an adopted session, from its record: an HTTP member reconnects
+    /// to its upstream session (opened from its sealed record); any other is lost from
+    /// the start, with why.
+    fn rebuild_member(
+        &self,
+        config: &MemberConfig,
+        record: &MemberRecord,
+        session_id: &str,
+        keys: &AdoptionKeys,
+    ) -> Result<(Member, Option<String>), AdoptRefusal> {
+        let http = matches!(self.upstreams[config.index], Upstream::Http(_));
+        let lost_link = || (None, HeaderValue::from_static(super::open::LATEST_LEGACY));
+        let (link, version, why_lost) = match (record.transport, &record.session) {
+            (MemberTransport::Http, Some(sealed)) if http => {
+                let (link, version) = reconnect(record, sealed, session_id, keys)?;
+                (Some(link), version, None)
+            }
+            (MemberTransport::Http, _) => {
+                let (link, version) = lost_link();
+                let why = "it was an HTTP upstream when the session opened and is not one now";
+                (link, version, Some(why.to_owned()))
+            }
+            (MemberTransport::Stdio, _) => {
+                let (link, version) = lost_link();
+                let why = format!("its upstream process {PROCESS_LEFT_BEHIND}");
+                (link, version, Some(why))
+            }
+        };
+        let member = Member {
+            config: config.clone(),
+            link,
+            version,
+            capabilities: record.capabilities.clone(),
+            health: Arc::new(MemberHealth {
+                lost: Mutex::new(None),
+            }),
+        };
+        Ok((member, why_lost))
+    }
+
+    /// Pings every member that holds an upstream session, so one whose upstream forgot
+    /// it is lost before the client's call (only such a member can have forgotten).
+    async fn ping_members(&self, link: &FederatedLink) {
+        let probed = link.members.iter().filter(|m| {
+            matches!(
+                m.link,
+                Some(UpstreamLink::Http {
+                    session_id: Some(_)
+                })
+            )
+        });
+        futures_util::future::join_all(probed.map(|member| {
+            let ping = json!({"jsonrpc": "2.0", "id": "mcpgw-adopt-ping", "method": "ping"});
+            link.exchange(self, member, Bytes::from(ping.to_string()))
+        }))
+        .await;
+    }
+}
+
+/// An HTTP member's upstream session, opened from its sealed record.
+fn reconnect(
+    record: &MemberRecord,
+    sealed: &str,
+    session_id: &str,
+    keys: &AdoptionKeys,
+) -> Result<(UpstreamLink, HeaderValue), AdoptRefusal> {
+    let opened = keys
+        .open_member(session_id, &record.upstream, sealed)
+        .map_err(|e| {
+            let label = match e {
+                OpenError::UnknownKey(_) => "key_unknown",
+                OpenError::Malformed => "record_unreadable",
+            };
+            refusal(label, format!("member {}: {e}", record.upstream))
+        })?;
+    let unreadable = || {
+        refusal(
+            "record_unreadable",
+            format!(
+                "member {}: its recorded session is not a header value",
+                record.upstream
+            ),
+        )
+    };
+    let member_session = opened
+        .session_id
+        .map(|id| HeaderValue::from_str(&id))
+        .transpose()
+        .map_err(|_| unreadable())?;
+    let version = HeaderValue::from_str(&opened.protocol_version).map_err(|_| unreadable())?;
+    let link = UpstreamLink::Http {
+        session_id: member_session,
+    };
+    Ok((link, version))
+}
+
+/// The refusal when no member of the adopted session can go on (each lost, or none
+/// configured any more); `None` while one can. The session's ending is marked, so
+/// members stopping now are not reported lost.
+fn none_left(link: &FederatedLink, server: &str) -> Option<AdoptRefusal> {
+    if !link.members.iter().all(|m| m.lost().is_some()) {
+        return None;
+    }
+    link.ending.store(true, Ordering::Release);
+    // A member holding an upstream session that is lost now was forgotten upstream.
+    let forgotten = link.members.iter().any(|m| {
+        m.lost().is_some()
+            && matches!(
+                m.link,
+                Some(UpstreamLink::Http {
+                    session_id: Some(_)
+                })
+            )
+    });
+    let named: Vec<String> = link
+        .members
+        .iter()
+        .map(|m| format!("{} ({})", m.name(), m.lost().unwrap_or_default()))
+        .collect();
+    Some(refusal(
+        if forgotten {
+            "upstream_forgot"
+        } else {
+            "stdio"
+        },
+        format!(
+            "no member of virtual server {server} could go on: {}",
+            if named.is_empty() {
+                "none is configured any more".to_owned()
+            } else {
+                named.join(", ")
+            }
+        ),
+    ))
 }
