@@ -20,7 +20,8 @@ use super::{
 use crate::config::MemberConfig;
 use crate::execute::streams::{SessionStreams, StreamLog};
 use crate::execute::upstream::{
-    Upstream, UpstreamError, UpstreamLink, UpstreamReply, VirtualUpstream, read_answer,
+    StdioProcess, StdioUpstream, Upstream, UpstreamError, UpstreamLink, UpstreamReply,
+    VirtualUpstream, read_answer,
 };
 use crate::mcp::{self, GatewayError};
 use crate::reason::Reason;
@@ -55,18 +56,22 @@ impl Worker {
         let capabilities = params.get("capabilities").cloned().unwrap_or(json!({}));
         let get_stream = streams.new_get(&self.id);
         let ending = Arc::new(AtomicBool::new(false));
-        let opened = futures_util::future::join_all(server.server.members.iter().map(|member| {
-            self.open_member(
-                &server.name,
-                member,
-                &version,
-                &capabilities,
-                session_id,
-                principal,
-                &get_stream,
-                &ending,
-            )
-        }))
+        let opening = Opening {
+            server: &server.name,
+            version: &version,
+            capabilities: &capabilities,
+            session_id,
+            principal,
+            get_stream: &get_stream,
+            ending: &ending,
+        };
+        let opened = futures_util::future::join_all(
+            server
+                .server
+                .members
+                .iter()
+                .map(|member| self.open_member(&opening, member)),
+        )
         .await;
         let mut members = Vec::new();
         let mut left_out = Vec::new();
@@ -96,25 +101,7 @@ impl Worker {
         if !refused.is_empty() {
             // The error answer is the truth for the client; whoever opened the link
             // closes it on a refused initialize, and with it the members opened.
-            let named: Vec<String> = refused
-                .iter()
-                .map(|(member, why)| format!("{member} ({why})"))
-                .collect();
-            let error = GatewayError::gateway(
-                StatusCode::BAD_GATEWAY,
-                Reason::MemberUnavailable,
-                format!(
-                    "virtual server {} cannot open a session: its required member {} could not \
-                     be opened; retry later or check that upstream",
-                    server.name,
-                    named.join(", ")
-                ),
-            )
-            .with_data(json!({
-                "members": refused.iter().map(|(member, _)| member).collect::<Vec<_>>(),
-                "retryable": true,
-            }))
-            .with_id(id);
+            let error = required_missing(&server.name, &refused).with_id(id);
             return Ok((UpstreamLink::Federated(link), from_gateway_error(&error)));
         }
         let result = initialize_result(&link, &version);
@@ -123,28 +110,21 @@ impl Worker {
     }
 
     /// Opens one member's session; on failure, why (its link, if any, is closed).
-    #[allow(clippy::too_many_arguments)]
     async fn open_member(
         self: &Arc<Self>,
-        server: &str,
+        opening: &Opening<'_>,
         config: &MemberConfig,
-        version: &str,
-        capabilities: &Value,
-        session_id: &str,
-        principal: Option<&str>,
-        get_stream: &Arc<StreamLog>,
-        ending: &Arc<AtomicBool>,
     ) -> Result<Member, String> {
         let initialize = json!({
             "jsonrpc": "2.0", "id": 0, "method": "initialize",
             "params": {
-                "protocolVersion": version,
-                "capabilities": capabilities,
+                "protocolVersion": opening.version,
+                "capabilities": opening.capabilities,
                 "clientInfo": { "name": "mcpgw", "version": env!("CARGO_PKG_VERSION") },
             },
         });
-        let requested =
-            HeaderValue::from_str(version).unwrap_or(HeaderValue::from_static(LATEST_LEGACY));
+        let requested = HeaderValue::from_str(opening.version)
+            .unwrap_or(HeaderValue::from_static(LATEST_LEGACY));
         let headers = member_headers(&requested, None);
         let health = Arc::new(MemberHealth {
             lost: Mutex::new(None),
@@ -161,29 +141,7 @@ impl Worker {
                 (UpstreamLink::Http { session_id }, reply)
             }
             Upstream::Stdio(stdio) => {
-                let on_exit = {
-                    let (server, member) = (server.to_owned(), config.upstream.clone());
-                    let (health, get_stream, ending) = (
-                        Arc::clone(&health),
-                        Arc::clone(get_stream),
-                        Arc::clone(ending),
-                    );
-                    Box::new(move |why: String| {
-                        if !ending.load(Ordering::Acquire) {
-                            let why = format!("its upstream process {why}");
-                            mark_lost(&server, &member, &health, &get_stream, &why);
-                        }
-                    })
-                };
-                let process = stdio
-                    .start(
-                        session::tag_of(session_id),
-                        principal,
-                        Arc::clone(get_stream),
-                        on_exit,
-                    )
-                    .await
-                    .map_err(|e| e.to_string())?;
+                let process = start_stdio_member(stdio, opening, config, &health).await?;
                 match process.exchange(&body, true, timeout).await {
                     Ok(reply) => (UpstreamLink::Stdio(process), reply),
                     Err(e) => {
@@ -194,37 +152,7 @@ impl Worker {
             }
             Upstream::Virtual(_) => return Err("a virtual server cannot be a member".into()),
         };
-        let opened = async {
-            let status = reply.status;
-            let answer = read_answer(reply, &config.upstream, MAX_ANSWER_BYTES, timeout).await?;
-            let Some(result) = answer.get("result") else {
-                return Err(format!("it refused initialize ({status}): {answer}"));
-            };
-            let negotiated = result
-                .get("protocolVersion")
-                .and_then(Value::as_str)
-                .and_then(|v| HeaderValue::from_str(v).ok())
-                .unwrap_or(requested);
-            let initialized = self
-                .send_on_link(
-                    config.index,
-                    &link,
-                    Method::POST,
-                    member_headers(&negotiated, None),
-                    Bytes::from_static(
-                        br#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#,
-                    ),
-                )
-                .await
-                .map_err(|e| e.to_string())?;
-            let _ = initialized.body.collect().await;
-            Ok((
-                negotiated,
-                result.get("capabilities").cloned().unwrap_or(json!({})),
-            ))
-        }
-        .await;
-        match opened {
+        match self.initialized(config, &link, reply, requested).await {
             Ok((version, capabilities)) => Ok(Member {
                 config: config.clone(),
                 link: Some(link),
@@ -239,6 +167,43 @@ impl Worker {
                 Err(why)
             }
         }
+    }
+
+    /// Reads a member's answer to initialize and sends it `notifications/initialized`:
+    /// the version it negotiated and the capabilities it announced, or why not.
+    async fn initialized(
+        &self,
+        config: &MemberConfig,
+        link: &UpstreamLink,
+        reply: UpstreamReply,
+        requested: HeaderValue,
+    ) -> Result<(HeaderValue, Value), String> {
+        let timeout = self.config.limits.upstream_request_timeout;
+        let status = reply.status;
+        let answer = read_answer(reply, &config.upstream, MAX_ANSWER_BYTES, timeout).await?;
+        let Some(result) = answer.get("result") else {
+            return Err(format!("it refused initialize ({status}): {answer}"));
+        };
+        let negotiated = result
+            .get("protocolVersion")
+            .and_then(Value::as_str)
+            .and_then(|v| HeaderValue::from_str(v).ok())
+            .unwrap_or(requested);
+        let initialized = self
+            .send_on_link(
+                config.index,
+                link,
+                Method::POST,
+                member_headers(&negotiated, None),
+                Bytes::from_static(br#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        let _ = initialized.body.collect().await;
+        Ok((
+            negotiated,
+            result.get("capabilities").cloned().unwrap_or(json!({})),
+        ))
     }
 
     /// Ends every member's session (DELETE over HTTP, the process for stdio), at once.
@@ -307,4 +272,72 @@ fn initialize_result(link: &FederatedLink, version: &str) -> Value {
         ));
     }
     result
+}
+
+/// What every member's opening shares: the client session being opened and what the
+/// client asked for.
+struct Opening<'a> {
+    server: &'a str,
+    version: &'a str,
+    capabilities: &'a Value,
+    session_id: &'a str,
+    principal: Option<&'a str>,
+    /// The session's `GET` stream, where a stdio member's unsolicited messages go.
+    get_stream: &'a Arc<StreamLog>,
+    /// Set when the session ends: members stopping then are not "lost".
+    ending: &'a Arc<AtomicBool>,
+}
+
+/// Starts a stdio member's process for the session; its exit marks the member lost,
+/// unless the session is ending.
+async fn start_stdio_member(
+    stdio: &StdioUpstream,
+    opening: &Opening<'_>,
+    config: &MemberConfig,
+    health: &Arc<MemberHealth>,
+) -> Result<Arc<StdioProcess>, String> {
+    let on_exit = {
+        let (server, member) = (opening.server.to_owned(), config.upstream.clone());
+        let (health, get_stream, ending) = (
+            Arc::clone(health),
+            Arc::clone(opening.get_stream),
+            Arc::clone(opening.ending),
+        );
+        Box::new(move |why: String| {
+            if !ending.load(Ordering::Acquire) {
+                let why = format!("its upstream process {why}");
+                mark_lost(&server, &member, &health, &get_stream, &why);
+            }
+        })
+    };
+    stdio
+        .start(
+            session::tag_of(opening.session_id),
+            opening.principal,
+            Arc::clone(opening.get_stream),
+            on_exit,
+        )
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Initialize refused: the `required` members that could not be opened, with why.
+fn required_missing(server: &str, refused: &[(String, String)]) -> GatewayError {
+    let named: Vec<String> = refused
+        .iter()
+        .map(|(member, why)| format!("{member} ({why})"))
+        .collect();
+    GatewayError::gateway(
+        StatusCode::BAD_GATEWAY,
+        Reason::MemberUnavailable,
+        format!(
+            "virtual server {server} cannot open a session: its required member {} could not \
+             be opened; retry later or check that upstream",
+            named.join(", ")
+        ),
+    )
+    .with_data(json!({
+        "members": refused.iter().map(|(member, _)| member).collect::<Vec<_>>(),
+        "retryable": true,
+    }))
 }
