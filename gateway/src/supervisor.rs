@@ -3,7 +3,6 @@
 //! 0 after a drain of its own: `mcpgw drain` replaces a worker), and passes SIGTERM on
 //! so every worker drains.
 
-use std::net::SocketAddr;
 use std::process::{ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
@@ -82,21 +81,13 @@ async fn supervise(mut config: Config) -> ExitCode {
     if let Some(addr) = reservation.local_addr().ok().and_then(|a| a.as_socket()) {
         config.listen = addr;
     }
-    let public: SocketAddr = config.listen;
     let config = Arc::new(config);
-    let workers = config.fleet.workers;
     let (events_tx, mut events) = mpsc::unbounded_channel();
     let (stop_tx, stop_rx) = watch::channel(false);
-    let mut pids: Vec<Option<u32>> = vec![None; workers];
-    let mut generations = vec![0u32; workers];
-    for (slot, pid) in pids.iter_mut().enumerate() {
-        match spawn_worker(&config, slot, 0, events_tx.clone()) {
-            Ok(started) => *pid = Some(started),
-            Err(e) => {
-                eprintln!("mcpgw: cannot start worker {slot}: {e}");
-                return ExitCode::FAILURE;
-            }
-        }
+    let mut slots = Slots::new(Arc::clone(&config), events_tx);
+    if let Err((slot, e)) = slots.start_all() {
+        eprintln!("mcpgw: cannot start worker {slot}: {e}");
+        return ExitCode::FAILURE;
     }
     tokio::spawn({
         let stop_tx = stop_tx.clone();
@@ -105,9 +96,6 @@ async fn supervise(mut config: Config) -> ExitCode {
             let _ = stop_tx.send(true);
         }
     });
-    let mut ready = vec![false; workers];
-    let mut failures = vec![0u32; workers];
-    let mut announced = false;
     let mut stopping = stop_rx.clone();
     let mut exit = ExitCode::SUCCESS;
     loop {
@@ -115,72 +103,143 @@ async fn supervise(mut config: Config) -> ExitCode {
             _ = stopping.changed() => break,
             event = events.recv() => {
                 let Some(event) = event else { break };
-                match event {
-                    Event::Ready { slot, line } => {
-                        info!(slot, "{line}");
-                        ready[slot] = true;
-                        if !announced && ready.iter().all(|r| *r) {
-                            announced = true;
-                            println!("mcpgw listening on http://{public} ({workers} workers)");
-                        }
-                    }
-                    Event::Exited { slot, generation, code, ready: was_ready } => {
-                        if generation != generations[slot] {
-                            continue;
-                        }
-                        pids[slot] = None;
-                        if code == Some(i32::from(EXIT_FATAL)) || (!was_ready && !announced) {
-                            error!(slot, ?code, "worker failed to start; stopping the fleet");
-                            eprintln!("mcpgw: worker {slot} failed to start (exit {code:?}); see its error above");
-                            exit = ExitCode::from(EXIT_FATAL);
-                            break;
-                        }
-                        // Back off when replacements keep dying before they serve (Redis
-                        // down, say), so a broken dependency is not hammered.
-                        failures[slot] = if was_ready { 0 } else { failures[slot] + 1 };
-                        let delay = restart_delay(failures[slot]);
-                        // A worker that exits 0 was drained on its own (`mcpgw drain`,
-                        // `POST /drain`, a signal sent to it alone): the slot is refilled
-                        // like after a death, under a new id, so a drain replaces a worker.
-                        if code == Some(0) {
-                            info!(slot, ?delay, "worker drained and exited; starting a replacement under a new id");
-                        } else {
-                            warn!(slot, ?code, ?delay, "worker died; starting a replacement under a new id");
-                        }
-                        let events = events_tx.clone();
-                        tokio::spawn(async move {
-                            tokio::time::sleep(delay).await;
-                            let _ = events.send(Event::Restart { slot });
-                        });
-                    }
-                    Event::Restart { slot } => {
-                        generations[slot] += 1;
-                        match spawn_worker(&config, slot, generations[slot], events_tx.clone()) {
-                            Ok(pid) => pids[slot] = Some(pid),
-                            Err(e) => {
-                                // (The binary being replaced on disk, a process limit:
-                                // passing conditions.) The slot is tried again, backing
-                                // off like a replacement that died before it served.
-                                failures[slot] += 1;
-                                let delay = restart_delay(failures[slot]);
-                                error!(slot, error = %e, ?delay, "cannot restart worker; trying again");
-                                let events = events_tx.clone();
-                                tokio::spawn(async move {
-                                    tokio::time::sleep(delay).await;
-                                    let _ = events.send(Event::Restart { slot });
-                                });
-                            }
-                        }
-                    }
+                if let Some(code) = slots.on(event) {
+                    exit = code;
+                    break;
                 }
             }
         }
     }
     let _ = stop_tx.send(true);
     let deadline = config.limits.drain_delay + crate::process::DRAIN_WORST_CASE + STOP_MARGIN;
-    stop_all(&pids, &mut events, deadline).await;
+    stop_all(&slots.pids, &mut events, deadline).await;
     drop(reservation);
     exit
+}
+
+/// The worker slots and what the supervisor knows of each: its process, which start
+/// it is on, whether it serves, and how often its replacements died before serving.
+struct Slots {
+    config: Arc<Config>,
+    events: mpsc::UnboundedSender<Event>,
+    pids: Vec<Option<u32>>,
+    generations: Vec<u32>,
+    ready: Vec<bool>,
+    failures: Vec<u32>,
+    /// Every worker served once: the fleet was announced.
+    announced: bool,
+}
+
+impl Slots {
+    fn new(config: Arc<Config>, events: mpsc::UnboundedSender<Event>) -> Slots {
+        let workers = config.fleet.workers;
+        Slots {
+            config,
+            events,
+            pids: vec![None; workers],
+            generations: vec![0; workers],
+            ready: vec![false; workers],
+            failures: vec![0; workers],
+            announced: false,
+        }
+    }
+
+    /// Starts every slot's first worker; the first that cannot start, with why.
+    fn start_all(&mut self) -> Result<(), (usize, String)> {
+        for slot in 0..self.pids.len() {
+            let started = spawn_worker(&self.config, slot, 0, self.events.clone());
+            self.pids[slot] = Some(started.map_err(|e| (slot, e.to_string()))?);
+        }
+        Ok(())
+    }
+
+    /// Acts on one event; `Some(code)`: the fleet stops, exiting with `code`.
+    fn on(&mut self, event: Event) -> Option<ExitCode> {
+        match event {
+            Event::Ready { slot, line } => {
+                info!(slot, "{line}");
+                self.ready[slot] = true;
+                if !self.announced && self.ready.iter().all(|r| *r) {
+                    self.announced = true;
+                    let (public, workers) = (self.config.listen, self.pids.len());
+                    println!("mcpgw listening on http://{public} ({workers} workers)");
+                }
+                None
+            }
+            Event::Exited {
+                slot,
+                generation,
+                code,
+                ready,
+            } if generation == self.generations[slot] => self.exited(slot, code, ready),
+            Event::Exited { .. } => None,
+            Event::Restart { slot } => {
+                self.restart(slot);
+                None
+            }
+        }
+    }
+
+    fn exited(&mut self, slot: usize, code: Option<i32>, was_ready: bool) -> Option<ExitCode> {
+        self.pids[slot] = None;
+        if code == Some(i32::from(EXIT_FATAL)) || (!was_ready && !self.announced) {
+            error!(slot, ?code, "worker failed to start; stopping the fleet");
+            eprintln!("mcpgw: worker {slot} failed to start (exit {code:?}); see its error above");
+            return Some(ExitCode::from(EXIT_FATAL));
+        }
+        // Back off when replacements keep dying before they serve (Redis down, say),
+        // so a broken dependency is not hammered.
+        self.failures[slot] = if was_ready {
+            0
+        } else {
+            self.failures[slot] + 1
+        };
+        let delay = restart_delay(self.failures[slot]);
+        // A worker that exits 0 was drained on its own (`mcpgw drain`, `POST /drain`,
+        // a signal sent to it alone): the slot is refilled like after a death, under a
+        // new id, so a drain replaces a worker.
+        if code == Some(0) {
+            info!(
+                slot,
+                ?delay,
+                "worker drained and exited; starting a replacement under a new id"
+            );
+        } else {
+            warn!(
+                slot,
+                ?code,
+                ?delay,
+                "worker died; starting a replacement under a new id"
+            );
+        }
+        self.restart_after(slot, delay);
+        None
+    }
+
+    fn restart(&mut self, slot: usize) {
+        self.generations[slot] += 1;
+        let generation = self.generations[slot];
+        match spawn_worker(&self.config, slot, generation, self.events.clone()) {
+            Ok(pid) => self.pids[slot] = Some(pid),
+            Err(e) => {
+                // (The binary being replaced on disk, a process limit: passing
+                // conditions.) The slot is tried again, backing off like a replacement
+                // that died before it served.
+                self.failures[slot] += 1;
+                let delay = restart_delay(self.failures[slot]);
+                error!(slot, error = %e, ?delay, "cannot restart worker; trying again");
+                self.restart_after(slot, delay);
+            }
+        }
+    }
+
+    fn restart_after(&self, slot: usize, delay: Duration) {
+        let events = self.events.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let _ = events.send(Event::Restart { slot });
+        });
+    }
 }
 
 /// SIGTERM to every worker, then wait for them to finish draining (SIGKILL at the
