@@ -27,7 +27,8 @@ use http_body_util::BodyExt;
 use serde_json::{Value, json};
 use tracing::{debug, info};
 
-use super::upstream::{UpstreamError, UpstreamReply, read_answer};
+use super::streams::SessionStreams;
+use super::upstream::{UpstreamError, UpstreamLink, UpstreamReply, read_answer};
 use super::{ACCEPT_BOTH, is_sse, lost_while_running, upstream_error};
 use mcpgw_mesh::directory::{Claim, SessionState};
 
@@ -35,6 +36,7 @@ use crate::body;
 use crate::decision::shared::{self as judged, SharedStanding};
 use crate::decision::{self, Decision, Known, Refusal, SessionKind, Side, Situation};
 use crate::dispatch::AdoptionOutcome;
+use crate::fleet::Fleet;
 use crate::mcp::{self, Era, GatewayError};
 use crate::reply::Reply;
 use crate::request::Call;
@@ -266,35 +268,76 @@ impl Worker {
             .map_err(|e| e.with_id(id.clone()))?;
         let upstream = call.upstream;
         let streams = self.new_streams();
+        let (link, init) = self
+            .initialize_shared(upstream, &key, &streams)
+            .await
+            .map_err(|e| e.with_id(id.clone()))?;
+        let mut session = Session::new(
+            key.clone(),
+            upstream,
+            call.auth.subject.clone(),
+            link,
+            streams,
+        );
+        session.shared = true;
+        session.upstream_init = Some(init);
+        if let Some(fleet) = self.fleet() {
+            let claimed = self.claim_shared(fleet, &session).await;
+            if !matches!(claimed, Ok(true)) {
+                self.close_link(upstream, &session.link).await;
+            }
+            match claimed {
+                Ok(true) => {}
+                Ok(false) => {
+                    // Another worker opened it first: use theirs.
+                    drop(guard);
+                    debug!(session = %session::tag_of(&key), "shared session opened elsewhere first");
+                    return self
+                        .forward_counted(&call, None)
+                        .await
+                        .map_err(|unanswered| {
+                            self.refuse_shared(&unanswered.situation, &unanswered.why, &call)
+                        });
+                }
+                Err(e) => return Err(e.with_id(id)),
+            }
+        }
+        let session = self.sessions.insert(session);
+        info!(session = %session.tag, upstream = self.upstreams[upstream].name(), "shared session opened for 2026-07-28 clients");
+        drop(guard);
+        self.run_shared(call, session).await
+    }
+
+    /// Opens the upstream session a shared session lives in: initialize, then
+    /// `notifications/initialized`. The link and the upstream's initialize answer; on
+    /// failure, the link is closed.
+    async fn initialize_shared(
+        self: &Arc<Self>,
+        upstream: usize,
+        key: &str,
+        streams: &SessionStreams,
+    ) -> Result<(UpstreamLink, Value), GatewayError> {
         let (link, reply) = self
             .open_link(
                 upstream,
                 initialize_headers(None),
                 initialize_body(),
-                &key,
-                &streams,
+                key,
+                streams,
             )
             .await
-            .map_err(|e| upstream_error(e, id.clone()))?;
-        let init = match read_initialize(
-            reply,
-            self.upstreams[upstream].name(),
-            self.config.limits.upstream_request_timeout,
-        )
-        .await
-        {
+            .map_err(|e| upstream_error(e, Value::Null))?;
+        let name = self.upstreams[upstream].name();
+        let timeout = self.config.limits.upstream_request_timeout;
+        let init = match read_initialize(reply, name, timeout).await {
             Ok(init) => init,
             Err(why) => {
                 self.close_link(upstream, &link).await;
                 return Err(GatewayError::gateway(
                     StatusCode::BAD_GATEWAY,
                     Reason::UpstreamInitializeFailed,
-                    format!(
-                        "upstream {} did not open a session for 2026-07-28 clients: {why}",
-                        self.upstreams[upstream].name()
-                    ),
-                )
-                .with_id(id));
+                    format!("upstream {name} did not open a session for 2026-07-28 clients: {why}"),
+                ));
             }
         };
         let version = negotiated_version(Some(&init)).to_owned();
@@ -310,71 +353,56 @@ impl Worker {
         match initialized {
             Ok(reply) => {
                 let _ = reply.body.collect().await;
+                Ok((link, init))
             }
             Err(e) => {
                 self.close_link(upstream, &link).await;
-                return Err(upstream_error(e, id));
+                Err(upstream_error(e, Value::Null))
             }
         }
-        let mut session = Session::new(
-            key.clone(),
-            upstream,
-            call.auth.subject.clone(),
-            link,
-            streams,
-        );
-        session.shared = true;
-        session.upstream_init = Some(init);
-        if let Some(fleet) = self.fleet() {
-            let (kind, adoption_guard, payload) = fleet
-                .adoption_record(&session, None)
-                .map_err(|e| crate::worker::claim_refused(e).with_id(id.clone()))?;
-            let state = kind.map(|kind| SessionState {
-                kind,
-                guard: &adoption_guard,
-                payload: &payload,
-            });
-            match fleet
-                .directory
-                .claim_remembered_session(&key, &self.id, state)
-                .await
-            {
-                Ok(Claim::Claimed) => {}
-                Ok(Claim::Taken | Claim::OverQuota) => {
-                    // Another worker opened it first: use theirs.
-                    self.close_link(upstream, &session.link).await;
-                    drop(guard);
-                    debug!(session = %session::tag_of(&key), "shared session opened elsewhere first");
-                    return self
-                        .forward_counted(&call, None)
-                        .await
-                        .map_err(|unanswered| {
-                            self.refuse_shared(&unanswered.situation, &unanswered.why, &call)
-                        });
-                }
-                Err(e) => {
-                    self.close_link(upstream, &session.link).await;
-                    // If the claim lands late, its record names this worker for a
-                    // session it does not hold: the next call here, or forwarded here,
-                    // confirms it by claiming again (a claim by the recorded owner
-                    // succeeds) before anything else is opened.
-                    return Err(GatewayError::gateway(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        Reason::DirectoryUnavailable,
-                        "the fleet directory did not record the session for your state in \
-                         time; nothing was run: retry",
-                    )
-                    .with_data(json!({ "retryable": true }))
-                    .with_retry_after(1)
-                    .with_log_detail(e.to_string())
-                    .with_id(id));
-                }
-            }
+    }
+
+    /// Records `session` as this worker's in the directory: `Ok(false)` when another
+    /// worker opened it first. A worker that cannot confirm its lease claims nothing,
+    /// as for a client's own session.
+    async fn claim_shared(&self, fleet: &Fleet, session: &Session) -> Result<bool, GatewayError> {
+        let (kind, adoption_guard, payload) = fleet
+            .adoption_record(session, None)
+            .map_err(crate::worker::claim_refused)?;
+        let unavailable = |detail: String| {
+            GatewayError::gateway(
+                StatusCode::SERVICE_UNAVAILABLE,
+                Reason::DirectoryUnavailable,
+                "the fleet directory did not record the session for your state in time; \
+                 nothing was run: retry",
+            )
+            .with_data(json!({ "retryable": true }))
+            .with_retry_after(1)
+            .with_log_detail(detail)
+        };
+        if !fleet.lease.valid() && !self.renew_lease(true).await {
+            return Err(unavailable(
+                "this worker could not confirm its lease".into(),
+            ));
         }
-        let session = self.sessions.insert(session);
-        info!(session = %session.tag, upstream = self.upstreams[upstream].name(), "shared session opened for 2026-07-28 clients");
-        drop(guard);
-        self.run_shared(call, session).await
+        let state = kind.map(|kind| SessionState {
+            kind,
+            guard: &adoption_guard,
+            payload: &payload,
+        });
+        match fleet
+            .directory
+            .claim_remembered_session(&session.id, &self.id, state)
+            .await
+        {
+            Ok(Claim::Claimed) => Ok(true),
+            Ok(Claim::Taken | Claim::OverQuota) => Ok(false),
+            // If the claim lands late, its record names this worker for a session it
+            // does not hold: the next call here, or forwarded here, confirms it by
+            // claiming again (a claim by the recorded owner succeeds) before anything
+            // else is opened.
+            Err(e) => Err(unavailable(e.to_string())),
+        }
     }
 
     /// Runs a 2026-07-28 call in its shared session.
