@@ -149,6 +149,12 @@ impl Worker {
         self.fleet.get().is_none_or(|fleet| fleet.lease.valid())
     }
 
+    /// Whether this worker may act now: its lease is valid, or one renewal (shared by
+    /// every caller that waits for it) just confirmed it.
+    pub async fn lease_confirmed(&self) -> bool {
+        self.lease_valid() || self.renew_lease(true).await
+    }
+
     /// Renews the lease and acts on what the renewal found. `only_if_invalid`: called
     /// by a request that found the lease past its deadline (see
     /// [`crate::lease::LeaseHolder::renew`]). Returns whether the worker may act now.
@@ -205,7 +211,7 @@ impl Worker {
         // A worker that cannot confirm its lease opens no session: it may be declared
         // dead at any moment, and a request forwarded to it for the new session would
         // find its owner in doubt. One renewal decides, as for a held session.
-        if !fleet.lease.valid() && !self.renew_lease(true).await {
+        if !self.lease_confirmed().await {
             return Err(claim_refused(ClaimError::LeaseInDoubt));
         }
         fleet

@@ -388,7 +388,7 @@ impl Worker {
                 .and_then(|id| self.sessions.enter(id))
         };
         let local = held();
-        if local.is_some() && !self.lease_valid() && !self.renew_lease(true).await {
+        if local.is_some() && !self.lease_confirmed().await {
             return held();
         }
         local

@@ -380,7 +380,7 @@ impl Worker {
             .with_retry_after(1)
             .with_log_detail(detail)
         };
-        if !fleet.lease.valid() && !self.renew_lease(true).await {
+        if !self.lease_confirmed().await {
             return Err(unavailable(
                 "this worker could not confirm its lease".into(),
             ));

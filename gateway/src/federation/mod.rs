@@ -761,6 +761,23 @@ impl Worker {
         reply
     }
 
+    /// Sends a client's notification or response to `member`; its answer (an ack) is
+    /// read and dropped, a lost session marked.
+    async fn deliver(
+        &self,
+        link: &FederatedLink,
+        member: &Member,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) {
+        let reply = member
+            .send(self, member_headers(&member.version, Some(headers)), body)
+            .await;
+        if let Ok(reply) = link.judge(member, reply) {
+            let _ = reply.body.collect().await;
+        }
+    }
+
     /// A notification or response of the client: an answer to a member's request to
     /// the member that asked, under its own id ([`ids`]); anything else to every live
     /// member (the client's `notifications/initialized` was sent to each at
@@ -776,31 +793,17 @@ impl Worker {
             .get("method")
             .and_then(Value::as_str)
             .is_some_and(|m| m == "notifications/initialized");
+        let live = |member: &&Member| member.lost().is_none();
         if let Some(at) = ids::untag(&mut message) {
-            if let Some(member) = link.members.get(at).filter(|m| m.lost().is_none()) {
+            if let Some(member) = link.members.get(at).filter(live) {
                 let body = Bytes::from(message.to_string());
-                let reply = member
-                    .send(self, member_headers(&member.version, Some(headers)), body)
-                    .await;
-                if let Ok(reply) = link.judge(member, reply) {
-                    let _ = reply.body.collect().await;
-                }
+                self.deliver(link, member, headers, body).await;
             }
         } else if !initialized {
-            futures_util::future::join_all(link.members.iter().filter(|m| m.lost().is_none()).map(
-                |member| async {
-                    let reply = member
-                        .send(
-                            self,
-                            member_headers(&member.version, Some(headers)),
-                            body.clone(),
-                        )
-                        .await;
-                    if let Ok(reply) = link.judge(member, reply) {
-                        let _ = reply.body.collect().await;
-                    }
-                },
-            ))
+            let members = link.members.iter().filter(live);
+            futures_util::future::join_all(
+                members.map(|member| self.deliver(link, member, headers, body.clone())),
+            )
             .await;
         }
         UpstreamReply {
