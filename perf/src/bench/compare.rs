@@ -13,6 +13,14 @@
 //! | `redis` | the same over the Redis pub/sub baseline |
 //! | `round-robin` | requests alternate over both workers (QUIC fleet): half forwarded |
 //! | `modern` | 2026-07-28 stateless requests, round-robin (QUIC fleet); optional |
+//! | `virtual` | client → owner worker → virtual server of three members → upstream |
+//! | `virtual-tcp` | the same, every request to the other worker, over the TCP mesh |
+//!
+//! Every fleet serves the demo upstream twice: as the plain route `demo`, and as
+//! the virtual server `all` ([`super::fleet::VIRTUAL_SERVER`]) whose three members are
+//! routes to the same upstream, so `virtual` against `sticky` (and `virtual-tcp`
+//! against `tcp`) is what federation adds to a call, with the same upstream, fleet
+//! and load.
 //!
 //! Each fleet gets its own Redis (so Redis command counts belong to one fleet),
 //! all fleets run for the whole sweep, and the sweep runs concurrency in the outer
@@ -45,12 +53,12 @@ use super::units::{grouped, ms, parse_duration, utc_timestamp};
 #[derive(Debug, Clone, clap::Args)]
 pub struct CompareArgs {
     /// Configurations, in report order (direct, sticky, quic, tcp, redis,
-    /// round-robin, modern).
+    /// round-robin, modern, virtual, virtual-tcp).
     #[arg(
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "direct,sticky,quic,tcp,redis,round-robin"
+        default_value = "direct,sticky,quic,tcp,redis,round-robin,virtual,virtual-tcp"
     )]
     pub configs: Vec<ConfigName>,
     /// Concurrent sessions per run; each configuration runs at each level. The
@@ -106,6 +114,8 @@ pub enum ConfigName {
     Redis,
     RoundRobin,
     Modern,
+    Virtual,
+    VirtualTcp,
 }
 
 impl fmt::Display for ConfigName {
@@ -124,6 +134,8 @@ impl ConfigName {
             ConfigName::Redis => "redis",
             ConfigName::RoundRobin => "round-robin",
             ConfigName::Modern => "modern",
+            ConfigName::Virtual => "virtual",
+            ConfigName::VirtualTcp => "virtual-tcp",
         }
     }
 
@@ -133,17 +145,22 @@ impl ConfigName {
             ConfigName::Direct => None,
             ConfigName::Quic => Some("quic"),
             // The default transport, as a user's fleet would run.
-            ConfigName::Sticky | ConfigName::Tcp | ConfigName::RoundRobin | ConfigName::Modern => {
-                Some("tcp")
-            }
+            ConfigName::Sticky
+            | ConfigName::Tcp
+            | ConfigName::RoundRobin
+            | ConfigName::Modern
+            | ConfigName::Virtual
+            | ConfigName::VirtualTcp => Some("tcp"),
             ConfigName::Redis => Some("redis"),
         }
     }
 
     pub fn routing(self) -> Routing {
         match self {
-            ConfigName::Direct | ConfigName::Sticky => Routing::Sticky,
-            ConfigName::Quic | ConfigName::Tcp | ConfigName::Redis => Routing::Forward,
+            ConfigName::Direct | ConfigName::Sticky | ConfigName::Virtual => Routing::Sticky,
+            ConfigName::Quic | ConfigName::Tcp | ConfigName::Redis | ConfigName::VirtualTcp => {
+                Routing::Forward
+            }
             ConfigName::RoundRobin | ConfigName::Modern => Routing::RoundRobin,
         }
     }
@@ -152,6 +169,20 @@ impl ConfigName {
         match self {
             ConfigName::Modern => Era::Modern,
             _ => Era::Legacy,
+        }
+    }
+
+    /// Whether its requests go to the virtual server rather than the plain route.
+    pub fn is_virtual(self) -> bool {
+        matches!(self, ConfigName::Virtual | ConfigName::VirtualTcp)
+    }
+
+    /// The plain-route configuration with the same path through the fleet.
+    pub fn plain_counterpart(self) -> Option<ConfigName> {
+        match self {
+            ConfigName::Virtual => Some(ConfigName::Sticky),
+            ConfigName::VirtualTcp => Some(ConfigName::Tcp),
+            _ => None,
         }
     }
 
@@ -168,6 +199,12 @@ impl ConfigName {
                 "requests alternate over both workers (TCP mesh, the default)"
             }
             ConfigName::Modern => "2026-07-28 stateless requests alternating over both workers",
+            ConfigName::Virtual => {
+                "every request to the owner worker, through a virtual server of three members"
+            }
+            ConfigName::VirtualTcp => {
+                "every request to the other worker (TCP mesh), through a virtual server of three members"
+            }
         }
     }
 }
@@ -381,16 +418,8 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<()> {
                 continue;
             }
             let name = outcome.name;
-            let (urls, redis_url, pids) = match name.transport() {
-                None => (vec![upstream_url.clone()], None, Vec::new()),
-                Some(transport) => match fleets.get(transport) {
-                    Some(Ok(f)) => (
-                        f.fleet.urls.clone(),
-                        Some(f.redis_url.clone()),
-                        f.fleet.pids(),
-                    ),
-                    _ => continue,
-                },
+            let Some((urls, redis_url, pids)) = load_target(name, &fleets, &upstream_url) else {
+                continue;
             };
             let spec = LoadSpec {
                 label: name.as_str().into(),
@@ -434,20 +463,14 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<()> {
                 .saturation
                 .as_ref()
                 .is_some_and(|s| s.saturated_at_rps.is_some());
-            if outcome.not_available.is_some() || saturated {
+            // The sweep compares transports; a virtual server's cost is read off
+            // the closed-loop runs against its plain route.
+            if outcome.not_available.is_some() || saturated || outcome.name.is_virtual() {
                 continue;
             }
             let name = outcome.name;
-            let (urls, redis_url, pids) = match name.transport() {
-                None => (vec![upstream_url.clone()], None, Vec::new()),
-                Some(transport) => match fleets.get(transport) {
-                    Some(Ok(f)) => (
-                        f.fleet.urls.clone(),
-                        Some(f.redis_url.clone()),
-                        f.fleet.pids(),
-                    ),
-                    _ => continue,
-                },
+            let Some((urls, redis_url, pids)) = load_target(name, &fleets, &upstream_url) else {
+                continue;
             };
             let spec = LoadSpec {
                 label: name.as_str().into(),
@@ -562,6 +585,29 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<()> {
     println!("report: {}", out.join("report.md").display());
     println!("chart:  {}", out.join("chart.svg").display());
     Ok(())
+}
+
+/// Where `name`'s load goes: its URLs, the fleet's Redis and the pids whose CPU
+/// counts; None when its fleet did not start.
+fn load_target(
+    name: ConfigName,
+    fleets: &BTreeMap<&'static str, Result<FleetUnderTest, String>>,
+    upstream_url: &str,
+) -> Option<(Vec<String>, Option<String>, Vec<u32>)> {
+    let Some(transport) = name.transport() else {
+        return Some((vec![upstream_url.to_owned()], None, Vec::new()));
+    };
+    let fleet = fleets.get(transport)?.as_ref().ok()?;
+    let urls = if name.is_virtual() {
+        &fleet.fleet.virtual_urls
+    } else {
+        &fleet.fleet.urls
+    };
+    Some((
+        urls.clone(),
+        Some(fleet.redis_url.clone()),
+        fleet.fleet.pids(),
+    ))
 }
 
 async fn start_fleet(

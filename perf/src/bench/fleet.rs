@@ -353,10 +353,46 @@ pub struct FleetSpec<'a> {
     pub key_prefix: &'a str,
 }
 
+/// The virtual server every fleet serves beside the plain route `demo`: three
+/// members, each a route of its own to the same upstream, with filters that share
+/// its tools out so no name collides and names stay unprefixed. The load's `echo`
+/// call is then the same request on both routes; a session's call finds its member
+/// by the same catalog lookup under every prefix rule.
+pub const VIRTUAL_SERVER: &str = "all";
+
+/// The members of [`VIRTUAL_SERVER`]: (route name, the tools it exposes).
+const VIRTUAL_MEMBERS: [(&str, &str); 3] = [
+    ("member-a", "echo"),
+    ("member-b", "counter_*"),
+    ("member-c", "session_*"),
+];
+
+/// The configuration file of a fleet member: the plain route and the virtual server.
+fn config_file(upstream_url: &str) -> String {
+    let mut toml = format!("[[upstream]]\nname = \"demo\"\nurl = {upstream_url:?}\n");
+    for (member, _) in VIRTUAL_MEMBERS {
+        toml.push_str(&format!(
+            "\n[[upstream]]\nname = {member:?}\nurl = {upstream_url:?}\n"
+        ));
+    }
+    toml.push_str(&format!(
+        "\n[[server]]\nname = {VIRTUAL_SERVER:?}\nprefix = \"never\"\n"
+    ));
+    for (member, tools) in VIRTUAL_MEMBERS {
+        toml.push_str(&format!(
+            "\n[[server.member]]\nupstream = {member:?}\ntools = {{ include = [{tools:?}] }}\n"
+        ));
+    }
+    toml
+}
+
 /// Supervisors sharing one Redis: one URL (one worker) each.
 pub struct Fleet {
     pub supervisors: Vec<Proc>,
+    /// The plain route `demo` of each supervisor.
     pub urls: Vec<String>,
+    /// The virtual server [`VIRTUAL_SERVER`] of each supervisor, in the same order.
+    pub virtual_urls: Vec<String>,
 }
 
 impl Fleet {
@@ -369,7 +405,12 @@ impl Fleet {
         let mut fleet = Fleet {
             supervisors: Vec::new(),
             urls: Vec::new(),
+            virtual_urls: Vec::new(),
         };
+        let config = log_dir.join(format!("{}-mcpgw.toml", spec.name));
+        std::fs::write(&config, config_file(spec.upstream_url))
+            .map_err(|e| format!("cannot write {}: {e}", config.display()))?;
+        let config = config.display().to_string();
         for member in spec.members {
             let mut args: Vec<String> = [
                 "serve",
@@ -381,8 +422,8 @@ impl Fleet {
                 spec.redis_url,
                 "--key-prefix",
                 spec.key_prefix,
-                "--upstream",
-                &format!("demo={}", spec.upstream_url),
+                "--config",
+                &config,
                 "--mesh-transport",
                 spec.transport,
                 "--mesh-listen",
@@ -407,7 +448,10 @@ impl Fleet {
                 fleet.stop().await;
                 return Err(format!("{name}: no address in {line:?}"));
             };
-            fleet.urls.push(format!("{base}/mcp"));
+            fleet.urls.push(format!("{base}/servers/demo/mcp"));
+            fleet
+                .virtual_urls
+                .push(format!("{base}/servers/{VIRTUAL_SERVER}/mcp"));
             fleet.supervisors.push(proc);
         }
         Ok(fleet)
@@ -439,5 +483,22 @@ mod tests {
             Some("http://127.0.0.1:9/mcp")
         );
         assert_eq!(url_in("no address here"), None);
+    }
+
+    #[test]
+    fn the_fleet_configuration_names_every_member_once_and_filters_their_tools_apart() {
+        let toml = config_file("http://127.0.0.1:9/mcp");
+        let parsed: toml::Value = toml::from_str(&toml).expect("valid TOML");
+        let upstreams = parsed["upstream"].as_array().expect("upstreams");
+        assert_eq!(upstreams.len(), 1 + VIRTUAL_MEMBERS.len());
+        let server = &parsed["server"].as_array().expect("servers")[0];
+        assert_eq!(server["name"].as_str(), Some(VIRTUAL_SERVER));
+        let includes: Vec<&str> = server["member"]
+            .as_array()
+            .expect("members")
+            .iter()
+            .map(|m| m["tools"]["include"][0].as_str().expect("a pattern"))
+            .collect();
+        assert_eq!(includes, ["echo", "counter_*", "session_*"]);
     }
 }

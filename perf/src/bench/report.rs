@@ -207,6 +207,7 @@ pub fn targets_markdown(report: &CompareReport) -> String {
 pub fn compare_summary(report: &CompareReport) -> String {
     let mut out = String::from("\n");
     out.push_str(&targets_markdown(report));
+    out.push_str(&virtual_server_section(report));
     for config in &report.configurations {
         if let Some(reason) = &config.not_available {
             let _ = writeln!(out, "\n{}: not available: {reason}", config.name);
@@ -373,6 +374,8 @@ pub fn compare_markdown(report: &CompareReport) -> String {
         }
     }
 
+    out.push_str(&virtual_server_section(report));
+
     if let Some(sessions) = &report.idle_sessions {
         out.push_str("\n## Idle sessions\n\n");
         out.push_str(&sessions_markdown(sessions));
@@ -395,6 +398,64 @@ pub fn compare_markdown(report: &CompareReport) -> String {
          CPU-bound, so its latency there mostly reflects CPU cost per request.\n",
     );
     out
+}
+
+/// What a virtual server of three members adds to a session's `tools/call` and to
+/// the gateway's CPU, against the plain route on the same fleet, upstream and load
+/// (`virtual` against `sticky`, `virtual-tcp` against `tcp`); empty without both.
+pub fn virtual_server_section(report: &CompareReport) -> String {
+    let run_of = |name: ConfigName, level: usize| {
+        report
+            .configurations
+            .iter()
+            .find(|c| c.name == name)
+            .and_then(|c| c.runs.iter().find(|r| r.sessions == level))
+    };
+    let mut rows = String::new();
+    for &level in &report.settings.concurrency {
+        for name in [ConfigName::Virtual, ConfigName::VirtualTcp] {
+            let Some(plain_name) = name.plain_counterpart() else {
+                continue;
+            };
+            let (Some(federated), Some(plain)) = (run_of(name, level), run_of(plain_name, level))
+            else {
+                continue;
+            };
+            let call =
+                |run: &RunResult| (run.tools_call_latency.p50_us, run.tools_call_latency.p99_us);
+            let ((plain_p50, plain_p99), (fed_p50, fed_p99)) = (call(plain), call(federated));
+            let cpu = |run: &RunResult| run.cpu.gateway_s_per_1k;
+            let cpu_cell = match (cpu(plain), cpu(federated)) {
+                (Some(p), Some(f)) if p > 0.0 => {
+                    format!("{:.0} → {:.0} µs ({:.2}×)", p * 1000.0, f * 1000.0, f / p)
+                }
+                _ => "–".into(),
+            };
+            let _ = writeln!(
+                rows,
+                "| {level} | {name} vs {plain_name} | {} → {} ({:+.0}) | {} → {} ({:+.0}) | {} → {} | {cpu_cell} |",
+                plain_p50,
+                fed_p50,
+                fed_p50 as f64 - plain_p50 as f64,
+                plain_p99,
+                fed_p99,
+                fed_p99 as f64 - plain_p99 as f64,
+                grouped(plain.throughput_rps.round() as u64),
+                grouped(federated.throughput_rps.round() as u64),
+            );
+        }
+    }
+    if rows.is_empty() {
+        return String::new();
+    }
+    format!(
+        "\n## Virtual server: three members against the plain route\n\n\
+         The same upstream, fleet and load, through `/servers/all/mcp` (three members; a \
+         `tools/call` goes to one of them, a `tools/list` merges all three) instead of the \
+         plain route. Plain → virtual, with the difference.\n\n\
+         | sessions | configurations | tools/call p50 µs | tools/call p99 µs | req/s | gateway CPU per request |\n\
+         |---:|---|---:|---:|---:|---:|\n{rows}"
+    )
 }
 
 /// The idle-session figures as Markdown.
