@@ -909,3 +909,132 @@ fn unknown_or_filtered_uris_are_refused_and_a_lost_members_resources_leave() {
         "{methods:?}"
     );
 }
+
+/// `notifications/cancelled`, POSTed to a worker that does not own the session,
+/// reaches the member running the call, over HTTP and over stdio alike: the call
+/// stops there, cancelled (not finished, not disconnected), and the session goes on.
+#[test]
+fn a_cancelled_call_through_the_other_worker_stops_at_the_member_running_it() {
+    let port = mcpgw_testkit::free_port();
+    let mut web = mcpgw_testkit::Child::spawn(
+        "ticking_server",
+        &python(),
+        &[
+            python_script("ticking_server.py").display().to_string(),
+            "http".into(),
+            port.to_string(),
+        ],
+    );
+    web.wait_for_line("ticking_server listening", Duration::from_secs(30));
+    mcpgw_testkit::wait_for_listener(&format!("127.0.0.1:{port}"), Duration::from_secs(30));
+    let ticking = quoted(&python_script("ticking_server.py").display().to_string());
+    let config = config_file(
+        "cancel",
+        &format!(
+            r#"
+[[upstream]]
+name = "web"
+url = "http://127.0.0.1:{port}/mcp"
+
+[[upstream]]
+name = "pipe"
+command = [{python}, {ticking}, "stdio"]
+
+[[server]]
+name = "all"
+[[server.member]]
+upstream = "web"
+[[server.member]]
+upstream = "pipe"
+"#,
+            python = quoted(&python().display().to_string()),
+        ),
+    );
+    let fleet = support::Fleet::start_with_env(
+        2,
+        &["--config".into(), config.display().to_string()],
+        &[(
+            "RUST_LOG",
+            "debug,h2=info,hyper=info,quinn=info,rustls=info",
+        )],
+    );
+    let (owner, edge) = (fleet.addr(0), fleet.addr(1));
+    let session = initialize(owner, ALL);
+
+    // Calls that each find the session's catalog empty merge the members' lists at
+    // once: every one is answered (the gateway's own list requests never share an id
+    // in a member's session, which would leave one waiting until its deadline).
+    let shared = session.as_str();
+    std::thread::scope(|scope| {
+        let calls: Vec<_> = (0..6)
+            .map(|n| scope.spawn(move || call_text(edge, shared, 100 + n, "web__ticks")))
+            .collect();
+        for call in calls {
+            let text = call.join().expect("a concurrent call");
+            assert!(text.contains("\"running\": 0"), "{text}");
+        }
+    });
+    let progress = |member: &str| -> Value {
+        let text = call_text(edge, &session, 9, &format!("{member}__ticks"));
+        serde_json::from_str(&text).expect("ticks as JSON")
+    };
+    for (id, member) in [(30, "web"), (31, "pipe")] {
+        let running = support::send_request(
+            edge,
+            "POST",
+            ALL,
+            &mcp_headers(Some(&session)),
+            &http::tool_call_body(
+                id,
+                &format!("{member}__tick"),
+                json!({"count": 100_000, "interval_ms": 10}),
+            ),
+        );
+        eventually(Duration::from_secs(60), || {
+            let now = progress(member);
+            if now["running"] == 1 {
+                Ok(())
+            } else {
+                Err(now)
+            }
+        });
+        let cancel = json!({
+            "jsonrpc": "2.0", "method": "notifications/cancelled",
+            "params": {"requestId": id, "reason": "the test cancels it"},
+        })
+        .to_string();
+        let accepted = http::request(
+            edge,
+            "POST",
+            ALL,
+            &mcp_headers(Some(&session)),
+            cancel.as_bytes(),
+        );
+        assert_eq!(accepted.status, 202, "{member}: {}", accepted.text());
+        let after = eventually(Duration::from_secs(60), || {
+            let now = progress(member);
+            if now["running"] == 0 {
+                Ok(now)
+            } else {
+                Err(now)
+            }
+        });
+        assert_eq!(after["cancelled"], 1, "{member}: {after}");
+        assert_eq!(after["finished"], 0, "{member}: {after}");
+        assert_eq!(after["disconnected"], 0, "{member}: {after}");
+        drop(running);
+    }
+    let short = call_tool(
+        edge,
+        ALL,
+        &session,
+        40,
+        "pipe__tick",
+        json!({"count": 1, "interval_ms": 0}),
+    );
+    assert_eq!(
+        short.tool_text().as_deref(),
+        Some("ticked 1 times"),
+        "the session goes on after the cancellations"
+    );
+}

@@ -21,7 +21,7 @@ use parking_lot::Mutex;
 use serde_json::json;
 use tracing::{info, warn};
 
-use super::{FederatedLink, Member, MemberHealth, PROCESS_LEFT_BEHIND};
+use super::{FederatedLink, Member, MemberHealth, OwnIds, PROCESS_LEFT_BEHIND};
 use crate::adoption::{AdoptionKeys, MemberRecord, MemberTransport, OpenError};
 use crate::config::MemberConfig;
 use crate::execute::streams::SessionStreams;
@@ -91,6 +91,7 @@ impl Worker {
             ending: Arc::new(AtomicBool::new(false)),
             catalog: Mutex::default(),
             resources: Mutex::default(),
+            own_ids: OwnIds::new(&self.id),
         };
         for (at, why) in &lost {
             link.mark_lost(&link.members[*at], why);
@@ -161,7 +162,7 @@ impl Worker {
             )
         });
         futures_util::future::join_all(probed.map(|member| {
-            let ping = json!({"jsonrpc": "2.0", "id": "mcpgw-adopt-ping", "method": "ping"});
+            let ping = json!({"jsonrpc": "2.0", "id": link.own_ids.next("ping"), "method": "ping"});
             link.exchange(self, member, Bytes::from(ping.to_string()))
         }))
         .await;

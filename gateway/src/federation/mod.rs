@@ -27,7 +27,7 @@ mod uris;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
@@ -132,6 +132,32 @@ pub struct FederatedLink {
     catalog: Mutex<HashMap<Kind, HashMap<String, Owner>>>,
     /// The URIs and templates of the last merged resource lists, kept the same way.
     resources: Mutex<ResourceCatalog>,
+    /// Ids for the gateway's own requests in the members' sessions.
+    own_ids: OwnIds,
+}
+
+/// Ids of the gateway's own requests to members (list pages, the adoption ping),
+/// unique per worker and link. A server answers each id of its session once: two
+/// merged lists asked at once under one id would leave one of them waiting until its
+/// deadline (seen with the Python SDK's HTTP server).
+struct OwnIds {
+    worker: String,
+    next: AtomicU64,
+}
+
+impl OwnIds {
+    fn new(worker: &str) -> Self {
+        Self {
+            worker: worker.to_owned(),
+            next: AtomicU64::new(0),
+        }
+    }
+
+    /// A fresh id for a request of the gateway's own, `what` naming it.
+    fn next(&self, what: &str) -> Value {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        Value::from(format!("mcpgw-{what}-{}-{n}", self.worker))
+    }
 }
 
 /// One member's upstream session inside a federated session.
@@ -404,9 +430,9 @@ impl FederatedLink {
     ) -> Result<Vec<Value>, String> {
         let mut items = Vec::new();
         let mut cursor: Option<Value> = None;
-        for page in 0..MAX_LIST_PAGES {
+        for _ in 0..MAX_LIST_PAGES {
             let mut request = json!({
-                "jsonrpc": "2.0", "id": format!("mcpgw-list-{page}"),
+                "jsonrpc": "2.0", "id": self.own_ids.next("list"),
                 "method": of.method, "params": {},
             });
             if let Some(cursor) = cursor.take() {

@@ -14,8 +14,8 @@ use serde_json::{Value, json};
 use tracing::warn;
 
 use super::{
-    FederatedLink, MAX_ANSWER_BYTES, Member, MemberHealth, answer, from_gateway_error, mark_lost,
-    member_headers,
+    FederatedLink, MAX_ANSWER_BYTES, Member, MemberHealth, OwnIds, answer, from_gateway_error,
+    mark_lost, member_headers,
 };
 use crate::config::MemberConfig;
 use crate::execute::streams::{SessionStreams, StreamLog};
@@ -97,6 +97,7 @@ impl Worker {
             ending,
             catalog: Mutex::default(),
             resources: Mutex::default(),
+            own_ids: OwnIds::new(&self.id),
         });
         if !refused.is_empty() {
             // The error answer is the truth for the client; whoever opened the link
