@@ -346,16 +346,7 @@ impl FederatedLink {
                 self.members[*keeper].name()
             );
         }
-        let mut merged = Vec::with_capacity(exposed.len());
-        for (name, owner) in exposed {
-            let item = items[owner.member]
-                .iter()
-                .find(|item| item.get("name").and_then(Value::as_str) == Some(&owner.own));
-            if let Some(mut item) = item.cloned() {
-                item["name"] = Value::from(name);
-                merged.push(item);
-            }
-        }
+        let merged = take_exposed(items, exposed);
         let mut catalog = self.catalog.lock();
         let previous = catalog.remove(&kind).unwrap_or_default();
         // The names of a member missing from this list (lost, or failing now) stay
@@ -438,17 +429,19 @@ impl FederatedLink {
             if let Some(cursor) = cursor.take() {
                 request["params"]["cursor"] = cursor;
             }
-            let answer = self
+            let mut answer = self
                 .exchange(worker, member, Bytes::from(request.to_string()))
                 .await?;
-            let result = answer
-                .get("result")
-                .ok_or_else(|| format!("it answered {}: {answer}", of.method))?;
-            if let Some(list) = result.get(of.key).and_then(Value::as_array) {
-                items.extend(list.iter().cloned());
+            let Some(result) = answer.get_mut("result") else {
+                return Err(format!("it answered {}: {answer}", of.method));
+            };
+            // Moved out of the answer, not copied: a merged list holds each member
+            // item once.
+            if let Some(Value::Array(list)) = result.get_mut(of.key).map(Value::take) {
+                items.extend(list);
             }
-            match result.get("nextCursor") {
-                Some(next) if !next.is_null() => cursor = Some(next.clone()),
+            match result.get_mut("nextCursor").map(Value::take) {
+                Some(next) if !next.is_null() => cursor = Some(next),
                 _ => return Ok(items),
             }
         }
@@ -532,6 +525,45 @@ struct Gathered {
     missing: Vec<Value>,
     /// Per member: it is in `missing`.
     unlisted: Vec<bool>,
+}
+
+/// The merged list: each exposed item moved out of its member's list (not copied)
+/// and renamed. A member that lists a name twice is exposed with the first item.
+fn take_exposed(mut items: Vec<Vec<Value>>, exposed: Vec<(String, Owner)>) -> Vec<Value> {
+    let picks: Vec<Option<(usize, usize)>> = {
+        let positions: Vec<HashMap<&str, usize>> = items
+            .iter()
+            .map(|list| {
+                let mut at = HashMap::with_capacity(list.len());
+                for (index, item) in list.iter().enumerate() {
+                    if let Some(name) = item.get("name").and_then(Value::as_str) {
+                        at.entry(name).or_insert(index);
+                    }
+                }
+                at
+            })
+            .collect();
+        exposed
+            .iter()
+            .map(|(_, owner)| {
+                let index = positions.get(owner.member)?.get(owner.own.as_str())?;
+                Some((owner.member, *index))
+            })
+            .collect()
+    };
+    let mut merged = Vec::with_capacity(exposed.len());
+    for ((name, _), pick) in exposed.into_iter().zip(picks) {
+        let Some((member, index)) = pick else {
+            continue;
+        };
+        let mut item = items[member][index].take();
+        if item.is_null() {
+            continue;
+        }
+        item["name"] = Value::from(name);
+        merged.push(item);
+    }
+    merged
 }
 
 /// Why a member did not answer.
@@ -902,4 +934,37 @@ fn member_lost(link: &FederatedLink, member: &Member, why: &str, id: &Value) -> 
     )
     .with_data(json!({ "member": member.name(), "detail": why, "retryable": false }))
     .with_id(id.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposed_items_are_moved_out_renamed_in_exposure_order_and_a_repeated_name_once() {
+        let items = vec![
+            vec![
+                json!({"name": "echo", "description": "first"}),
+                json!({"name": "echo", "description": "repeated"}),
+                json!({"description": "nameless"}),
+            ],
+            vec![json!({"name": "now"})],
+        ];
+        let owner = |member, own: &str| Owner {
+            member,
+            own: own.to_owned(),
+        };
+        let exposed = vec![
+            ("time__now".to_owned(), owner(1, "now")),
+            ("demo__echo".to_owned(), owner(0, "echo")),
+            ("demo__gone".to_owned(), owner(0, "gone")),
+        ];
+        assert_eq!(
+            take_exposed(items, exposed),
+            vec![
+                json!({"name": "time__now"}),
+                json!({"name": "demo__echo", "description": "first"}),
+            ]
+        );
+    }
 }
