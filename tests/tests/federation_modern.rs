@@ -746,3 +746,79 @@ fn without_prefixes_a_call_finds_its_member_in_the_lists() {
         "{message}"
     );
 }
+
+/// An SDK-built HTTP server (`cached_list_server.py`) named `name` whose tools/list
+/// says it may be reused for `ttl_ms`, and its `/mcp` URL.
+fn cached_list_server(name: &str, ttl_ms: u64) -> (mcpgw_testkit::Child, String) {
+    let port = mcpgw_testkit::free_port();
+    let script = python_script("cached_list_server.py").display().to_string();
+    let args = [
+        script,
+        "http".into(),
+        port.to_string(),
+        name.into(),
+        ttl_ms.to_string(),
+    ];
+    let mut server = mcpgw_testkit::Child::spawn(name, &python(), &args);
+    let within = std::time::Duration::from_secs(30);
+    server.wait_for_line("cached_list_server listening", within);
+    mcpgw_testkit::wait_for_listener(&format!("127.0.0.1:{port}"), within);
+    (server, format!("http://127.0.0.1:{port}/mcp"))
+}
+
+#[test]
+fn calls_reuse_what_the_lists_said_while_their_ttl_allows_and_list_again_for_a_name_not_in_it() {
+    let (_a, a) = cached_list_server("a", 60_000);
+    let (_b, b) = cached_list_server("b", 60_000);
+    let (_z, z) = cached_list_server("z", 0);
+    let dir = std::env::temp_dir().join(format!(
+        "mcpgw-federation-modern-kept-{}-{}",
+        std::process::id(),
+        mcpgw_testkit::free_port()
+    ));
+    std::fs::create_dir_all(&dir).expect("config dir");
+    let tokens = dir.join("tokens");
+    std::fs::write(&tokens, format!("alice:{ALICE}\n")).expect("tokens file");
+    let mut text = format!(
+        "[auth]\ntokens_file = {}\n",
+        quoted(&tokens.display().to_string())
+    );
+    for (name, url) in [("a", &a), ("b", &b), ("z", &z)] {
+        text += &format!("\n[[upstream]]\nname = \"{name}\"\nurl = {}\n", quoted(url));
+    }
+    text += "\n[[server]]\nname = \"kept\"\nprefix = \"never\"\n\
+             [[server.member]]\nupstream = \"a\"\n[[server.member]]\nupstream = \"b\"\n\
+             \n[[server]]\nname = \"fresh\"\nprefix = \"never\"\n\
+             [[server.member]]\nupstream = \"z\"\n";
+    let path = dir.join("mcpgw.toml");
+    std::fs::write(&path, text).expect("write the configuration");
+    let gateway = Gateway::start(&["--config", &path.display().to_string()]);
+    let on = |server: &str, tool: &str| {
+        let path = format!("/servers/{server}/mcp");
+        let params = json!({"name": tool, "arguments": {}});
+        modern(&gateway.addr, &path, ALICE, "tools/call", params)
+    };
+
+    assert_eq!(counted(&on("kept", "b_hello")), "hello from b");
+    assert_eq!(
+        counted(&on("kept", "b_lists")),
+        "1",
+        "the second call found its member in what the first call's lists said"
+    );
+    assert_eq!(counted(&on("kept", "a_lists")), "1");
+    let (code, message, _) = error_of(&on("kept", "nope"));
+    assert_eq!(code, -32602, "{message}");
+    assert_eq!(
+        counted(&on("kept", "b_lists")),
+        "2",
+        "a name the catalog did not know was looked for once in fresh lists"
+    );
+
+    assert_eq!(counted(&on("fresh", "z_hello")), "hello from z");
+    assert_eq!(counted(&on("fresh", "z_hello")), "hello from z");
+    assert_eq!(
+        counted(&on("fresh", "z_lists")),
+        "3",
+        "a list that says ttlMs 0 is read for every call"
+    );
+}

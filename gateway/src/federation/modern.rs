@@ -26,7 +26,10 @@ use http::{HeaderValue, Method, StatusCode};
 use serde_json::{Value, json};
 use tracing::debug;
 
+mod catalog;
 mod resources;
+
+pub(crate) use catalog::ModernCatalogs;
 
 use super::names::{self, Listed};
 use super::resources::ResourceList;
@@ -98,6 +101,12 @@ struct MemberLists {
 }
 
 impl MemberLists {
+    /// How long what these lists say may be reused: a complete set's smallest `ttlMs`.
+    fn reusable_for(&self) -> Option<std::time::Duration> {
+        let ttl = self.hints.ttl_ms.filter(|_| self.missing.is_empty())?;
+        Some(std::time::Duration::from_millis(ttl))
+    }
+
     /// A 2026-07-28 list result of these lists' `items` under `key`; `hidden` names
     /// what was left out for a name or URI an earlier member has.
     fn answer(&self, id: &Value, key: &str, items: Vec<Value>, hidden: Vec<Value>) -> Reply {
@@ -214,6 +223,11 @@ impl Worker {
             debug!(server = %server.name, "{} {name:?} of member {} is hidden by member {}",
                 kind.singular(), members[*loser].upstream, members[*keeper].upstream);
         }
+        let principal = &call.auth.subject;
+        let ttl = lists.reusable_for();
+        server
+            .catalogs
+            .keep_names(principal, kind, &exposure.owners, ttl);
         let mut items = Vec::with_capacity(exposure.exposed.len());
         for (name, owner) in exposure.exposed {
             let own = Some(owner.own.as_str());
@@ -380,6 +394,10 @@ impl Worker {
                 return first;
             }
         }
+        if let Some(owner) = server.catalogs.owner(&call.auth.subject, kind, name) {
+            return Some((&members[owner.member], owner.own));
+        }
+        // Not known (or nothing kept): the lists, read now, decide and renew the catalog.
         let merged = self.merged_modern_list(server, call, kind).await;
         if let Some(owner) = merged.owners.get(name) {
             return Some((&members[owner.member], owner.own.clone()));

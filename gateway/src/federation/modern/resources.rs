@@ -29,6 +29,7 @@ use crate::mcp::GatewayError;
 use crate::reply::Reply;
 use crate::request::Call;
 use crate::worker::Worker;
+use std::time::Duration;
 
 impl Worker {
     /// `resources/list` or `resources/templates/list`: every member's list, merged.
@@ -145,16 +146,25 @@ impl Worker {
         uri: &str,
         as_template: bool,
     ) -> Option<usize> {
+        let members = &server.server.members;
+        let passes = |member: usize, uri: &str| names::passes(&members[member].resources, uri);
+        let principal = &call.auth.subject;
+        let kept = server.catalogs.resources(principal);
+        if let Some(member) = kept.and_then(|kept| kept.serving(uri, as_template, passes)) {
+            return Some(member);
+        }
+        // Not known (or nothing kept): the lists, read now, decide and renew the catalog.
         let ((resource_lists, resources), (template_lists, templates)) =
             futures_util::future::join(
                 self.merged_modern_resources(server, call, ResourceList::Resources),
                 self.merged_modern_resources(server, call, ResourceList::Templates),
             )
             .await;
-        let members = &server.server.members;
-        let passes = |member: usize, uri: &str| names::passes(&members[member].resources, uri);
         let catalog = catalog_of(&resources.exposed, &templates.exposed);
-        if let Some(member) = catalog.serving(uri, as_template, passes) {
+        let found = catalog.serving(uri, as_template, passes);
+        let ttl = min_duration(resource_lists.reusable_for(), template_lists.reusable_for());
+        server.catalogs.keep_resources(principal, || catalog, ttl);
+        if let Some(member) = found {
             return Some(member);
         }
         let unlisted = |at: &usize| {
@@ -162,4 +172,9 @@ impl Worker {
         };
         (0..members.len()).find(|at| unlisted(at) && passes(*at, uri))
     }
+}
+
+/// The shorter of two reuse periods; both lists must allow reuse.
+fn min_duration(a: Option<Duration>, b: Option<Duration>) -> Option<Duration> {
+    Some(a?.min(b?))
 }
