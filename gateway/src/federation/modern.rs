@@ -15,7 +15,9 @@
 //! same rule and filters as for legacy sessions (`names.rs`); a member that fails is
 //! left out of the list, which says so in `_meta`, and its calls get its own error,
 //! naming it. Calls find their member by prefix when the rule allows no doubt, else
-//! from a merged list.
+//! from a merged list, or from what recent lists said while their `ttlMs` allows
+//! (`catalog.rs`). Resources, templates and completion follow the sessions' rules
+//! (`modern/resources.rs`); the revision has no `resources/subscribe`.
 
 use std::future::Future;
 use std::pin::Pin;

@@ -7,7 +7,9 @@
 //! named in `_meta["mcpgw/federation"].hidden` and the log. `resources/read`,
 //! `subscribe` and `unsubscribe` go to the member that listed the URI, else to the
 //! member whose template matches it (`uris.rs`); `completion/complete` goes to the
-//! member that owns the prompt (under its own name) or the resource template.
+//! member that owns the prompt (under its own name) or the resource template. The
+//! merge, the completion reference and the messages are shared with 2026-07-28
+//! clients (`modern/resources.rs`), so both eras follow one rule.
 
 use http::HeaderMap;
 use serde_json::{Value, json};
