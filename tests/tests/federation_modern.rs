@@ -3,8 +3,9 @@
 //! stateless HTTP member called from there, the stateful stdio members through the
 //! principal's shared session of their own route (execute/shared.rs), wherever in the
 //! fleet it lives. Real processes throughout: the demo upstream over HTTP, the
-//! SDK-built stateful server and `mcp-server-time` over stdio, the official Python SDK
-//! client in 2026-07-28 mode, Redis and a two-host fleet over the mesh.
+//! SDK-built stateful server and `mcp-server-time` over stdio, the SDK-built resource
+//! and template servers over stdio, the official Python SDK client in 2026-07-28 mode,
+//! Redis and a two-host fleet over the mesh.
 
 #[path = "upstreams_support/mod.rs"]
 mod support;
@@ -95,10 +96,13 @@ fn config_args(path: &std::path::Path) -> Vec<String> {
 
 /// One 2026-07-28 request of `token` on `path` through `addr`.
 fn modern(addr: &str, path: &str, token: &str, method: &str, params: Value) -> Response {
-    let name = params
-        .get("name")
-        .and_then(Value::as_str)
-        .map(str::to_owned);
+    // The parameter a name-bearing method mirrors in `Mcp-Name`.
+    let key = if method == "resources/read" {
+        "uri"
+    } else {
+        "name"
+    };
+    let name = params.get(key).and_then(Value::as_str).map(str::to_owned);
     let bearer = format!("Bearer {token}");
     let mut headers = http::modern_headers(method, name.as_deref());
     headers.push(("Authorization", &bearer));
@@ -415,5 +419,406 @@ fn a_stateful_member_in_another_auth_mode_is_refused_by_name_and_the_rest_served
     assert!(
         names_of(&merged).contains(&"time__get_current_time".to_owned()),
         "the stateful member in the virtual server's mode is served: {merged}"
+    );
+}
+
+/// A configuration of two SDK-built resource servers (`alpha`, `beta`: the same
+/// resources under their own names, and `shared://` ones both list), a server of level
+/// 3 and 4 templates (`tpl`), all over stdio, and the demo upstream (HTTP); the virtual
+/// server `all` of them with resource filters, then `extra` (more tables), and API keys
+/// for alice on every route.
+fn resource_config(what: &str, demo: &Upstream, extra: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "mcpgw-federation-modern-{what}-{}-{}",
+        std::process::id(),
+        mcpgw_testkit::free_port()
+    ));
+    std::fs::create_dir_all(&dir).expect("config dir");
+    let tokens = dir.join("tokens");
+    std::fs::write(&tokens, format!("alice:{ALICE}\n")).expect("tokens file");
+    let stdio = |script: &str, name: &str| {
+        format!(
+            "[{}, {}, {}]",
+            quoted(&python().display().to_string()),
+            quoted(&python_script(script).display().to_string()),
+            quoted(name)
+        )
+    };
+    let text = format!(
+        r#"
+[auth]
+tokens_file = {tokens}
+
+[[upstream]]
+name = "alpha"
+command = {alpha}
+
+[[upstream]]
+name = "beta"
+command = {beta}
+
+[[upstream]]
+name = "tpl"
+command = {tpl}
+
+[[upstream]]
+name = "demo"
+url = {demo}
+
+[[server]]
+name = "all"
+
+[[server.member]]
+upstream = "alpha"
+resources = {{ exclude = ["*/hidden"] }}
+
+[[server.member]]
+upstream = "beta"
+resources = {{ include = ["mem://beta/*", "shared://*"], exclude = ["*/hidden", "*/secret"] }}
+
+[[server.member]]
+upstream = "tpl"
+
+[[server.member]]
+upstream = "demo"
+tools = {{ include = ["echo"] }}
+{extra}"#,
+        tokens = quoted(&tokens.display().to_string()),
+        alpha = stdio("resource_server.py", "alpha"),
+        beta = stdio("resource_server.py", "beta"),
+        tpl = stdio("template_server.py", "tpl"),
+        demo = quoted(&demo.url),
+    );
+    let path = dir.join("mcpgw.toml");
+    std::fs::write(&path, text).expect("write the configuration");
+    path
+}
+
+/// The result of a 2026-07-28 request that must succeed.
+#[track_caller]
+fn result_of(response: &Response) -> Value {
+    assert_eq!(response.status, 200, "{}", response.text());
+    response
+        .messages()
+        .into_iter()
+        .find_map(|m| m.get("result").cloned())
+        .unwrap_or_else(|| panic!("no result: {}", response.text()))
+}
+
+/// The JSON-RPC error of an answer, with its code and message.
+#[track_caller]
+fn error_of(response: &Response) -> (i64, String, Value) {
+    let error = response
+        .messages()
+        .into_iter()
+        .find_map(|m| m.get("error").cloned())
+        .unwrap_or_else(|| panic!("no error: {}", response.text()));
+    let code = error["code"].as_i64().expect("an error code");
+    let message = error["message"].as_str().unwrap_or_default().to_owned();
+    (code, message, error)
+}
+
+fn read(addr: &str, uri: &str) -> Response {
+    modern(addr, ALL, ALICE, "resources/read", json!({ "uri": uri }))
+}
+
+#[test]
+fn the_modern_sdk_client_lists_reads_and_completes_resources_across_members() {
+    let demo = Upstream::start();
+    let path = resource_config("resources", &demo, "");
+    let gateway = Gateway::start(&["--config", &path.display().to_string()]);
+    let url = format!("http://{}{ALL}", gateway.addr);
+    let uris = [
+        "mem://alpha/readme",
+        "shared://common",
+        "mem://beta/notes/n1",
+        "shared://any/x",
+        "files://tpl/a/b/c",
+        "search://tpl/items?q=red&limit=2",
+        "search://tpl/items",
+    ];
+    let mut args = vec![url.as_str(), ALICE];
+    args.extend(uris);
+    let out = run_python("federation_modern_resources_client.py", &args);
+    assert_eq!(out["version"], "2026-07-28", "{out}");
+    assert_eq!(
+        out["resources"],
+        json!(["mem://alpha/readme", "shared://common", "mem://beta/readme"]),
+        "each member's resources, unrenamed, filtered; a URI two members list is the \
+         earlier one's"
+    );
+    assert_eq!(
+        out["templates"],
+        json!([
+            "mem://alpha/notes/{note}",
+            "shared://any/{thing}",
+            "mem://beta/notes/{note}",
+            "files://tpl{/path*}",
+            "search://tpl/items{?q,limit}"
+        ])
+    );
+    assert_eq!(
+        out["hints"],
+        json!([0, "private"]),
+        "the stateful members' lists are the principal's and never reused"
+    );
+    let reads = &out["reads"];
+    assert_eq!(reads["mem://alpha/readme"], "readme of alpha");
+    assert_eq!(
+        reads["shared://common"], "common of alpha",
+        "the earlier member's"
+    );
+    assert_eq!(
+        reads["mem://beta/notes/n1"], "note n1 of beta",
+        "a template-matched URI reaches the template's member"
+    );
+    assert_eq!(reads["shared://any/x"], "any x of alpha");
+    assert_eq!(
+        reads["files://tpl/a/b/c"], "file a/b/c of tpl",
+        "matched by the level 4 template {{/path*}}"
+    );
+    assert_eq!(
+        reads["search://tpl/items?q=red&limit=2"], "search q=red limit=2 of tpl",
+        "matched by the level 3 template {{?q,limit}}"
+    );
+    assert_eq!(
+        reads["search://tpl/items"], "search  of tpl",
+        "query parameters may be absent"
+    );
+    assert_eq!(
+        out["prompt_completion"],
+        json!(["beta-al-prompt"]),
+        "completion of beta__greet reached beta under its own name"
+    );
+    assert_eq!(
+        out["template_completion"],
+        json!(["tpl-d-for-files://tpl{/path*}"]),
+        "completion of a template reached the member that lists it"
+    );
+
+    // What the SDK's types leave out: which members' items were hidden, and by whom.
+    let listed = result_of(&modern(
+        &gateway.addr,
+        ALL,
+        ALICE,
+        "resources/list",
+        json!({}),
+    ));
+    assert_eq!(listed["resultType"], "complete", "{listed}");
+    assert_eq!(
+        listed["_meta"]["mcpgw/federation"]["hidden"],
+        json!([{"uri": "shared://common", "member": "beta", "kept_by": "alpha"}]),
+        "{listed}"
+    );
+    assert!(
+        listed["_meta"]["mcpgw/federation"].get("missing").is_none(),
+        "{listed}"
+    );
+    let templates = result_of(&modern(
+        &gateway.addr,
+        ALL,
+        ALICE,
+        "resources/templates/list",
+        json!({}),
+    ));
+    assert_eq!(
+        templates["_meta"]["mcpgw/federation"]["hidden"],
+        json!([{"uriTemplate": "shared://any/{thing}", "member": "beta", "kept_by": "alpha"}]),
+        "{templates}"
+    );
+}
+
+#[test]
+fn a_uri_no_member_serves_and_the_removed_subscription_methods_are_told_plainly() {
+    let demo = Upstream::start();
+    let path = resource_config("unknown", &demo, "");
+    let gateway = Gateway::start(&["--config", &path.display().to_string()]);
+    let addr = gateway.addr.clone();
+    // Listed by no one; kept out of alpha's list by its filter; matched by beta's
+    // template but kept out by beta's filter; a query parameter tpl's template does
+    // not name; a path where tpl's {/path*} allows none.
+    for uri in [
+        "mem://gamma/x",
+        "mem://alpha/hidden",
+        "mem://beta/notes/secret",
+        "search://tpl/items?sort=up",
+        "files://tplx",
+    ] {
+        let (code, message, _) = error_of(&read(&addr, uri));
+        assert_eq!(code, -32602, "{uri}: {message}");
+        assert!(
+            message.contains(uri) && message.contains("resources/templates/list"),
+            "names the URI and what to do: {message}"
+        );
+    }
+    let reference = json!({"ref": {"type": "ref/resource", "uri": "mem://gamma/{x}"},
+        "argument": {"name": "x", "value": "a"}});
+    let (code, message, _) = error_of(&modern(&addr, ALL, ALICE, "completion/complete", reference));
+    assert_eq!(code, -32602, "{message}");
+    let shapeless =
+        json!({"ref": {"type": "ref/nothing"}, "argument": {"name": "x", "value": "a"}});
+    let (code, message, _) = error_of(&modern(&addr, ALL, ALICE, "completion/complete", shapeless));
+    assert_eq!(code, -32602, "{message}");
+    assert!(message.contains("ref/prompt"), "{message}");
+    for method in ["resources/subscribe", "resources/unsubscribe"] {
+        let (code, message, _) = error_of(&modern(
+            &addr,
+            ALL,
+            ALICE,
+            method,
+            json!({"uri": "mem://alpha/readme"}),
+        ));
+        assert_eq!(code, -32601, "{message}");
+        assert!(
+            message.contains("2026-07-28") && message.contains("subscriptions/listen"),
+            "says what replaced it: {message}"
+        );
+    }
+    let cursor = modern(&addr, ALL, ALICE, "resources/list", json!({"cursor": "x"}));
+    assert_eq!(error_of(&cursor).0, -32602, "{}", cursor.text());
+}
+
+#[test]
+fn a_failing_member_is_named_in_the_resource_lists_and_the_others_are_read() {
+    let demo = Upstream::start();
+    let down = format!("http://127.0.0.1:{}/mcp", mcpgw_testkit::free_port());
+    let extra = format!(
+        "\n[[server.member]]\nupstream = \"gone\"\nresources = {{ include = [\"gone://*\"] }}\n\n\
+         [[upstream]]\nname = \"gone\"\nurl = {}\n",
+        quoted(&down)
+    );
+    let path = resource_config("gone", &demo, &extra);
+    let gateway = Gateway::start(&["--config", &path.display().to_string()]);
+    let addr = gateway.addr.clone();
+    for method in ["resources/list", "resources/templates/list"] {
+        let listed = result_of(&modern(&addr, ALL, ALICE, method, json!({})));
+        let missing = &listed["_meta"]["mcpgw/federation"]["missing"];
+        assert_eq!(missing[0]["member"], "gone", "{method}: {listed}");
+        assert_eq!(
+            listed["ttlMs"], 0,
+            "an incomplete list is not kept: {listed}"
+        );
+    }
+    let readme = result_of(&read(&addr, "mem://alpha/readme"));
+    assert_eq!(readme["contents"][0]["text"], "readme of alpha");
+    // A URI only the missing member could serve goes to it: its error, by name.
+    let failed = read(&addr, "gone://thing");
+    let (_, message, error) = error_of(&failed);
+    assert_eq!(error["data"]["member"], "gone", "{}", failed.text());
+    assert!(
+        message.contains("member gone of virtual server all"),
+        "{message}"
+    );
+    assert!(failed.status >= 500, "{}", failed.text());
+}
+
+#[test]
+fn without_prefixes_a_call_finds_its_member_in_the_lists() {
+    let demo = Upstream::start();
+    let path = config("never", &demo);
+    let text = std::fs::read_to_string(&path).expect("read the configuration");
+    let text = text.replace(
+        "[[server]]\nname = \"all\"\n",
+        "[[server]]\nname = \"all\"\nprefix = \"never\"\n",
+    );
+    std::fs::write(&path, text).expect("write the configuration");
+    let gateway = Gateway::start(&["--config", &path.display().to_string()]);
+    let addr = gateway.addr.clone();
+    let names = names_of(&list(&addr, ALICE));
+    assert!(names.contains(&"get_current_time".to_owned()), "{names:?}");
+    // The third member's tool: the second member's filter lets the name through, so
+    // only the members' lists tell whose it is.
+    let time = modern(
+        &addr,
+        ALL,
+        ALICE,
+        "tools/call",
+        json!({"name": "get_current_time", "arguments": {"timezone": "UTC"}}),
+    );
+    assert!(counted(&time).contains("UTC"), "{}", time.text());
+    assert_eq!(counted(&call(&addr, ALICE, "counter_increment")), "1");
+    assert_eq!(counted(&call(&addr, ALICE, "counter_increment")), "2");
+    let unknown = call(&addr, ALICE, "no_such_tool");
+    let (code, message, _) = error_of(&unknown);
+    assert_eq!(code, -32602, "{message}");
+    assert!(
+        message.contains("unknown tool \"no_such_tool\""),
+        "{message}"
+    );
+}
+
+/// An SDK-built HTTP server (`cached_list_server.py`) named `name` whose tools/list
+/// says it may be reused for `ttl_ms`, and its `/mcp` URL.
+fn cached_list_server(name: &str, ttl_ms: u64) -> (mcpgw_testkit::Child, String) {
+    let port = mcpgw_testkit::free_port();
+    let script = python_script("cached_list_server.py").display().to_string();
+    let args = [
+        script,
+        "http".into(),
+        port.to_string(),
+        name.into(),
+        ttl_ms.to_string(),
+    ];
+    let mut server = mcpgw_testkit::Child::spawn(name, &python(), &args);
+    let within = std::time::Duration::from_secs(30);
+    server.wait_for_line("cached_list_server listening", within);
+    mcpgw_testkit::wait_for_listener(&format!("127.0.0.1:{port}"), within);
+    (server, format!("http://127.0.0.1:{port}/mcp"))
+}
+
+#[test]
+fn calls_reuse_what_the_lists_said_while_their_ttl_allows_and_list_again_for_a_name_not_in_it() {
+    let (_a, a) = cached_list_server("a", 60_000);
+    let (_b, b) = cached_list_server("b", 60_000);
+    let (_z, z) = cached_list_server("z", 0);
+    let dir = std::env::temp_dir().join(format!(
+        "mcpgw-federation-modern-kept-{}-{}",
+        std::process::id(),
+        mcpgw_testkit::free_port()
+    ));
+    std::fs::create_dir_all(&dir).expect("config dir");
+    let tokens = dir.join("tokens");
+    std::fs::write(&tokens, format!("alice:{ALICE}\n")).expect("tokens file");
+    let mut text = format!(
+        "[auth]\ntokens_file = {}\n",
+        quoted(&tokens.display().to_string())
+    );
+    for (name, url) in [("a", &a), ("b", &b), ("z", &z)] {
+        text += &format!("\n[[upstream]]\nname = \"{name}\"\nurl = {}\n", quoted(url));
+    }
+    text += "\n[[server]]\nname = \"kept\"\nprefix = \"never\"\n\
+             [[server.member]]\nupstream = \"a\"\n[[server.member]]\nupstream = \"b\"\n\
+             \n[[server]]\nname = \"fresh\"\nprefix = \"never\"\n\
+             [[server.member]]\nupstream = \"z\"\n";
+    let path = dir.join("mcpgw.toml");
+    std::fs::write(&path, text).expect("write the configuration");
+    let gateway = Gateway::start(&["--config", &path.display().to_string()]);
+    let on = |server: &str, tool: &str| {
+        let path = format!("/servers/{server}/mcp");
+        let params = json!({"name": tool, "arguments": {}});
+        modern(&gateway.addr, &path, ALICE, "tools/call", params)
+    };
+
+    assert_eq!(counted(&on("kept", "b_hello")), "hello from b");
+    assert_eq!(
+        counted(&on("kept", "b_lists")),
+        "1",
+        "the second call found its member in what the first call's lists said"
+    );
+    assert_eq!(counted(&on("kept", "a_lists")), "1");
+    let (code, message, _) = error_of(&on("kept", "nope"));
+    assert_eq!(code, -32602, "{message}");
+    assert_eq!(
+        counted(&on("kept", "b_lists")),
+        "2",
+        "a name the catalog did not know was looked for once in fresh lists"
+    );
+
+    assert_eq!(counted(&on("fresh", "z_hello")), "hello from z");
+    assert_eq!(counted(&on("fresh", "z_hello")), "hello from z");
+    assert_eq!(
+        counted(&on("fresh", "z_lists")),
+        "3",
+        "a list that says ttlMs 0 is read for every call"
     );
 }

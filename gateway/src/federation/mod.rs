@@ -46,6 +46,7 @@ use crate::mcp::{self, GatewayError};
 use crate::reason::Reason;
 use crate::reply::Reply;
 use crate::worker::Worker;
+pub(crate) use modern::ModernCatalogs;
 use names::{Exposure, Listed, Owner};
 use uris::ResourceCatalog;
 

@@ -15,7 +15,9 @@
 //! same rule and filters as for legacy sessions (`names.rs`); a member that fails is
 //! left out of the list, which says so in `_meta`, and its calls get its own error,
 //! naming it. Calls find their member by prefix when the rule allows no doubt, else
-//! from a merged list.
+//! from a merged list, or from what recent lists said while their `ttlMs` allows
+//! (`catalog.rs`). Resources, templates and completion follow the sessions' rules
+//! (`modern/resources.rs`); the revision has no `resources/subscribe`.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -26,8 +28,14 @@ use http::{HeaderValue, Method, StatusCode};
 use serde_json::{Value, json};
 use tracing::debug;
 
+mod catalog;
+mod resources;
+
+pub(crate) use catalog::ModernCatalogs;
+
 use super::names::{self, Listed};
-use super::{INVALID_PARAMS, Kind, MAX_ANSWER_BYTES, MAX_LIST_PAGES};
+use super::resources::ResourceList;
+use super::{INVALID_PARAMS, Kind, ListOf, MAX_ANSWER_BYTES, MAX_LIST_PAGES};
 use crate::config::{MemberConfig, PrefixRule};
 use crate::execute::upstream::{Upstream, UpstreamReply, VirtualUpstream, read_answer};
 use crate::mcp::{self, Era, GatewayError};
@@ -43,20 +51,93 @@ type Dispatched<'a> = Pin<Box<dyn Future<Output = Result<Reply, GatewayError>> +
 /// One member's whole list of a kind, with the caching hints its last page gave.
 struct MemberList {
     items: Vec<Value>,
-    ttl_ms: Option<u64>,
-    private: bool,
+    hints: CacheHints,
 }
 
-/// Every member's list merged: the exposed items, the members left out with why, and
-/// the owner of each exposed name.
-struct Merged {
-    items: Vec<Value>,
+/// What members said about reusing their lists (2026-07-28 `ttlMs`, `cacheScope`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct CacheHints {
+    /// The smallest `ttlMs` given; None: none was.
+    ttl_ms: Option<u64>,
+    /// Every list was `cacheScope: "public"`.
+    public: bool,
+}
+
+impl CacheHints {
+    /// Before any list: nothing binds yet.
+    const NONE: CacheHints = CacheHints {
+        ttl_ms: None,
+        public: true,
+    };
+
+    fn and(self, other: CacheHints) -> CacheHints {
+        CacheHints {
+            ttl_ms: min_ttl(self.ttl_ms, other.ttl_ms),
+            public: self.public && other.public,
+        }
+    }
+
+    /// The hints of a merged list: 2026-07-28 list results carry both, so a list no
+    /// member gave a `ttlMs` for (or missing a member: ask again soon) says 0, and it is
+    /// public only when every member's was.
+    fn of_answer(self, complete: bool, listed_any: bool) -> (u64, &'static str) {
+        let ttl = if complete {
+            self.ttl_ms.unwrap_or(0)
+        } else {
+            0
+        };
+        let public = self.public && listed_any;
+        (ttl, if public { "public" } else { "private" })
+    }
+}
+
+/// Every member's whole list of one method, as gathered for one client request.
+struct MemberLists {
+    /// Each member's items, in the server's member order (empty for one in `missing`).
+    items: Vec<Vec<Value>>,
+    /// `{member, why}` of each member that could not list.
     missing: Vec<Value>,
     /// Positions (in the server's members) of the members left out.
     unlisted: Vec<usize>,
+    hints: CacheHints,
+}
+
+impl MemberLists {
+    /// How long what these lists say may be reused: a complete set's smallest `ttlMs`.
+    fn reusable_for(&self) -> Option<std::time::Duration> {
+        let ttl = self.hints.ttl_ms.filter(|_| self.missing.is_empty())?;
+        Some(std::time::Duration::from_millis(ttl))
+    }
+
+    /// A 2026-07-28 list result of these lists' `items` under `key`; `hidden` names
+    /// what was left out for a name or URI an earlier member has.
+    fn answer(&self, id: &Value, key: &str, items: Vec<Value>, hidden: Vec<Value>) -> Reply {
+        let listed_any = self.unlisted.len() < self.items.len();
+        let (ttl, scope) = self.hints.of_answer(self.missing.is_empty(), listed_any);
+        let mut result = json!({
+            key: items, "resultType": "complete", "ttlMs": ttl, "cacheScope": scope,
+        });
+        let mut federation = serde_json::Map::new();
+        if !self.missing.is_empty() {
+            federation.insert("missing".into(), Value::from(self.missing.clone()));
+        }
+        if !hidden.is_empty() {
+            federation.insert("hidden".into(), Value::from(hidden));
+        }
+        if !federation.is_empty() {
+            result["_meta"] = json!({ "mcpgw/federation": federation });
+        }
+        let body = json!({ "jsonrpc": "2.0", "id": id, "result": result });
+        Reply::json(StatusCode::OK, Bytes::from(body.to_string()))
+    }
+}
+
+/// Every member's list of a kind merged: the exposed items, and the owner of each
+/// exposed name.
+struct Merged {
+    items: Vec<Value>,
     owners: std::collections::HashMap<String, names::Owner>,
-    ttl_ms: Option<u64>,
-    private: bool,
+    lists: MemberLists,
 }
 
 impl Worker {
@@ -87,16 +168,17 @@ impl Worker {
             "prompts/list" => self.answer_list(server, &call, Kind::Prompts).await,
             "tools/call" => return self.call_owner(server, &call, Kind::Tools).await,
             "prompts/get" => return self.call_owner(server, &call, Kind::Prompts).await,
-            other => rpc_error(
-                &id,
-                mcp::code::METHOD_NOT_FOUND,
-                format!(
-                    "{other} is not served by virtual server {} to 2026-07-28 clients (it \
-                     serves tools/list, tools/call, prompts/list, prompts/get and \
-                     server/discover)",
-                    server.name
-                ),
-            ),
+            "resources/list" => {
+                self.answer_resource_list(server, &call, ResourceList::Resources)
+                    .await
+            }
+            "resources/templates/list" => {
+                self.answer_resource_list(server, &call, ResourceList::Templates)
+                    .await
+            }
+            "resources/read" => return self.read_resource(server, &call).await,
+            "completion/complete" => return self.complete_modern(server, &call).await,
+            other => not_served(&id, other, &server.name),
         })
     }
 
@@ -108,40 +190,13 @@ impl Worker {
         kind: Kind,
     ) -> Reply {
         let id = call.id();
-        let asked_cursor = call
-            .message
-            .as_ref()
-            .and_then(|m| m.json.get("params")?.get("cursor"))
-            .is_some_and(|c| !c.is_null());
-        if asked_cursor {
-            return rpc_error(
-                &id,
-                INVALID_PARAMS,
-                format!(
-                    "virtual server {} returns its whole list in one page and issued no cursor",
-                    server.name
-                ),
-            );
+        if let Some(refused) = refuse_cursor(call, &server.name) {
+            return refused;
         }
         let merged = self.merged_modern_list(server, call, kind).await;
-        let mut result = json!({ kind.key(): merged.items, "resultType": "complete" });
-        // A list missing a member is not worth keeping: ask again soon.
-        let ttl = match merged.missing.is_empty() {
-            true => merged.ttl_ms,
-            false => Some(0),
-        };
-        if let Some(ttl) = ttl {
-            result["ttlMs"] = Value::from(ttl);
-        }
-        if merged.private || ttl.is_some() {
-            let scope = if merged.private { "private" } else { "public" };
-            result["cacheScope"] = Value::from(scope);
-        }
-        if !merged.missing.is_empty() {
-            result["_meta"] = json!({ "mcpgw/federation": { "missing": merged.missing } });
-        }
-        let body = json!({ "jsonrpc": "2.0", "id": id, "result": result });
-        Reply::json(StatusCode::OK, Bytes::from(body.to_string()))
+        merged
+            .lists
+            .answer(&id, kind.key(), merged.items, Vec::new())
     }
 
     /// Every member's list of `kind`, merged and exposed by the server's rule.
@@ -152,42 +207,10 @@ impl Worker {
         kind: Kind,
     ) -> Merged {
         let members = &server.server.members;
-        let listings = futures_util::future::join_all(members.iter().map(|member| async move {
-            let deadline = member.list_deadline(&self.config.limits);
-            let listed = self.list_member_modern(server, call, member, kind);
-            tokio::time::timeout(deadline, listed)
-                .await
-                .unwrap_or_else(|_| Err(super::too_slow(kind.listing().method, deadline)))
-        }))
-        .await;
-        let mut merged = Merged {
-            items: Vec::new(),
-            missing: Vec::new(),
-            unlisted: Vec::new(),
-            owners: Default::default(),
-            ttl_ms: None,
-            private: false,
-        };
-        let mut items: Vec<Vec<Value>> = Vec::with_capacity(members.len());
-        for (at, (member, listing)) in members.iter().zip(listings).enumerate() {
-            match listing {
-                Ok(list) => {
-                    merged.ttl_ms = min_ttl(merged.ttl_ms, list.ttl_ms);
-                    merged.private |= list.private;
-                    items.push(list.items);
-                }
-                Err(why) => {
-                    merged
-                        .missing
-                        .push(json!({ "member": member.upstream, "why": why }));
-                    merged.unlisted.push(at);
-                    items.push(Vec::new());
-                }
-            }
-        }
+        let lists = self.gather_modern(server, call, kind.listing()).await;
         let listed: Vec<Listed<'_>> = members
             .iter()
-            .zip(&items)
+            .zip(&lists.items)
             .map(|(member, list)| Listed {
                 prefix: &member.prefix,
                 filter: kind.filter(member),
@@ -202,51 +225,87 @@ impl Worker {
             debug!(server = %server.name, "{} {name:?} of member {} is hidden by member {}",
                 kind.singular(), members[*loser].upstream, members[*keeper].upstream);
         }
+        let principal = &call.auth.subject;
+        let ttl = lists.reusable_for();
+        server
+            .catalogs
+            .keep_names(principal, kind, &exposure.owners, ttl);
+        let mut items = Vec::with_capacity(exposure.exposed.len());
         for (name, owner) in exposure.exposed {
             let own = Some(owner.own.as_str());
-            let item = items[owner.member]
+            let item = lists.items[owner.member]
                 .iter()
                 .find(|item| item.get("name").and_then(Value::as_str) == own);
             if let Some(mut item) = item.cloned() {
                 item["name"] = Value::from(name);
-                merged.items.push(item);
+                items.push(item);
             }
         }
-        merged.owners = exposure.owners;
-        merged
+        Merged {
+            items,
+            owners: exposure.owners,
+            lists,
+        }
     }
 
-    /// One member's whole list of `kind`, following its `nextCursor` to the end, or
-    /// why it could not be had.
+    /// Every member's whole list of `of`, at once, each within its list deadline.
+    async fn gather_modern(
+        self: &Arc<Self>,
+        server: &VirtualUpstream,
+        call: &Call,
+        of: ListOf,
+    ) -> MemberLists {
+        let members = &server.server.members;
+        let listings = futures_util::future::join_all(members.iter().map(|member| async move {
+            let deadline = member.list_deadline(&self.config.limits);
+            let listed = self.list_member_modern(server, call, member, of);
+            tokio::time::timeout(deadline, listed)
+                .await
+                .unwrap_or_else(|_| Err(super::too_slow(of.method, deadline)))
+        }))
+        .await;
+        let mut lists = MemberLists {
+            items: Vec::with_capacity(members.len()),
+            missing: Vec::new(),
+            unlisted: Vec::new(),
+            hints: CacheHints::NONE,
+        };
+        for (at, (member, listing)) in members.iter().zip(listings).enumerate() {
+            match listing {
+                Ok(list) => {
+                    lists.hints = lists.hints.and(list.hints);
+                    lists.items.push(list.items);
+                }
+                Err(why) => {
+                    lists
+                        .missing
+                        .push(json!({ "member": member.upstream, "why": why }));
+                    lists.unlisted.push(at);
+                    lists.items.push(Vec::new());
+                }
+            }
+        }
+        lists
+    }
+
+    /// One member's whole list of `of`, following its `nextCursor` to the end, or why
+    /// it could not be had.
     async fn list_member_modern(
         self: &Arc<Self>,
         server: &VirtualUpstream,
         call: &Call,
         member: &MemberConfig,
-        kind: Kind,
+        of: ListOf,
     ) -> Result<MemberList, String> {
-        let template = call
-            .message
-            .as_ref()
-            .map_or(Value::Null, |m| m.json.clone());
         let mut list = MemberList {
             items: Vec::new(),
-            ttl_ms: None,
-            private: false,
+            hints: CacheHints::NONE,
         };
         let mut cursor: Option<Value> = None;
         for _ in 0..MAX_LIST_PAGES {
-            let mut page = template.clone();
-            if !page["params"].is_object() {
-                page["params"] = json!({});
-            }
-            match cursor.take() {
-                Some(cursor) => page["params"]["cursor"] = cursor,
-                None => {
-                    if let Some(params) = page["params"].as_object_mut() {
-                        params.remove("cursor");
-                    }
-                }
+            let mut page = list_request(call, of.method);
+            if let Some(cursor) = cursor.take() {
+                page["params"]["cursor"] = cursor;
             }
             let reply = self
                 .member_call(server, call, member, &page, None)
@@ -260,13 +319,15 @@ impl Worker {
             let timeout = self.config.limits.upstream_request_timeout;
             let answer = read_answer(reply, &member.upstream, MAX_ANSWER_BYTES, timeout).await?;
             let Some(result) = answer.get("result") else {
-                return Err(format!("it answered {}: {answer}", kind.listing().method));
+                return Err(format!("it answered {}: {answer}", of.method));
             };
-            if let Some(items) = result.get(kind.key()).and_then(Value::as_array) {
+            if let Some(items) = result.get(of.key).and_then(Value::as_array) {
                 list.items.extend(items.iter().cloned());
             }
-            list.ttl_ms = min_ttl(list.ttl_ms, result.get("ttlMs").and_then(Value::as_u64));
-            list.private |= result.get("cacheScope").and_then(Value::as_str) == Some("private");
+            list.hints = list.hints.and(CacheHints {
+                ttl_ms: result.get("ttlMs").and_then(Value::as_u64),
+                public: result.get("cacheScope").and_then(Value::as_str) == Some("public"),
+            });
             match result.get("nextCursor") {
                 Some(next) if !next.is_null() => cursor = Some(next.clone()),
                 _ => return Ok(list),
@@ -274,7 +335,7 @@ impl Worker {
         }
         Err(format!(
             "its {} did not end within {MAX_LIST_PAGES} pages",
-            kind.listing().method
+            of.method
         ))
     }
 
@@ -335,11 +396,15 @@ impl Worker {
                 return first;
             }
         }
+        if let Some(owner) = server.catalogs.owner(&call.auth.subject, kind, name) {
+            return Some((&members[owner.member], owner.own));
+        }
+        // Not known (or nothing kept): the lists, read now, decide and renew the catalog.
         let merged = self.merged_modern_list(server, call, kind).await;
         if let Some(owner) = merged.owners.get(name) {
             return Some((&members[owner.member], owner.own.clone()));
         }
-        merged.unlisted.iter().find_map(|&at| {
+        merged.lists.unlisted.iter().find_map(|&at| {
             let member = &members[at];
             let prefixed = format!("{}{separator}", member.prefix);
             let own = match (name.strip_prefix(&prefixed), server.server.prefix) {
@@ -445,6 +510,70 @@ fn of_member(mut error: GatewayError, member: &str, server: &str) -> GatewayErro
     error
 }
 
+/// A list request's `cursor`, refused: every merged list is returned whole.
+fn refuse_cursor(call: &Call, server: &str) -> Option<Reply> {
+    let asked_cursor = call
+        .message
+        .as_ref()
+        .and_then(|m| m.json.get("params")?.get("cursor"))
+        .is_some_and(|c| !c.is_null());
+    asked_cursor.then(|| {
+        rpc_error(
+            &call.id(),
+            INVALID_PARAMS,
+            format!(
+                "virtual server {server} returns its whole list in one page and issued no cursor"
+            ),
+        )
+    })
+}
+
+/// A list request of the gateway's own for `method`, in the client's 2026-07-28
+/// envelope (its `params._meta` keys `io.modelcontextprotocol/*`: protocol version,
+/// capabilities), whatever the client's request was.
+fn list_request(call: &Call, method: &str) -> Value {
+    let envelope: serde_json::Map<String, Value> = call
+        .message
+        .as_ref()
+        .and_then(|m| m.json.get("params")?.get("_meta")?.as_object().cloned())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(key, _)| key.starts_with(ENVELOPE_PREFIX))
+        .collect();
+    let mut request = json!({ "jsonrpc": "2.0", "id": call.id(), "method": method, "params": {} });
+    if !envelope.is_empty() {
+        request["params"]["_meta"] = Value::Object(envelope);
+    }
+    request
+}
+
+/// Prefix of the `_meta` keys of the 2026-07-28 request envelope.
+const ENVELOPE_PREFIX: &str = "io.modelcontextprotocol/";
+
+/// -32601 for a method a virtual server does not serve to 2026-07-28 clients, saying
+/// what it serves, and for the subscription methods what the revision has instead.
+fn not_served(id: &Value, method: &str, server: &str) -> Reply {
+    let serves = "it serves tools/list, tools/call, prompts/list, prompts/get, \
+                  resources/list, resources/templates/list, resources/read, \
+                  completion/complete, server/discover and ping";
+    let message = match method {
+        "resources/subscribe" | "resources/unsubscribe" => format!(
+            "{method} does not exist in MCP 2026-07-28 (subscriptions/listen with \
+             notifications.resourceSubscriptions replaced it), and virtual server {server} \
+             does not serve subscriptions/listen yet: read the resource again to see changes"
+        ),
+        "subscriptions/listen" => format!(
+            "subscriptions/listen is not built for virtual servers yet, so virtual server \
+             {server} sends 2026-07-28 clients no notifications: list and read again to see \
+             changes ({serves})"
+        ),
+        other => format!(
+            "{other} is not served by virtual server {server} to 2026-07-28 clients ({serves})"
+        ),
+    };
+    rpc_error(id, mcp::code::METHOD_NOT_FOUND, message)
+}
+
 /// The smaller of two optional `ttlMs`; a member that gives none does not bind.
 fn min_ttl(a: Option<u64>, b: Option<u64>) -> Option<u64> {
     match (a, b) {
@@ -490,7 +619,7 @@ fn base64_encode(bytes: &[u8]) -> String {
 fn discover(id: &Value, server: &str) -> Reply {
     let result = json!({
         "supportedVersions": mcp::MODERN_VERSIONS,
-        "capabilities": { "tools": {}, "prompts": {} },
+        "capabilities": { "tools": {}, "prompts": {}, "resources": {}, "completions": {} },
         "serverInfo": { "name": server, "version": env!("CARGO_PKG_VERSION") },
         "resultType": "complete",
         "ttlMs": 0,

@@ -7,15 +7,18 @@
 //! named in `_meta["mcpgw/federation"].hidden` and the log. `resources/read`,
 //! `subscribe` and `unsubscribe` go to the member that listed the URI, else to the
 //! member whose template matches it (`uris.rs`); `completion/complete` goes to the
-//! member that owns the prompt (under its own name) or the resource template.
+//! member that owns the prompt (under its own name) or the resource template. The
+//! merge, the completion reference and the messages are shared with 2026-07-28
+//! clients (`modern/resources.rs`), so both eras follow one rule.
 
 use http::HeaderMap;
 use serde_json::{Value, json};
 use tracing::warn;
 
 use super::names::{self, Listed};
+use super::uris::ResourceCatalog;
 use super::{FederatedLink, Gathered, INVALID_PARAMS, Kind, ListOf, error, result};
-use crate::config::PrefixRule;
+use crate::config::{NameFilter, PrefixRule};
 use crate::execute::upstream::UpstreamReply;
 use crate::worker::Worker;
 
@@ -27,7 +30,7 @@ pub(super) enum ResourceList {
 }
 
 impl ResourceList {
-    fn listing(self) -> ListOf {
+    pub(super) fn listing(self) -> ListOf {
         match self {
             ResourceList::Resources => ListOf {
                 method: "resources/list",
@@ -43,7 +46,7 @@ impl ResourceList {
     }
 
     /// The field of an item that names it.
-    fn identity(self) -> &'static str {
+    pub(super) fn identity(self) -> &'static str {
         match self {
             ResourceList::Resources => "uri",
             ResourceList::Templates => "uriTemplate",
@@ -51,63 +54,173 @@ impl ResourceList {
     }
 }
 
-/// A merged resource list: the items, the members missing from it, and the items
-/// left out because an earlier member lists the same identity.
-struct MergedResources {
-    items: Vec<Value>,
-    missing: Vec<Value>,
-    hidden: Vec<Value>,
+/// One member's items of a resource list, with what merging them needs.
+pub(super) struct MemberResources<'a> {
+    pub name: &'a str,
+    pub filter: &'a NameFilter,
+    pub items: &'a [Value],
+}
+
+/// A merged resource list: the items, and those left out because an earlier member
+/// lists the same identity (`{uri, member, kept_by}`, or `uriTemplate`), and the owner
+/// of every identity kept, in listing order.
+pub(super) struct MergedResources {
+    pub items: Vec<Value>,
+    pub hidden: Vec<Value>,
+    pub exposed: Vec<(String, names::Owner)>,
+}
+
+/// The members' resource lists merged without renaming, through each member's
+/// filter; a URI (or template) two members list is the earlier member's, the later
+/// one's is left out. One rule for sessions and 2026-07-28 clients.
+pub(super) fn merge_resources(
+    list: ResourceList,
+    members: &[MemberResources<'_>],
+) -> MergedResources {
+    let listed: Vec<Listed<'_>> = members
+        .iter()
+        .map(|member| Listed {
+            prefix: "",
+            filter: member.filter,
+            names: member
+                .items
+                .iter()
+                .filter_map(|item| item.get(list.identity())?.as_str().map(str::to_owned))
+                .collect(),
+        })
+        .collect();
+    // Never renamed: the "never" rule keeps names as they are, the earlier member's.
+    let exposure = names::expose(PrefixRule::Never, "", &listed);
+    let hidden = exposure
+        .hidden
+        .iter()
+        .map(|(identity, loser, keeper)| {
+            let (loser, keeper) = (members[*loser].name, members[*keeper].name);
+            json!({ list.identity(): identity, "member": loser, "kept_by": keeper })
+        })
+        .collect();
+    let items = exposure
+        .exposed
+        .iter()
+        .filter_map(|(identity, owner)| {
+            members[owner.member]
+                .items
+                .iter()
+                .find(|item| item.get(list.identity()).and_then(Value::as_str) == Some(identity))
+                .cloned()
+        })
+        .collect();
+    MergedResources {
+        items,
+        hidden,
+        exposed: exposure.exposed,
+    }
+}
+
+/// The catalog of two merged lists (their `exposed`), for routing one request.
+pub(super) fn catalog_of(
+    resources: &[(String, names::Owner)],
+    templates: &[(String, names::Owner)],
+) -> ResourceCatalog {
+    ResourceCatalog {
+        uris: resources
+            .iter()
+            .map(|(uri, owner)| (uri.clone(), owner.member))
+            .collect(),
+        templates: templates
+            .iter()
+            .map(|(template, owner)| (template.clone(), owner.member))
+            .collect(),
+    }
+}
+
+/// What a `completion/complete` asks about.
+pub(super) enum CompletionRef {
+    /// `ref/prompt`: an exposed prompt name.
+    Prompt(String),
+    /// `ref/resource`: a template, or a URI.
+    Resource(String),
+}
+
+/// The reference of a `completion/complete`, or the -32602 message saying its shape.
+pub(super) fn completion_ref(message: &Value) -> Result<CompletionRef, String> {
+    let reference = &message["params"]["ref"];
+    let text = |key: &str| {
+        reference
+            .get(key)
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+    };
+    match (
+        reference.get("type").and_then(Value::as_str),
+        text("name"),
+        text("uri"),
+    ) {
+        (Some("ref/prompt"), Some(name), _) => Ok(CompletionRef::Prompt(name)),
+        (Some("ref/resource"), _, Some(uri)) => Ok(CompletionRef::Resource(uri)),
+        _ => Err(
+            "completion/complete needs params.ref: {\"type\": \"ref/prompt\", \"name\": \
+                  ...} or {\"type\": \"ref/resource\", \"uri\": ...}"
+                .to_owned(),
+        ),
+    }
+}
+
+/// The URI a `resources/*` request is about, or the -32602 message saying it needs one.
+pub(super) fn requested_uri(message: &Value) -> Result<&str, String> {
+    message["params"]
+        .get("uri")
+        .and_then(Value::as_str)
+        .ok_or_else(|| {
+            let method = message["method"].as_str().unwrap_or("this request");
+            format!("{method} needs params.uri, the resource's URI as a string")
+        })
+}
+
+/// The -32602 message for a URI no member serves on `server`; `more` adds why a
+/// member could not be asked.
+pub(super) fn unknown_uri_message(server: &str, uri: &str, more: &str) -> String {
+    format!(
+        "unknown resource {uri:?} on virtual server {server}: no member listed it and no \
+         member's resource template matches it (RFC 6570 templates, levels 1 to 4: a \
+         simple {{var}} holds no '/', '?', '#' or other reserved character, {{+var}} \
+         does), or its member's resources filter keeps it out; see resources/list and \
+         resources/templates/list for what it serves{more}"
+    )
 }
 
 impl FederatedLink {
     /// Every live member's `list`, merged without renaming; the resource catalog is
     /// renewed from it (a member missing from it keeps its previous entries, so a
-    /// lost member's URIs are told the loss, not "unknown").
-    async fn merged_resources(&self, worker: &Worker, list: ResourceList) -> MergedResources {
+    /// lost member's URIs are told the loss, not "unknown"). Returns the merged list
+    /// and the members missing from it.
+    async fn merged_resources(
+        &self,
+        worker: &Worker,
+        list: ResourceList,
+    ) -> (MergedResources, Vec<Value>) {
         let Gathered {
             items,
             missing,
             unlisted,
         } = self.gather(worker, list.listing()).await;
-        let listed: Vec<Listed<'_>> = self
+        let members: Vec<MemberResources<'_>> = self
             .members
             .iter()
             .zip(&items)
-            .map(|(member, items)| Listed {
-                prefix: "",
+            .map(|(member, items)| MemberResources {
+                name: member.name(),
                 filter: &member.config.resources,
-                names: items
-                    .iter()
-                    .filter_map(|item| item.get(list.identity())?.as_str().map(str::to_owned))
-                    .collect(),
+                items,
             })
             .collect();
-        // Never renamed: the "never" rule keeps names as they are, the earlier member's.
-        let exposure = names::expose(PrefixRule::Never, "", &listed);
-        let mut hidden = Vec::with_capacity(exposure.hidden.len());
-        for (identity, loser, keeper) in &exposure.hidden {
-            let (loser, keeper) = (self.members[*loser].name(), self.members[*keeper].name());
-            warn!(server = %self.server, "{} {identity:?} of member {loser} is left out: member {keeper} (earlier in the configuration) lists it too", list.identity());
-            hidden.push(json!({ list.identity(): identity, "member": loser, "kept_by": keeper }));
+        let merged = merge_resources(list, &members);
+        for hidden in &merged.hidden {
+            warn!(server = %self.server, "{} {} of member {} is left out: member {} (earlier in the configuration) lists it too",
+                list.identity(), hidden[list.identity()], hidden["member"], hidden["kept_by"]);
         }
-        let merged = exposure
-            .exposed
-            .iter()
-            .filter_map(|(identity, owner)| {
-                items[owner.member]
-                    .iter()
-                    .find(|item| {
-                        item.get(list.identity()).and_then(Value::as_str) == Some(identity)
-                    })
-                    .cloned()
-            })
-            .collect();
-        self.renew_resources(list, &exposure.exposed, &unlisted);
-        MergedResources {
-            items: merged,
-            missing,
-            hidden,
-        }
+        self.renew_resources(list, &merged.exposed, &unlisted);
+        (merged, missing)
     }
 
     /// The catalog's `list` part from a new listing; the entries of members that did
@@ -161,14 +274,10 @@ impl FederatedLink {
     /// listed template exactly (a completion's `ref/resource`).
     async fn resource_owner(&self, worker: &Worker, uri: &str, as_template: bool) -> Option<usize> {
         let known = |link: &FederatedLink| {
-            let catalog = link.resources.lock();
-            as_template
-                .then(|| catalog.template_owner(uri))
-                .flatten()
-                .or_else(|| {
-                    catalog.route(uri, |member, uri| {
-                        names::passes(&link.members[member].config.resources, uri)
-                    })
+            link.resources
+                .lock()
+                .serving(uri, as_template, |member, uri| {
+                    names::passes(&link.members[member].config.resources, uri)
                 })
         };
         if let Some(member) = known(self) {
@@ -201,13 +310,7 @@ impl FederatedLink {
         error(
             id,
             INVALID_PARAMS,
-            format!(
-                "unknown resource {uri:?} on virtual server {}: no member listed it and no \
-                 member's resource template matches it (templates match at RFC 6570 level 1: \
-                 {{var}} is one run without '/', '?' or '#'); see resources/list and \
-                 resources/templates/list for what it serves{lost}",
-                self.server
-            ),
+            unknown_uri_message(&self.server, uri, &lost),
         )
     }
 }
@@ -220,11 +323,11 @@ impl Worker {
         list: ResourceList,
         id: &Value,
     ) -> UpstreamReply {
-        let merged = link.merged_resources(self, list).await;
+        let (merged, missing) = link.merged_resources(self, list).await;
         let mut listed = json!({ list.listing().key: merged.items });
         let mut federation = serde_json::Map::new();
-        if !merged.missing.is_empty() {
-            federation.insert("missing".into(), Value::from(merged.missing));
+        if !missing.is_empty() {
+            federation.insert("missing".into(), Value::from(missing));
         }
         if !merged.hidden.is_empty() {
             federation.insert("hidden".into(), Value::from(merged.hidden));
@@ -244,15 +347,10 @@ impl Worker {
         message: Value,
         headers: HeaderMap,
     ) -> UpstreamReply {
-        let method = message["method"].as_str().unwrap_or_default().to_owned();
-        let Some(uri) = message["params"].get("uri").and_then(Value::as_str) else {
-            return error(
-                id,
-                INVALID_PARAMS,
-                format!("{method} needs params.uri, the resource's URI as a string"),
-            );
+        let uri = match requested_uri(&message) {
+            Ok(uri) => uri.to_owned(),
+            Err(why) => return error(id, INVALID_PARAMS, why),
         };
-        let uri = uri.to_owned();
         match link.resource_owner(self, &uri, false).await {
             Some(member) => self.relay(link, member, id, message, headers).await,
             None => link.unknown_uri(id, &uri),
@@ -269,19 +367,8 @@ impl Worker {
         mut message: Value,
         headers: HeaderMap,
     ) -> UpstreamReply {
-        let reference = &message["params"]["ref"];
-        let text = |key: &str| {
-            reference
-                .get(key)
-                .and_then(Value::as_str)
-                .map(str::to_owned)
-        };
-        match (
-            reference.get("type").and_then(Value::as_str),
-            text("name"),
-            text("uri"),
-        ) {
-            (Some("ref/prompt"), Some(name), _) => {
+        match completion_ref(&message) {
+            Ok(CompletionRef::Prompt(name)) => {
                 let Some(owner) = link.owner_of(self, Kind::Prompts, &name).await else {
                     return error(
                         id,
@@ -292,19 +379,11 @@ impl Worker {
                 message["params"]["ref"]["name"] = Value::from(owner.own);
                 self.relay(link, owner.member, id, message, headers).await
             }
-            (Some("ref/resource"), _, Some(uri)) => {
-                match link.resource_owner(self, &uri, true).await {
-                    Some(member) => self.relay(link, member, id, message, headers).await,
-                    None => link.unknown_uri(id, &uri),
-                }
-            }
-            _ => error(
-                id,
-                INVALID_PARAMS,
-                "completion/complete needs params.ref: {\"type\": \"ref/prompt\", \"name\": ...} \
-                 or {\"type\": \"ref/resource\", \"uri\": ...}"
-                    .to_owned(),
-            ),
+            Ok(CompletionRef::Resource(uri)) => match link.resource_owner(self, &uri, true).await {
+                Some(member) => self.relay(link, member, id, message, headers).await,
+                None => link.unknown_uri(id, &uri),
+            },
+            Err(why) => error(id, INVALID_PARAMS, why),
         }
     }
 }

@@ -3,13 +3,15 @@
 //! member whose resource template matches it. Pure, so every match and every conflict
 //! is tested without a member.
 //!
-//! Templates are matched at RFC 6570 level 1 only: `{var}` stands for a non-empty run
-//! of characters without `/`, `?` or `#` (what a simple expansion can produce, read
-//! loosely: percent-encoded text matches too); everything else matches itself. A
-//! template with a level 2+ expression (`{+x}`, `{/x}`, `{?x}`, `{a,b}`, ...) matches
-//! no URI: its member is reached only for the URIs it lists.
+//! A URI matches a template when some expansion of it (RFC 6570, levels 1 to 4) could
+//! produce the URI (`template.rs`); a template that is no valid RFC 6570 template
+//! matches nothing, so its member is reached only for the URIs it lists.
+
+mod template;
 
 use std::collections::HashMap;
+
+pub use template::template_matches;
 
 /// What a virtual server knows of its members' resources, from their last lists.
 #[derive(Debug, Default)]
@@ -41,145 +43,26 @@ impl ResourceCatalog {
             .find(|(listed, _)| listed == template)
             .map(|(_, member)| *member)
     }
-}
 
-/// One piece of a parsed template.
-#[derive(Debug, PartialEq)]
-enum Piece<'a> {
-    Literal(&'a [u8]),
-    /// A level 1 expression, `{name}`.
-    Variable,
-}
-
-/// A template's pieces, or None when it holds what level 1 does not (an operator, a
-/// list of variables, an unclosed brace).
-fn parse(template: &str) -> Option<Vec<Piece<'_>>> {
-    let mut pieces = Vec::new();
-    let mut rest = template.as_bytes();
-    while !rest.is_empty() {
-        match rest.iter().position(|b| *b == b'{') {
-            Some(0) => {
-                let close = rest.iter().position(|b| *b == b'}')?;
-                let name = &rest[1..close];
-                let level_one = !name.is_empty()
-                    && name
-                        .iter()
-                        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'%' | b'.'));
-                if !level_one {
-                    return None;
-                }
-                pieces.push(Piece::Variable);
-                rest = &rest[close + 1..];
-            }
-            Some(at) => {
-                pieces.push(Piece::Literal(&rest[..at]));
-                rest = &rest[at..];
-            }
-            None => {
-                pieces.push(Piece::Literal(rest));
-                rest = &[];
-            }
-        }
+    /// The member a request about `uri` goes to: with `as_template` (a completion's
+    /// `ref/resource`, which may name a template or a URI), the member that listed
+    /// that template exactly, else the one [`ResourceCatalog::route`] finds.
+    pub fn serving(
+        &self,
+        uri: &str,
+        as_template: bool,
+        passes: impl Fn(usize, &str) -> bool,
+    ) -> Option<usize> {
+        as_template
+            .then(|| self.template_owner(uri))
+            .flatten()
+            .or_else(|| self.route(uri, passes))
     }
-    Some(pieces)
-}
-
-/// Whether `uri` is an expansion of `template` (see the module's note on level 1).
-/// Runs over the positions reachable after each piece, each piece in one pass over
-/// the URI (a literal: times its length), so variables in a row stay cheap.
-pub fn template_matches(template: &str, uri: &str) -> bool {
-    let Some(pieces) = parse(template) else {
-        return false;
-    };
-    let uri = uri.as_bytes();
-    let mut reachable = vec![false; uri.len() + 1];
-    reachable[0] = true;
-    for piece in pieces {
-        let mut next = vec![false; uri.len() + 1];
-        match piece {
-            Piece::Literal(literal) => {
-                for start in (0..=uri.len()).filter(|at| reachable[*at]) {
-                    if uri[start..].starts_with(literal) {
-                        next[start + literal.len()] = true;
-                    }
-                }
-            }
-            Piece::Variable => {
-                // A run that began at a reachable position goes on until a '/', '?'
-                // or '#'; every position after its first character ends it.
-                let mut in_run = false;
-                for (at, byte) in uri.iter().enumerate() {
-                    in_run |= reachable[at];
-                    if matches!(byte, b'/' | b'?' | b'#') {
-                        in_run = false;
-                    } else if in_run {
-                        next[at + 1] = true;
-                    }
-                }
-            }
-        }
-        reachable = next;
-    }
-    reachable[uri.len()]
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_variable_matches_one_run_without_slash_query_or_fragment() {
-        assert!(template_matches("mem://a/notes/{note}", "mem://a/notes/x1"));
-        assert!(template_matches(
-            "mem://a/notes/{note}",
-            "mem://a/notes/a%20b"
-        ));
-        assert!(!template_matches("mem://a/notes/{note}", "mem://a/notes/"));
-        assert!(!template_matches(
-            "mem://a/notes/{note}",
-            "mem://a/notes/x/y"
-        ));
-        assert!(!template_matches(
-            "mem://a/notes/{note}",
-            "mem://a/notes/x?y"
-        ));
-        assert!(!template_matches("mem://a/notes/{note}", "mem://b/notes/x"));
-        assert!(template_matches(
-            "db://{table}/{row}.json",
-            "db://users/7.json"
-        ));
-        assert!(!template_matches(
-            "db://{table}/{row}.json",
-            "db://users/7.xml"
-        ));
-        assert!(template_matches("x://{a}{b}", "x://ab"));
-        assert!(!template_matches("x://{a}{b}", "x://a"));
-        assert!(template_matches("plain://exact", "plain://exact"));
-        assert!(!template_matches("plain://exact", "plain://exact2"));
-    }
-
-    #[test]
-    fn expressions_beyond_level_one_match_nothing() {
-        for template in [
-            "mem://{+path}",
-            "mem://a{/x}",
-            "mem://a{?q}",
-            "mem://{a,b}",
-            "mem://{}",
-            "mem://{open",
-        ] {
-            assert!(!template_matches(template, "mem://a"), "{template}");
-            assert!(!template_matches(template, "mem://a/b"), "{template}");
-        }
-    }
-
-    #[test]
-    fn many_variables_in_a_row_stay_cheap() {
-        let template = format!("x://{}!", "{v}".repeat(64));
-        let uri = format!("x://{}", "a".repeat(4000));
-        assert!(!template_matches(&template, &uri));
-        assert!(template_matches(&template, &format!("{uri}!")));
-    }
 
     #[test]
     fn a_listed_uri_wins_then_the_first_matching_template_the_filter_allows() {
@@ -200,5 +83,29 @@ mod tests {
         assert_eq!(catalog.route("mem://c", all), None);
         assert_eq!(catalog.template_owner("mem://b/notes/{n}"), Some(1));
         assert_eq!(catalog.template_owner("mem://b/{n}"), None);
+        assert_eq!(catalog.serving("mem://b/notes/{n}", true, all), Some(1));
+        assert_eq!(catalog.serving("mem://b/notes/{n}", false, all), None);
+        assert_eq!(catalog.serving("mem://a/x", true, all), Some(0));
+    }
+
+    #[test]
+    fn templates_beyond_level_one_route_their_uris() {
+        let catalog = ResourceCatalog {
+            uris: HashMap::new(),
+            templates: vec![
+                ("files://a{/path*}".to_owned(), 0),
+                ("search://b/items{?q,limit}".to_owned(), 1),
+                ("docs://b/{+rest}".to_owned(), 1),
+            ],
+        };
+        let all = |_: usize, _: &str| true;
+        assert_eq!(catalog.route("files://a/x/y/z", all), Some(0));
+        assert_eq!(
+            catalog.route("search://b/items?q=red&limit=2", all),
+            Some(1)
+        );
+        assert_eq!(catalog.route("search://b/items", all), Some(1));
+        assert_eq!(catalog.route("search://b/items?sort=up", all), None);
+        assert_eq!(catalog.route("docs://b/guide/intro#top", all), Some(1));
     }
 }

@@ -134,6 +134,8 @@ pub enum Upstream {
 pub struct VirtualUpstream {
     pub name: String,
     pub server: VirtualServer,
+    /// What 2026-07-28 requests learnt from its members' lists, while they allow it.
+    pub catalogs: crate::federation::ModernCatalogs,
 }
 
 impl Upstream {
@@ -151,6 +153,7 @@ impl Upstream {
             UpstreamTarget::Virtual(server) => Upstream::Virtual(VirtualUpstream {
                 name: config.name.clone(),
                 server: server.clone(),
+                catalogs: Default::default(),
             }),
         })
     }
