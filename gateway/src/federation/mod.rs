@@ -316,7 +316,7 @@ impl FederatedLink {
     /// members missing from it with why.
     async fn merged_list(&self, worker: &Worker, kind: Kind) -> (Vec<Value>, Vec<Value>) {
         let Gathered {
-            items,
+            mut items,
             missing,
             unlisted,
         } = self.gather(worker, kind.listing()).await;
@@ -347,7 +347,7 @@ impl FederatedLink {
                 self.members[*keeper].name()
             );
         }
-        let merged = take_exposed(items, exposed);
+        let merged = take_exposed(&mut items, exposed);
         let mut catalog = self.catalog.lock();
         let previous = catalog.remove(&kind).unwrap_or_default();
         // The names of a member missing from this list (lost, or failing now) stay
@@ -528,9 +528,10 @@ struct Gathered {
     unlisted: Vec<bool>,
 }
 
-/// The merged list: each exposed item moved out of its member's list (not copied)
-/// and renamed. A member that lists a name twice is exposed with the first item.
-fn take_exposed(mut items: Vec<Vec<Value>>, exposed: Vec<(String, Owner)>) -> Vec<Value> {
+/// The merged list: each exposed item moved out of its member's list (not copied;
+/// `Null` is left in its place) and renamed. A member that lists a name twice is
+/// exposed with the first item.
+pub(super) fn take_exposed(items: &mut [Vec<Value>], exposed: Vec<(String, Owner)>) -> Vec<Value> {
     let picks: Vec<Option<(usize, usize)>> = {
         let positions: Vec<HashMap<&str, usize>> = items
             .iter()
@@ -961,7 +962,7 @@ mod tests {
             ("demo__gone".to_owned(), owner(0, "gone")),
         ];
         assert_eq!(
-            take_exposed(items, exposed),
+            take_exposed(&mut items.clone(), exposed),
             vec![
                 json!({"name": "time__now"}),
                 json!({"name": "demo__echo", "description": "first"}),

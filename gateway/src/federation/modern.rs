@@ -207,7 +207,7 @@ impl Worker {
         kind: Kind,
     ) -> Merged {
         let members = &server.server.members;
-        let lists = self.gather_modern(server, call, kind.listing()).await;
+        let mut lists = self.gather_modern(server, call, kind.listing()).await;
         let listed: Vec<Listed<'_>> = members
             .iter()
             .zip(&lists.items)
@@ -230,17 +230,7 @@ impl Worker {
         server
             .catalogs
             .keep_names(principal, kind, &exposure.owners, ttl);
-        let mut items = Vec::with_capacity(exposure.exposed.len());
-        for (name, owner) in exposure.exposed {
-            let own = Some(owner.own.as_str());
-            let item = lists.items[owner.member]
-                .iter()
-                .find(|item| item.get("name").and_then(Value::as_str) == own);
-            if let Some(mut item) = item.cloned() {
-                item["name"] = Value::from(name);
-                items.push(item);
-            }
-        }
+        let items = super::take_exposed(&mut lists.items, exposure.exposed);
         Merged {
             items,
             owners: exposure.owners,
@@ -317,19 +307,21 @@ impl Worker {
                 body: reply.body,
             };
             let timeout = self.config.limits.upstream_request_timeout;
-            let answer = read_answer(reply, &member.upstream, MAX_ANSWER_BYTES, timeout).await?;
-            let Some(result) = answer.get("result") else {
+            let mut answer =
+                read_answer(reply, &member.upstream, MAX_ANSWER_BYTES, timeout).await?;
+            let Some(result) = answer.get_mut("result") else {
                 return Err(format!("it answered {}: {answer}", of.method));
             };
-            if let Some(items) = result.get(of.key).and_then(Value::as_array) {
-                list.items.extend(items.iter().cloned());
+            // Moved out of the answer, not copied, as for sessions.
+            if let Some(Value::Array(items)) = result.get_mut(of.key).map(Value::take) {
+                list.items.extend(items);
             }
             list.hints = list.hints.and(CacheHints {
                 ttl_ms: result.get("ttlMs").and_then(Value::as_u64),
                 public: result.get("cacheScope").and_then(Value::as_str) == Some("public"),
             });
-            match result.get("nextCursor") {
-                Some(next) if !next.is_null() => cursor = Some(next.clone()),
+            match result.get_mut("nextCursor").map(Value::take) {
+                Some(next) if !next.is_null() => cursor = Some(next),
                 _ => return Ok(list),
             }
         }
