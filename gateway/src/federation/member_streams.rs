@@ -19,12 +19,14 @@
 //! spec lets a client do: after a pause that doubles from [`FIRST_REOPEN_DELAY`] up
 //! to [`MAX_REOPEN_DELAY`] while reopening fails (or the member's own `retry:`, within
 //! the same bound), with `Last-Event-ID` when the member numbered its events, so a
-//! member that keeps them loses nothing. It never gives up while the session lives:
-//! a member that restarts its stream, or refuses it for a while (409 while the stream
-//! of a paused old owner is still open after an adoption), comes back by itself, and
-//! one attempt per half minute costs nothing. Every pump stops when the session ends
-//! (its `GET` log is finished: DELETE, idle expiry, drain, a handover, the sessions a
-//! fenced worker drops), when the session is ending, or when the member is lost.
+//! member that keeps them loses nothing. A refusal that may pass (unreachable, 5xx,
+//! 409 while the stream of a paused old owner is still open after an adoption, 429)
+//! is retried the same way for as long as the session lives: the member comes back
+//! by itself, and one attempt per half minute costs nothing. Any other 4xx is the
+//! member's final word for the session (a warning says so). Every pump stops when
+//! the session ends (its `GET` log is finished: DELETE, idle expiry, drain, a
+//! handover, the sessions a fenced worker drops), when the session is ending, or
+//! when the member is lost.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
@@ -146,8 +148,12 @@ enum StreamEnd {
     },
     /// An event larger than the gateway's limit ended it.
     Overflow,
-    /// It was not opened: why.
+    /// It was not opened, for now: why (unreachable, 5xx, 409 while another stream
+    /// of the session is open, 429).
     Refused(String),
+    /// The member refuses the stream for good (another 4xx: it will not change its
+    /// mind within the session).
+    Rejected(StatusCode),
     /// The worker is stopping.
     WorkerGone,
 }
@@ -193,6 +199,10 @@ impl Follower {
                 false
             }
             StreamEnd::WorkerGone => false,
+            StreamEnd::Rejected(status) => {
+                warn!(server = %server, member = %member, "the member refused its GET stream ({status}): what it sends outside a request cannot reach the client; it is not asked again in this session");
+                false
+            }
             StreamEnd::Ended { carried, broke } => {
                 reopen.after_stream(carried);
                 debug!(server = %server, member = %member, broke = ?broke, "the member's GET stream ended; it is reopened");
@@ -250,6 +260,7 @@ impl Follower {
             status if status.is_success() => {
                 StreamEnd::Refused(format!("it answered {status} without an event stream"))
             }
+            status if status.is_client_error() && !passing(status) => StreamEnd::Rejected(status),
             status => StreamEnd::Refused(format!("it answered {status}")),
         }
     }
@@ -367,6 +378,18 @@ impl Reopen {
             }
         }
     }
+}
+
+/// A refusal that may pass within the session: a request timeout, another stream of
+/// the session still open (409), too many requests.
+fn passing(status: StatusCode) -> bool {
+    matches!(
+        status,
+        StatusCode::REQUEST_TIMEOUT
+            | StatusCode::CONFLICT
+            | StatusCode::TOO_EARLY
+            | StatusCode::TOO_MANY_REQUESTS
+    )
 }
 
 /// Whether an event is only comments (a keep-alive): the client's own reader sends

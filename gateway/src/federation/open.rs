@@ -73,26 +73,12 @@ impl Worker {
                 .map(|member| self.open_member(&opening, member)),
         )
         .await;
-        let mut members = Vec::new();
-        let mut left_out = Vec::new();
-        let mut refused = Vec::new();
-        // Each stdio member's messages outside a request, by its place in the session.
-        let mut outside = Vec::new();
-        for (config, outcome) in server.server.members.iter().zip(opened) {
-            match outcome {
-                Ok((member, written)) => {
-                    if let Some(written) = written {
-                        outside.push((members.len(), written));
-                    }
-                    members.push(member);
-                }
-                Err(why) if config.required => refused.push((config.upstream.clone(), why)),
-                Err(why) => {
-                    warn!(server = %server.name, member = %config.upstream, "optional member left out of a new session: {why}");
-                    left_out.push((config.upstream.clone(), why));
-                }
-            }
-        }
+        let Sorted {
+            members,
+            left_out,
+            refused,
+            outside,
+        } = sort_opened(&server.name, &server.server.members, opened);
         let link = Arc::new(FederatedLink {
             server: server.name.clone(),
             label: Arc::new(server.name.clone()),
@@ -127,7 +113,7 @@ impl Worker {
         self: &Arc<Self>,
         opening: &Opening<'_>,
         config: &MemberConfig,
-    ) -> Result<(Member, Option<Arc<StreamLog>>), String> {
+    ) -> Result<Opened, String> {
         let initialize = json!({
             "jsonrpc": "2.0", "id": 0, "method": "initialize",
             "params": {
@@ -169,8 +155,8 @@ impl Worker {
             Upstream::Virtual(_) => return Err("a virtual server cannot be a member".into()),
         };
         match self.initialized(config, &link, reply, requested).await {
-            Ok((version, capabilities)) => Ok((
-                Member {
+            Ok((version, capabilities)) => Ok(Opened {
+                member: Member {
                     config: config.clone(),
                     link: Some(link),
                     version,
@@ -178,7 +164,7 @@ impl Worker {
                     health,
                 },
                 outside,
-            )),
+            }),
             Err(why) => {
                 // Never a member of the session: its end is no loss to report.
                 *health.lost.lock() = Some(why.clone());
@@ -236,6 +222,55 @@ impl Worker {
         )
         .await;
     }
+}
+
+/// One member opened at initialize.
+struct Opened {
+    member: Member,
+    /// A stdio member's log of what it sends outside a request.
+    outside: Option<Arc<StreamLog>>,
+}
+
+/// The members' openings at initialize, sorted.
+struct Sorted {
+    /// Those opened, in configuration order: a member's place here is its place in
+    /// the session (the tag of its requests' ids).
+    members: Vec<Member>,
+    /// Optional members that could not be opened: (upstream name, why).
+    left_out: Vec<(String, String)>,
+    /// Required members that could not be opened: (upstream name, why).
+    refused: Vec<(String, String)>,
+    /// Each stdio member's log of what it sends outside a request, by its place.
+    outside: Vec<(usize, Arc<StreamLog>)>,
+}
+
+fn sort_opened(
+    server: &str,
+    configs: &[MemberConfig],
+    opened: Vec<Result<Opened, String>>,
+) -> Sorted {
+    let mut sorted = Sorted {
+        members: Vec::new(),
+        left_out: Vec::new(),
+        refused: Vec::new(),
+        outside: Vec::new(),
+    };
+    for (config, outcome) in configs.iter().zip(opened) {
+        match outcome {
+            Ok(Opened { member, outside }) => {
+                if let Some(written) = outside {
+                    sorted.outside.push((sorted.members.len(), written));
+                }
+                sorted.members.push(member);
+            }
+            Err(why) if config.required => sorted.refused.push((config.upstream.clone(), why)),
+            Err(why) => {
+                warn!(server = %server, member = %config.upstream, "optional member left out of a new session: {why}");
+                sorted.left_out.push((config.upstream.clone(), why));
+            }
+        }
+    }
+    sorted
 }
 
 /// The gateway's own initialize result: the members' capabilities merged (of what a
