@@ -15,6 +15,11 @@ usage: federation_client.py URL SCENARIO
     asking   two members (a__, b__) asking the client for sampling in one call each,
              at once: the ids the client saw, the answer it gave to each, and what
              each member says it was answered
+    outside  two outside_server.py members, h (HTTP) and s (stdio): once h's own GET
+             stream is open, the client says its roots changed, and each member
+             sends a resource update and asks roots/list outside any request: the
+             updates and requests the client saw, each member's report of the
+             answer it got, and h's open GET streams before the client leaves
 """
 
 import asyncio
@@ -152,7 +157,43 @@ async def asking(url):
         return {"seen": seen, "a": text_of(a), "b": text_of(b)}
 
 
-SCENARIOS = {"merged": merged, "open": opened, "resources": resources, "asking": asking}
+async def outside(url):
+    updates, asked = asyncio.Queue(), asyncio.Queue()
+
+    async def on_message(message):
+        if isinstance(message, types.ResourceUpdatedNotification):
+            await updates.put(message.params.uri)
+
+    async def on_roots(context):
+        # Named by the id it came with, so each member's report shows whether the
+        # answer it got was the one meant for it.
+        answer = f"answer to {context.request_id}"
+        await asked.put({"id": context.request_id, "answer": answer})
+        return types.ListRootsResult(roots=[types.Root(uri="file:///srv", name=answer)])
+
+    async with mcp.Client(url, mode="legacy", message_handler=on_message,
+                          list_roots_callback=on_roots) as client:
+        # What h sends outside a request is dropped until a GET stream of its session
+        # is open: the gateway opens it once the client's GET reaches the owner.
+        deadline = asyncio.get_running_loop().time() + 60
+        while text_of(await client.call_tool("h__get_streams", {})) == "0":
+            assert asyncio.get_running_loop().time() < deadline, "h's GET stream never opened"
+            await asyncio.sleep(0.05)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            await client.send_roots_list_changed()
+        updated = sorted([await asyncio.wait_for(updates.get(), 120) for _ in range(2)])
+        seen = [await asyncio.wait_for(asked.get(), 120) for _ in range(2)]
+        reports = {
+            member: json.loads(text_of(await client.call_tool(f"{member}__roots_answer", {})))
+            for member in ("h", "s")
+        }
+        open_before = int(text_of(await client.call_tool("h__get_streams", {})))
+    return {"updated": updated, "seen": seen, "reports": reports, "h_get_streams": open_before}
+
+
+SCENARIOS = {"merged": merged, "open": opened, "resources": resources, "asking": asking,
+             "outside": outside}
 
 if __name__ == "__main__":
     url, scenario = sys.argv[1], sys.argv[2]

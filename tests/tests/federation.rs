@@ -1038,3 +1038,308 @@ upstream = "pipe"
         "the session goes on after the cancellations"
     );
 }
+
+/// `tests/python/outside_server.py http NAME PORT` once it listens, and its address.
+fn outside_over_http(name: &str) -> (mcpgw_testkit::Child, String) {
+    outside_on_port(name, mcpgw_testkit::free_port())
+}
+
+fn outside_on_port(name: &str, port: u16) -> (mcpgw_testkit::Child, String) {
+    let mut server = mcpgw_testkit::Child::spawn(
+        "outside_server",
+        &python(),
+        &[
+            python_script("outside_server.py").display().to_string(),
+            "http".into(),
+            name.into(),
+            port.to_string(),
+        ],
+    );
+    server.wait_for_line("outside_server listening", Duration::from_secs(60));
+    let addr = format!("127.0.0.1:{port}");
+    mcpgw_testkit::wait_for_listener(&addr, Duration::from_secs(60));
+    (server, addr)
+}
+
+/// What an `outside_server.py` over HTTP at `addr` counts: its open GET streams
+/// (`get_streams`) and the GETs it received (`gets`).
+fn outside_stats(addr: &str) -> Value {
+    let stats = http::request(addr, "GET", "/stats", &[], b"");
+    assert_eq!(stats.status, 200, "{}", stats.text());
+    stats.json()
+}
+
+/// A virtual server `all` of `outside_server.py` members: `h` over HTTP at `h_addr`,
+/// and, with `stdio`, `s` over stdio after it.
+fn outside_members(h_addr: &str, stdio: bool) -> PathBuf {
+    let mut text = format!(
+        "[[upstream]]\nname = \"h\"\nurl = \"http://{h_addr}/mcp\"\n\n\
+         [[server]]\nname = \"all\"\n[[server.member]]\nupstream = \"h\"\n"
+    );
+    if stdio {
+        text = format!(
+            "[[upstream]]\nname = \"s\"\ncommand = [{}, {}, \"stdio\", \"s\"]\n\n{text}\
+             [[server.member]]\nupstream = \"s\"\n",
+            quoted(&python().display().to_string()),
+            quoted(&python_script("outside_server.py").display().to_string()),
+        );
+    }
+    config_file("outside", &text)
+}
+
+/// Initialize to worker 0, every other request to worker 1: each is forwarded to the
+/// owner, the session's GET stream and the client's answers included.
+fn past_the_owner(_method: &str, body: &[u8]) -> usize {
+    let message: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    usize::from(message["method"] != "initialize")
+}
+
+/// What an HTTP and a stdio member send outside any request reaches the SDK client
+/// through the worker that does not own the session: a resource update, and a
+/// request under an id naming its member, whose answer reaches that member alone.
+#[test]
+fn what_members_send_outside_a_request_reaches_the_client_and_its_answer_the_asker_alone() {
+    let (_h, h_addr) = outside_over_http("h");
+    let config = outside_members(&h_addr, true);
+    let fleet = Fleet::start(2, &["--config".into(), config.display().to_string()]);
+    let proxy = mcpgw_testkit::ScatterProxy::start_routed(fleet.addrs(), past_the_owner);
+    let out = run_python(
+        "federation_client.py",
+        &[&format!("http://{}{ALL}", proxy.addr), "outside"],
+    );
+    assert_eq!(
+        out["updated"],
+        json!(["mem://h/doc", "mem://s/doc"]),
+        "each member's update outside a request reached the client's GET stream: {out}"
+    );
+    let seen = out["seen"].as_array().expect("the requests the client saw");
+    let id_of = |at: usize| {
+        seen.iter()
+            .filter_map(|s| s["id"].as_str())
+            .find(|id| id.starts_with(&format!("mcpgw~{at}~")))
+            .unwrap_or_else(|| panic!("member {at}'s request, under its tagged id: {out}"))
+    };
+    let own = |id: &str| id.rsplit('~').next().map(str::to_owned);
+    assert_eq!(
+        own(id_of(0)),
+        own(id_of(1)),
+        "the members' own ids collide, so only the tag tells them apart: {out}"
+    );
+    for (member, at) in [("h", 0), ("s", 1)] {
+        let report = &out["reports"][member];
+        assert_eq!(
+            report["answer"],
+            json!([format!("answer to {}", id_of(at))]),
+            "member {member} got the answer meant for it: {out}"
+        );
+        assert_eq!(
+            report["stray"], 0,
+            "member {member} got no answer meant for the other: {out}"
+        );
+    }
+    assert_eq!(
+        out["h_get_streams"], 1,
+        "one GET stream of the member: {out}"
+    );
+    assert_eq!(
+        proxy.sent_counts()[0],
+        1,
+        "only initialize reached the owner directly"
+    );
+    // The SDK client ended its session (DELETE) as it left. `h` refuses DELETE, so its
+    // session and its GET stream go on unless the gateway ends the stream itself.
+    eventually(Duration::from_secs(60), || {
+        let stats = outside_stats(&h_addr);
+        (stats["get_streams"] == 0).then_some(()).ok_or(stats)
+    });
+}
+
+/// A member's GET stream is opened once, however many GETs the client sends, and
+/// ends with the session even though the member would keep it open.
+#[test]
+fn a_members_get_stream_is_opened_once_and_ends_with_the_session() {
+    let (_h, h_addr) = outside_over_http("h");
+    let gateway = start(&outside_members(&h_addr, false));
+    let addr = gateway.addr.clone();
+    let session = initialize(&addr, ALL);
+    assert_eq!(
+        outside_stats(&h_addr)["get_streams"],
+        0,
+        "none before a GET"
+    );
+    let headers = [
+        ("Accept", "text/event-stream"),
+        ("MCP-Protocol-Version", "2025-11-25"),
+        ("Mcp-Session-Id", session.as_str()),
+    ];
+    let first = support::send_request(&addr, "GET", ALL, &headers, b"");
+    eventually(Duration::from_secs(60), || {
+        let stats = outside_stats(&h_addr);
+        (stats["get_streams"] == 1).then_some(()).ok_or(stats)
+    });
+    // A second GET takes the session's stream over; the member's stays as it is.
+    let second = support::send_request(&addr, "GET", ALL, &headers, b"");
+    let mut status = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(&second), &mut status)
+        .expect("the second GET's status line");
+    assert!(status.contains(" 200 "), "{status}");
+    assert_eq!(http::delete_session(&addr, ALL, &session).status, 200);
+    eventually(Duration::from_secs(60), || {
+        let stats = outside_stats(&h_addr);
+        (stats["get_streams"] == 0).then_some(()).ok_or(stats)
+    });
+    assert_eq!(
+        outside_stats(&h_addr)["gets"],
+        1,
+        "the member was asked for one GET stream"
+    );
+    drop((first, second));
+}
+
+/// A member that restarts (its stream breaks, and it no longer knows the session) is
+/// found out by the gateway reopening its stream: the 404 makes it lost, and the
+/// client's GET stream hears that the lists changed without sending anything.
+#[test]
+fn a_member_that_forgets_the_session_is_lost_when_its_get_stream_is_reopened() {
+    let (h, h_addr) = outside_over_http("h");
+    let port: u16 = h_addr
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("a port");
+    let gateway = start(&outside_members(&h_addr, false));
+    let addr = gateway.addr.clone();
+    let session = initialize(&addr, ALL);
+    let (seen, heard) = std::sync::mpsc::channel();
+    {
+        let (addr, session) = (addr.clone(), session.clone());
+        std::thread::spawn(move || {
+            let headers = [
+                ("Accept", "text/event-stream"),
+                ("MCP-Protocol-Version", "2025-11-25"),
+                ("Mcp-Session-Id", session.as_str()),
+            ];
+            let stream = read_stream(&addr, "GET", ALL, &headers, b"", Until::Events(1));
+            let _ = seen.send(stream);
+        });
+    }
+    eventually(Duration::from_secs(60), || {
+        let stats = outside_stats(&h_addr);
+        (stats["get_streams"] == 1).then_some(()).ok_or(stats)
+    });
+
+    drop(h);
+    let (_h, _) = outside_on_port("h", port);
+
+    let stream = heard
+        .recv_timeout(Duration::from_secs(120))
+        .expect("the client's GET stream heard the loss");
+    assert_eq!(
+        stream.events[0].data["method"], "notifications/tools/list_changed",
+        "{stream:?}"
+    );
+    let lost = call_tool(&addr, ALL, &session, 2, "h__get_streams", json!({}));
+    assert_eq!(
+        lost.reason().as_deref(),
+        Some("member_lost"),
+        "{}",
+        lost.text()
+    );
+    let detail = lost.error().expect("an error")["data"]["detail"].clone();
+    assert!(
+        detail
+            .as_str()
+            .is_some_and(|d| d.contains("no longer knows")),
+        "{detail}"
+    );
+}
+
+/// The worker that adopts a virtual server's session (its owner was killed) opens the
+/// HTTP member's GET stream in the member's own session on the client's next GET, and
+/// what the member sends outside a request reaches the client through it.
+#[test]
+fn after_an_adoption_the_new_owner_opens_the_members_get_stream_on_the_next_get() {
+    let (_h, h_addr) = outside_over_http("h");
+    let config = outside_members(&h_addr, false);
+    let fleet = Fleet::start(2, &["--config".into(), config.display().to_string()]);
+    let session = initialize(fleet.addr(0), ALL);
+    let (owner_pid, owner_id) = support::worker_at(&fleet, 0);
+    assert_eq!(mcpgw_testkit::fleet::owner_of(&session), owner_id);
+    let headers = [
+        ("Accept", "text/event-stream"),
+        ("MCP-Protocol-Version", "2025-11-25"),
+        ("Mcp-Session-Id", session.as_str()),
+    ];
+    let _before = support::send_request(fleet.addr(1), "GET", ALL, &headers, b"");
+    let streams = |expected: u64| {
+        eventually(Duration::from_secs(60), || {
+            let stats = outside_stats(&h_addr);
+            (stats["get_streams"] == expected)
+                .then_some(())
+                .ok_or(stats)
+        })
+    };
+    streams(1);
+
+    send(owner_pid, Signal::SIGKILL);
+    support::wait_stopped(owner_pid, "the session's owner");
+    streams(0);
+
+    // A request on a pooled connection to the dead owner may get 502 outcome_unknown
+    // once; the tool only reads a count.
+    let adopted = eventually(Duration::from_secs(60), || {
+        let response = call_tool(fleet.addr(1), ALL, &session, 2, "h__get_streams", json!({}));
+        if response.status == 200 {
+            Ok(response)
+        } else {
+            Err(response.text())
+        }
+    });
+    assert_eq!(
+        adopted.header("mcpgw-adopted"),
+        Some("death"),
+        "{:?}",
+        adopted.headers
+    );
+    assert_eq!(
+        adopted.expect_tool_text(),
+        "0",
+        "no GET stream yet at the adopter"
+    );
+    assert_ne!(
+        adopted.header("mcpgw-owner-worker"),
+        Some(owner_id.as_str()),
+        "another worker owns the session now"
+    );
+    let (seen, heard) = std::sync::mpsc::channel();
+    {
+        let (addr, headers) = (
+            fleet.addr(1).to_owned(),
+            headers.map(|(k, v)| (k, v.to_owned())),
+        );
+        std::thread::spawn(move || {
+            let headers: Vec<(&str, &str)> =
+                headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            let stream = read_stream(&addr, "GET", ALL, &headers, b"", Until::Events(1));
+            let _ = seen.send(stream);
+        });
+    }
+    streams(1);
+    let note = br#"{"jsonrpc":"2.0","method":"notifications/roots/list_changed"}"#;
+    let ack = http::request(
+        fleet.addr(0),
+        "POST",
+        ALL,
+        &mcp_headers(Some(&session)),
+        note,
+    );
+    assert_eq!(ack.status, 202, "{}", ack.text());
+    let stream = heard
+        .recv_timeout(Duration::from_secs(120))
+        .expect("the client's GET stream heard the member");
+    assert_eq!(
+        stream.events[0].data["method"], "notifications/resources/updated",
+        "{stream:?}"
+    );
+    assert_eq!(stream.events[0].data["params"]["uri"], "mem://h/doc");
+}

@@ -305,8 +305,16 @@ impl Worker {
 
     /// A legacy `GET`: resumes a stream after `Last-Event-ID`, or takes over the
     /// session's `GET` stream (opening it upstream when it is not open).
-    async fn open_stream(&self, call: Call, session: &Session) -> Result<Reply, GatewayError> {
+    async fn open_stream(
+        self: &Arc<Self>,
+        call: Call,
+        session: &Session,
+    ) -> Result<Reply, GatewayError> {
         let id = call.id();
+        if let UpstreamLink::Federated(link) = &session.link {
+            // A virtual server's members feed the session's GET stream from their own.
+            self.follow_member_streams(link);
+        }
         if let Some(last) = call.headers.get(mcp::HEADER_LAST_EVENT_ID) {
             return self.resume_stream(last, session).map_err(|e| e.with_id(id));
         }

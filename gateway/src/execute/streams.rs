@@ -272,6 +272,16 @@ impl StreamLog {
         })
     }
 
+    /// A log of its own, in no session's streams: not kept for resumption and
+    /// counted against no budget (what it holds waiting for its reader is bounded by
+    /// the per-stream limits). For a source whose events a pump passes on to another
+    /// log: a virtual server's stdio member writes here what it sends outside a
+    /// request, and the pump puts it on the session's `GET` stream, its requests'
+    /// ids tagged with the member (`federation/member_streams.rs`).
+    pub fn unkept(owner: &str) -> Arc<StreamLog> {
+        StreamLog::with_keeping(Arc::from(owner), 0, false, Budgets::unlimited())
+    }
+
     pub fn number(&self) -> u64 {
         self.number
     }
@@ -361,6 +371,18 @@ impl StreamLog {
 
     pub fn is_finished(&self) -> bool {
         self.state.lock().finished
+    }
+
+    /// Returns once the stream is finished (for a session's stream: the session
+    /// ended), so a task feeding it can stop with it.
+    pub async fn ended(&self) {
+        loop {
+            let changed = self.changed.notified();
+            if self.is_finished() {
+                return;
+            }
+            changed.await;
+        }
     }
 
     /// A reader of this stream as a response body: after event `after` (a resume with

@@ -88,6 +88,8 @@ impl Worker {
             members: built,
             left_out: Vec::new(),
             get_stream: streams.new_get(&self.id),
+            // Opened again here on the client's next GET, in the recorded sessions.
+            members_followed: AtomicBool::new(false),
             ending: Arc::new(AtomicBool::new(false)),
             catalog: Mutex::default(),
             resources: Mutex::default(),

@@ -4,7 +4,9 @@
 //! every member, it would answer both. So a member's request reaches the client under
 //! an id that names the member, `mcpgw~{member}~{its own id as JSON}`, and the
 //! client's answer, which echoes it, goes back to that member alone under its own id.
-//! The tag is the whole state: any worker that receives the answer can route it.
+//! That holds on a request's stream and outside one (the session's `GET` stream,
+//! `member_streams.rs`) alike. The tag is the whole state: any worker that receives
+//! the answer can route it.
 
 use bytes::Bytes;
 use serde_json::Value;
@@ -42,8 +44,8 @@ pub fn untag(message: &mut Value) -> Option<usize> {
     Some(member)
 }
 
-/// One SSE event of member `member`'s answer stream, with the id of a request it
-/// carries tagged. Events that carry no request pass untouched, byte for byte.
+/// One SSE event of member `member` (on a request's stream, or sent outside one),
+/// with the id of a request it carries tagged. Events that carry no request pass untouched, byte for byte.
 pub fn tag_event(member: usize, event: Bytes) -> Bytes {
     // Most events are progress, logging and results: no need to parse them.
     if !contains(&event, b"\"method\"") || !contains(&event, b"\"id\"") {

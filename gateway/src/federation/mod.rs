@@ -16,9 +16,14 @@
 //!
 //! A session with HTTP members outlives its worker (`adopt.rs`): the worker that
 //! adopts it rebuilds this link from the session's record, its stdio members lost.
+//!
+//! What members send outside a request reaches the session's `GET` stream
+//! (`member_streams.rs`): an HTTP member's own `GET` stream, opened when the client
+//! opens the session's, and what a stdio member writes outside a request.
 
 mod adopt;
 mod ids;
+mod member_streams;
 mod modern;
 mod names;
 mod open;
@@ -123,9 +128,13 @@ pub struct FederatedLink {
     members: Vec<Member>,
     /// Optional members that could not be opened: (upstream name, why).
     left_out: Vec<(String, String)>,
-    /// The session's `GET` stream: stdio members' unsolicited messages, and the
+    /// The session's `GET` stream: what members send outside a request (their own
+    /// `GET` streams over HTTP, what they write outside a request over stdio), and the
     /// gateway's `list_changed` when a member is lost.
     get_stream: Arc<StreamLog>,
+    /// Set once the HTTP members' own `GET` streams are followed (at the client's
+    /// first `GET` on this worker): a member allows one per session.
+    members_followed: AtomicBool,
     /// Set when the session ends: members stopping then are not "lost".
     ending: Arc<AtomicBool>,
     /// Exposed name → owning member, per kind, from the last merged list; names of
@@ -213,6 +222,9 @@ impl Member {
         }
     }
 }
+
+/// Why an HTTP member that answers 404 to its session id is lost.
+const FORGOTTEN: &str = "the upstream no longer knows its session (it restarted or expired it)";
 
 /// Why a stdio member of an adopted session is lost (after "its upstream process").
 const PROCESS_LEFT_BEHIND: &str =
@@ -498,9 +510,8 @@ impl FederatedLink {
                         })
                     ) =>
             {
-                let why = "the upstream no longer knows its session (it restarted or expired it)";
-                self.mark_lost(member, why);
-                Err(MemberFailure::Lost(why.to_owned()))
+                self.mark_lost(member, FORGOTTEN);
+                Err(MemberFailure::Lost(FORGOTTEN.to_owned()))
             }
             Ok(reply) => Ok(reply),
             Err(UpstreamError::Exited { detail, .. }) => {

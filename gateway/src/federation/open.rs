@@ -15,7 +15,7 @@ use tracing::warn;
 
 use super::{
     FederatedLink, MAX_ANSWER_BYTES, Member, MemberHealth, OwnIds, answer, from_gateway_error,
-    mark_lost, member_headers,
+    mark_lost, member_headers, member_streams,
 };
 use crate::config::MemberConfig;
 use crate::execute::streams::{SessionStreams, StreamLog};
@@ -73,19 +73,12 @@ impl Worker {
                 .map(|member| self.open_member(&opening, member)),
         )
         .await;
-        let mut members = Vec::new();
-        let mut left_out = Vec::new();
-        let mut refused = Vec::new();
-        for (config, outcome) in server.server.members.iter().zip(opened) {
-            match outcome {
-                Ok(member) => members.push(member),
-                Err(why) if config.required => refused.push((config.upstream.clone(), why)),
-                Err(why) => {
-                    warn!(server = %server.name, member = %config.upstream, "optional member left out of a new session: {why}");
-                    left_out.push((config.upstream.clone(), why));
-                }
-            }
-        }
+        let Sorted {
+            members,
+            left_out,
+            refused,
+            outside,
+        } = sort_opened(&server.name, &server.server.members, opened);
         let link = Arc::new(FederatedLink {
             server: server.name.clone(),
             label: Arc::new(server.name.clone()),
@@ -94,11 +87,16 @@ impl Worker {
             members,
             left_out,
             get_stream,
+            members_followed: AtomicBool::new(false),
             ending,
             catalog: Mutex::default(),
             resources: Mutex::default(),
             own_ids: OwnIds::new(&self.id),
         });
+        // Until the session ends: a refused initialize ends it too, its streams with it.
+        for (at, written) in outside {
+            member_streams::relay_stdio(at, written, Arc::clone(&link.get_stream));
+        }
         if !refused.is_empty() {
             // The error answer is the truth for the client; whoever opened the link
             // closes it on a refused initialize, and with it the members opened.
@@ -110,12 +108,13 @@ impl Worker {
         Ok((UpstreamLink::Federated(link), reply))
     }
 
-    /// Opens one member's session; on failure, why (its link, if any, is closed).
+    /// Opens one member's session, with (for stdio) the log it writes what it sends
+    /// outside a request to; on failure, why (its link, if any, is closed).
     async fn open_member(
         self: &Arc<Self>,
         opening: &Opening<'_>,
         config: &MemberConfig,
-    ) -> Result<Member, String> {
+    ) -> Result<Opened, String> {
         let initialize = json!({
             "jsonrpc": "2.0", "id": 0, "method": "initialize",
             "params": {
@@ -132,6 +131,7 @@ impl Worker {
         });
         let body = Bytes::from(initialize.to_string());
         let timeout = self.config.limits.upstream_request_timeout;
+        let mut outside = None;
         let (link, reply) = match &self.upstreams[config.index] {
             Upstream::Http(_) => {
                 let reply = self
@@ -142,7 +142,9 @@ impl Worker {
                 (UpstreamLink::Http { session_id }, reply)
             }
             Upstream::Stdio(stdio) => {
-                let process = start_stdio_member(stdio, opening, config, &health).await?;
+                let written = StreamLog::unkept(&self.id);
+                let process = start_stdio_member(stdio, opening, config, &health, &written).await?;
+                outside = Some(written);
                 match process.exchange(&body, true, timeout).await {
                     Ok(reply) => (UpstreamLink::Stdio(process), reply),
                     Err(e) => {
@@ -154,12 +156,15 @@ impl Worker {
             Upstream::Virtual(_) => return Err("a virtual server cannot be a member".into()),
         };
         match self.initialized(config, &link, reply, requested).await {
-            Ok((version, capabilities)) => Ok(Member {
-                config: config.clone(),
-                link: Some(link),
-                version,
-                capabilities,
-                health,
+            Ok((version, capabilities)) => Ok(Opened {
+                member: Member {
+                    config: config.clone(),
+                    link: Some(link),
+                    version,
+                    capabilities,
+                    health,
+                },
+                outside,
             }),
             Err(why) => {
                 // Never a member of the session: its end is no loss to report.
@@ -218,6 +223,55 @@ impl Worker {
         )
         .await;
     }
+}
+
+/// One member opened at initialize.
+struct Opened {
+    member: Member,
+    /// A stdio member's log of what it sends outside a request.
+    outside: Option<Arc<StreamLog>>,
+}
+
+/// The members' openings at initialize, sorted.
+struct Sorted {
+    /// Those opened, in configuration order: a member's place here is its place in
+    /// the session (the tag of its requests' ids).
+    members: Vec<Member>,
+    /// Optional members that could not be opened: (upstream name, why).
+    left_out: Vec<(String, String)>,
+    /// Required members that could not be opened: (upstream name, why).
+    refused: Vec<(String, String)>,
+    /// Each stdio member's log of what it sends outside a request, by its place.
+    outside: Vec<(usize, Arc<StreamLog>)>,
+}
+
+fn sort_opened(
+    server: &str,
+    configs: &[MemberConfig],
+    opened: Vec<Result<Opened, String>>,
+) -> Sorted {
+    let mut sorted = Sorted {
+        members: Vec::new(),
+        left_out: Vec::new(),
+        refused: Vec::new(),
+        outside: Vec::new(),
+    };
+    for (config, outcome) in configs.iter().zip(opened) {
+        match outcome {
+            Ok(Opened { member, outside }) => {
+                if let Some(written) = outside {
+                    sorted.outside.push((sorted.members.len(), written));
+                }
+                sorted.members.push(member);
+            }
+            Err(why) if config.required => sorted.refused.push((config.upstream.clone(), why)),
+            Err(why) => {
+                warn!(server = %server, member = %config.upstream, "optional member left out of a new session: {why}");
+                sorted.left_out.push((config.upstream.clone(), why));
+            }
+        }
+    }
+    sorted
 }
 
 /// The gateway's own initialize result: the members' capabilities merged (of what a
@@ -283,19 +337,20 @@ struct Opening<'a> {
     capabilities: &'a Value,
     session_id: &'a str,
     principal: Option<&'a str>,
-    /// The session's `GET` stream, where a stdio member's unsolicited messages go.
+    /// The session's `GET` stream, where a member's loss is told.
     get_stream: &'a Arc<StreamLog>,
     /// Set when the session ends: members stopping then are not "lost".
     ending: &'a Arc<AtomicBool>,
 }
 
-/// Starts a stdio member's process for the session; its exit marks the member lost,
-/// unless the session is ending.
+/// Starts a stdio member's process for the session, writing what it sends outside a
+/// request to `outside`; its exit marks the member lost, unless the session is ending.
 async fn start_stdio_member(
     stdio: &StdioUpstream,
     opening: &Opening<'_>,
     config: &MemberConfig,
     health: &Arc<MemberHealth>,
+    outside: &Arc<StreamLog>,
 ) -> Result<Arc<StdioProcess>, String> {
     let on_exit = {
         let (server, member) = (opening.server.to_owned(), config.upstream.clone());
@@ -315,7 +370,7 @@ async fn start_stdio_member(
         .start(
             session::tag_of(opening.session_id),
             opening.principal,
-            Arc::clone(opening.get_stream),
+            Arc::clone(outside),
             on_exit,
         )
         .await
