@@ -85,6 +85,7 @@ pub fn worker_info(admin: Option<String>) -> mcpgw_mesh::directory::WorkerInfo {
             .unwrap_or(0),
         version: env!("CARGO_PKG_VERSION").to_owned(),
         mesh_identity: None,
+        same_host: None,
     }
 }
 
