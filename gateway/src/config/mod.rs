@@ -768,6 +768,24 @@ mod tests {
     }
 
     #[test]
+    fn the_same_host_path_is_off_by_default_and_needs_the_tcp_transport() {
+        let plain = Config::load(&args(&["a=http://x/mcp"])).expect("defaults");
+        assert_eq!(plain.mesh.same_host, MeshSameHost::Off);
+        let on = |transport, dir: Option<&str>| ServeArgs {
+            mesh_transport: Some(transport),
+            mesh_same_host: Some(MeshSameHost::Unix),
+            mesh_socket_dir: dir.map(PathBuf::from),
+            ..args(&["a=http://x/mcp"])
+        };
+        let config = Config::load(&on(MeshTransport::Tcp, Some("/run/mcpgw"))).expect("tcp");
+        assert_eq!(config.mesh.socket_dir(), PathBuf::from("/run/mcpgw"));
+        let quic = Config::load(&on(MeshTransport::Quic, None)).unwrap_err();
+        assert_eq!(quic.field, "mesh.same_host");
+        let relative = Config::load(&on(MeshTransport::Tcp, Some("sockets"))).unwrap_err();
+        assert_eq!(relative.field, "mesh.socket_dir");
+    }
+
+    #[test]
     fn stdio_upstreams_split_like_a_shell_and_hold_sessions_for_modern_clients() {
         let config = Config::load(&args(&[
             "time=stdio:python3 -m mcp_server_time --local-timezone 'Europe/Paris' \"a b\"",

@@ -15,7 +15,9 @@
 //!
 //! - `mux`: the outbox and writer task, and the frame reader, shared by both ends;
 //! - `owner`: serving a connection's exchanges;
-//! - `caller`: routing a connection's frames to the exchanges waiting for them.
+//! - `caller`: routing a connection's frames to the exchanges waiting for them;
+//! - `same_host`: the same engine over a Unix socket, without TLS, between workers of
+//!   one user on one kernel (opt-in).
 //!
 //! The rustls configs are applied in one place each: the server's acceptor per
 //! accepted connection ([`serve`]), the client's connector per dial
