@@ -30,6 +30,21 @@ pub fn log_format() -> &'static str {
 /// A fixed worker id for the process (otherwise it generates its own).
 pub const ENV_WORKER_ID_ASSIGNED: &str = "MCPGW_WORKER_ID_ASSIGNED";
 
+/// Stands in for the kernel's boot id, so a test can make a worker look like one of
+/// another host (another kernel) while its socket stays reachable. Never set it in
+/// production: two hosts that claimed one boot id would try each other's sockets (and
+/// fall back to TCP, finding none).
+pub const ENV_TEST_BOOT_ID: &str = "MCPGW_TEST_BOOT_ID";
+
+/// The kernel's boot id, which tells whether two workers share a kernel (see
+/// [`ENV_TEST_BOOT_ID`]).
+pub fn kernel_boot_id() -> Result<String, mcpgw_mesh::transport::MeshError> {
+    match std::env::var(ENV_TEST_BOOT_ID) {
+        Ok(id) if !id.trim().is_empty() => Ok(id.trim().to_owned()),
+        _ => mcpgw_mesh::transport::kernel_boot_id(),
+    }
+}
+
 /// What a worker prints on stdout once it serves; the supervisor waits for it.
 pub const READY_PREFIX: &str = "mcpgw worker ready";
 
@@ -85,6 +100,7 @@ pub fn worker_info(admin: Option<String>) -> mcpgw_mesh::directory::WorkerInfo {
             .unwrap_or(0),
         version: env!("CARGO_PKG_VERSION").to_owned(),
         mesh_identity: None,
+        same_host: None,
     }
 }
 

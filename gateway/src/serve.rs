@@ -11,11 +11,13 @@ use tracing::{error, info, warn};
 
 use mcpgw_certs::MeshTlsFiles;
 use mcpgw_mesh::directory::{Directory, DirectoryConfig, DirectoryError};
-use mcpgw_mesh::transport::{MeshClient, MeshServer, MeshServerHandle, TransportKind};
+use mcpgw_mesh::transport::{
+    MeshClient, MeshServer, MeshServerHandle, SameHostRoute, TransportKind,
+};
 
 use crate::adoption::AdoptionKeys;
 use crate::auth::Authenticator;
-use crate::config::{AdoptMode, Config, MeshTransport};
+use crate::config::{AdoptMode, Config, MeshSameHost, MeshTransport};
 use crate::fleet::Fleet;
 use crate::forward::caller::Forwarder;
 use crate::forward::owner::OwnerService;
@@ -472,7 +474,14 @@ async fn join_fleet(
         follow_reloads(tls, &lease);
         let _ = worker.mesh_tls.set(tls.clone());
     }
+    let boot_id = bound.same_host.as_ref().map(|route| route.boot_id.as_str());
     let (client, probe_client) = mesh_clients(worker, config, bound.kind, bound.dial).await?;
+    if let Some(boot_id) = boot_id {
+        for mesh in [&client, &probe_client] {
+            mesh.use_same_host(boot_id)
+                .map_err(|e| WorkerError::Fatal(e.to_string()))?;
+        }
+    }
     let forwarder = Forwarder::new(
         worker.id.clone(),
         directory.clone(),
@@ -510,6 +519,8 @@ struct BoundMesh {
     /// The mesh TLS material, whose identity and leaf expiry are published with the
     /// lease (none over the Redis transport, which has no certificates).
     tls: Option<mcpgw_certs::MeshTlsSource>,
+    /// The same-host socket served beside the endpoint, published with the lease.
+    same_host: Option<SameHostRoute>,
 }
 
 /// What this worker's mesh client needs to reach its peers: the mTLS material, or the
@@ -540,6 +551,7 @@ async fn bind_redis_mesh(worker: &Arc<Worker>, config: &Config) -> Result<BoundM
         advertised,
         dial: Dial::Redis(redis),
         tls: None,
+        same_host: None,
     })
 }
 
@@ -582,7 +594,7 @@ async fn bind_tls_mesh(
     if listen.port() != 0 {
         listen.set_port(offset_port(listen.port(), index)?);
     }
-    let server = MeshServer::bind(
+    let mut server = MeshServer::bind(
         kind,
         listen,
         tls.clone(),
@@ -595,13 +607,38 @@ async fn bind_tls_mesh(
     .map_err(|e| WorkerError::Fatal(format!("cannot bind the mesh endpoint {listen}: {e}")))?;
     let advertised = advertise_addr(mesh.advertise.as_deref(), server.local_addr(), index)
         .map_err(WorkerError::Fatal)?;
+    let same_host = match mesh.same_host {
+        MeshSameHost::Unix => Some(serve_same_host(&mut server, mesh, &worker.id)?),
+        MeshSameHost::Off => None,
+    };
     Ok(BoundMesh {
         kind,
         server,
         advertised,
         dial: Dial::Tls(tls.clone()),
         tls: Some(tls),
+        same_host,
     })
+}
+
+/// Serves the worker's same-host socket beside its TCP endpoint, and says how callers
+/// on this kernel reach it.
+fn serve_same_host(
+    server: &mut MeshServerHandle,
+    mesh: &crate::config::MeshConfig,
+    worker_id: &str,
+) -> Result<SameHostRoute, WorkerError> {
+    let boot_id = process::kernel_boot_id().map_err(|e| WorkerError::Fatal(e.to_string()))?;
+    let path = mcpgw_mesh::transport::prepare_socket_path(&mesh.socket_dir(), worker_id)
+        .map_err(|e| WorkerError::Fatal(e.to_string()))?;
+    server.serve_same_host(&path).map_err(|e| {
+        WorkerError::Fatal(format!(
+            "cannot serve the mesh socket {}: {e}",
+            path.display()
+        ))
+    })?;
+    info!(path = %path.display(), "mesh same-host socket: workers of this user on this kernel forward here without TLS");
+    Ok(SameHostRoute { boot_id, path })
 }
 
 /// Connects to the fleet directory and registers this worker's lease at `bound`'s
@@ -627,6 +664,7 @@ async fn register(
     let mut info = process::worker_info(Some(admin_addr.to_string()));
     let tls = bound.tls.as_ref();
     info.mesh_identity = tls.map(|tls| tls.current().leaf().uri.clone());
+    info.same_host = bound.same_host.clone();
     let cert_not_after = tls.map(|tls| tls.current().leaf_not_after());
     let lease = match directory
         .register_worker_with_cert(&worker.id, &info, &bound.advertised, cert_not_after)

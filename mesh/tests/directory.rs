@@ -38,6 +38,7 @@ fn info() -> WorkerInfo {
         version: "0.1.0".into(),
         admin: None,
         mesh_identity: None,
+        same_host: None,
     }
 }
 

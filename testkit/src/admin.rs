@@ -38,3 +38,29 @@ pub fn scrape(admin: &str) -> HashMap<String, f64> {
 pub fn moved(before: &HashMap<String, f64>, after: &HashMap<String, f64>, sample: &str) -> f64 {
     after.get(sample).copied().unwrap_or(0.0) - before.get(sample).copied().unwrap_or(0.0)
 }
+
+/// The mesh connections worker `admin` has open now, as its `/state` lists them:
+/// (side, link) pairs, `link` being `"tls"` or `"unix"` (the same-host path).
+#[track_caller]
+pub fn mesh_links(admin: &str) -> Vec<(String, String)> {
+    let r = http::request(admin, "GET", "/state", &[], b"");
+    assert_eq!(r.status, 200, "{}", r.text());
+    let state = r.json();
+    state["mesh_connections"]
+        .as_array()
+        .unwrap_or_else(|| panic!("/state lists no mesh connections: {state}"))
+        .iter()
+        .map(|c| {
+            let field = |name: &str| c[name].as_str().unwrap_or_default().to_owned();
+            (field("side"), field("link"))
+        })
+        .collect()
+}
+
+/// How many of worker `admin`'s open mesh connections on `side` run over `link`.
+pub fn links_on(admin: &str, side: &str, link: &str) -> usize {
+    mesh_links(admin)
+        .iter()
+        .filter(|(s, l)| s == side && l == link)
+        .count()
+}

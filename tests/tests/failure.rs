@@ -54,11 +54,25 @@ fn assert_unknown(o: &Outcome) {
 
 #[test]
 fn killing_an_owner_answers_its_sessions_truthfully_and_spares_the_rest() {
-    let fleet = LocalFleet::start(
-        "quic",
-        2,
-        &["--forward-timeout-ms", NEVER, "--adopt", "never"],
+    killing_an_owner("quic", &[]);
+}
+
+/// The same over the same-host path: a killed owner leaves its socket file with no
+/// listener, and a connect refused there proves it dead as a refused TCP port does.
+#[test]
+fn killing_an_owner_reached_over_the_same_host_path_proves_it_dead() {
+    let sockets = tempfile::tempdir().expect("socket dir");
+    let dir = sockets.path().to_str().expect("utf-8 path");
+    killing_an_owner(
+        "tcp",
+        &["--mesh-same-host", "unix", "--mesh-socket-dir", dir],
     );
+}
+
+fn killing_an_owner(transport: &str, extra: &[&str]) {
+    let mut flags = vec!["--forward-timeout-ms", NEVER, "--adopt", "never"];
+    flags.extend_from_slice(extra);
+    let fleet = LocalFleet::start(transport, 2, &flags);
     let proxy = proxy_for(&fleet);
     let sessions = sessions_on(&proxy, 12);
     let victim = owner(&sessions[0]);
@@ -66,11 +80,34 @@ fn killing_an_owner_answers_its_sessions_truthfully_and_spares_the_rest() {
     let supervisor = signal::parent_of(victim_pid).expect("the victim's supervisor");
     let load = Load::through(&proxy.addr, &sessions, WITHIN);
     load.wait_until(every_session_progressed(&sessions, 3, Instant::now()));
+    let socket_dir = extra
+        .iter()
+        .position(|flag| *flag == "--mesh-socket-dir")
+        .and_then(|at| extra.get(at + 1));
+    if socket_dir.is_some() {
+        let unix_calls: usize = mcpgw_testkit::fleet::leases(&fleet.redis)
+            .keys()
+            .map(|id| {
+                let admin = mcpgw_testkit::admin::admin_of(&fleet.redis, id);
+                mcpgw_testkit::admin::links_on(&admin, "caller", "unix")
+            })
+            .sum();
+        assert!(
+            unix_calls > 0,
+            "the load is forwarded over the same-host path"
+        );
+    }
     signal::send(victim_pid, Signal::SIGKILL);
     // Once the process is gone (not just a zombie), its sockets are closed: from here
     // on no request can reach it.
     signal::wait_until_gone(victim_pid, WITHIN);
     let killed_at = Instant::now();
+    if let Some(dir) = socket_dir {
+        // Killed, it could not remove its socket: a connect there is refused, which is
+        // the proof the callers act on.
+        let socket = std::path::Path::new(dir).join(format!("{victim}.sock"));
+        assert!(socket.exists(), "{} stays behind", socket.display());
+    }
     let (mine, others): (Vec<String>, Vec<String>) =
         sessions.iter().cloned().partition(|s| owner(s) == victim);
     // Each of the victim's sessions has been told it is gone, and every other session

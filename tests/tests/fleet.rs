@@ -25,7 +25,12 @@ fn progress_of(out: &serde_json::Value) -> Vec<f64> {
 
 /// Returns the fleet, still running, for checks of its own.
 fn forwarding_suite(transport: &str) -> LocalFleet {
-    let fleet = LocalFleet::start(transport, 2, &[]);
+    forwarding_suite_with(transport, &[])
+}
+
+/// [`forwarding_suite`] with more flags for every supervisor.
+fn forwarding_suite_with(transport: &str, extra: &[&str]) -> LocalFleet {
+    let fleet = LocalFleet::start(transport, 2, extra);
     let proxy = ScatterProxy::start(vec![fleet.a.addr.clone(), fleet.b.addr.clone()]);
 
     // The official SDK client, every request on a fresh connection to a random port.
@@ -93,6 +98,28 @@ fn forwarding_over_quic() {
 #[test]
 fn forwarding_over_tcp() {
     forwarding_suite("tcp");
+}
+
+/// The same suite with the same-host path on (in its default socket directory): all
+/// four workers share this kernel, so every forward goes over a Unix socket, and no
+/// worker dials its peers over TLS at all.
+#[test]
+fn forwarding_over_the_same_host_path() {
+    let fleet = forwarding_suite_with("tcp", &["--mesh-same-host", "unix"]);
+    let mut unix_calls = 0;
+    for id in leases(&fleet.redis).keys() {
+        let admin = mcpgw_testkit::admin::admin_of(&fleet.redis, id);
+        let links = mcpgw_testkit::admin::mesh_links(&admin);
+        assert!(
+            !links.iter().any(|(_, link)| link == "tls"),
+            "{id} holds mesh connections over TLS: {links:?}"
+        );
+        unix_calls += mcpgw_testkit::admin::links_on(&admin, "caller", "unix");
+    }
+    assert!(
+        unix_calls > 0,
+        "the forwards went over the same-host sockets"
+    );
 }
 
 /// The official SDK client in 2026-07-28 mode through a fleet of four workers: no

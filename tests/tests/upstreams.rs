@@ -1002,9 +1002,31 @@ fn an_upstream_asking_a_2026_client_hears_method_not_found_and_the_client_a_comm
 
 #[test]
 fn a_client_that_goes_away_cancels_its_forwarded_json_call_at_the_upstream() {
+    a_client_that_goes_away_cancels_its_forwarded_call(&["--mesh-transport", "quic"]);
+}
+
+/// The same over the same-host path: the `Cancel` of one exchange travels over the
+/// Unix socket as over TLS.
+#[test]
+fn a_client_that_goes_away_cancels_its_call_forwarded_over_the_same_host_path() {
+    let sockets = tempfile::tempdir().expect("socket dir");
+    let dir = sockets.path().to_str().expect("utf-8 path");
+    let mesh = [
+        "--mesh-transport",
+        "tcp",
+        "--mesh-same-host",
+        "unix",
+        "--mesh-socket-dir",
+        dir,
+    ];
+    a_client_that_goes_away_cancels_its_forwarded_call(&mesh);
+}
+
+fn a_client_that_goes_away_cancels_its_forwarded_call(mesh: &[&str]) {
     let (_server, port) = python_http_server("ticking_server");
     let web = format!("127.0.0.1:{port}");
-    let fleet = Fleet::start(
+    let fleet = Fleet::start_on(
+        mesh,
         2,
         &[
             "--upstream".into(),
@@ -1016,6 +1038,7 @@ fn a_client_that_goes_away_cancels_its_forwarded_json_call_at_the_upstream() {
                 python_script("ticking_server.py").display()
             ),
         ],
+        &[],
     );
     // An HTTP upstream sees the request it was running go away; a stdio one is sent
     // notifications/cancelled.
@@ -1047,6 +1070,15 @@ fn a_client_that_goes_away_cancels_its_forwarded_json_call_at_the_upstream() {
             short.header("mcpgw-edge-worker"),
             "{route}: forwarded"
         );
+        if mesh.contains(&"unix") {
+            let edge = short.header("mcpgw-edge-worker").unwrap_or_default();
+            let admin = mcpgw_testkit::admin::admin_of(&fleet.redis, edge);
+            let links = mcpgw_testkit::admin::mesh_links(&admin);
+            assert!(
+                links.iter().all(|(_, link)| link == "unix") && !links.is_empty(),
+                "{route}: forwarded over the same-host path: {links:?}"
+            );
+        }
 
         let client = support::send_request(
             fleet.addr(1),

@@ -716,6 +716,7 @@ mod tests {
                 version: "0.1.0".into(),
                 admin: Some("127.0.0.1:9000".into()),
                 mesh_identity: None,
+                same_host: None,
             }),
             addr: Some(addr.into()),
             last_renewal_unix_ms: Some(NOW - 1_000),

@@ -67,6 +67,14 @@ pub struct ServeArgs {
     /// a dead owner at once).
     #[arg(long, env = "MCPGW_MESH_TRANSPORT", value_enum)]
     pub mesh_transport: Option<MeshTransport>,
+    /// Same-host path (default off): `unix` lets workers on one kernel and of one user
+    /// forward over a Unix socket, without TLS (TCP transport only).
+    #[arg(long, env = "MCPGW_MESH_SAME_HOST", value_enum)]
+    pub mesh_same_host: Option<MeshSameHost>,
+    /// Directory of the same-host sockets (default $XDG_RUNTIME_DIR/mcpgw-mesh, else
+    /// /tmp/mcpgw-mesh-<uid>); workers that should find each other share it.
+    #[arg(long, env = "MCPGW_MESH_SOCKET_DIR")]
+    pub mesh_socket_dir: Option<PathBuf>,
     /// Mesh CA bundle (PEM).
     #[arg(long, env = "MCPGW_MESH_CA")]
     pub mesh_ca: Option<PathBuf>,
@@ -194,6 +202,10 @@ impl Config {
             self.mesh.advertise = a.mesh_advertise.clone();
         }
         set(&mut self.mesh.transport, a.mesh_transport);
+        set(&mut self.mesh.same_host, a.mesh_same_host);
+        if a.mesh_socket_dir.is_some() {
+            self.mesh.socket_dir = a.mesh_socket_dir.clone();
+        }
         for (slot, value) in [
             (&mut self.mesh.ca, &a.mesh_ca),
             (&mut self.mesh.cert, &a.mesh_cert),

@@ -279,6 +279,8 @@ struct FileMesh {
     listen: Option<String>,
     advertise: Option<String>,
     transport: Option<MeshTransport>,
+    same_host: Option<MeshSameHost>,
+    socket_dir: Option<PathBuf>,
     ca: Option<PathBuf>,
     cert: Option<PathBuf>,
     key: Option<PathBuf>,
@@ -395,6 +397,10 @@ impl Config {
             self.mesh.advertise = m.advertise;
         }
         set(&mut self.mesh.transport, m.transport);
+        set(&mut self.mesh.same_host, m.same_host);
+        if m.socket_dir.is_some() {
+            self.mesh.socket_dir = m.socket_dir;
+        }
         for (slot, value) in [
             (&mut self.mesh.ca, m.ca),
             (&mut self.mesh.cert, m.cert),

@@ -405,6 +405,19 @@ pub enum MeshTransport {
     Redis,
 }
 
+/// Whether workers on one kernel also forward to each other without TLS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum MeshSameHost {
+    /// Every forward crosses the mesh transport (TLS over loopback TCP on one host).
+    #[default]
+    Off,
+    /// A worker also serves a Unix socket, and a peer on the same kernel (same boot
+    /// id, the socket reachable) and of the same user forwards over it: the TCP
+    /// transport's framing, no TLS; the kernel vouches for the peer. TCP transport only.
+    Unix,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct MeshConfig {
     /// Where worker 0 binds its mesh endpoint; worker i binds port + i (port 0: each
@@ -433,9 +446,28 @@ pub struct MeshConfig {
     /// `protocol_version` (`max_protocol_version`: the one before the current holds a
     /// fleet at the previous release's protocol while a rolling upgrade runs).
     pub limits: MeshLimits,
+    /// The same-host path (off unless the operator allows it).
+    pub same_host: MeshSameHost,
+    /// Where each worker's same-host socket (`<worker id>.sock`) lives; `None`: see
+    /// [`MeshConfig::socket_dir`].
+    pub socket_dir: Option<PathBuf>,
 }
 
 impl MeshConfig {
+    /// The directory of the same-host sockets: the one configured, else
+    /// `$XDG_RUNTIME_DIR/mcpgw-mesh` (a per-user runtime directory), else
+    /// `/tmp/mcpgw-mesh-<uid>`. Workers that should find each other must share it;
+    /// the mesh refuses one that is not this user's own.
+    pub fn socket_dir(&self) -> PathBuf {
+        if let Some(dir) = &self.socket_dir {
+            return dir.clone();
+        }
+        match std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from) {
+            Some(runtime) if runtime.is_absolute() => runtime.join("mcpgw-mesh"),
+            _ => std::env::temp_dir().join(format!("mcpgw-mesh-{}", nix::unistd::geteuid())),
+        }
+    }
+
     /// The mTLS files, each with the name of its setting.
     fn certificate_files(&self) -> [(&'static str, Option<&Path>); 3] {
         [
@@ -494,6 +526,8 @@ impl Default for Config {
                 trust_domain: mcpgw_certs::DEFAULT_TRUST_DOMAIN.to_owned(),
                 cert_reload_interval: Duration::from_secs(10),
                 limits: MeshLimits::default(),
+                same_host: MeshSameHost::Off,
+                socket_dir: None,
             },
             auth: AuthConfig::default(),
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -731,6 +765,24 @@ mod tests {
         })
         .expect("redis transport without certificates");
         assert_eq!(config.mesh.transport, MeshTransport::Redis);
+    }
+
+    #[test]
+    fn the_same_host_path_is_off_by_default_and_needs_the_tcp_transport() {
+        let plain = Config::load(&args(&["a=http://x/mcp"])).expect("defaults");
+        assert_eq!(plain.mesh.same_host, MeshSameHost::Off);
+        let on = |transport, dir: Option<&str>| ServeArgs {
+            mesh_transport: Some(transport),
+            mesh_same_host: Some(MeshSameHost::Unix),
+            mesh_socket_dir: dir.map(PathBuf::from),
+            ..args(&["a=http://x/mcp"])
+        };
+        let config = Config::load(&on(MeshTransport::Tcp, Some("/run/mcpgw"))).expect("tcp");
+        assert_eq!(config.mesh.socket_dir(), PathBuf::from("/run/mcpgw"));
+        let quic = Config::load(&on(MeshTransport::Quic, None)).unwrap_err();
+        assert_eq!(quic.field, "mesh.same_host");
+        let relative = Config::load(&on(MeshTransport::Tcp, Some("sockets"))).unwrap_err();
+        assert_eq!(relative.field, "mesh.socket_dir");
     }
 
     #[test]

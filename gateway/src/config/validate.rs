@@ -168,6 +168,21 @@ impl Config {
                 }
             }
         }
+        if mesh.same_host == MeshSameHost::Unix && mesh.transport != MeshTransport::Tcp {
+            return Err(invalid(
+                "mesh.same_host",
+                "the same-host path runs the TCP transport's framing over a Unix socket: \
+                 use it with --mesh-transport tcp, or leave --mesh-same-host off",
+            ));
+        }
+        if let Some(dir) = &mesh.socket_dir
+            && !dir.is_absolute()
+        {
+            return Err(invalid(
+                "mesh.socket_dir",
+                "must be an absolute path (every worker resolves it alike)",
+            ));
+        }
         let limits = &mesh.limits;
         for (field, value) in [
             ("mesh.max_in_flight_per_peer", limits.max_in_flight_per_peer),

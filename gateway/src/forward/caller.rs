@@ -407,8 +407,11 @@ impl Forwarder {
         };
         // Before the address is used: every connection that claims to lead to `owner`
         // must carry the identity it registered.
+        // And the same-host route it advertised, which each client keeps only when it
+        // names this kernel.
         for mesh in [&self.mesh, &self.probe_mesh] {
             mesh.expect_identity(owner, endpoint.identity.as_deref());
+            mesh.expect_same_host(owner, endpoint.same_host.as_ref());
         }
         self.peers
             .write()

@@ -124,10 +124,18 @@ impl Directory {
         let (addr, lease): (Option<String>, Option<String>) =
             self.run_pipe("worker_endpoint", &pipe).await?;
         let Some(addr) = addr else { return Ok(None) };
-        let identity = lease
+        let info = lease
             .and_then(|lease| serde_json::from_str::<LeaseValue>(&lease).ok())
-            .and_then(|lease| lease.info.mesh_identity);
-        Ok(Some(WorkerEndpoint { addr, identity }))
+            .map(|lease| lease.info);
+        let (identity, same_host) = match info {
+            Some(info) => (info.mesh_identity, info.same_host),
+            None => (None, None),
+        };
+        Ok(Some(WorkerEndpoint {
+            addr,
+            identity,
+            same_host,
+        }))
     }
 
     /// The mesh address of a live worker, or `None` if it has no registration.

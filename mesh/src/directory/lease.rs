@@ -23,6 +23,11 @@ pub struct WorkerInfo {
     /// Redis transport, and in leases written by versions without it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mesh_identity: Option<String>,
+    /// The worker's same-host mesh socket and its kernel's boot id, when it serves one
+    /// (`--mesh-same-host unix`). A new field of the lease, never a change of
+    /// `worker_addr`: workers of a release without it ignore it and dial the address.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub same_host: Option<crate::transport::SameHostRoute>,
 }
 
 /// Where a live worker's mesh endpoint is and who answers there.
@@ -32,6 +37,8 @@ pub struct WorkerEndpoint {
     pub addr: String,
     /// The mesh identity the worker registered, if it registered one.
     pub identity: Option<String>,
+    /// The same-host route the worker advertised, if it serves one.
+    pub same_host: Option<crate::transport::SameHostRoute>,
 }
 
 /// The JSON stored in `{p}worker:{id}`.

@@ -18,6 +18,7 @@ use super::config::{MeshLimits, TransportKind};
 use super::error::{LinkError, MeshError};
 use super::observe::{MeshObserver, Observer};
 use super::redis::RedisTransportConfig;
+use super::tcp::SameHostRoute;
 use super::tls::{ClientTls, IdentityBook};
 use super::{quic, redis, tcp};
 
@@ -170,7 +171,10 @@ impl MeshClient {
     ///
     /// QUIC and TCP: yes. A refusal there is a closed port (or an endpoint closed by a
     /// worker that stopped) at the address the owner registered, and a `WrongWorker`
-    /// answer is another worker's greeting there; a live owner shows neither. Redis
+    /// answer is another worker's greeting there; a live owner shows neither. The
+    /// same-host path keeps this true: it answers `Refused` only for a socket file with
+    /// no listener at the path named by the owner's id, and a path with no such file
+    /// (another container's filesystem) is no answer at all: the dial goes over TCP. Redis
     /// pub/sub: no. "No subscriber on the owner's channel" is also what an owner looks
     /// like for the moment its subscriber reconnects to Redis, so only the directory's
     /// lease can tell.
@@ -273,6 +277,33 @@ impl MeshClient {
         match identity {
             Some(identity) => self.inner.identities.record(worker_id, identity),
             None => self.inner.identities.forget(worker_id),
+        }
+    }
+
+    /// Turns the same-host path on for this client: from then on a worker whose
+    /// advertised [`SameHostRoute`] names `our_boot_id` (this kernel) is dialled over
+    /// its Unix socket first, and over TCP when that socket cannot be used from here
+    /// (see the `tcp::same_host` module source). TCP transport only.
+    pub fn use_same_host(&self, our_boot_id: &str) -> Result<(), MeshError> {
+        match &self.inner.transport {
+            Transport::Tcp(t) => {
+                t.same_host().enable(our_boot_id);
+                Ok(())
+            }
+            _ => Err(MeshError::Config(format!(
+                "the same-host mesh path runs the TCP transport's framing; the {} \
+                 transport has none",
+                self.label()
+            ))),
+        }
+    }
+
+    /// Records the same-host route worker `worker_id` advertised with its lease (or
+    /// that it advertised none). Kept only when the same-host path is on and the route
+    /// names this kernel; otherwise the worker is reached over TCP as before.
+    pub fn expect_same_host(&self, worker_id: &str, route: Option<&SameHostRoute>) {
+        if let Transport::Tcp(t) = &self.inner.transport {
+            t.same_host().record(worker_id, route);
         }
     }
 

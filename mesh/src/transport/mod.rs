@@ -15,6 +15,11 @@
 //!   [`MeshClient::new_redis`]; see [`RedisTransportConfig`] and the `redis` module
 //!   source for its channels, liveness and cancellation.
 //!
+//! - **Same host** (opt-in, beside TCP): the TCP transport's framing over a Unix
+//!   socket between two workers of one user on one kernel, no TLS; the kernel vouches
+//!   for the peer ([`MeshServerHandle::serve_same_host`],
+//!   [`MeshClient::use_same_host`]; see the `tcp::same_host` module source).
+//!
 //! QUIC and TCP use TLS 1.3 with mutual authentication: the rustls configs come from
 //! `mcpgw-certs` (mesh CA, mesh URI SAN required on both sides); this module only adds
 //! the ALPN protocol [`MESH_ALPN`] and dials with SNI [`mcpgw_certs::MESH_SERVER_NAME`].
@@ -57,7 +62,9 @@
 //!
 //! - TCP: a connect to a port nobody listens on fails at once with `ECONNREFUSED`
 //!   ([`MeshError::Refused`]); a silent host runs into [`MeshLimits::connect_timeout`]
-//!   ([`MeshError::ConnectTimeout`]).
+//!   ([`MeshError::ConnectTimeout`]). On the same-host path, `ECONNREFUSED` (a socket
+//!   file named by the worker id with no listener) is the same proof; no such file is
+//!   none (another container's filesystem): the caller uses TCP instead.
 //! - QUIC: quinn ignores ICMP errors, so a dial to a closed UDP port just runs into the
 //!   handshake timeout. To keep the proof, the QUIC dialer probes the address with a
 //!   one-byte datagram from a *connected* UDP socket while the handshake runs: the
@@ -96,4 +103,5 @@ pub use error::MeshError;
 pub use observe::{MeshObserver, OpenConnectionInfo, open_connections};
 pub use server::{MeshServer, MeshServerHandle};
 pub use service::{MeshService, PeerInfo, ResponsePart};
+pub use tcp::{SameHostRoute, kernel_boot_id, prepare_socket_path};
 pub use tls::{ClientTls, ServerTls, hard_age, mesh_tls_settings};

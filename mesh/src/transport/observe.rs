@@ -57,14 +57,38 @@ impl Observer {
     }
 
     /// Counts one open connection on `side` for as long as the value lives, and lists
-    /// it with the peer certificate it was made with.
-    pub(crate) fn open(&self, side: &'static str, peer: &PeerIdentity) -> OpenConnection {
-        OpenConnection::new(self.clone(), side, peer)
+    /// it with the peer certificate it was made with and the link it runs over.
+    pub(crate) fn open(
+        &self,
+        side: &'static str,
+        peer: &PeerIdentity,
+        link: Link,
+    ) -> OpenConnection {
+        OpenConnection::new(self.clone(), side, peer, link)
     }
 
     fn connections(&self, side: &'static str, delta: i64) {
         if let Some(observer) = &self.0 {
             observer.connections(side, delta);
+        }
+    }
+}
+
+/// What a mesh connection runs over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Link {
+    /// TLS with mutual certificates, over TCP or QUIC.
+    Tls,
+    /// A Unix socket between two processes of one user on one kernel (the same-host
+    /// path): the kernel vouches for the peer, no TLS.
+    Unix,
+}
+
+impl Link {
+    fn as_str(self) -> &'static str {
+        match self {
+            Link::Tls => "tls",
+            Link::Unix => "unix",
         }
     }
 }
@@ -88,10 +112,13 @@ pub(crate) fn dial_failure(error: &MeshError) -> &'static str {
 pub struct OpenConnectionInfo {
     /// `"caller"` (we dialled) or `"owner"` (we accepted).
     pub side: &'static str,
-    /// The peer's mesh identity URI.
+    /// `"tls"` (mTLS over TCP or QUIC) or `"unix"` (the same-host path, no TLS).
+    pub link: &'static str,
+    /// The peer's mesh identity URI; on the same-host path `unix:…` (the caller names
+    /// the socket, the owner the peer's uid and pid).
     pub peer_identity: String,
     /// SHA-256 of the leaf the peer presented: after a rotation, whether this
-    /// connection still rests on an old certificate.
+    /// connection still rests on an old certificate. Empty on the same-host path.
     pub peer_leaf_fingerprint: String,
 }
 
@@ -115,13 +142,14 @@ pub(crate) struct OpenConnection {
 }
 
 impl OpenConnection {
-    fn new(observer: Observer, side: &'static str, peer: &PeerIdentity) -> Self {
+    fn new(observer: Observer, side: &'static str, peer: &PeerIdentity, link: Link) -> Self {
         observer.connections(side, 1);
         let key = NEXT_OPEN.fetch_add(1, Ordering::Relaxed);
         OPEN.lock().insert(
             key,
             OpenConnectionInfo {
                 side,
+                link: link.as_str(),
                 peer_identity: peer.uri.clone(),
                 peer_leaf_fingerprint: peer.leaf_fingerprint.clone(),
             },

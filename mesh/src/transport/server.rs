@@ -74,6 +74,7 @@ impl MeshServer {
             shared,
             quic_endpoint: endpoint,
             redis_channel: None,
+            same_host: None,
         })
     }
 
@@ -106,6 +107,7 @@ impl MeshServer {
             shared,
             quic_endpoint: None,
             redis_channel: Some(channel),
+            same_host: None,
         })
     }
 }
@@ -122,6 +124,8 @@ pub struct MeshServerHandle {
     quic_endpoint: Option<quinn::Endpoint>,
     /// The Redis transport's request channel; `None` for QUIC and TCP.
     redis_channel: Option<String>,
+    /// The same-host Unix socket, when served; its file goes with the handle.
+    same_host: Option<tcp::SameHostSocket>,
 }
 
 impl MeshServerHandle {
@@ -134,6 +138,25 @@ impl MeshServerHandle {
     /// listens on no socket).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Also serves this worker's requests on the Unix socket `path` (the same-host
+    /// path): the TCP transport's framing and budgets, no TLS, for callers of this
+    /// process's own uid on this kernel; others are refused at accept (see the
+    /// `tcp::same_host` module source). The socket file is removed when the server
+    /// stops. TCP transport only.
+    pub fn serve_same_host(&mut self, path: &std::path::Path) -> Result<(), MeshError> {
+        if self.shared.kind != TransportKind::Tcp {
+            return Err(MeshError::Config(format!(
+                "the same-host mesh path runs the TCP transport's framing; the {} \
+                 transport has none",
+                self.shared.kind
+            )));
+        }
+        let socket = tcp::serve_same_host(path, self.shared.clone())?;
+        debug!(path = %path.display(), worker_id = %self.shared.worker_id, "mesh same-host socket listening");
+        self.same_host = Some(socket);
+        Ok(())
     }
 
     /// The Redis channel the server takes requests on; `None` for QUIC and TCP.

@@ -29,7 +29,7 @@ use super::config::{MeshLimits, TransportKind};
 use super::error::LinkError;
 use super::framed::{FrameReader, FrameWriter, SendError};
 use super::guard::{FAILURE_LOG_INTERVAL, FailureLog, HandshakeGate, HandshakePermit};
-use super::observe::{Observer, OpenConnection};
+use super::observe::{Link, Observer, OpenConnection};
 use super::service::{MeshService, PeerInfo, ResponsePart};
 use super::tls::ConnectionLife;
 
@@ -136,11 +136,14 @@ impl ServerShared {
 
 /// Answers the caller's `Hello`. Returns the caller's worker id and the protocol
 /// version agreed, or `None` when the connection must close (bad greeting, versions
-/// two apart, an identity that is not the worker's, caller gone).
+/// two apart, an identity that is not the worker's, caller gone). `presented`: the
+/// identity the caller's certificate proves; `None` on the same-host path, where the
+/// kernel vouched for a process of our own uid and there is no certificate to hold
+/// to the registered identity.
 pub(crate) async fn greet<R, W>(
     shared: &ServerShared,
     remote: SocketAddr,
-    presented: &str,
+    presented: Option<&str>,
     reader: &mut FrameReader<R>,
     writer: &mut FrameWriter<W>,
 ) -> Option<(String, u32)>
@@ -170,7 +173,9 @@ where
         refuse_version(shared, version, writer).await;
         return None;
     };
-    if !identity_is_the_workers(shared, remote, &worker_id, presented, writer).await {
+    if let Some(presented) = presented
+        && !identity_is_the_workers(shared, remote, &worker_id, presented, writer).await
+    {
         return None;
     }
     if expect_worker_id != shared.worker_id {
@@ -297,10 +302,11 @@ pub(crate) fn admit_connection(
     identity: PeerIdentity,
     (worker_id, protocol): (String, u32),
     permit: HandshakePermit,
+    link: Link,
 ) -> AdmittedConnection {
     shared.observer.handshake("owner", "ok");
     drop(permit);
-    let open = shared.observer.open("owner", &identity);
+    let open = shared.observer.open("owner", &identity, link);
     let close_at =
         ConnectionLife::owner_close_at(shared.limits.max_connection_age, identity.not_after);
     let peer = PeerInfo {

@@ -10,6 +10,7 @@
 //! | `sticky` | client → owner worker → upstream (QUIC fleet; nothing forwarded) |
 //! | `quic` | client → other worker → QUIC mesh → owner → upstream |
 //! | `tcp` | the same over the TCP mesh |
+//! | `unix` | the same over the same-host path (`--mesh-same-host unix`: Unix socket, no TLS) |
 //! | `redis` | the same over the Redis pub/sub baseline |
 //! | `round-robin` | requests alternate over both workers (QUIC fleet): half forwarded |
 //! | `modern` | 2026-07-28 stateless requests, round-robin (QUIC fleet); optional |
@@ -52,7 +53,7 @@ use super::units::{grouped, ms, parse_duration, utc_timestamp};
 /// 2 × 10,000 idle sessions.
 #[derive(Debug, Clone, clap::Args)]
 pub struct CompareArgs {
-    /// Configurations, in report order (direct, sticky, quic, tcp, redis,
+    /// Configurations, in report order (direct, sticky, quic, tcp, unix, redis,
     /// round-robin, modern, virtual, virtual-tcp).
     #[arg(
         long,
@@ -111,6 +112,7 @@ pub enum ConfigName {
     Sticky,
     Quic,
     Tcp,
+    Unix,
     Redis,
     RoundRobin,
     Modern,
@@ -131,6 +133,7 @@ impl ConfigName {
             ConfigName::Sticky => "sticky",
             ConfigName::Quic => "quic",
             ConfigName::Tcp => "tcp",
+            ConfigName::Unix => "unix",
             ConfigName::Redis => "redis",
             ConfigName::RoundRobin => "round-robin",
             ConfigName::Modern => "modern",
@@ -144,6 +147,8 @@ impl ConfigName {
         match self {
             ConfigName::Direct => None,
             ConfigName::Quic => Some("quic"),
+            // A TCP fleet with the same-host path on (see `Fleet::start`).
+            ConfigName::Unix => Some("unix"),
             // The default transport, as a user's fleet would run.
             ConfigName::Sticky
             | ConfigName::Tcp
@@ -158,9 +163,11 @@ impl ConfigName {
     pub fn routing(self) -> Routing {
         match self {
             ConfigName::Direct | ConfigName::Sticky | ConfigName::Virtual => Routing::Sticky,
-            ConfigName::Quic | ConfigName::Tcp | ConfigName::Redis | ConfigName::VirtualTcp => {
-                Routing::Forward
-            }
+            ConfigName::Quic
+            | ConfigName::Tcp
+            | ConfigName::Unix
+            | ConfigName::Redis
+            | ConfigName::VirtualTcp => Routing::Forward,
             ConfigName::RoundRobin | ConfigName::Modern => Routing::RoundRobin,
         }
     }
@@ -192,6 +199,9 @@ impl ConfigName {
             ConfigName::Sticky => "every request to the owner worker (nothing forwarded)",
             ConfigName::Quic => "every request to the other worker, forwarded over the QUIC mesh",
             ConfigName::Tcp => "every request to the other worker, forwarded over the TCP mesh",
+            ConfigName::Unix => {
+                "every request to the other worker, forwarded over the same-host path (Unix socket, no TLS)"
+            }
             ConfigName::Redis => {
                 "every request to the other worker, forwarded over Redis pub/sub (baseline)"
             }

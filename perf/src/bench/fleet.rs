@@ -343,7 +343,7 @@ impl MeshCerts {
 pub struct FleetSpec<'a> {
     /// Log and process name prefix, e.g. `quic`.
     pub name: &'a str,
-    /// `--mesh-transport` value.
+    /// `--mesh-transport` value, or `unix`: `tcp` with `--mesh-same-host unix`.
     pub transport: &'a str,
     pub redis_url: &'a str,
     pub upstream_url: &'a str,
@@ -411,6 +411,12 @@ impl Fleet {
         std::fs::write(&config, config_file(spec.upstream_url))
             .map_err(|e| format!("cannot write {}: {e}", config.display()))?;
         let config = config.display().to_string();
+        // `unix` is the TCP mesh with the same-host path on: both workers share this
+        // kernel, so every forward takes the Unix socket.
+        let (transport, same_host) = match spec.transport {
+            "unix" => ("tcp", true),
+            other => (other, false),
+        };
         for member in spec.members {
             let mut args: Vec<String> = [
                 "serve",
@@ -425,13 +431,16 @@ impl Fleet {
                 "--config",
                 &config,
                 "--mesh-transport",
-                spec.transport,
+                transport,
                 "--mesh-listen",
                 "127.0.0.1:0",
             ]
             .iter()
             .map(|s| s.to_string())
             .collect();
+            if same_host {
+                args.extend(["--mesh-same-host".into(), "unix".into()]);
+            }
             args.extend(certs.flags(member));
             let name = format!("{}-{member}", spec.name);
             let started =

@@ -31,6 +31,12 @@ impl Fleet {
     }
 
     pub fn start_with_env(n: usize, args: &[String], env: &[(&str, &str)]) -> Fleet {
+        Self::start_on(&["--mesh-transport", "quic"], n, args, env)
+    }
+
+    /// Like [`start_with_env`](Self::start_with_env), over the mesh that `mesh` flags
+    /// choose (`--mesh-transport …` and what goes with it).
+    pub fn start_on(mesh: &[&str], n: usize, args: &[String], env: &[(&str, &str)]) -> Fleet {
         let redis = RedisServer::start();
         let members: Vec<String> = (0..n).map(|i| format!("host-{i}")).collect();
         let member_refs: Vec<&str> = members.iter().map(String::as_str).collect();
@@ -39,6 +45,10 @@ impl Fleet {
             .iter()
             .map(|member| {
                 let mut all = supervisor_flags(&redis.url(), 1, "quic", &certs, member);
+                if let Some(at) = all.iter().position(|flag| flag == "--mesh-transport") {
+                    all.drain(at..at + 2);
+                }
+                all.extend(mesh.iter().map(|flag| flag.to_string()));
                 all.extend(args.iter().cloned());
                 let refs: Vec<&str> = all.iter().map(String::as_str).collect();
                 Gateway::start_with_env(&refs, env)

@@ -24,7 +24,7 @@ use crate::transport::calling::{ExState, greet, resolve};
 use crate::transport::config::MeshLimits;
 use crate::transport::error::{LinkError, MeshError, quic_tls_cause};
 use crate::transport::framed::{FrameReader, FrameWriter, SendError};
-use crate::transport::observe::{self, Observer};
+use crate::transport::observe::{self, Link, Observer};
 use crate::transport::tls::{ClientTls, ConnectionLife, IdentityBook};
 
 /// Application error code on a stream the caller abandons (reset and stop).
@@ -277,7 +277,7 @@ impl QuicClient {
     fn admitted(&self, conn: Connection, worker_id: String, identity: PeerIdentity) -> PeerConn {
         let life = ConnectionLife::starting_now(self.limits.max_connection_age, identity.not_after);
         let expiring = conn.clone();
-        let open = self.observer.open("caller", &identity);
+        let open = self.observer.open("caller", &identity, Link::Tls);
         let unused = tokio_util::sync::CancellationToken::new();
         let let_go = unused.clone();
         tokio::spawn(async move {
@@ -338,7 +338,7 @@ impl QuicClient {
             let pc = self.connection(peer_addr, expect).await?;
             let answer =
                 self.identities
-                    .check_answer(peer_addr, expect, &pc.worker_id, &pc.identity);
+                    .check_answer(peer_addr, expect, &pc.worker_id, Some(&pc.identity));
             if answer.is_err() && !retried {
                 // A pooled connection to a worker that lived at this address before
                 // (killed hosts close nothing) proves nothing about the one there now:

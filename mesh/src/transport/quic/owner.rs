@@ -22,6 +22,7 @@ use crate::transport::config::MeshLimits;
 use crate::transport::error::{LinkError, MeshError, quic_tls_cause};
 use crate::transport::framed::{FrameReader, FrameWriter, SendError};
 use crate::transport::guard::HandshakePermit;
+use crate::transport::observe::Link;
 use crate::transport::service::PeerInfo;
 use crate::transport::serving::{
     CallerEvent, ExchangeEnd, ExchangeLink, ServerShared, admit_connection, greet, serve_next,
@@ -157,7 +158,7 @@ async fn connection(
     let Some(greeted) = greet_on_first_stream(&conn, &shared, remote, &identity.uri).await else {
         return;
     };
-    let admitted = admit_connection(&shared, remote, identity, greeted, permit);
+    let admitted = admit_connection(&shared, remote, identity, greeted, permit, Link::Tls);
     serve_streams(&conn, &shared, &admitted.peer, admitted.close_at).await;
 }
 
@@ -224,7 +225,7 @@ async fn greet_on_first_stream(
     };
     let mut reader = FrameReader::new(recv, limits.max_frame);
     let mut writer = FrameWriter::new(send, limits.max_frame);
-    let greeted = greet(shared, remote, presented, &mut reader, &mut writer).await;
+    let greeted = greet(shared, remote, Some(presented), &mut reader, &mut writer).await;
     let _ = writer.get_mut().finish();
     if greeted.is_none() {
         shared.observer.handshake("owner", "greeting");

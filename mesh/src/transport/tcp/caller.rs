@@ -28,8 +28,9 @@ pub(crate) struct CallerConn {
     open: AtomicUsize,
     /// The worker id this connection's `Welcome` named.
     pub(super) worker_id: String,
-    /// The mesh identity (URI) in the owner's certificate.
-    pub(super) identity: String,
+    /// The mesh identity (URI) in the owner's certificate; `None` over the same-host
+    /// path, where the kernel vouched for the owner (a process of our uid).
+    pub(super) identity: Option<String>,
     /// When the pool stops using it, and when it closes.
     pub(super) life: ConnectionLife,
     /// Credit each exchange starts with; the caller credits back as it reads.
@@ -76,7 +77,7 @@ impl CallerConn {
     pub(super) fn new(
         outbox: Arc<Outbox>,
         worker_id: String,
-        identity: String,
+        identity: Option<String>,
         life: ConnectionLife,
         window: usize,
     ) -> Arc<Self> {

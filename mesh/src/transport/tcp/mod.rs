@@ -15,7 +15,9 @@
 //!
 //! - `mux`: the outbox and writer task, and the frame reader, shared by both ends;
 //! - `owner`: serving a connection's exchanges;
-//! - `caller`: routing a connection's frames to the exchanges waiting for them.
+//! - `caller`: routing a connection's frames to the exchanges waiting for them;
+//! - `same_host`: the same engine over a Unix socket, without TLS, between workers of
+//!   one user on one kernel (opt-in).
 //!
 //! The rustls configs are applied in one place each: the server's acceptor per
 //! accepted connection ([`serve`]), the client's connector per dial
@@ -24,6 +26,7 @@
 mod caller;
 mod mux;
 mod owner;
+mod same_host;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -36,7 +39,7 @@ use mcpgw_wire::Frame;
 use parking_lot::Mutex;
 use rustls::pki_types::ServerName;
 use socket2::{SockRef, TcpKeepalive};
-use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{Instant, timeout};
 use tokio_rustls::{TlsAcceptor, TlsConnector};
@@ -44,6 +47,8 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::{debug, warn};
 
 pub(crate) use caller::TcpExchange;
+pub(crate) use same_host::{SameHostBook, SameHostSocket, serve as serve_same_host};
+pub use same_host::{SameHostRoute, kernel_boot_id, prepare_socket_path};
 
 use self::caller::{CallerConn, read_loop};
 use self::mux::{MuxReader, Outbox, write_loop};
@@ -52,7 +57,7 @@ use super::config::MeshLimits;
 use super::error::{LinkError, MeshError, tls_cause};
 use super::framed::{FrameReader, FrameWriter};
 use super::guard::HandshakePermit;
-use super::observe::{self, Observer};
+use super::observe::{self, Link, Observer};
 use super::serving::{AdmittedConnection, ServerShared, admit_connection, greet as server_greet};
 use super::tls::{ClientTls, ConnectionLife, IdentityBook, ServerTls};
 
@@ -181,7 +186,8 @@ async fn connection(
     let (read, write) = tokio::io::split(tls);
     let mut reader = FrameReader::new(read, limits.max_frame);
     let mut writer = FrameWriter::new(write, limits.max_frame);
-    let greeted = server_greet(&shared, remote, &identity.uri, &mut reader, &mut writer).await;
+    let presented = Some(identity.uri.as_str());
+    let greeted = server_greet(&shared, remote, presented, &mut reader, &mut writer).await;
     let Some(greeted) = greeted else {
         shared.observer.handshake("owner", "greeting");
         let _ = writer.get_mut().shutdown().await;
@@ -191,7 +197,7 @@ async fn connection(
         peer,
         close_at,
         open: _open,
-    } = admit_connection(&shared, remote, identity, greeted, permit);
+    } = admit_connection(&shared, remote, identity, greeted, permit, Link::Tls);
     let (read, leftover) = reader.into_parts();
     let reader = MuxReader::new(read, leftover, limits.max_frame);
     owner::serve_connection(shared.clone(), peer, reader, writer.into_inner(), close_at).await;
@@ -213,6 +219,8 @@ struct Dialer {
     stop: CancellationToken,
     /// Told of every dial and of every connection's open and close.
     observer: Observer,
+    /// Same-host routes of the workers on our kernel, tried before TCP when on.
+    same_host: Arc<SameHostBook>,
 }
 
 /// The TCP peer pool: up to [`MeshLimits::tcp_pool_size`] multiplexed connections
@@ -293,10 +301,16 @@ impl TcpClient {
                 limits,
                 stop: stop.clone(),
                 observer,
+                same_host: Arc::default(),
             }),
             peers: Mutex::new(HashMap::new()),
             _stop: stop.drop_guard(),
         }
+    }
+
+    /// The same-host routes this client may use.
+    pub(crate) fn same_host(&self) -> &SameHostBook {
+        &self.dialer.same_host
     }
 
     /// Lets go of the peer's connections: they close once their exchanges end.
@@ -375,7 +389,7 @@ impl TcpClient {
                 peer_addr,
                 expect,
                 &conn.worker_id,
-                &conn.identity,
+                conn.identity.as_deref(),
             );
             if answer.is_err() && !retried {
                 // A pooled connection may lead to a worker that lived at this address
@@ -409,9 +423,18 @@ impl TcpClient {
 type CallerStream = tokio_rustls::client::TlsStream<TcpStream>;
 
 impl Dialer {
+    /// Opens a connection to `expect` at `peer_addr`: over its same-host socket when it
+    /// has a usable one, else over TLS.
+    async fn dial(&self, peer_addr: &str, expect: &str) -> Result<Arc<CallerConn>, MeshError> {
+        if let Some(dialled) = self.dial_same_host(peer_addr, expect).await {
+            return dialled;
+        }
+        self.dial_tls(peer_addr, expect).await
+    }
+
     /// Connects, handshakes and greets, all within the connect timeout, then starts the
     /// connection's reader and writer tasks.
-    async fn dial(&self, peer_addr: &str, expect: &str) -> Result<Arc<CallerConn>, MeshError> {
+    async fn dial_tls(&self, peer_addr: &str, expect: &str) -> Result<Arc<CallerConn>, MeshError> {
         let limits = &self.limits;
         let attempt = async {
             let (tls, identity) = self.handshake(peer_addr).await?;
@@ -438,7 +461,7 @@ impl Dialer {
             })
             .inspect_err(|e| self.observer.handshake("caller", observe::dial_failure(e)))?;
         self.observer.handshake("caller", "ok");
-        Ok(self.start(reader, writer, worker_id, identity))
+        Ok(self.start(reader, writer, worker_id, identity, Link::Tls))
     }
 
     /// Opens the TCP connection and its TLS session, and reads the mesh identity the
@@ -492,22 +515,29 @@ impl Dialer {
     }
 
     /// Starts a greeted connection's tasks: the reader that routes frames to their
-    /// exchanges, the writer, and the watch on the peer's certificate.
-    fn start(
+    /// exchanges, the writer, and the watch on the peer's certificate. Over `Link::Unix`
+    /// the kernel vouched for the peer and there is no certificate identity to check.
+    fn start<R, W>(
         &self,
-        reader: FrameReader<ReadHalf<CallerStream>>,
-        writer: FrameWriter<WriteHalf<CallerStream>>,
+        reader: FrameReader<R>,
+        writer: FrameWriter<W>,
         worker_id: String,
         identity: PeerIdentity,
-    ) -> Arc<CallerConn> {
+        link: Link,
+    ) -> Arc<CallerConn>
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
         let limits = &self.limits;
         let life = ConnectionLife::starting_now(limits.max_connection_age, identity.not_after);
-        let open = self.observer.open("caller", &identity);
+        let open = self.observer.open("caller", &identity, link);
         let outbox = Outbox::new(limits.max_frame);
+        let certified = (link == Link::Tls).then_some(identity.uri);
         let conn = CallerConn::new(
             outbox.clone(),
             worker_id,
-            identity.uri,
+            certified,
             life,
             limits.stream_window,
         );
@@ -544,11 +574,11 @@ impl Dialer {
 
     /// Spawns the task that writes what the connection's exchanges queue; a failed
     /// write fails every exchange of the connection.
-    fn spawn_writer(
+    fn spawn_writer<W: AsyncWrite + Unpin + Send + 'static>(
         &self,
         conn: &Arc<CallerConn>,
         outbox: Arc<Outbox>,
-        mut write: WriteHalf<CallerStream>,
+        mut write: W,
     ) {
         let stall = self.limits.idle_timeout;
         let writer_conn = conn.clone();
