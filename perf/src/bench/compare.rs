@@ -47,8 +47,8 @@ use super::svg;
 use super::targets::{self, TargetCheck};
 use super::units::{grouped, ms, parse_duration, utc_timestamp};
 
-/// Flags of `mcpgw-bench compare`. The defaults finish in about two minutes on a
-/// 2-core machine: 6 configurations × 4 concurrency levels × (0.5 s warm-up + 3 s
+/// Flags of `mcpgw-bench compare`. The defaults finish in about three minutes on a
+/// 2-core machine: 9 configurations × 4 concurrency levels × (0.5 s warm-up + 3 s
 /// measured + session set-up), plus fleet start-up, the loopback probe and
 /// 2 × 10,000 idle sessions.
 #[derive(Debug, Clone, clap::Args)]
@@ -59,7 +59,7 @@ pub struct CompareArgs {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "direct,sticky,quic,tcp,redis,round-robin,virtual,virtual-tcp"
+        default_value = "direct,sticky,quic,tcp,unix,redis,round-robin,virtual,virtual-tcp"
     )]
     pub configs: Vec<ConfigName>,
     /// Concurrent sessions per run; each configuration runs at each level. The
