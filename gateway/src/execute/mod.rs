@@ -260,9 +260,17 @@ impl Worker {
             }
             Method::GET => self.open_stream(call, &session).await,
             _ => {
-                let reply = self
-                    .send_in_session(&session, Method::POST, call.headers, call.body)
-                    .await;
+                let reply = match (&session.link, call.message) {
+                    // Parsed at the front door already: routed without a second parse.
+                    (UpstreamLink::Federated(link), Some(message)) => Ok(Box::pin(
+                        self.answer_federated(link, call.headers, call.body, message.json),
+                    )
+                    .await),
+                    _ => {
+                        self.send_in_session(&session, Method::POST, call.headers, call.body)
+                            .await
+                    }
+                };
                 let reply = match reply {
                     Ok(reply) => reply,
                     Err(UpstreamError::Exited { detail, .. }) => {

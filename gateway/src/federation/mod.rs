@@ -674,15 +674,27 @@ impl Worker {
                 "the message is not JSON".into(),
             ));
         };
+        Ok(self.answer_federated(link, headers, body, message).await)
+    }
+
+    /// One client message in a federated session, `message` being `body` parsed (the
+    /// front door parsed it already: a call costs no second parse).
+    pub(crate) async fn answer_federated(
+        &self,
+        link: &FederatedLink,
+        headers: HeaderMap,
+        body: Bytes,
+        message: Value,
+    ) -> UpstreamReply {
         let id = message.get("id").cloned();
         let method = message.get("method").and_then(Value::as_str);
         let (Some(id), Some(method)) = (id, method) else {
-            return Ok(self.pass_to_members(link, &headers, body).await);
+            return self.pass_to_members(link, &headers, body).await;
         };
         if let Some(refused) = refuse_cursor(link, &id, &message) {
-            return Ok(refused);
+            return refused;
         }
-        Ok(match method {
+        match method {
             "ping" => result(&id, json!({})),
             "tools/list" => list_names(self, link, Kind::Tools, &id).await,
             "prompts/list" => list_names(self, link, Kind::Prompts, &id).await,
@@ -719,7 +731,7 @@ impl Worker {
                     link.server
                 ),
             ),
-        })
+        }
     }
 
     /// A call for an exposed name: sent to the member that owns it under its own
