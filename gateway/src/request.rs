@@ -126,6 +126,13 @@ impl Call {
             .unwrap_or(serde_json::Value::Null)
     }
 
+    /// A copy of the parsed message to rewrite (null without one).
+    pub fn message_copy(&self) -> serde_json::Value {
+        self.message
+            .as_ref()
+            .map_or(serde_json::Value::Null, |m| m.json.clone())
+    }
+
     pub fn is_initialize(&self) -> bool {
         self.message.as_ref().is_some_and(Message::is_initialize)
     }

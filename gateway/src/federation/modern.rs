@@ -340,10 +340,7 @@ impl Worker {
         kind: Kind,
     ) -> Result<Reply, GatewayError> {
         let id = call.id();
-        let mut message = call
-            .message
-            .as_ref()
-            .map_or(Value::Null, |m| m.json.clone());
+        let mut message = call.message_copy();
         let name = message["params"]
             .get("name")
             .and_then(Value::as_str)

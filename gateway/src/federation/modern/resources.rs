@@ -54,10 +54,7 @@ impl Worker {
         call: &Call,
     ) -> Result<Reply, GatewayError> {
         let id = call.id();
-        let message = call
-            .message
-            .as_ref()
-            .map_or(Value::Null, |m| m.json.clone());
+        let message = call.message_copy();
         let uri = match requested_uri(&message) {
             Ok(uri) => uri.to_owned(),
             Err(why) => return Ok(rpc_error(&id, INVALID_PARAMS, why)),
@@ -80,10 +77,7 @@ impl Worker {
         call: &Call,
     ) -> Result<Reply, GatewayError> {
         let id = call.id();
-        let mut message = call
-            .message
-            .as_ref()
-            .map_or(Value::Null, |m| m.json.clone());
+        let mut message = call.message_copy();
         match completion_ref(&message) {
             Ok(CompletionRef::Prompt(name)) => {
                 let owner = self
