@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use tracing::info;
+use tracing::{info, warn};
 
 /// Set on a worker process started by a supervisor, to the supervisor's pid: its
 /// resolved configuration comes on stdin (never in the environment, where other tools
@@ -104,20 +104,41 @@ pub fn worker_info(admin: Option<String>) -> mcpgw_mesh::directory::WorkerInfo {
     }
 }
 
-/// Resolves when the process is asked to stop (SIGTERM or SIGINT).
-pub async fn wait_for_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        // Without signal handlers the process can only be killed; serve until then.
-        std::future::pending::<()>().await;
-        return;
-    };
-    tokio::select! {
-        _ = term.recv() => info!("SIGTERM: draining"),
-        _ = int.recv() => info!("SIGINT: draining"),
+/// The process's SIGTERM and SIGINT, caught from the moment [`StopSignals::install`]
+/// returns. Installed before the process says it is ready: a signal sent right after
+/// the ready line must start a drain, not kill the process (the default action, while
+/// no handler is installed) or go unseen (a handler installed with nobody listening).
+pub struct StopSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    /// Catches both signals from now on; None when the handlers cannot be installed
+    /// (the process can then only be killed). Inside the runtime.
+    pub fn install() -> Option<StopSignals> {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            (Ok(term), Ok(int)) => Some(StopSignals { term, int }),
+            (Err(e), _) | (_, Err(e)) => {
+                warn!(error = %e, "cannot catch SIGTERM and SIGINT: this process drains only when asked over its admin listener");
+                None
+            }
+        }
+    }
+
+    /// Resolves when the process is asked to stop; never without handlers.
+    pub async fn wait(signals: Option<StopSignals>) {
+        let Some(mut signals) = signals else {
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = signals.term.recv() => info!("SIGTERM: draining"),
+            _ = signals.int.recv() => info!("SIGINT: draining"),
+        }
     }
 }
 

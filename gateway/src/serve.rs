@@ -23,7 +23,7 @@ use crate::forward::caller::Forwarder;
 use crate::forward::owner::OwnerService;
 use crate::front;
 use crate::lease::LeaseHolder;
-use crate::process::{self, generate_worker_id, wait_for_signal};
+use crate::process::{self, StopSignals, generate_worker_id};
 use crate::process::{DRAIN_GRACE, NOT_MINE_GRACE};
 use crate::session::Session;
 use crate::worker::Worker;
@@ -168,6 +168,8 @@ async fn run_worker(
     };
     let worker = Worker::new(worker_id, Arc::clone(&config), auth)
         .map_err(|e| WorkerError::Fatal(e.message))?;
+    // Before anything says "ready": see StopSignals.
+    let signals = StopSignals::install();
     let index = slot.as_ref().map_or(0, |slot| slot.index);
     let admin_addr = offset_addr(config.admin_listen, index)?;
     let admin = crate::admin::bind(admin_addr).await.map_err(|e| {
@@ -187,7 +189,7 @@ async fn run_worker(
         .map_err(|e| WorkerError::Failed(format!("cannot read the bound address: {e}")))?;
     // `Some(grace)`: stop taking requests and let open ones finish within `grace`.
     let (stop_tx, stop_rx) = watch::channel(None::<Duration>);
-    let stop = tokio::spawn(decide_stop(Arc::clone(&worker), stop_tx));
+    let stop = tokio::spawn(decide_stop(Arc::clone(&worker), stop_tx, signals));
     // The lease is renewed for as long as this worker holds sessions: through the
     // lame duck, the port's drain and the handover, which together may outlast the
     // lease many times over. A draining owner whose lease lapsed would refuse the
@@ -232,11 +234,15 @@ async fn run_worker(
 /// The one place that decides how this process ends: a signal or an operator's drain
 /// request (`mcpgw drain`, `POST /drain`) drains it, a fence stops it at once for a
 /// replacement under a new id. Sends the grace the port's exchanges get.
-async fn decide_stop(worker: Arc<Worker>, stop_tx: watch::Sender<Option<Duration>>) {
+async fn decide_stop(
+    worker: Arc<Worker>,
+    stop_tx: watch::Sender<Option<Duration>>,
+    signals: Option<StopSignals>,
+) {
     let mut fenced = worker.fenced();
     let mut drain_requested = worker.drain_requests();
     let grace = tokio::select! {
-        () = wait_for_signal() => DRAIN_GRACE,
+        () = StopSignals::wait(signals) => DRAIN_GRACE,
         _ = drain_requested.wait_for(|requested| *requested) => DRAIN_GRACE,
         _ = fenced.wait_for(|fenced| *fenced) => FENCED_GRACE,
     };

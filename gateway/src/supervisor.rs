@@ -17,7 +17,7 @@ use tracing::{error, info, warn};
 use crate::config::Config;
 use crate::process::{
     ENV_WORKER_ID_ASSIGNED, ENV_WORKER_INDEX, ENV_WORKER_OF_SUPERVISOR, EXIT_FATAL, READY_PREFIX,
-    wait_for_signal,
+    StopSignals,
 };
 
 /// First and longest delay before a dead worker's replacement starts.
@@ -85,6 +85,8 @@ async fn supervise(mut config: Config) -> ExitCode {
     let (events_tx, mut events) = mpsc::unbounded_channel();
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut slots = Slots::new(Arc::clone(&config), events_tx);
+    // Before the workers start (and the supervisor says it is ready): see StopSignals.
+    let signals = StopSignals::install();
     if let Err((slot, e)) = slots.start_all() {
         eprintln!("mcpgw: cannot start worker {slot}: {e}");
         return ExitCode::FAILURE;
@@ -92,7 +94,7 @@ async fn supervise(mut config: Config) -> ExitCode {
     tokio::spawn({
         let stop_tx = stop_tx.clone();
         async move {
-            wait_for_signal().await;
+            StopSignals::wait(signals).await;
             let _ = stop_tx.send(true);
         }
     });
