@@ -309,7 +309,7 @@ async fn handle(
     if let Some(resource) = path.strip_prefix(auth::metadata::WELL_KNOWN) {
         let reply = worker.auth.metadata(
             &parts.method,
-            worker.routes.resolve(resource),
+            worker.endpoints.resolve(resource),
             resource,
             base.as_deref(),
         );
@@ -320,7 +320,7 @@ async fn handle(
         return response;
     }
     let arrived = tokio::time::Instant::now();
-    let route = worker.routes.resolve(&path);
+    let route = worker.endpoints.resolve(&path);
     let http_method = parts.method.clone();
     let session = parts
         .headers
@@ -340,7 +340,7 @@ async fn handle(
         Err(error) => (Reply::from_error(&error), Some(error)),
     };
     let route_label = match route {
-        Some(index) => &worker.route_labels[index],
+        Some(index) => worker.routes[index].label(),
         None => &worker.unrouted_label,
     };
     let elapsed = arrived.elapsed();
@@ -500,7 +500,7 @@ async fn accept_call(
     method_label: &mut &'static str,
 ) -> Result<Reply, GatewayError> {
     let path = parts.uri.path();
-    let route = route.ok_or_else(|| worker.routes.not_found(path))?;
+    let route = route.ok_or_else(|| worker.endpoints.not_found(path))?;
     let auth = worker.auth.authenticate(route, &parts.headers).await?;
     let era = request::check_head_of(&parts.method, &parts.headers)?;
     let limits = &worker.config.limits;

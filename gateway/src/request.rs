@@ -15,7 +15,7 @@ use crate::mcp::{self, Era, GatewayError, Message};
 /// The client-facing MCP endpoints: `/servers/{name}/mcp`, and `/mcp` when exactly one
 /// upstream is configured.
 #[derive(Debug, Clone)]
-pub struct Routes {
+pub struct Endpoints {
     by_name: HashMap<String, usize>,
     default: Option<usize>,
     /// Every route is public, so the 404 for an unknown path may list them: where
@@ -23,7 +23,7 @@ pub struct Routes {
     list_in_not_found: bool,
 }
 
-impl Routes {
+impl Endpoints {
     pub fn new(config: &Config) -> Self {
         let by_name = config
             .upstreams
@@ -171,12 +171,14 @@ pub fn is_forwarded_header(name: &HeaderName) -> bool {
 /// Checks the parts that do not need the body, in the order a client would fix them:
 /// route (404), method (405), protocol version (400), content type (415).
 pub fn check_head(
-    routes: &Routes,
+    endpoints: &Endpoints,
     method: &Method,
     path: &str,
     headers: &HeaderMap,
 ) -> Result<(usize, Era), GatewayError> {
-    let upstream = routes.resolve(path).ok_or_else(|| routes.not_found(path))?;
+    let upstream = endpoints
+        .resolve(path)
+        .ok_or_else(|| endpoints.not_found(path))?;
     Ok((upstream, check_head_of(method, headers)?))
 }
 
@@ -320,7 +322,7 @@ mod tests {
     use http::HeaderValue;
     use mcpgw_wire::AuthMode;
 
-    fn routes(names: &[&str]) -> Routes {
+    fn endpoints(names: &[&str]) -> Endpoints {
         let config = Config {
             upstreams: names
                 .iter()
@@ -328,7 +330,7 @@ mod tests {
                 .collect(),
             ..Config::default()
         };
-        Routes::new(&config)
+        Endpoints::new(&config)
     }
 
     fn public() -> AuthContext {
@@ -352,12 +354,12 @@ mod tests {
     const JSON: (&str, &str) = ("content-type", "application/json");
 
     #[test]
-    fn routes_resolve_names_and_the_single_upstream_shortcut() {
-        let one = routes(&["demo"]);
+    fn endpoints_resolve_names_and_the_single_upstream_shortcut() {
+        let one = endpoints(&["demo"]);
         assert_eq!(one.resolve("/mcp"), Some(0));
         assert_eq!(one.resolve("/servers/demo/mcp"), Some(0));
         assert_eq!(one.resolve("/servers/other/mcp"), None);
-        let two = routes(&["a", "b"]);
+        let two = endpoints(&["a", "b"]);
         assert_eq!(two.resolve("/mcp"), None);
         assert_eq!(two.resolve("/servers/b/mcp"), Some(1));
         assert!(two.not_found("/x").message.contains("a, b"));
@@ -373,14 +375,14 @@ mod tests {
             ..Config::default()
         };
         config.auth = toml::from_str("[routes.secret-name]\nmode = \"api-key\"\n").unwrap();
-        let message = Routes::new(&config).not_found("/x").message;
+        let message = Endpoints::new(&config).not_found("/x").message;
         assert!(!message.contains("open"), "{message}");
         assert!(!message.contains("secret-name"), "{message}");
         assert!(message.contains("/servers/{name}/mcp"), "{message}");
     }
 
     fn head_status(method: Method, path: &str, h: &[(&'static str, &str)]) -> Option<u16> {
-        check_head(&routes(&["demo"]), &method, path, &headers(h))
+        check_head(&endpoints(&["demo"]), &method, path, &headers(h))
             .err()
             .map(|e| e.status.as_u16())
     }

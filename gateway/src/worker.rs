@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use tracing::{error, info, warn};
 
 use crate::auth::Authenticator;
-use crate::config::Config;
+use crate::config::{Config, UpstreamConfig};
 use crate::dispatch::refuse::RETRY_AFTER_SECONDS;
 use crate::execute::upstream::Upstream;
 use crate::fleet::{ClaimError, Fleet};
@@ -20,7 +20,7 @@ use crate::forward::caller::Forwarder;
 use crate::lease::LeaseCheck;
 use crate::mcp::GatewayError;
 use crate::metrics::Metrics;
-use crate::request::Routes;
+use crate::request::Endpoints;
 use crate::session::{Session, SessionRegistry};
 use mcpgw_mesh::transport::StreamCounter;
 
@@ -32,18 +32,17 @@ pub struct Worker {
     pub id_header: http::HeaderValue,
     /// The validated configuration, shared with every part of the worker.
     pub config: Arc<Config>,
-    /// Which upstream each request path addresses.
-    pub routes: Routes,
-    /// One client per configured upstream, indexed like `config.upstreams`.
-    pub upstreams: Vec<Upstream>,
+    /// Which route each request path addresses.
+    pub endpoints: Endpoints,
+    /// Everything this worker keeps per configured route, indexed like
+    /// `config.upstreams`: a route's index (in sessions, calls, members) finds it here.
+    pub routes: Vec<Route>,
     /// Sessions whose upstream connection lives in this process.
     pub sessions: SessionRegistry,
     /// Decides who each client is, at the edge.
     pub auth: Authenticator,
     /// This worker's Prometheus metrics (served by the admin listener).
     pub metrics: Arc<Metrics>,
-    /// Route names as metric label values, indexed like `upstreams`.
-    pub route_labels: Vec<Arc<String>>,
     /// The route label of a request for no configured route.
     pub unrouted_label: Arc<String>,
     /// What the mesh has in flight, as caller and as owner (set when joining a fleet).
@@ -71,6 +70,53 @@ pub struct Worker {
     drain_requested: watch::Sender<bool>,
 }
 
+/// One configured route as the running worker keeps it: its settings, the client
+/// that reaches it, and its name as a metric label.
+pub struct Route {
+    config: UpstreamConfig,
+    upstream: Upstream,
+    label: Arc<String>,
+}
+
+impl Route {
+    fn new(
+        config: &UpstreamConfig,
+        limits: &crate::config::Limits,
+    ) -> Result<Route, crate::execute::upstream::UpstreamError> {
+        Ok(Route {
+            upstream: Upstream::new(config, limits)?,
+            label: Arc::new(config.name.clone()),
+            config: config.clone(),
+        })
+    }
+
+    /// The route's name, as clients address it (`/servers/{name}/mcp`).
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    /// The route's name as a metric label value, shared by every sample.
+    pub fn label(&self) -> &Arc<String> {
+        &self.label
+    }
+
+    /// The route's validated settings.
+    pub fn config(&self) -> &UpstreamConfig {
+        &self.config
+    }
+
+    /// The client that reaches the route's upstream (HTTP, stdio, or a virtual server).
+    pub fn upstream(&self) -> &Upstream {
+        &self.upstream
+    }
+
+    /// Whether the route's upstream speaks Streamable HTTP (the only kind whose
+    /// sessions can be adopted).
+    pub fn is_http(&self) -> bool {
+        matches!(self.upstream, Upstream::Http(_))
+    }
+}
+
 impl Worker {
     /// A worker for the validated `config`, with the authenticator built from it.
     pub fn new(
@@ -80,10 +126,10 @@ impl Worker {
     ) -> Result<Arc<Worker>, GatewayError> {
         let config_error =
             |e: String| GatewayError::gateway(StatusCode::INTERNAL_SERVER_ERROR, Reason::Config, e);
-        let upstreams = config
+        let routes = config
             .upstreams
             .iter()
-            .map(|u| Upstream::new(u, &config.limits))
+            .map(|u| Route::new(u, &config.limits))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| config_error(e.to_string()))?;
         let id_header = http::HeaderValue::from_str(&id)
@@ -93,13 +139,8 @@ impl Worker {
             id,
             id_header,
             auth,
-            routes: Routes::new(&config),
-            metrics: Arc::new(Metrics::new(config.upstreams.len())),
-            route_labels: config
-                .upstreams
-                .iter()
-                .map(|u| Arc::new(u.name.clone()))
-                .collect(),
+            endpoints: Endpoints::new(&config),
+            metrics: Arc::new(Metrics::new(routes.len())),
             unrouted_label: Arc::new("none".to_owned()),
             mesh_streams: OnceLock::new(),
             mesh_tls: OnceLock::new(),
@@ -107,7 +148,7 @@ impl Worker {
             replay_budget: crate::execute::streams::ReplayBudget::new(
                 config.limits.replay_budget_bytes,
             ),
-            upstreams,
+            routes,
             config,
             sessions: SessionRegistry::default(),
             draining: AtomicBool::new(false),
@@ -237,7 +278,8 @@ impl Worker {
                 fleet.release(session).await;
             }
             session.streams.close();
-            self.close_link(session.upstream, &session.link).await;
+            self.close_link(&self.routes[session.upstream], &session.link)
+                .await;
         }
         expired.len()
     }

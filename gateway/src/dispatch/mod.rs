@@ -152,7 +152,7 @@ impl Worker {
             forwarder.forget_moved(&sid);
         }
         let known_dead = |owner: &str| forwarder.is_some_and(|f| f.known_dead(owner));
-        let route = &self.config.upstreams[call.upstream].name;
+        let route = self.routes[call.upstream].name();
         let guard = crate::adoption::guard_of(route, &call.auth.subject);
         let tag = crate::session::tag_of(&sid);
         let mut asked = fleet.directory.adopt_session(&sid, &self.id, &guard).await;

@@ -27,7 +27,7 @@ use crate::mcp::{self, Era, GatewayError};
 use crate::reply::{HEADER_OWNER_WORKER, Reply};
 use crate::request::Call;
 use crate::session::{self, Session};
-use crate::worker::Worker;
+use crate::worker::{Route, Worker};
 use streams::{EventId, SessionStreams};
 use upstream::{Upstream, UpstreamError, UpstreamLink, UpstreamReply, UpstreamRequest};
 
@@ -60,11 +60,12 @@ impl Worker {
                     .map(str::to_owned)
             });
         let upstream = call.upstream;
+        let route = &self.routes[upstream];
         let lists_tools = call
             .message
             .as_ref()
             .is_some_and(|m| m.method() == Some("tools/list"));
-        let virtual_server = matches!(self.upstreams[upstream], Upstream::Virtual(_));
+        let virtual_server = matches!(route.upstream(), Upstream::Virtual(_));
         let result = match (call.era, session) {
             // A 2026-07-28 call on a virtual server: its members' calls made for it.
             (Era::Modern, _) if virtual_server => self.serve_federated_modern(call).await,
@@ -82,7 +83,7 @@ impl Worker {
                 Err(error) => error.status,
             };
             self.metrics
-                .tool_call(upstream, &self.route_labels[upstream], &tool, status);
+                .tool_call(upstream, route.label(), &tool, status);
         }
         let mut reply = result?;
         if lists_tools && reply.status.is_success() {
@@ -104,7 +105,13 @@ impl Worker {
     async fn pass_through(&self, call: Call) -> Result<Reply, GatewayError> {
         let id = call.id();
         let reply = self
-            .send_upstream(call.upstream, call.method, call.headers, call.body, None)
+            .send_upstream(
+                &self.routes[call.upstream],
+                call.method,
+                call.headers,
+                call.body,
+                None,
+            )
             .await
             .map_err(|e| upstream_error(e, id))?;
         Ok(relay(reply, None, self.config.limits.max_sse_event_bytes))
@@ -127,11 +134,11 @@ impl Worker {
             )
             .with_id(id.clone())
         })?;
-        let upstream_index = call.upstream;
+        let route = &self.routes[call.upstream];
         let streams = self.new_streams();
         let (link, reply) = self
             .open_link_for(
-                upstream_index,
+                route,
                 call.headers,
                 call.body,
                 &session_id,
@@ -142,7 +149,7 @@ impl Worker {
             .map_err(|e| upstream_error(e, id.clone()))?;
         if !reply.status.is_success() {
             // The upstream refused initialize: its answer is the truth for the client.
-            self.close_link(upstream_index, &link).await;
+            self.close_link(route, &link).await;
             return Ok(relay(reply, None, self.config.limits.max_sse_event_bytes));
         }
         let reply = match link {
@@ -155,7 +162,7 @@ impl Worker {
                         .map_or(true, |message| message.get("result").is_none())
                 });
                 if refused {
-                    self.close_link(upstream_index, &link).await;
+                    self.close_link(route, &link).await;
                     let body = answer.unwrap_or_default();
                     return Ok(Reply::json(StatusCode::OK, body));
                 }
@@ -169,7 +176,7 @@ impl Worker {
         };
         let session = Session::new(
             session_id.clone(),
-            upstream_index,
+            call.upstream,
             call.auth.subject.clone(),
             link,
             streams,
@@ -180,7 +187,7 @@ impl Worker {
             // Never hand out a session the fleet cannot route to: end it upstream. A
             // claim that timed out may still land when Redis answers again: take any
             // such record back, so the directory holds no session nobody was given.
-            self.close_link(upstream_index, &session.link).await;
+            self.close_link(route, &session.link).await;
             if let Some(fleet) = self.fleet() {
                 fleet.release_unclaimed(Arc::new(session));
             }
@@ -188,7 +195,7 @@ impl Worker {
         }
         let session = self.sessions.insert(session);
         self.metrics.session_opened();
-        debug!(session = %session.tag, upstream = self.upstreams[upstream_index].name(), "session opened");
+        debug!(session = %session.tag, upstream = route.name(), "session opened");
         let header = HeaderValue::from_str(&session_id).map_err(|_| {
             GatewayError::gateway(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -284,7 +291,7 @@ impl Worker {
                         let why = format!("its upstream process {detail}");
                         self.session_lost(&session.id, &why).await;
                         return Err(lost_while_running(
-                            self.upstreams[session.upstream].name(),
+                            self.routes[session.upstream].name(),
                             &detail,
                             "send initialize without Mcp-Session-Id to start a new session",
                         )
@@ -411,7 +418,8 @@ impl Worker {
     pub async fn end_session(&self, session: &Session) {
         self.forget_session(&session.id).await;
         session.streams.close();
-        self.close_link(session.upstream, &session.link).await;
+        self.close_link(&self.routes[session.upstream], &session.link)
+            .await;
     }
 
     /// A session ended under the gateway (its process exited, its upstream forgot
@@ -422,7 +430,7 @@ impl Worker {
         let Some(session) = self.sessions.retire(session_id, why) else {
             return;
         };
-        warn!(session = %session.tag, upstream = self.upstreams[session.upstream].name(), "session ended: {why}");
+        warn!(session = %session.tag, upstream = self.routes[session.upstream].name(), "session ended: {why}");
         self.metrics.session_ended("lost", 1);
         session.streams.close();
         if let Some(fleet) = self.fleet() {
@@ -451,13 +459,13 @@ impl Worker {
     /// session over HTTP, or a new child process for stdio.
     pub(crate) async fn open_link(
         self: &Arc<Self>,
-        upstream: usize,
+        route: &Route,
         headers: HeaderMap,
         body: Bytes,
         session_id: &str,
         streams: &SessionStreams,
     ) -> Result<(UpstreamLink, UpstreamReply), UpstreamError> {
-        self.open_link_for(upstream, headers, body, session_id, streams, None)
+        self.open_link_for(route, headers, body, session_id, streams, None)
             .await
     }
 
@@ -465,17 +473,17 @@ impl Worker {
     /// the process quota of `principal` (its quota key) on this route and worker.
     pub(crate) async fn open_link_for(
         self: &Arc<Self>,
-        upstream: usize,
+        route: &Route,
         headers: HeaderMap,
         body: Bytes,
         session_id: &str,
         streams: &SessionStreams,
         principal: Option<&str>,
     ) -> Result<(UpstreamLink, UpstreamReply), UpstreamError> {
-        match &self.upstreams[upstream] {
+        match route.upstream() {
             Upstream::Http(_) => {
                 let reply = self
-                    .send_upstream(upstream, Method::POST, headers, body, None)
+                    .send_upstream(route, Method::POST, headers, body, None)
                     .await?;
                 let session_id = reply.headers.get(mcp::HEADER_SESSION_ID).cloned();
                 Ok((UpstreamLink::Http { session_id }, reply))
@@ -532,13 +540,14 @@ impl Worker {
         headers: HeaderMap,
         body: Bytes,
     ) -> Result<UpstreamReply, UpstreamError> {
-        self.send_on_link(session.upstream, &session.link, method, headers, body)
+        let route = &self.routes[session.upstream];
+        self.send_on_link(route, &session.link, method, headers, body)
             .await
     }
 
     pub(crate) async fn send_on_link(
         &self,
-        upstream: usize,
+        route: &Route,
         link: &UpstreamLink,
         method: Method,
         headers: HeaderMap,
@@ -546,7 +555,7 @@ impl Worker {
     ) -> Result<UpstreamReply, UpstreamError> {
         match link {
             UpstreamLink::Http { session_id } => {
-                self.send_upstream(upstream, method, headers, body, session_id.clone())
+                self.send_upstream(route, method, headers, body, session_id.clone())
                     .await
             }
             UpstreamLink::Stdio(process) if method == Method::POST => {
@@ -560,14 +569,14 @@ impl Worker {
                 Box::pin(self.send_federated(federated, method, headers, body)).await
             }
             UpstreamLink::Stdio(_) => Err(UpstreamError::Failed {
-                name: self.upstreams[upstream].name().to_owned(),
+                name: route.name().to_owned(),
                 detail: format!("{method} has no meaning for a stdio upstream"),
             }),
         }
     }
 
     /// Ends an upstream session: DELETE over HTTP, or the child process ends.
-    pub(crate) async fn close_link(&self, upstream: usize, link: &UpstreamLink) {
+    pub(crate) async fn close_link(&self, route: &Route, link: &UpstreamLink) {
         match link {
             UpstreamLink::Http { session_id: None } => {}
             UpstreamLink::Http {
@@ -577,7 +586,7 @@ impl Worker {
                 headers.insert(ACCEPT, ACCEPT_BOTH);
                 match self
                     .send_upstream(
-                        upstream,
+                        route,
                         Method::DELETE,
                         headers,
                         Bytes::new(),
@@ -598,23 +607,23 @@ impl Worker {
     /// Sends one exchange to an HTTP upstream with the session's upstream id.
     pub(crate) async fn send_upstream(
         &self,
-        upstream: usize,
+        route: &Route,
         method: Method,
         mut headers: HeaderMap,
         body: Bytes,
         upstream_session_id: Option<HeaderValue>,
     ) -> Result<UpstreamReply, UpstreamError> {
-        let http = match &self.upstreams[upstream] {
+        let http = match route.upstream() {
             Upstream::Http(http) => http,
-            Upstream::Stdio(stdio) => {
+            Upstream::Stdio(_) => {
                 return Err(UpstreamError::Failed {
-                    name: stdio.name().to_owned(),
+                    name: route.name().to_owned(),
                     detail: "a stdio upstream is reached only in a session".into(),
                 });
             }
-            Upstream::Virtual(server) => {
+            Upstream::Virtual(_) => {
                 return Err(UpstreamError::Failed {
-                    name: server.name.clone(),
+                    name: route.name().to_owned(),
                     detail: "a virtual server is reached only in a session".into(),
                 });
             }

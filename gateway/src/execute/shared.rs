@@ -41,7 +41,7 @@ use crate::mcp::{self, Era, GatewayError};
 use crate::reply::Reply;
 use crate::request::Call;
 use crate::session::{self, Session, shared_session_id};
-use crate::worker::Worker;
+use crate::worker::{Route, Worker};
 
 /// The legacy protocol version the gateway asks for when it opens a shared session.
 const SHARED_PROTOCOL_VERSION: &str = "2025-11-25";
@@ -53,7 +53,7 @@ impl Worker {
     /// session its principal shares there. The edge and the owner both bind, from the
     /// authenticated principal, so a client can never name another's session.
     pub fn bind_shared_session(&self, mut call: Call) -> Call {
-        let route = &self.config.upstreams[call.upstream];
+        let route = self.routes[call.upstream].config();
         if call.era == Era::Modern && route.legacy_only {
             call.session_id = Some(shared_session_id(&route.name, &call.auth.subject));
         }
@@ -196,7 +196,7 @@ impl Worker {
 
     /// The table's refusal, with "gone" told the way a 2026-07-28 client needs it.
     fn refuse_shared(&self, situation: &Situation, why: &str, call: &Call) -> GatewayError {
-        let route = &self.config.upstreams[call.upstream].name;
+        let route = self.routes[call.upstream].name();
         let message = match decision::decide(situation) {
             Decision::Refuse(Refusal::SessionGone) => {
                 return self.shared_lost(call.upstream, why).with_id(call.id());
@@ -229,7 +229,7 @@ impl Worker {
     /// Whether sessions on `upstream` outlive their worker (`--adopt http`, and an HTTP
     /// upstream).
     fn adopts_on(&self, upstream: usize) -> bool {
-        self.adopts() && matches!(self.upstreams[upstream], super::upstream::Upstream::Http(_))
+        self.adopts() && self.routes[upstream].is_http()
     }
 
     /// The shared session's state is lost; the next call starts afresh.
@@ -237,7 +237,7 @@ impl Worker {
         let status = self
             .fleet()
             .map_or(StatusCode::NOT_FOUND, |fleet| fleet.gone_status());
-        let route = &self.config.upstreams[upstream].name;
+        let route = self.routes[upstream].name();
         GatewayError::new(
             status,
             mcp::code::SESSION_NOT_FOUND,
@@ -266,15 +266,15 @@ impl Worker {
         }
         self.admit_new_session()
             .map_err(|e| e.with_id(id.clone()))?;
-        let upstream = call.upstream;
+        let route = &self.routes[call.upstream];
         let streams = self.new_streams();
         let (link, init) = self
-            .initialize_shared(upstream, &key, &streams)
+            .initialize_shared(route, &key, &streams)
             .await
             .map_err(|e| e.with_id(id.clone()))?;
         let mut session = Session::new(
             key.clone(),
-            upstream,
+            call.upstream,
             call.auth.subject.clone(),
             link,
             streams,
@@ -284,7 +284,7 @@ impl Worker {
         if let Some(fleet) = self.fleet() {
             let claimed = self.claim_shared(fleet, &session).await;
             if !matches!(claimed, Ok(true)) {
-                self.close_link(upstream, &session.link).await;
+                self.close_link(route, &session.link).await;
             }
             match claimed {
                 Ok(true) => {}
@@ -303,7 +303,7 @@ impl Worker {
             }
         }
         let session = self.sessions.insert(session);
-        info!(session = %session.tag, upstream = self.upstreams[upstream].name(), "shared session opened for 2026-07-28 clients");
+        info!(session = %session.tag, upstream = route.name(), "shared session opened for 2026-07-28 clients");
         drop(guard);
         self.run_shared(call, session).await
     }
@@ -313,13 +313,13 @@ impl Worker {
     /// failure, the link is closed.
     async fn initialize_shared(
         self: &Arc<Self>,
-        upstream: usize,
+        route: &Route,
         key: &str,
         streams: &SessionStreams,
     ) -> Result<(UpstreamLink, Value), GatewayError> {
         let (link, reply) = self
             .open_link(
-                upstream,
+                route,
                 initialize_headers(None),
                 initialize_body(),
                 key,
@@ -327,12 +327,12 @@ impl Worker {
             )
             .await
             .map_err(|e| upstream_error(e, Value::Null))?;
-        let name = self.upstreams[upstream].name();
+        let name = route.name();
         let timeout = self.config.limits.upstream_request_timeout;
         let init = match read_initialize(reply, name, timeout).await {
             Ok(init) => init,
             Err(why) => {
-                self.close_link(upstream, &link).await;
+                self.close_link(route, &link).await;
                 return Err(GatewayError::gateway(
                     StatusCode::BAD_GATEWAY,
                     Reason::UpstreamInitializeFailed,
@@ -343,7 +343,7 @@ impl Worker {
         let version = negotiated_version(Some(&init)).to_owned();
         let initialized = self
             .send_on_link(
-                upstream,
+                route,
                 &link,
                 Method::POST,
                 initialize_headers(Some(&version)),
@@ -356,7 +356,7 @@ impl Worker {
                 Ok((link, init))
             }
             Err(e) => {
-                self.close_link(upstream, &link).await;
+                self.close_link(route, &link).await;
                 Err(upstream_error(e, Value::Null))
             }
         }
@@ -467,7 +467,7 @@ impl Worker {
                 self.sessions.forget_retired(&session.id);
                 self.take_told_end(&session).await;
                 return Err(lost_while_running(
-                    self.upstreams[session.upstream].name(),
+                    self.routes[session.upstream].name(),
                     &detail,
                     "your next request starts a new one, without that state",
                 )
@@ -532,7 +532,7 @@ impl Worker {
                 Err(e) => {
                     let error = upstream_error(
                         UpstreamError::Failed {
-                            name: self.upstreams[session.upstream].name().to_owned(),
+                            name: self.routes[session.upstream].name().to_owned(),
                             detail: e.to_string(),
                         },
                         Value::Null,

@@ -77,10 +77,11 @@ impl Worker {
         });
         // A temporary upstream session: its own upstream session id, or a child
         // process of its own for a stdio upstream.
+        let route = &self.routes[call.upstream];
         let streams = self.new_streams();
         let (link, opened) = self
             .open_link(
-                call.upstream,
+                route,
                 headers.clone(),
                 bytes::Bytes::from(initialize.to_string()),
                 "stateless",
@@ -95,7 +96,7 @@ impl Worker {
         let answered = async {
             let acked = self
                 .send_on_link(
-                    call.upstream,
+                    route,
                     &link,
                     Method::POST,
                     headers.clone(),
@@ -104,7 +105,7 @@ impl Worker {
                 .await?;
             let _ = acked.body.collect().await;
             self.send_on_link(
-                call.upstream,
+                route,
                 &link,
                 Method::POST,
                 call.headers.clone(),
@@ -125,13 +126,13 @@ impl Worker {
                     .await
                     .map(|c| (status, content_type, c.to_bytes()))
                     .map_err(|e| UpstreamError::Failed {
-                        name: self.upstreams[call.upstream].name().to_owned(),
+                        name: route.name().to_owned(),
                         detail: e.to_string(),
                     })
             }
             Err(e) => Err(e),
         };
-        self.close_link(call.upstream, &link).await;
+        self.close_link(route, &link).await;
         let (status, content_type, collected) = collected?;
         let mut reply_headers = HeaderMap::new();
         if let Some(content_type) = content_type {

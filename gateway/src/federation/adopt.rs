@@ -52,13 +52,14 @@ impl Worker {
         keys: &AdoptionKeys,
         streams: &SessionStreams,
     ) -> Result<UpstreamLink, AdoptRefusal> {
-        let Upstream::Virtual(server) = &self.upstreams[upstream] else {
+        let route = &self.routes[upstream];
+        let Upstream::Virtual(server) = route.upstream() else {
             return Err(refusal(
                 "record_unreadable",
                 format!(
                     "its record is a virtual server's session, but route {} is not a virtual \
                      server here",
-                    self.upstreams[upstream].name()
+                    route.name()
                 ),
             ));
         };
@@ -122,7 +123,7 @@ impl Worker {
         session_id: &str,
         keys: &AdoptionKeys,
     ) -> Result<(Member, Option<String>), AdoptRefusal> {
-        let http = matches!(self.upstreams[config.index], Upstream::Http(_));
+        let http = self.routes[config.index].is_http();
         let lost_link = || (None, HeaderValue::from_static(super::open::LATEST_LEGACY));
         let (link, version, why_lost) = match (record.transport, &record.session) {
             (MemberTransport::Http, Some(sealed)) if http => {

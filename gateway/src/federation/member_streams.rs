@@ -239,7 +239,7 @@ impl Follower {
         let max_event = worker.config.limits.max_sse_event_bytes;
         let reply = worker
             .send_upstream(
-                self.upstream,
+                &worker.routes[self.upstream],
                 Method::GET,
                 headers,
                 Bytes::new(),

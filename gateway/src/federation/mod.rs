@@ -211,8 +211,9 @@ impl Member {
     ) -> Result<UpstreamReply, UpstreamError> {
         match &self.link {
             Some(link) => {
+                let route = &worker.routes[self.config.index];
                 worker
-                    .send_on_link(self.config.index, link, Method::POST, headers, body)
+                    .send_on_link(route, link, Method::POST, headers, body)
                     .await
             }
             None => Err(UpstreamError::Exited {
@@ -377,7 +378,7 @@ impl FederatedLink {
     /// member that could not list), and which members are missing with why.
     async fn gather(&self, worker: &Worker, of: ListOf) -> Gathered {
         let count = |member: &Member, outcome| {
-            let label = &worker.route_labels[member.config.index];
+            let label = worker.routes[member.config.index].label();
             worker
                 .metrics
                 .member_request(&self.label, label, Some(of.method), outcome);
@@ -780,7 +781,7 @@ impl Worker {
             .and_then(Value::as_str)
             .map(str::to_owned);
         let count = |outcome| {
-            let label = &self.route_labels[member.config.index];
+            let label = self.routes[member.config.index].label();
             self.metrics
                 .member_request(&link.label, label, method.as_deref(), outcome);
         };

@@ -146,7 +146,7 @@ impl Worker {
         self: &Arc<Self>,
         call: Call,
     ) -> Result<Reply, GatewayError> {
-        let Upstream::Virtual(server) = &self.upstreams[call.upstream] else {
+        let Upstream::Virtual(server) = self.routes[call.upstream].upstream() else {
             return Err(GatewayError::session_not_found().with_id(call.id()));
         };
         let id = call.id();
@@ -419,11 +419,11 @@ impl Worker {
     ) -> Dispatched<'a> {
         // Boxed as a `Send` future by its type: the dispatch it runs may come back here.
         Box::pin(async move {
-            let route = &self.config.upstreams[member.index];
-            if route.legacy_only
-                && self.config.auth.mode_of(&server.name) != self.config.auth.mode_of(&route.name)
+            let route = &self.routes[member.index];
+            if route.config().legacy_only
+                && self.config.auth.mode_of(&server.name) != self.config.auth.mode_of(route.name())
             {
-                return Err(modes_differ(&route.name, &server.name).with_id(call.id()));
+                return Err(modes_differ(route.name(), &server.name).with_id(call.id()));
             }
             let mut headers = call.headers.clone();
             let method = message.get("method").and_then(Value::as_str).unwrap_or("");
@@ -435,8 +435,8 @@ impl Worker {
                 None => headers.remove(mcp::HEADER_NAME),
             };
             let mut auth = call.auth.clone();
-            auth.route = route.name.clone();
-            let path = format!("/servers/{}/mcp", route.name);
+            auth.route = route.name().to_owned();
+            let path = format!("/servers/{}/mcp", route.name());
             let body = Bytes::from(message.to_string());
             let result = match request::parse_call(
                 member.index,
@@ -460,12 +460,12 @@ impl Worker {
                 Err(_) => "failed",
             };
             self.metrics.member_request(
-                &self.route_labels[call.upstream],
-                &self.route_labels[member.index],
+                self.routes[call.upstream].label(),
+                route.label(),
                 Some(method),
                 outcome,
             );
-            result.map_err(|error| of_member(error, &route.name, &server.name))
+            result.map_err(|error| of_member(error, route.name(), &server.name))
         })
     }
 }

@@ -132,10 +132,11 @@ impl Worker {
         let body = Bytes::from(initialize.to_string());
         let timeout = self.config.limits.upstream_request_timeout;
         let mut outside = None;
-        let (link, reply) = match &self.upstreams[config.index] {
+        let route = &self.routes[config.index];
+        let (link, reply) = match route.upstream() {
             Upstream::Http(_) => {
                 let reply = self
-                    .send_upstream(config.index, Method::POST, headers, body, None)
+                    .send_upstream(route, Method::POST, headers, body, None)
                     .await
                     .map_err(|e| e.to_string())?;
                 let session_id = reply.headers.get(mcp::HEADER_SESSION_ID).cloned();
@@ -169,7 +170,7 @@ impl Worker {
             Err(why) => {
                 // Never a member of the session: its end is no loss to report.
                 *health.lost.lock() = Some(why.clone());
-                self.close_link(config.index, &link).await;
+                self.close_link(route, &link).await;
                 Err(why)
             }
         }
@@ -197,7 +198,7 @@ impl Worker {
             .unwrap_or(requested);
         let initialized = self
             .send_on_link(
-                config.index,
+                &self.routes[config.index],
                 link,
                 Method::POST,
                 member_headers(&negotiated, None),
@@ -219,7 +220,7 @@ impl Worker {
             link.members
                 .iter()
                 .filter_map(|member| Some((member.config.index, member.link.as_ref()?)))
-                .map(|(upstream, link)| self.close_link(upstream, link)),
+                .map(|(upstream, link)| self.close_link(&self.routes[upstream], link)),
         )
         .await;
     }

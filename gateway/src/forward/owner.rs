@@ -131,7 +131,7 @@ async fn run_forwarded(
     method: Method,
     headers: HeaderMap,
 ) -> Result<Reply, ErrorFrame> {
-    let checked = request::check_head(&worker.routes, &method, &frame.path, &headers).and_then(
+    let checked = request::check_head(&worker.endpoints, &method, &frame.path, &headers).and_then(
         |(upstream, era)| {
             request::parse_call(
                 upstream,

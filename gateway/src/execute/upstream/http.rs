@@ -75,10 +75,6 @@ impl HttpUpstream {
         })
     }
 
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
     pub async fn send(&self, request: UpstreamRequest) -> Result<UpstreamReply, UpstreamError> {
         let mut builder = Request::builder()
             .method(request.method)

@@ -157,14 +157,6 @@ impl Upstream {
             }),
         })
     }
-
-    pub fn name(&self) -> &str {
-        match self {
-            Upstream::Http(u) => u.name(),
-            Upstream::Stdio(u) => u.name(),
-            Upstream::Virtual(u) => &u.name,
-        }
-    }
 }
 
 /// How one session reaches its upstream: the upstream's own session over HTTP, or a

@@ -75,10 +75,6 @@ impl StdioUpstream {
         }
     }
 
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
     /// Starts the child of one session. `tag` labels its log lines (a short hash of the
     /// session id, never the id); `principal` is the quota key the child counts
     /// against (see [`crate::request::Call::quota_key`]; `None`: only the upstream's
