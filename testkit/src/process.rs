@@ -226,14 +226,22 @@ impl Drop for Child {
     }
 }
 
-/// Whether `pid` runs (exists and is neither a zombie nor dead), from `/proc`.
+/// Whether any thread of `pid` runs (exists and is neither a zombie nor dead), from
+/// `/proc`. Every thread, not only the leader's `stat`: a killed process's leader shows
+/// `Z` while its other threads still exit, and its files (a pipe's read end among
+/// them) are released only when the last one has, so a write to its stdin can still
+/// succeed while the leader looks dead.
 pub fn running(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit_once(") ")
+    let alive = |stat: &str| {
+        stat.rsplit_once(") ")
             .and_then(|(_, rest)| rest.chars().next())
-            .is_some_and(|state| state != 'Z' && state != 'X'),
-        Err(_) => false,
+            .is_some_and(|state| state != 'Z' && state != 'X')
+    };
+    match std::fs::read_dir(format!("/proc/{pid}/task")) {
+        Ok(tasks) => tasks.flatten().any(|task| {
+            std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| alive(&stat))
+        }),
+        Err(_) => std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| alive(&s)),
     }
 }
 
