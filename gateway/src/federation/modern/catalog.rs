@@ -28,8 +28,11 @@ const MAX_ENTRIES: usize = 4096;
 /// The catalogs of one virtual server on this worker.
 #[derive(Default)]
 pub struct ModernCatalogs {
-    /// (principal, kind) → exposed name → owner.
-    names: Expiring<(String, Kind), HashMap<String, Owner>>,
+    /// principal → exposed tool name → owner; looked up by `&str`, so a call's
+    /// lookup allocates nothing.
+    tools: Expiring<String, HashMap<String, Owner>>,
+    /// The same for prompts.
+    prompts: Expiring<String, HashMap<String, Owner>>,
     /// principal → the resources' and templates' members.
     resources: Expiring<String, ResourceCatalog>,
 }
@@ -37,8 +40,14 @@ pub struct ModernCatalogs {
 impl ModernCatalogs {
     /// The owner of `name`, if a live entry knows it.
     pub(super) fn owner(&self, principal: &str, kind: Kind, name: &str) -> Option<Owner> {
-        let names = self.names.get(&(principal.to_owned(), kind))?;
-        names.get(name).cloned()
+        self.names(kind).get(principal)?.get(name).cloned()
+    }
+
+    fn names(&self, kind: Kind) -> &Expiring<String, HashMap<String, Owner>> {
+        match kind {
+            Kind::Tools => &self.tools,
+            Kind::Prompts => &self.prompts,
+        }
     }
 
     pub(super) fn keep_names(
@@ -48,13 +57,13 @@ impl ModernCatalogs {
         owners: &HashMap<String, Owner>,
         ttl: Option<Duration>,
     ) {
-        self.names
-            .keep((principal.to_owned(), kind), || owners.clone(), ttl);
+        self.names(kind)
+            .keep(principal.to_owned(), || owners.clone(), ttl);
     }
 
     /// The principal's live resource catalog.
     pub(super) fn resources(&self, principal: &str) -> Option<Arc<ResourceCatalog>> {
-        self.resources.get(&principal.to_owned())
+        self.resources.get(principal)
     }
 
     pub(super) fn keep_resources(
@@ -81,7 +90,11 @@ impl<K, V> Default for Expiring<K, V> {
 }
 
 impl<K: Eq + Hash, V> Expiring<K, V> {
-    fn get(&self, key: &K) -> Option<Arc<V>> {
+    fn get<Q>(&self, key: &Q) -> Option<Arc<V>>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: Eq + Hash + ?Sized,
+    {
         let mut entries = self.entries.lock();
         match entries.get(key) {
             Some((value, until)) if Instant::now() < *until => Some(Arc::clone(value)),

@@ -193,13 +193,42 @@ async fn connection(
         let _ = writer.get_mut().shutdown().await;
         return;
     };
+    serve_greeted(
+        shared,
+        remote,
+        identity,
+        greeted,
+        permit,
+        Link::Tls,
+        reader,
+        writer,
+    )
+    .await;
+}
+
+/// The end every greeted owner connection shares, over TLS or the same-host socket:
+/// admitted under `identity`, then its exchanges served on the multiplexer.
+#[allow(clippy::too_many_arguments)]
+async fn serve_greeted<R, W>(
+    shared: Arc<ServerShared>,
+    remote: SocketAddr,
+    identity: PeerIdentity,
+    greeted: (String, u32),
+    permit: HandshakePermit,
+    link: Link,
+    reader: FrameReader<R>,
+    writer: FrameWriter<W>,
+) where
+    R: tokio::io::AsyncRead + Unpin + Send + 'static,
+    W: tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let AdmittedConnection {
         peer,
         close_at,
         open: _open,
-    } = admit_connection(&shared, remote, identity, greeted, permit, Link::Tls);
+    } = admit_connection(&shared, remote, identity, greeted, permit, link);
     let (read, leftover) = reader.into_parts();
-    let reader = MuxReader::new(read, leftover, limits.max_frame);
+    let reader = MuxReader::new(read, leftover, shared.limits.max_frame);
     owner::serve_connection(shared.clone(), peer, reader, writer.into_inner(), close_at).await;
 }
 

@@ -40,16 +40,13 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
+use super::Dialer;
 use super::caller::CallerConn;
-use super::mux::MuxReader;
-use super::{Dialer, owner};
 use crate::transport::calling::greet as client_greet;
 use crate::transport::error::MeshError;
 use crate::transport::framed::{FrameReader, FrameWriter};
 use crate::transport::observe::{self, Link};
-use crate::transport::serving::{
-    AdmittedConnection, ServerShared, admit_connection, greet as server_greet,
-};
+use crate::transport::serving::{ServerShared, greet as server_greet};
 
 /// Where the kernel tells its boot id: random per boot, the same in every container
 /// that shares the kernel.
@@ -488,14 +485,17 @@ async fn connection(
         format!("same-host uid {uid} worker {}", greeted.0)
     };
     let identity = kernel_identity(member, format!("unix:uid={uid},pid={pid}"));
-    let AdmittedConnection {
-        peer,
-        close_at,
-        open: _open,
-    } = admit_connection(&shared, remote, identity, greeted, permit, Link::Unix);
-    let (read, leftover) = reader.into_parts();
-    let reader = MuxReader::new(read, leftover, limits.max_frame);
-    owner::serve_connection(shared.clone(), peer, reader, writer.into_inner(), close_at).await;
+    super::serve_greeted(
+        shared,
+        remote,
+        identity,
+        greeted,
+        permit,
+        Link::Unix,
+        reader,
+        writer,
+    )
+    .await;
 }
 
 #[cfg(test)]
