@@ -22,10 +22,11 @@ run: deps build-release
 test: deps build
 	@JOBS=$(JOBS) scripts/test.sh
 
-## Every forwarding configuration side by side (direct, sticky, QUIC, TCP, Redis
-## pub/sub, round-robin) at several concurrency levels, plus idle-session memory:
-## about two minutes on 2 cores, then an open-loop sweep at fixed offered rates
-## (up to another 1.5 minutes; each configuration stops at its saturation rate).
+## Every forwarding configuration side by side (direct, sticky, QUIC, TCP, the
+## same-host path, Redis pub/sub, round-robin, and a virtual server of three members
+## local and forwarded) at several concurrency levels, plus idle-session memory,
+## then an open-loop sweep of the transports at fixed offered rates (each stops at its
+## saturation rate): about 4 minutes on 2 cores.
 ## Pass options with BENCH_ARGS="--duration 10s ...".
 ## Then the scale scenario: 4 workers, 10,000 sessions holding GET streams, a
 ## round-robin tools/call load on top (about 30 s; options in SCALE_ARGS).
