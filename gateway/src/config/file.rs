@@ -104,68 +104,8 @@ impl FileServer {
                 ),
             ));
         }
-        let separator = self.separator.unwrap_or_else(|| "__".to_owned());
-        if !is_tool_name_text(&separator) {
-            return Err(invalid(
-                &format!("{field}.separator"),
-                format!(
-                    "{separator:?} must be letters, digits, '_', '-' or '.' (tool names allow no other)"
-                ),
-            ));
-        }
-        if self.members.is_empty() {
-            return Err(invalid(
-                &format!("{field}.member"),
-                "a virtual server needs at least one [[server.member]]",
-            ));
-        }
-        let mut members: Vec<MemberConfig> = Vec::with_capacity(self.members.len());
-        for (i, member) in self.members.into_iter().enumerate() {
-            let member_field = format!("{field}.member[{i}]");
-            let Some(index) = upstreams.iter().position(|u| u.name == member.upstream) else {
-                let known: Vec<&str> = upstreams.iter().map(|u| u.name.as_str()).collect();
-                return Err(invalid(
-                    &format!("{member_field}.upstream"),
-                    format!(
-                        "{:?} is not a configured upstream (configured: {})",
-                        member.upstream,
-                        known.join(", ")
-                    ),
-                ));
-            };
-            if let Some(earlier) = members.iter().find(|m| m.index == index) {
-                return Err(invalid(
-                    &format!("{member_field}.upstream"),
-                    format!("{:?} is a member twice", earlier.upstream),
-                ));
-            }
-            let prefix = member.prefix.unwrap_or_else(|| member.upstream.clone());
-            if !is_tool_name_text(&prefix) {
-                return Err(invalid(
-                    &format!("{member_field}.prefix"),
-                    format!("{prefix:?} must be letters, digits, '_', '-' or '.'"),
-                ));
-            }
-            members.push(MemberConfig {
-                upstream: member.upstream,
-                index,
-                prefix,
-                tools: member.tools,
-                prompts: member.prompts,
-                resources: member.resources,
-                required: member.required.unwrap_or(true),
-                list_timeout: match member.list_timeout_ms {
-                    Some(0) => {
-                        return Err(invalid(
-                            &format!("{field}.member.list_timeout_ms"),
-                            "must be at least 1 (milliseconds); leave it out to wait the \
-                             upstream request timeout",
-                        ));
-                    }
-                    ms => ms.map(std::time::Duration::from_millis),
-                },
-            });
-        }
+        let separator = resolve_separator(field, self.separator)?;
+        let members = resolve_members(field, self.members, upstreams)?;
         check_exposed_names(field, self.prefix, &members)?;
         Ok(UpstreamConfig {
             name: self.name,
@@ -175,6 +115,108 @@ impl FileServer {
                 members,
             }),
             legacy_only: false,
+        })
+    }
+}
+
+/// The separator between a member's prefix and its names: `__` unless set, and it
+/// must keep exposed names within a tool name's characters.
+fn resolve_separator(field: &str, separator: Option<String>) -> Result<String, ConfigError> {
+    let separator = separator.unwrap_or_else(|| "__".to_owned());
+    if !is_tool_name_text(&separator) {
+        return Err(invalid(
+            &format!("{field}.separator"),
+            format!(
+                "{separator:?} must be letters, digits, '_', '-' or '.' (tool names allow no other)"
+            ),
+        ));
+    }
+    Ok(separator)
+}
+
+/// The `[[server.member]]` tables, each resolved to the upstream it names; a member
+/// names an upstream once.
+fn resolve_members(
+    field: &str,
+    members: Vec<FileMember>,
+    upstreams: &[UpstreamConfig],
+) -> Result<Vec<MemberConfig>, ConfigError> {
+    if members.is_empty() {
+        return Err(invalid(
+            &format!("{field}.member"),
+            "a virtual server needs at least one [[server.member]]",
+        ));
+    }
+    let mut resolved: Vec<MemberConfig> = Vec::with_capacity(members.len());
+    for (i, member) in members.into_iter().enumerate() {
+        let member_field = format!("{field}.member[{i}]");
+        let index = member_upstream(&member_field, &member.upstream, upstreams)?;
+        if let Some(earlier) = resolved.iter().find(|m| m.index == index) {
+            return Err(invalid(
+                &format!("{member_field}.upstream"),
+                format!("{:?} is a member twice", earlier.upstream),
+            ));
+        }
+        resolved.push(member.resolve(field, &member_field, index)?);
+    }
+    Ok(resolved)
+}
+
+/// The index among `upstreams` of the one a member names.
+fn member_upstream(
+    member_field: &str,
+    name: &str,
+    upstreams: &[UpstreamConfig],
+) -> Result<usize, ConfigError> {
+    upstreams
+        .iter()
+        .position(|u| u.name == name)
+        .ok_or_else(|| {
+            let known: Vec<&str> = upstreams.iter().map(|u| u.name.as_str()).collect();
+            invalid(
+                &format!("{member_field}.upstream"),
+                format!(
+                    "{name:?} is not a configured upstream (configured: {})",
+                    known.join(", ")
+                ),
+            )
+        })
+}
+
+impl FileMember {
+    /// The member as configured, its upstream at `index`; `field` is the server's.
+    fn resolve(
+        self,
+        field: &str,
+        member_field: &str,
+        index: usize,
+    ) -> Result<MemberConfig, ConfigError> {
+        let prefix = self.prefix.unwrap_or_else(|| self.upstream.clone());
+        if !is_tool_name_text(&prefix) {
+            return Err(invalid(
+                &format!("{member_field}.prefix"),
+                format!("{prefix:?} must be letters, digits, '_', '-' or '.'"),
+            ));
+        }
+        let list_timeout = match self.list_timeout_ms {
+            Some(0) => {
+                return Err(invalid(
+                    &format!("{field}.member.list_timeout_ms"),
+                    "must be at least 1 (milliseconds); leave it out to wait the \
+                     upstream request timeout",
+                ));
+            }
+            ms => ms.map(std::time::Duration::from_millis),
+        };
+        Ok(MemberConfig {
+            upstream: self.upstream,
+            index,
+            prefix,
+            tools: self.tools,
+            prompts: self.prompts,
+            resources: self.resources,
+            required: self.required.unwrap_or(true),
+            list_timeout,
         })
     }
 }
@@ -324,7 +366,20 @@ impl Config {
             .enumerate()
             .map(|(i, u)| u.resolve(&format!("upstream[{i}]")))
             .collect::<Result<_, _>>()?;
-        let l = file.limits;
+        self.apply_file_limits(file.limits);
+        set(&mut self.trust_forwarded_for, file.trust_forwarded_for);
+        self.apply_file_telemetry(file.telemetry);
+        if let Some(listen) = file.admin.listen {
+            self.admin_listen = parse_addr("admin.listen", &listen)?;
+        }
+        self.apply_file_fleet(file.fleet);
+        self.apply_file_mesh(file.mesh)?;
+        self.auth = file.auth;
+        Ok(())
+    }
+
+    /// `[limits]`.
+    fn apply_file_limits(&mut self, l: FileLimits) {
         set(&mut self.limits.max_body_bytes, l.max_body_bytes);
         set_ms(
             &mut self.limits.upstream_connect_timeout,
@@ -357,8 +412,10 @@ impl Config {
             &mut self.limits.replay_session_bytes,
             l.replay_session_bytes,
         );
-        set(&mut self.trust_forwarded_for, file.trust_forwarded_for);
-        let telemetry = file.telemetry;
+    }
+
+    /// `[telemetry]`.
+    fn apply_file_telemetry(&mut self, telemetry: FileTelemetry) {
         set(&mut self.otlp_endpoint, telemetry.otlp_endpoint.map(Some));
         set(&mut self.otlp_ca, telemetry.otlp_ca.map(Some));
         set(&mut self.otlp_sample_ratio, telemetry.otlp_sample_ratio);
@@ -366,10 +423,10 @@ impl Config {
             &mut self.otlp_headers,
             telemetry.otlp_headers.map(OtlpHeaders),
         );
-        if let Some(listen) = file.admin.listen {
-            self.admin_listen = parse_addr("admin.listen", &listen)?;
-        }
-        let f = file.fleet;
+    }
+
+    /// `[fleet]`.
+    fn apply_file_fleet(&mut self, f: FileFleet) {
         set(&mut self.fleet.workers, f.workers);
         if f.redis_url.is_some() {
             self.fleet.redis_url = f.redis_url;
@@ -389,7 +446,11 @@ impl Config {
         if f.adoption_key_file.is_some() {
             self.fleet.adoption_key_file = f.adoption_key_file;
         }
-        let m = file.mesh;
+    }
+
+    /// `[mesh]`: where workers meet, with which certificates, and the limits of a
+    /// peer's connections.
+    fn apply_file_mesh(&mut self, m: FileMesh) -> Result<(), ConfigError> {
         if let Some(listen) = m.listen {
             self.mesh.listen = parse_addr("mesh.listen", &listen)?;
         }
@@ -411,7 +472,6 @@ impl Config {
             }
         }
         set_ms(&mut self.mesh.forward_timeout, m.forward_timeout_ms);
-        self.auth = file.auth;
         let limits = &mut self.mesh.limits;
         set_ms(&mut limits.connect_timeout, m.connect_timeout_ms);
         set(&mut limits.max_frame, m.max_frame_bytes);
@@ -470,18 +530,8 @@ pub(super) fn split_command(field: &str, line: &str) -> Result<Vec<String>, Conf
 }
 
 impl FileUpstream {
-    fn resolve(self, field: &str) -> Result<UpstreamConfig, ConfigError> {
-        let stdio_only = |what: &str, set: bool| -> Result<(), ConfigError> {
-            if set {
-                Err(invalid(
-                    &format!("{field}.{what}"),
-                    "applies to stdio upstreams only (command = ..., or url = \"stdio:...\")",
-                ))
-            } else {
-                Ok(())
-            }
-        };
-        let words = match (self.url, self.command) {
+    fn resolve(mut self, field: &str) -> Result<UpstreamConfig, ConfigError> {
+        let words = match (self.url.take(), self.command.take()) {
             (Some(_), Some(_)) => {
                 return Err(invalid(
                     field,
@@ -500,34 +550,57 @@ impl FileUpstream {
             }
             (Some(url), None) => match url.trim().strip_prefix("stdio:") {
                 Some(line) => split_command(&format!("{field}.url"), line)?,
-                None => {
-                    stdio_only("args", !self.args.is_empty())?;
-                    stdio_only("env", !self.env.is_empty())?;
-                    stdio_only("cwd", self.cwd.is_some())?;
-                    stdio_only("max_processes", self.max_processes.is_some())?;
-                    stdio_only(
-                        "max_processes_per_principal",
-                        self.max_processes_per_principal.is_some(),
-                    )?;
-                    stdio_only(
-                        "max_session_lifetime_ms",
-                        self.max_session_lifetime_ms.is_some(),
-                    )?;
-                    return Ok(UpstreamConfig {
-                        name: self.name,
-                        target: UpstreamTarget::Http {
-                            url: url.trim().to_owned(),
-                            tls: UpstreamTls {
-                                ca: self.tls_ca,
-                                client_cert: self.tls_client_cert,
-                                client_key: self.tls_client_key,
-                            },
-                        },
-                        legacy_only: self.legacy_only,
-                    });
-                }
+                None => return self.into_http(field, url.trim()),
             },
         };
+        self.into_stdio(field, words)
+    }
+
+    /// An http(s) upstream: the stdio settings would be silently ignored, so they are
+    /// refused.
+    fn into_http(self, field: &str, url: &str) -> Result<UpstreamConfig, ConfigError> {
+        for (what, set) in [
+            ("args", !self.args.is_empty()),
+            ("env", !self.env.is_empty()),
+            ("cwd", self.cwd.is_some()),
+            ("max_processes", self.max_processes.is_some()),
+            (
+                "max_processes_per_principal",
+                self.max_processes_per_principal.is_some(),
+            ),
+            (
+                "max_session_lifetime_ms",
+                self.max_session_lifetime_ms.is_some(),
+            ),
+        ] {
+            if set {
+                return Err(invalid(
+                    &format!("{field}.{what}"),
+                    "applies to stdio upstreams only (command = ..., or url = \"stdio:...\")",
+                ));
+            }
+        }
+        Ok(UpstreamConfig {
+            name: self.name,
+            target: UpstreamTarget::Http {
+                url: url.to_owned(),
+                tls: UpstreamTls {
+                    ca: self.tls_ca,
+                    client_cert: self.tls_client_cert,
+                    client_key: self.tls_client_key,
+                },
+            },
+            legacy_only: self.legacy_only,
+        })
+    }
+
+    /// A stdio upstream running `words` then `args`: the TLS settings would be
+    /// silently ignored, so they are refused.
+    fn into_stdio(
+        self,
+        field: &str,
+        mut words: Vec<String>,
+    ) -> Result<UpstreamConfig, ConfigError> {
         for (what, set) in [
             ("tls_ca", self.tls_ca.is_some()),
             ("tls_client_cert", self.tls_client_cert.is_some()),
@@ -540,7 +613,6 @@ impl FileUpstream {
                 ));
             }
         }
-        let mut words = words;
         words.extend(self.args);
         if words.first().is_none_or(|program| program.is_empty()) {
             return Err(invalid(
