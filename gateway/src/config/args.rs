@@ -176,6 +176,21 @@ impl Config {
                 .map(|spec| parse_upstream_spec(spec))
                 .collect::<Result<_, _>>()?;
         }
+        self.apply_fleet_args(a);
+        self.auth.apply_args(&a.auth);
+        self.apply_mesh_args(a)?;
+        self.apply_limit_args(a);
+        if a.trust_forwarded_for {
+            self.trust_forwarded_for = true;
+        }
+        self.apply_telemetry_args(a)?;
+        if let Some(listen) = &a.admin_listen {
+            self.admin_listen = parse_addr("--admin-listen", listen)?;
+        }
+        Ok(())
+    }
+
+    fn apply_fleet_args(&mut self, a: &ServeArgs) {
         set(&mut self.fleet.workers, a.workers);
         if a.redis.is_some() {
             self.fleet.redis_url = a.redis.clone();
@@ -193,8 +208,11 @@ impl Config {
         if a.stateless_when_unknown {
             self.fleet.stateless_when_unknown = true;
         }
+        set_ms(&mut self.fleet.directory_timeout, a.directory_timeout_ms);
+    }
+
+    fn apply_mesh_args(&mut self, a: &ServeArgs) -> Result<(), ConfigError> {
         set_ms(&mut self.mesh.forward_timeout, a.forward_timeout_ms);
-        self.auth.apply_args(&a.auth);
         if let Some(listen) = &a.mesh_listen {
             self.mesh.listen = parse_addr("--mesh-listen", listen)?;
         }
@@ -228,6 +246,10 @@ impl Config {
             &mut self.mesh.limits.max_protocol_version,
             a.mesh_protocol_version,
         );
+        Ok(())
+    }
+
+    fn apply_limit_args(&mut self, a: &ServeArgs) {
         set(&mut self.limits.max_body_bytes, a.max_body_bytes);
         set_ms(
             &mut self.limits.upstream_request_timeout,
@@ -248,16 +270,16 @@ impl Config {
         );
         set(&mut self.limits.max_connections, a.max_connections);
         set_ms(&mut self.limits.body_timeout, a.body_timeout_ms);
-        set_ms(&mut self.fleet.directory_timeout, a.directory_timeout_ms);
         set_ms(&mut self.limits.drain_delay, a.drain_delay_ms);
         set(&mut self.limits.replay_budget_bytes, a.replay_budget_bytes);
         set(
             &mut self.limits.replay_session_bytes,
             a.replay_session_bytes,
         );
-        if a.trust_forwarded_for {
-            self.trust_forwarded_for = true;
-        }
+    }
+
+    /// Telemetry: spans exported over OTLP, and request logging.
+    fn apply_telemetry_args(&mut self, a: &ServeArgs) -> Result<(), ConfigError> {
         set(&mut self.otlp_endpoint, a.otlp_endpoint.clone().map(Some));
         set(&mut self.otlp_ca, a.otlp_ca.clone().map(Some));
         set(&mut self.otlp_sample_ratio, a.otlp_sample_ratio);
@@ -266,9 +288,6 @@ impl Config {
         }
         if a.log_requests {
             self.log_requests = true;
-        }
-        if let Some(listen) = &a.admin_listen {
-            self.admin_listen = parse_addr("--admin-listen", listen)?;
         }
         Ok(())
     }

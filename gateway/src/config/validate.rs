@@ -147,6 +147,14 @@ impl Config {
     }
 
     fn validate_mesh(&self) -> Result<(), ConfigError> {
+        self.validate_mesh_transport()?;
+        self.validate_mesh_peer_limits()?;
+        self.validate_mesh_identity()?;
+        self.validate_mesh_sizes()
+    }
+
+    /// The transport, the same-host path and what each needs.
+    fn validate_mesh_transport(&self) -> Result<(), ConfigError> {
         let mesh = &self.mesh;
         if mesh.transport == MeshTransport::Redis && self.fleet.redis_url.is_none() {
             return Err(invalid(
@@ -183,7 +191,12 @@ impl Config {
                 "must be an absolute path (every worker resolves it alike)",
             ));
         }
-        let limits = &mesh.limits;
+        Ok(())
+    }
+
+    /// What one peer may hold open, and the protocol versions offered to it.
+    fn validate_mesh_peer_limits(&self) -> Result<(), ConfigError> {
+        let limits = &self.mesh.limits;
         for (field, value) in [
             ("mesh.max_in_flight_per_peer", limits.max_in_flight_per_peer),
             ("mesh.max_streams_per_peer", limits.max_streams_per_peer),
@@ -206,15 +219,26 @@ impl Config {
                 ),
             ));
         }
-        if let Err(e) = mcpgw_certs::TrustDomain::new(&mesh.trust_domain) {
+        Ok(())
+    }
+
+    /// The trust domain of mesh identities, and how often their files are checked.
+    fn validate_mesh_identity(&self) -> Result<(), ConfigError> {
+        if let Err(e) = mcpgw_certs::TrustDomain::new(&self.mesh.trust_domain) {
             return Err(invalid("mesh.trust_domain", e.to_string()));
         }
-        if mesh.cert_reload_interval < Duration::from_millis(100) {
+        if self.mesh.cert_reload_interval < Duration::from_millis(100) {
             return Err(invalid(
                 "mesh.cert_reload_interval_ms",
                 "must be at least 100 ms: each check reads and hashes the certificate files",
             ));
         }
+        Ok(())
+    }
+
+    /// Stream windows and frames, which must fit what a forwarded request carries.
+    fn validate_mesh_sizes(&self) -> Result<(), ConfigError> {
+        let limits = &self.mesh.limits;
         if limits.stream_window < 16 * 1024 {
             return Err(invalid(
                 "mesh.stream_window_bytes",
