@@ -323,6 +323,18 @@ impl AuthConfig {
         route_names: &[&str],
         fleet_redis: Option<&str>,
     ) -> Result<(), ConfigError> {
+        self.validate_route_names(route_names)?;
+        self.validate_public_url()?;
+        self.validate_route_modes()?;
+        if let Some(limit) = &self.rate_limit {
+            limit.validate(fleet_redis)?;
+        }
+        Ok(())
+    }
+
+    /// Every `[auth.routes.NAME]` names a configured route: a misspelt name would
+    /// leave the route it meant with the default mode.
+    fn validate_route_names(&self, route_names: &[&str]) -> Result<(), ConfigError> {
         for name in self.routes.keys() {
             if !route_names.contains(&name.as_str()) {
                 return Err(invalid(
@@ -334,6 +346,10 @@ impl AuthConfig {
                 ));
             }
         }
+        Ok(())
+    }
+
+    fn validate_public_url(&self) -> Result<(), ConfigError> {
         if let Some(url) = &self.public_url {
             let uri: http::Uri = url
                 .parse()
@@ -348,6 +364,11 @@ impl AuthConfig {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// Scopes and keys only mean something to a JWT route.
+    fn validate_route_modes(&self) -> Result<(), ConfigError> {
         for (name, route) in &self.routes {
             let mode = self.mode_of(name);
             let scoped = !route.scopes.is_empty() || !route.tool_scopes.is_empty();
@@ -364,48 +385,48 @@ impl AuthConfig {
                 ));
             }
         }
-        if let Some(limit) = &self.rate_limit {
-            if !(limit.per_second.is_finite() && limit.per_second > 0.0) {
-                return Err(invalid(
-                    "auth.rate_limit.per_second",
-                    "must be a number greater than 0",
-                ));
-            }
-            if limit.burst == 0 {
-                return Err(invalid("auth.rate_limit.burst", "must be at least 1"));
-            }
-            if limit.timeout_ms == Some(0) {
-                return Err(invalid(
-                    "auth.rate_limit.timeout_ms",
-                    "must be greater than 0",
-                ));
-            }
-            match limit.redis_url.as_deref().or(fleet_redis) {
-                None => {
-                    return Err(invalid(
-                        "auth.rate_limit.redis_url",
-                        "the rate limit is kept in Redis: set redis_url or run a fleet (--redis)",
-                    ));
-                }
-                Some(url)
-                    if !mcpgw_mesh::REDIS_SCHEMES
-                        .iter()
-                        .any(|scheme| url.starts_with(scheme)) =>
-                {
-                    return Err(invalid(
-                        "auth.rate_limit.redis_url",
-                        "must start with redis://, rediss://, redis+sentinel://, \
-                         rediss+sentinel://, redis+cluster:// or rediss+cluster://",
-                    ));
-                }
-                Some(_) => {}
-            }
-        }
         Ok(())
     }
 }
 
 impl RateLimitConfig {
+    /// `fleet_redis` is where the buckets are kept unless `redis_url` says otherwise.
+    fn validate(&self, fleet_redis: Option<&str>) -> Result<(), ConfigError> {
+        if !(self.per_second.is_finite() && self.per_second > 0.0) {
+            return Err(invalid(
+                "auth.rate_limit.per_second",
+                "must be a number greater than 0",
+            ));
+        }
+        if self.burst == 0 {
+            return Err(invalid("auth.rate_limit.burst", "must be at least 1"));
+        }
+        if self.timeout_ms == Some(0) {
+            return Err(invalid(
+                "auth.rate_limit.timeout_ms",
+                "must be greater than 0",
+            ));
+        }
+        match self.redis_url.as_deref().or(fleet_redis) {
+            None => Err(invalid(
+                "auth.rate_limit.redis_url",
+                "the rate limit is kept in Redis: set redis_url or run a fleet (--redis)",
+            )),
+            Some(url)
+                if !mcpgw_mesh::REDIS_SCHEMES
+                    .iter()
+                    .any(|scheme| url.starts_with(scheme)) =>
+            {
+                Err(invalid(
+                    "auth.rate_limit.redis_url",
+                    "must start with redis://, rediss://, redis+sentinel://, \
+                     rediss+sentinel://, redis+cluster:// or rediss+cluster://",
+                ))
+            }
+            Some(_) => Ok(()),
+        }
+    }
+
     pub fn timeout(&self) -> Duration {
         self.timeout_ms
             .map_or(DEFAULT_RATE_LIMIT_TIMEOUT, Duration::from_millis)

@@ -174,96 +174,103 @@ fn execute(command: CertsCommand) -> Result<String, String> {
 }
 
 fn rotate_command(command: RotateCommand) -> Result<String, String> {
-    let text = |e: &dyn std::fmt::Display| e.to_string();
     match command {
-        RotateCommand::Begin { dir, days } => {
-            let certs = CertDir::new(&dir);
-            let out = rotate::begin(&certs, DAY * days as u32).map_err(|e| text(&e))?;
-            let head = if out.already {
-                "rotation already begun; nothing new was made".to_owned()
+        RotateCommand::Begin { dir, days } => rotate_begin(dir, days),
+        RotateCommand::Reissue { dir, days } => rotate_reissue(dir, days),
+        RotateCommand::Finish { dir } => rotate_finish(dir),
+        RotateCommand::Status { dir, json } => rotate_status(dir, json),
+    }
+}
+
+fn rotate_begin(dir: PathBuf, days: u64) -> Result<String, String> {
+    let certs = CertDir::new(dir);
+    let out = rotate::begin(&certs, DAY * days as u32).map_err(|e| e.to_string())?;
+    let head = if out.already {
+        "rotation already begun; nothing new was made".to_owned()
+    } else {
+        format!(
+            "rotation begun: new CA {} (ca-next.crt, ca-next.key); {} now holds the old \
+             CA {} and the new",
+            short_fingerprint(&out.new_ca),
+            out.bundle.display(),
+            short_fingerprint(&out.old_ca)
+        )
+    };
+    Ok(format!(
+        "{head}\nnext: {}",
+        rotate::next_step(Stage::Begun, &certs)
+    ))
+}
+
+fn rotate_reissue(dir: PathBuf, days: u64) -> Result<String, String> {
+    let certs = CertDir::new(dir);
+    let out = rotate::reissue(&certs, DAY * days as u32).map_err(|e| e.to_string())?;
+    let mut lines = Vec::new();
+    if out.already {
+        lines.push(format!(
+            "every leaf is from the new CA {} already; nothing was reissued",
+            short_fingerprint(&out.new_ca)
+        ));
+    } else {
+        lines.push(format!(
+            "reissued {} leaves from the new CA {}{}",
+            out.reissued.len(),
+            short_fingerprint(&out.new_ca),
+            if out.unchanged.is_empty() {
+                String::new()
             } else {
-                format!(
-                    "rotation begun: new CA {} (ca-next.crt, ca-next.key); {} now holds the old \
-                     CA {} and the new",
-                    short_fingerprint(&out.new_ca),
-                    out.bundle.display(),
-                    short_fingerprint(&out.old_ca)
-                )
-            };
-            Ok(format!(
-                "{head}\nnext: {}",
-                rotate::next_step(Stage::Begun, &certs)
-            ))
-        }
-        RotateCommand::Reissue { dir, days } => {
-            let certs = CertDir::new(&dir);
-            let out = rotate::reissue(&certs, DAY * days as u32).map_err(|e| text(&e))?;
-            let mut lines = Vec::new();
-            if out.already {
-                lines.push(format!(
-                    "every leaf is from the new CA {} already; nothing was reissued",
-                    short_fingerprint(&out.new_ca)
-                ));
-            } else {
-                lines.push(format!(
-                    "reissued {} leaves from the new CA {}{}",
-                    out.reissued.len(),
-                    short_fingerprint(&out.new_ca),
-                    if out.unchanged.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" ({} were from it already)", out.unchanged.len())
-                    }
-                ));
-                for (name, leaf) in &out.reissued {
-                    lines.push(format!(
-                        "  {name}: {} and {} (expires {})",
-                        leaf.cert_path.display(),
-                        leaf.key_path.display(),
-                        date(leaf.not_after)
-                    ));
-                }
+                format!(" ({} were from it already)", out.unchanged.len())
             }
+        ));
+        for (name, leaf) in &out.reissued {
             lines.push(format!(
-                "next: {}",
-                rotate::next_step(Stage::Reissued, &certs)
+                "  {name}: {} and {} (expires {})",
+                leaf.cert_path.display(),
+                leaf.key_path.display(),
+                date(leaf.not_after)
             ));
-            Ok(lines.join("\n"))
         }
-        RotateCommand::Finish { dir } => {
-            let certs = CertDir::new(&dir);
-            let out = rotate::finish(&certs).map_err(|e| text(&e))?;
-            let head = if out.already {
-                format!(
-                    "rotation already finished: {} holds only CA {}",
-                    certs.bundle_path().display(),
-                    short_fingerprint(&out.ca)
-                )
-            } else {
-                format!(
-                    "rotation finished: {} holds only the new CA {}, whose key is now ca.key; the \
-                     old CA {} and its key are gone",
-                    certs.bundle_path().display(),
-                    short_fingerprint(&out.ca),
-                    short_fingerprint(&out.removed)
-                )
-            };
-            Ok(format!(
-                "{head}\nnext: install the new {} on every host; once workers have reloaded it \
-                 and connections older than --mesh-max-connection-age are replaced, a peer with \
-                 only old-CA material can no longer connect",
-                mcpgw_certs::BUNDLE_FILE
-            ))
-        }
-        RotateCommand::Status { dir, json } => {
-            let certs = CertDir::new(&dir);
-            let status = rotate::status(&certs).map_err(|e| text(&e))?;
-            if json {
-                serde_json::to_string_pretty(&status).map_err(|e| text(&e))
-            } else {
-                Ok(render_status(&status))
-            }
-        }
+    }
+    lines.push(format!(
+        "next: {}",
+        rotate::next_step(Stage::Reissued, &certs)
+    ));
+    Ok(lines.join("\n"))
+}
+
+fn rotate_finish(dir: PathBuf) -> Result<String, String> {
+    let certs = CertDir::new(dir);
+    let out = rotate::finish(&certs).map_err(|e| e.to_string())?;
+    let head = if out.already {
+        format!(
+            "rotation already finished: {} holds only CA {}",
+            certs.bundle_path().display(),
+            short_fingerprint(&out.ca)
+        )
+    } else {
+        format!(
+            "rotation finished: {} holds only the new CA {}, whose key is now ca.key; the \
+             old CA {} and its key are gone",
+            certs.bundle_path().display(),
+            short_fingerprint(&out.ca),
+            short_fingerprint(&out.removed)
+        )
+    };
+    Ok(format!(
+        "{head}\nnext: install the new {} on every host; once workers have reloaded it \
+         and connections older than --mesh-max-connection-age are replaced, a peer with \
+         only old-CA material can no longer connect",
+        mcpgw_certs::BUNDLE_FILE
+    ))
+}
+
+fn rotate_status(dir: PathBuf, json: bool) -> Result<String, String> {
+    let certs = CertDir::new(dir);
+    let status = rotate::status(&certs).map_err(|e| e.to_string())?;
+    if json {
+        serde_json::to_string_pretty(&status).map_err(|e| e.to_string())
+    } else {
+        Ok(render_status(&status))
     }
 }
 
