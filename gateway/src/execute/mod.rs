@@ -123,17 +123,9 @@ impl Worker {
     async fn open_session(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
         let id = call.id();
         let quota_key = call.quota_key();
-        self.admit_new_session()
-            .and_then(|()| self.check_local_quota(&quota_key))
+        let session_id = self
+            .admit_session(&quota_key)
             .map_err(|e| e.with_id(id.clone()))?;
-        let session_id = session::mint_session_id(&self.id).map_err(|e| {
-            GatewayError::gateway(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                Reason::EntropyUnavailable,
-                format!("could not draw random bytes for a session id: {e}"),
-            )
-            .with_id(id.clone())
-        })?;
         let route = &self.routes[call.upstream];
         let streams = self.new_streams();
         let (link, reply) = self
@@ -147,32 +139,9 @@ impl Worker {
             )
             .await
             .map_err(|e| upstream_error(e, id.clone()))?;
-        if !reply.status.is_success() {
-            // The upstream refused initialize: its answer is the truth for the client.
-            self.close_link(route, &link).await;
-            return Ok(relay(reply, None, self.config.limits.max_sse_event_bytes));
-        }
-        let reply = match link {
-            // A child whose initialize failed serves no session: it ends, and its
-            // answer goes to the client without a session id.
-            UpstreamLink::Stdio(_) if !is_sse(&reply.headers) => {
-                let answer = reply.body.collect().await.map(|c| c.to_bytes());
-                let refused = answer.as_ref().map_or(true, |bytes| {
-                    serde_json::from_slice::<serde_json::Value>(bytes)
-                        .map_or(true, |message| message.get("result").is_none())
-                });
-                if refused {
-                    self.close_link(route, &link).await;
-                    let body = answer.unwrap_or_default();
-                    return Ok(Reply::json(StatusCode::OK, body));
-                }
-                UpstreamReply {
-                    status: reply.status,
-                    headers: reply.headers,
-                    body: body::full(answer.unwrap_or_default()),
-                }
-            }
-            _ => reply,
+        let reply = match self.accepted_initialize(route, &link, reply).await {
+            Ok(reply) => reply,
+            Err(refusal) => return Ok(refusal),
         };
         let session = Session::new(
             session_id.clone(),
@@ -183,19 +152,9 @@ impl Worker {
         )
         .with_quota_key(quota_key);
         let initialize = call.message.as_ref().map(|m| &m.json);
-        if let Err(error) = self.claim_session(&session, initialize).await {
-            // Never hand out a session the fleet cannot route to: end it upstream. A
-            // claim that timed out may still land when Redis answers again: take any
-            // such record back, so the directory holds no session nobody was given.
-            self.close_link(route, &session.link).await;
-            if let Some(fleet) = self.fleet() {
-                fleet.release_unclaimed(Arc::new(session));
-            }
-            return Err(error.with_id(id));
-        }
-        let session = self.sessions.insert(session);
-        self.metrics.session_opened();
-        debug!(session = %session.tag, upstream = route.name(), "session opened");
+        self.record_session(route, session, initialize)
+            .await
+            .map_err(|error| error.with_id(id))?;
         let header = HeaderValue::from_str(&session_id).map_err(|_| {
             GatewayError::gateway(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -208,6 +167,78 @@ impl Worker {
             Some(header),
             self.config.limits.max_sse_event_bytes,
         ))
+    }
+
+    /// Whether this worker takes one more session for `quota_key`, and if so the
+    /// client-facing id it will have.
+    fn admit_session(&self, quota_key: &str) -> Result<String, GatewayError> {
+        self.admit_new_session()
+            .and_then(|()| self.check_local_quota(quota_key))?;
+        session::mint_session_id(&self.id).map_err(|e| {
+            GatewayError::gateway(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                Reason::EntropyUnavailable,
+                format!("could not draw random bytes for a session id: {e}"),
+            )
+        })
+    }
+
+    /// The upstream's answer to `initialize` if it opened a session; else (`Err`) the
+    /// refusal to give the client, the link already closed.
+    async fn accepted_initialize(
+        &self,
+        route: &Route,
+        link: &UpstreamLink,
+        reply: UpstreamReply,
+    ) -> Result<UpstreamReply, Reply> {
+        if !reply.status.is_success() {
+            // The upstream refused initialize: its answer is the truth for the client.
+            self.close_link(route, link).await;
+            return Err(relay(reply, None, self.config.limits.max_sse_event_bytes));
+        }
+        // A child whose initialize failed serves no session: it ends, and its
+        // answer goes to the client without a session id.
+        if !matches!(link, UpstreamLink::Stdio(_)) || is_sse(&reply.headers) {
+            return Ok(reply);
+        }
+        let answer = reply.body.collect().await.map(|c| c.to_bytes());
+        let refused = answer.as_ref().map_or(true, |bytes| {
+            serde_json::from_slice::<serde_json::Value>(bytes)
+                .map_or(true, |message| message.get("result").is_none())
+        });
+        if refused {
+            self.close_link(route, link).await;
+            let body = answer.unwrap_or_default();
+            return Err(Reply::json(StatusCode::OK, body));
+        }
+        Ok(UpstreamReply {
+            status: reply.status,
+            headers: reply.headers,
+            body: body::full(answer.unwrap_or_default()),
+        })
+    }
+
+    /// Claims the new session in the fleet, then keeps it here.
+    async fn record_session(
+        &self,
+        route: &Route,
+        session: Session,
+        initialize: Option<&serde_json::Value>,
+    ) -> Result<(), GatewayError> {
+        if let Err(error) = self.claim_session(&session, initialize).await {
+            // Never hand out a session the fleet cannot route to: end it upstream. A
+            // claim that timed out may still land when Redis answers again: take any
+            // such record back, so the directory holds no session nobody was given.
+            self.close_link(route, &session.link).await;
+            if let Some(fleet) = self.fleet() {
+                fleet.release_unclaimed(Arc::new(session));
+            }
+            return Err(error);
+        }
+        let session = self.sessions.insert(session);
+        self.metrics.session_opened();
+        debug!(session = %session.tag, upstream = route.name(), "session opened");
+        Ok(())
     }
 
     /// Standalone, this worker's count is the whole count of a principal's sessions;

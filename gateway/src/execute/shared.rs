@@ -48,6 +48,18 @@ const SHARED_PROTOCOL_VERSION: &str = "2025-11-25";
 /// Largest `initialize` answer read whole.
 const MAX_INITIALIZE_BYTES: usize = 1024 * 1024;
 
+/// What one look at the directory led to, in [`Worker::find_shared`].
+// Lives for one step of one request, moved and never stored: boxing the call would
+// cost an allocation for nothing.
+#[allow(clippy::large_enum_variant)]
+enum SharedStep {
+    /// The call is answered (or refused).
+    Answered(Result<Reply, GatewayError>),
+    /// The directory changed under the call (a stale record taken back, an owner
+    /// proven gone): look again.
+    LookAgain(Call),
+}
+
 impl Worker {
     /// Binds a 2026-07-28 call on a route whose upstream keeps state in sessions to the
     /// session its principal shares there. The edge and the owner both bind, from the
@@ -101,81 +113,10 @@ impl Worker {
             return Err(GatewayError::session_not_found().with_id(call.id()));
         };
         for _ in 0..3 {
-            let record = fleet
-                .directory
-                .remembered_session(&key)
-                .await
-                .map_err(|e| e.to_string());
-            let standing = judged::judge_shared(
-                record,
-                &self.id,
-                fleet.lease.revoked(),
-                &fleet.lease.generation(),
-                self.config.fleet.lease,
-            );
-            match standing {
-                SharedStanding::Open => return self.execute_local(call, None).await,
-                SharedStanding::Adopt => match self.try_adopt(fleet, call).await {
-                    AdoptionOutcome::Ran(result) => return result,
-                    // Taken by another worker first, or not adoptable after all: the
-                    // directory's next answer says where it stands.
-                    AdoptionOutcome::OwnedBy(_, back) | AdoptionOutcome::NotAdoptable(back) => {
-                        call = back
-                    }
-                },
-                SharedStanding::TellEnded => {
-                    return Err(self
-                        .shared_lost(call.upstream, "it ended")
-                        .with_id(call.id()));
-                }
-                SharedStanding::Unknown => {
-                    return Err(self.refuse_shared(
-                        &Situation::Unknown,
-                        "the fleet directory cannot confirm where it is (it did not answer, \
-                         or it was rebuilt less than a lease ago)",
-                        &call,
-                    ));
-                }
-                // A late claim of ours: opening confirms it (the recorded owner's claim
-                // succeeds), so the record and the session agree again.
-                SharedStanding::StaleOwnRecord => return self.execute_local(call, None).await,
-                SharedStanding::Forward(owner) => {
-                    match self.forward_counted(&call, Some(&owner)).await {
-                        Ok(reply) => return Ok(reply),
-                        // The owner no longer holds it, or was proven gone (and its
-                        // sessions reclaimed): the directory now says how it ended.
-                        Err(unanswered)
-                            if decision::may_adopt(
-                                unanswered.situation,
-                                &self.standing(fleet, &call),
-                            ) =>
-                        {
-                            match self.try_adopt(fleet, call).await {
-                                AdoptionOutcome::Ran(result) => return result,
-                                // Where it went, or how it ended: the directory says.
-                                AdoptionOutcome::OwnedBy(_, back)
-                                | AdoptionOutcome::NotAdoptable(back) => call = back,
-                            }
-                        }
-                        Err(unanswered)
-                            if matches!(
-                                unanswered.situation,
-                                Situation::NoSuchSession | Situation::OwnerGone
-                            ) => {}
-                        Err(unanswered) => {
-                            if unanswered.situation == Situation::ForwardedThenLost {
-                                // This answer tells the loss; take the directory's
-                                // memory of it so no other call is told again.
-                                let _ = fleet.directory.remembered_session(&key).await;
-                            }
-                            return Err(self.refuse_shared(
-                                &unanswered.situation,
-                                &unanswered.why,
-                                &call,
-                            ));
-                        }
-                    }
-                }
+            let standing = self.shared_standing(fleet, &key).await;
+            match self.act_on_standing(fleet, &key, standing, call).await {
+                SharedStep::Answered(result) => return result,
+                SharedStep::LookAgain(back) => call = back,
             }
         }
         Err(self.refuse_shared(
@@ -183,6 +124,103 @@ impl Worker {
             "its owner changed while this request looked for it",
             &call,
         ))
+    }
+
+    /// Where the directory says the shared session `key` stands, for this worker.
+    async fn shared_standing(&self, fleet: &Fleet, key: &str) -> SharedStanding {
+        let record = fleet
+            .directory
+            .remembered_session(key)
+            .await
+            .map_err(|e| e.to_string());
+        judged::judge_shared(
+            record,
+            &self.id,
+            fleet.lease.revoked(),
+            &fleet.lease.generation(),
+            self.config.fleet.lease,
+        )
+    }
+
+    async fn act_on_standing(
+        self: &Arc<Self>,
+        fleet: &Arc<Fleet>,
+        key: &str,
+        standing: SharedStanding,
+        call: Call,
+    ) -> SharedStep {
+        match standing {
+            SharedStanding::Open => SharedStep::Answered(self.execute_local(call, None).await),
+            // Taken by another worker first, or not adoptable after all: the
+            // directory's next answer says where it stands.
+            SharedStanding::Adopt => self.adopt_shared(fleet, call).await,
+            SharedStanding::TellEnded => SharedStep::Answered(Err(self
+                .shared_lost(call.upstream, "it ended")
+                .with_id(call.id()))),
+            SharedStanding::Unknown => SharedStep::Answered(Err(self.refuse_shared(
+                &Situation::Unknown,
+                "the fleet directory cannot confirm where it is (it did not answer, \
+                 or it was rebuilt less than a lease ago)",
+                &call,
+            ))),
+            // A late claim of ours: opening confirms it (the recorded owner's claim
+            // succeeds), so the record and the session agree again.
+            SharedStanding::StaleOwnRecord => {
+                SharedStep::Answered(self.execute_local(call, None).await)
+            }
+            SharedStanding::Forward(owner) => self.forward_shared(fleet, key, &owner, call).await,
+        }
+    }
+
+    async fn adopt_shared(self: &Arc<Self>, fleet: &Fleet, call: Call) -> SharedStep {
+        match self.try_adopt(fleet, call).await {
+            AdoptionOutcome::Ran(result) => SharedStep::Answered(result),
+            AdoptionOutcome::OwnedBy(_, back) | AdoptionOutcome::NotAdoptable(back) => {
+                SharedStep::LookAgain(back)
+            }
+        }
+    }
+
+    /// Forwards to the recorded owner; when it no longer holds the session, the
+    /// directory is asked again.
+    async fn forward_shared(
+        self: &Arc<Self>,
+        fleet: &Arc<Fleet>,
+        key: &str,
+        owner: &str,
+        call: Call,
+    ) -> SharedStep {
+        match self.forward_counted(&call, Some(owner)).await {
+            Ok(reply) => SharedStep::Answered(Ok(reply)),
+            // The owner no longer holds it, or was proven gone (and its sessions
+            // reclaimed): the directory now says how it ended.
+            Err(unanswered)
+                if decision::may_adopt(unanswered.situation, &self.standing(fleet, &call)) =>
+            {
+                // Where it went, or how it ended: the directory says.
+                self.adopt_shared(fleet, call).await
+            }
+            Err(unanswered)
+                if matches!(
+                    unanswered.situation,
+                    Situation::NoSuchSession | Situation::OwnerGone
+                ) =>
+            {
+                SharedStep::LookAgain(call)
+            }
+            Err(unanswered) => {
+                if unanswered.situation == Situation::ForwardedThenLost {
+                    // This answer tells the loss; take the directory's memory of it so
+                    // no other call is told again.
+                    let _ = fleet.directory.remembered_session(key).await;
+                }
+                SharedStep::Answered(Err(self.refuse_shared(
+                    &unanswered.situation,
+                    &unanswered.why,
+                    &call,
+                )))
+            }
+        }
     }
 
     /// Whether the directory records this worker as the owner of `sid` (a read only:
