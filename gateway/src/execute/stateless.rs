@@ -10,12 +10,12 @@ use http_body_util::BodyExt;
 use tracing::debug;
 
 use super::ACCEPT_BOTH;
-use super::upstream::UpstreamError;
+use super::upstream::{UpstreamError, UpstreamLink, UpstreamReply};
 use crate::body;
 use crate::mcp::{self, GatewayError};
 use crate::reply::{HEADER_STATELESS, Reply};
 use crate::request::Call;
-use crate::worker::Worker;
+use crate::worker::{Route, Worker};
 
 /// Methods whose answer does not depend on the session's state, so a worker may
 /// answer them without the session when its owner cannot be reached (opt-in).
@@ -67,14 +67,6 @@ impl Worker {
         let mut headers = HeaderMap::new();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         headers.insert(ACCEPT, ACCEPT_BOTH);
-        let initialize = serde_json::json!({
-            "jsonrpc": "2.0", "id": 0, "method": "initialize",
-            "params": {
-                "protocolVersion": version,
-                "capabilities": {},
-                "clientInfo": { "name": "mcpgw", "version": env!("CARGO_PKG_VERSION") },
-            },
-        });
         // A temporary upstream session: its own upstream session id, or a child
         // process of its own for a stdio upstream.
         let route = &self.routes[call.upstream];
@@ -83,7 +75,7 @@ impl Worker {
             .open_link(
                 route,
                 headers.clone(),
-                bytes::Bytes::from(initialize.to_string()),
+                initialize_request(&version),
                 "stateless",
                 &streams,
             )
@@ -92,44 +84,11 @@ impl Worker {
         if let Ok(version) = HeaderValue::from_str(&version) {
             headers.insert(mcp::HEADER_PROTOCOL_VERSION, version);
         }
-        let initialized = br#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#;
-        let answered = async {
-            let acked = self
-                .send_on_link(
-                    route,
-                    &link,
-                    Method::POST,
-                    headers.clone(),
-                    bytes::Bytes::from_static(initialized),
-                )
-                .await?;
-            let _ = acked.body.collect().await;
-            self.send_on_link(
-                route,
-                &link,
-                Method::POST,
-                call.headers.clone(),
-                call.body.clone(),
-            )
-            .await
-        }
-        .await;
+        let answered = self.ask_initialized(route, &link, headers, call).await;
         // Lists are small: read the answer whole, so the session can end before it
         // is returned.
         let collected = match answered {
-            Ok(answered) => {
-                let status = answered.status;
-                let content_type = answered.headers.get(CONTENT_TYPE).cloned();
-                answered
-                    .body
-                    .collect()
-                    .await
-                    .map(|c| (status, content_type, c.to_bytes()))
-                    .map_err(|e| UpstreamError::Failed {
-                        name: route.name().to_owned(),
-                        detail: e.to_string(),
-                    })
-            }
+            Ok(answered) => read_whole(route, answered).await,
             Err(e) => Err(e),
         };
         self.close_link(route, &link).await;
@@ -144,4 +103,65 @@ impl Worker {
             body: body::full(collected),
         })
     }
+
+    /// Completes the temporary session's handshake (`notifications/initialized`),
+    /// then sends the client's call on it.
+    async fn ask_initialized(
+        &self,
+        route: &Route,
+        link: &UpstreamLink,
+        headers: HeaderMap,
+        call: &Call,
+    ) -> Result<UpstreamReply, UpstreamError> {
+        let initialized = br#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#;
+        let acked = self
+            .send_on_link(
+                route,
+                link,
+                Method::POST,
+                headers,
+                bytes::Bytes::from_static(initialized),
+            )
+            .await?;
+        let _ = acked.body.collect().await;
+        self.send_on_link(
+            route,
+            link,
+            Method::POST,
+            call.headers.clone(),
+            call.body.clone(),
+        )
+        .await
+    }
+}
+
+/// The gateway's own `initialize`, in the protocol version the client asked for.
+fn initialize_request(version: &str) -> bytes::Bytes {
+    let initialize = serde_json::json!({
+        "jsonrpc": "2.0", "id": 0, "method": "initialize",
+        "params": {
+            "protocolVersion": version,
+            "capabilities": {},
+            "clientInfo": { "name": "mcpgw", "version": env!("CARGO_PKG_VERSION") },
+        },
+    });
+    bytes::Bytes::from(initialize.to_string())
+}
+
+/// The answer's status, content type and whole body.
+async fn read_whole(
+    route: &Route,
+    answered: UpstreamReply,
+) -> Result<(StatusCode, Option<HeaderValue>, bytes::Bytes), UpstreamError> {
+    let status = answered.status;
+    let content_type = answered.headers.get(CONTENT_TYPE).cloned();
+    answered
+        .body
+        .collect()
+        .await
+        .map(|c| (status, content_type, c.to_bytes()))
+        .map_err(|e| UpstreamError::Failed {
+            name: route.name().to_owned(),
+            detail: e.to_string(),
+        })
 }

@@ -324,20 +324,44 @@ impl StdioProcess {
         };
         let is_request = message.contains_key("method") && message.contains_key("id");
         if !is_request {
-            let line = {
-                let mut conversation = self.conversation.lock();
-                self.check_open(&conversation)?;
-                conversation.other(message)
-            };
-            if let Some(line) = line {
-                self.write(&line, timeout).await?;
-            }
-            return Ok(UpstreamReply {
-                status: StatusCode::ACCEPTED,
-                headers: HeaderMap::new(),
-                body: body::full(Bytes::new()),
-            });
+            return self.pass_on(message, timeout).await;
         }
+        let (first, answers) = self.send_request(message, timeout).await?;
+        Ok(match first {
+            Answer::Final(json) if accepts_json => json_reply(json),
+            first => sse_reply(first, answers),
+        })
+    }
+
+    /// A notification or a response: nothing comes back for it, so it is answered
+    /// 202 once written.
+    async fn pass_on(
+        &self,
+        message: serde_json::Map<String, Value>,
+        timeout: Duration,
+    ) -> Result<UpstreamReply, UpstreamError> {
+        let line = {
+            let mut conversation = self.conversation.lock();
+            self.check_open(&conversation)?;
+            conversation.other(message)
+        };
+        if let Some(line) = line {
+            self.write(&line, timeout).await?;
+        }
+        Ok(UpstreamReply {
+            status: StatusCode::ACCEPTED,
+            headers: HeaderMap::new(),
+            body: body::full(Bytes::new()),
+        })
+    }
+
+    /// Writes a request and waits for the child's first line about it; the rest
+    /// follow on the receiver returned with it.
+    async fn send_request(
+        self: &Arc<Self>,
+        message: serde_json::Map<String, Value>,
+        timeout: Duration,
+    ) -> Result<(Answer, mpsc::UnboundedReceiver<Answer>), UpstreamError> {
         let (sink, mut answers) = mpsc::unbounded_channel();
         let (id, line) = {
             let mut conversation = self.conversation.lock();
@@ -356,45 +380,46 @@ impl StdioProcess {
         })
         .await;
         unanswered.armed = false;
-        let first = match first {
+        let first = self.first_answer(id, timeout, first)?;
+        Ok((first, answers))
+    }
+
+    /// The first answer to request `id`, or why there is none.
+    fn first_answer(
+        &self,
+        id: u64,
+        timeout: Duration,
+        first: Result<Result<Option<Answer>, UpstreamError>, tokio::time::error::Elapsed>,
+    ) -> Result<Answer, UpstreamError> {
+        match first {
             // The line was written, then the child ended before any answer: it may have
             // read and run it. (A write that fails finds it gone first: `Exited` below.)
-            Ok(Ok(Some(Answer::Ended { why, .. }))) => {
-                return Err(UpstreamError::ExitedWhileRunning {
-                    name: self.name.clone(),
-                    detail: why,
-                });
-            }
-            Ok(Ok(Some(first))) => first,
+            Ok(Ok(Some(Answer::Ended { why, .. }))) => Err(UpstreamError::ExitedWhileRunning {
+                name: self.name.clone(),
+                detail: why,
+            }),
+            Ok(Ok(Some(first))) => Ok(first),
             Ok(Ok(None)) if self.conversation.lock().closed().is_none() => {
-                return Err(
-                    self.failed("the request was cancelled before the server answered it".into())
-                );
+                Err(self.failed("the request was cancelled before the server answered it".into()))
             }
-            Ok(Ok(None)) => {
-                return Err(match self.exited() {
-                    UpstreamError::Exited { name, detail } => {
-                        UpstreamError::ExitedWhileRunning { name, detail }
-                    }
-                    other => other,
-                });
-            }
+            Ok(Ok(None)) => Err(match self.exited() {
+                UpstreamError::Exited { name, detail } => {
+                    UpstreamError::ExitedWhileRunning { name, detail }
+                }
+                other => other,
+            }),
             Ok(Err(e)) => {
                 self.conversation.lock().abandon(id);
-                return Err(e);
+                Err(e)
             }
             Err(_) => {
                 self.conversation.lock().abandon(id);
-                return Err(UpstreamError::Timeout {
+                Err(UpstreamError::Timeout {
                     name: self.name.clone(),
                     timeout,
-                });
+                })
             }
-        };
-        Ok(match first {
-            Answer::Final(json) if accepts_json => json_reply(json),
-            first => sse_reply(first, answers),
-        })
+        }
     }
 
     /// Ends the child: closes its stdin, then SIGTERM and SIGKILL to its process group
