@@ -26,12 +26,13 @@ test: deps build
 ## same-host path, Redis pub/sub, round-robin, and a virtual server of three members
 ## local and forwarded) at several concurrency levels, plus idle-session memory,
 ## then an open-loop sweep of the transports at fixed offered rates (each stops at its
-## saturation rate): about 4 minutes on 2 cores.
+## saturation rate, then two runs narrow it down) and a run of each at half the Redis
+## baseline's saturation rate: about 6 minutes on 2 cores.
 ## Pass options with BENCH_ARGS="--duration 10s ...".
 ## Then the scale scenario: 4 workers, 10,000 sessions holding GET streams, a
 ## round-robin tools/call load on top (about 30 s; options in SCALE_ARGS).
 bench: deps build-release
-	$(CARGO) run -j$(JOBS) --quiet --release -p mcpgw-perf --bin mcpgw-bench -- compare --rates 1000,2000,4000,8000 $(BENCH_ARGS)
+	$(CARGO) run -j$(JOBS) --quiet --release -p mcpgw-perf --bin mcpgw-bench -- compare --rates 1000,2000,4000,8000,16000,32000 $(BENCH_ARGS)
 	$(CARGO) run -j$(JOBS) --quiet --release -p mcpgw-perf --bin mcpgw-bench -- scale --duration 5s $(SCALE_ARGS)
 
 ## The container fleet (compose/): Redis, the demo upstream, 3 gateway containers with

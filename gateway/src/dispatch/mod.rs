@@ -50,14 +50,17 @@ impl Worker {
         // A 2026-07-28 call to an upstream that keeps state in sessions runs in the
         // session its principal shares there (execute/shared.rs).
         let call = self.bind_shared_session(call);
+        // The paths off the common one are boxed: an async fn's future is as large as
+        // its largest path, and every request's future is moved (copied) several times
+        // on its way to being polled. Inlined, these rare paths tripled its size.
         if call.is_shared_bound() {
-            return self.dispatch_shared(call).await;
+            return Box::pin(self.dispatch_shared(call)).await;
         }
         // Kept only when a stateless answer could stand in for an "unknown" one.
         let fallback = self.stateless_candidate(&call).then(|| call.clone());
         match (self.decide_and_run(call).await, fallback) {
             (Err(error), Some(call)) if refuse::owner_unconfirmed(&error) => {
-                self.answer_statelessly(call, error).await
+                Box::pin(self.answer_statelessly(call, error)).await
             }
             (result, _) => result,
         }
@@ -84,7 +87,9 @@ impl Worker {
                     unanswered.situation,
                     &self.standing(fleet, &call),
                 ) {
-                    AfterForward::Adopt => self.adopt_or_refuse(fleet, call, unanswered).await,
+                    AfterForward::Adopt => {
+                        Box::pin(self.adopt_or_refuse(fleet, call, unanswered)).await
+                    }
                     AfterForward::Refuse(situation, Some(why)) => {
                         Err(self.refuse(&situation, why, call.id()))
                     }

@@ -66,14 +66,19 @@ impl Worker {
             .as_ref()
             .is_some_and(|m| m.method() == Some("tools/list"));
         let virtual_server = matches!(route.upstream(), Upstream::Virtual(_));
+        // The large and less frequent paths are boxed, so that a call in a session
+        // does not carry (and copy) a future sized for a virtual server's or an
+        // initialize's (see `Worker::dispatch`).
         let result = match (call.era, session) {
             // A 2026-07-28 call on a virtual server: its members' calls made for it.
-            (Era::Modern, _) if virtual_server => self.serve_federated_modern(call).await,
+            (Era::Modern, _) if virtual_server => Box::pin(self.serve_federated_modern(call)).await,
             // A 2026-07-28 call bound to its (principal, route) session (`shared.rs`).
             (Era::Modern, Some(session)) => self.run_shared(call, session).await,
-            (Era::Modern, None) if call.session_id.is_some() => self.open_shared(call).await,
+            (Era::Modern, None) if call.session_id.is_some() => {
+                Box::pin(self.open_shared(call)).await
+            }
             (Era::Modern, None) => self.pass_through(call).await,
-            (Era::Legacy, None) if call.is_initialize() => self.open_session(call).await,
+            (Era::Legacy, None) if call.is_initialize() => Box::pin(self.open_session(call)).await,
             (Era::Legacy, None) => Err(GatewayError::session_not_found().with_id(call.id())),
             (Era::Legacy, Some(session)) => self.run_in_session(call, session).await,
         };

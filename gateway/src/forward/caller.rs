@@ -207,12 +207,15 @@ impl Forwarder {
         let mut in_flight = None;
         let mut answer = None;
         let mut action = machine.start();
+        // Every step but the send and its wait is boxed: a forward that is answered
+        // (almost every one) then does not carry a future sized for probes and
+        // directory calls (see `Worker::dispatch`).
         loop {
             let event = match action {
                 Action::Relay => return answer.take().map(from_forwarded).ok_or_else(lost_track),
                 Action::Refuse { unanswered, bury } => {
                     if let Some(proof) = bury {
-                        self.bury_proven(proof, machine.target(), &addr).await;
+                        Box::pin(self.bury_proven(proof, machine.target(), &addr)).await;
                     }
                     return Err(unanswered);
                 }
@@ -236,29 +239,29 @@ impl Forwarder {
                 }
                 Action::Probe { after } => {
                     let probe = self.probe_after(after, machine.target(), &addr, &sent);
-                    self.raced(&mut in_flight, &mut answer, probe).await
+                    Box::pin(self.raced(&mut in_flight, &mut answer, probe)).await
                 }
                 Action::AskRecord => {
                     let record = async {
                         let record = self.directory.recorded_owner(session).await;
                         Event::Record(record.map_err(|e| e.to_string()))
                     };
-                    self.raced(&mut in_flight, &mut answer, record).await
+                    Box::pin(self.raced(&mut in_flight, &mut answer, record)).await
                 }
                 Action::AskLease => {
                     let lease = async {
                         let state = self.directory.lease_state(machine.target()).await;
                         Event::Lease(state.map_err(|e| e.to_string()))
                     };
-                    self.raced(&mut in_flight, &mut answer, lease).await
+                    Box::pin(self.raced(&mut in_flight, &mut answer, lease)).await
                 }
-                Action::AskAddress => self.ask_address(machine.target(), &mut addr).await,
+                Action::AskAddress => Box::pin(self.ask_address(machine.target(), &mut addr)).await,
                 Action::AskGone => {
-                    let gone = self.directory.gone_record(machine.target()).await;
+                    let gone = Box::pin(self.directory.gone_record(machine.target())).await;
                     Event::Gone(gone.map_err(|e| e.to_string()))
                 }
                 Action::AskRegistered(worker) => {
-                    let registered = self.directory.registered_ago(&worker).await;
+                    let registered = Box::pin(self.directory.registered_ago(&worker)).await;
                     Event::Registered(registered.map_err(|e| e.to_string()))
                 }
             };

@@ -52,7 +52,9 @@ fn serve_stream(
     peer: PeerInfo,
 ) -> BoxStream<'static, ResponsePart> {
     let deadline = Duration::from_millis(u64::from(request.deadline_ms));
-    let run = async move {
+    // Boxed at once: the request's whole local path is inside, kilobytes that every
+    // wrapper below would otherwise copy again as it takes the future in.
+    let run = Box::pin(async move {
         let request_id = request.request_id;
         match serve_forwarded(&worker, request, &peer.worker_id).await {
             Ok(reply) => reply_parts(reply),
@@ -61,7 +63,7 @@ fn serve_stream(
                 futures_util::stream::iter([ResponsePart::Error(frame)]).boxed()
             }
         }
-    };
+    });
     // The head must come within the deadline; the body may stream on after it.
     let timed = async move {
         match tokio::time::timeout(deadline, run).await {

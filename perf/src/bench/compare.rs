@@ -74,6 +74,11 @@ pub struct CompareArgs {
     /// first) until it saturates; latency counts from the intended send time.
     #[arg(long, value_delimiter = ',', value_parser = parse_rate)]
     pub rates: Vec<f64>,
+    /// After the sweep, how many times each configuration's bracket around its
+    /// saturation rate (last sustained, first saturated) is halved by a run at its
+    /// middle.
+    #[arg(long, default_value_t = 2)]
+    pub refine_steps: usize,
     /// Sessions of each open-loop run (the offered rate is spread over them).
     #[arg(long, default_value_t = 64)]
     pub rate_sessions: usize,
@@ -184,6 +189,12 @@ impl ConfigName {
         matches!(self, ConfigName::Virtual | ConfigName::VirtualTcp)
     }
 
+    /// Whether the open-loop sweep runs it. The sweep compares transports; a virtual
+    /// server's cost is read off the closed-loop runs against its plain route.
+    pub fn sweeps(self) -> bool {
+        !self.is_virtual()
+    }
+
     /// The plain-route configuration with the same path through the fleet.
     pub fn plain_counterpart(self) -> Option<ConfigName> {
         match self {
@@ -233,6 +244,8 @@ pub struct ConfigOutcome {
     pub sweep: Vec<RunResult>,
     /// Where the open-loop sweep saturated this configuration; null without one.
     pub saturation: Option<Saturation>,
+    /// The open-loop run at half the baseline's saturation rate; null without one.
+    pub at_half_baseline: Option<RunResult>,
 }
 
 /// A rate is sustained when the achieved rate is at least [`ACHIEVED_SHARE`] of
@@ -287,6 +300,110 @@ pub fn saturated_because(run: &RunResult, base_p99_us: u64) -> Option<String> {
     None
 }
 
+/// Whether the sweep's next rate runs `outcome`: it is swept, available, and has not
+/// saturated yet.
+fn sweeps(outcome: &ConfigOutcome) -> bool {
+    let saturated = outcome
+        .saturation
+        .as_ref()
+        .is_some_and(|s| s.saturated_at_rps.is_some());
+    outcome.name.sweeps() && outcome.not_available.is_none() && !saturated
+}
+
+/// Refinement rates are rounded to this step, so reports read as round numbers.
+const REFINE_STEP_RPS: f64 = 100.0;
+
+impl ConfigOutcome {
+    /// Files an open-loop run at `rate` and moves the saturation bracket: a sustained
+    /// rate raises its lower end, a saturated one lowers its upper end. The sweep
+    /// stays ordered by rate.
+    fn record_swept(&mut self, rate: f64, result: RunResult) {
+        let base = self.sweep.first().unwrap_or(&result).latency.p99_us;
+        let reason = saturated_because(&result, base);
+        let previous = self.saturation.take().unwrap_or(Saturation {
+            sustained_rps: None,
+            saturated_at_rps: None,
+            reason: None,
+        });
+        self.saturation = Some(match reason {
+            None => Saturation {
+                sustained_rps: Some(previous.sustained_rps.map_or(rate, |s| s.max(rate))),
+                ..previous
+            },
+            Some(reason) => match previous.saturated_at_rps {
+                Some(at) if at < rate => previous,
+                _ => Saturation {
+                    sustained_rps: previous.sustained_rps,
+                    saturated_at_rps: Some(rate),
+                    reason: Some(reason),
+                },
+            },
+        });
+        let at = self
+            .sweep
+            .partition_point(|r| r.offered_rps.is_some_and(|offered| offered < rate));
+        self.sweep.insert(at, result);
+    }
+
+    /// The rate halfway between the highest sustained and the lowest saturated rate,
+    /// when the two are further apart than one refinement step.
+    fn bracket_middle(&self) -> Option<f64> {
+        if !self.name.sweeps() || self.not_available.is_some() {
+            return None;
+        }
+        let saturation = self.saturation.as_ref()?;
+        let (low, high) = (saturation.sustained_rps?, saturation.saturated_at_rps?);
+        let middle = ((low + high) / 2.0 / REFINE_STEP_RPS).round() * REFINE_STEP_RPS;
+        (middle > low && middle < high).then_some(middle)
+    }
+}
+
+/// What every open-loop run of `compare` shares: the flags, the fleets, the upstream.
+struct OpenLoop<'a> {
+    args: &'a CompareArgs,
+    fleets: &'a BTreeMap<&'static str, Result<FleetUnderTest, String>>,
+    upstream_url: &'a str,
+    upstream_pid: Option<u32>,
+}
+
+impl OpenLoop<'_> {
+    /// Runs `outcome`'s configuration at `rate`; a failed run marks the
+    /// configuration not available (and answers None).
+    async fn run(&self, outcome: &mut ConfigOutcome, rate: f64) -> Option<RunResult> {
+        let name = outcome.name;
+        let (urls, redis_url, pids) = load_target(name, self.fleets, self.upstream_url)?;
+        let spec = LoadSpec {
+            label: name.as_str().into(),
+            urls,
+            sessions: self.args.rate_sessions,
+            era: name.era(),
+            routing: name.routing(),
+            mix: self.args.mix,
+            duration: self.args.duration,
+            requests: None,
+            rate: Some(rate),
+            warmup: self.args.warmup,
+            timeout: self.args.timeout,
+            redis_url,
+            pids,
+            upstream_pid: self.upstream_pid,
+            progress: true,
+            cleanup: true,
+        };
+        match run_load(&spec).await {
+            Ok(result) => {
+                eprintln!("{}", summary_line(&result));
+                Some(result)
+            }
+            Err(e) => {
+                eprintln!("{name} at {rate} req/s: failed: {e}");
+                outcome.not_available = Some(format!("run at {rate} req/s failed: {e}"));
+                None
+            }
+        }
+    }
+}
+
 /// Everything `compare` measured: report.json.
 #[derive(Debug, Clone, Serialize)]
 pub struct CompareReport {
@@ -312,6 +429,11 @@ pub struct Settings {
     pub concurrency: Vec<usize>,
     /// Offered rates of the open-loop sweep (req/s); empty without one.
     pub rates: Vec<f64>,
+    /// Bisections of each configuration's bracket around its saturation rate.
+    pub refine_steps: usize,
+    /// The offered rate of the runs at half the baseline's saturation rate; null
+    /// when the baseline did not saturate (or did not run).
+    pub half_baseline_rps: Option<f64>,
     pub rate_sessions: usize,
     pub duration_s: f64,
     pub warmup_s: f64,
@@ -420,6 +542,7 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<()> {
             runs: Vec::new(),
             sweep: Vec::new(),
             saturation: None,
+            at_half_baseline: None,
         })
         .collect();
     for &concurrency in &args.concurrency {
@@ -465,68 +588,53 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<()> {
     let mut rates = args.rates.clone();
     rates.sort_by(f64::total_cmp);
     rates.dedup();
+    let open = OpenLoop {
+        args: &args,
+        fleets: &fleets,
+        upstream_url: &upstream_url,
+        upstream_pid,
+    };
     // Rates in the outer loop, as concurrency above, so drift touches every
     // configuration alike; a configuration stops at its first saturated rate.
     for &rate in &rates {
-        for outcome in outcomes.iter_mut() {
-            let saturated = outcome
-                .saturation
-                .as_ref()
-                .is_some_and(|s| s.saturated_at_rps.is_some());
-            // The sweep compares transports; a virtual server's cost is read off
-            // the closed-loop runs against its plain route.
-            if outcome.not_available.is_some() || saturated || outcome.name.is_virtual() {
-                continue;
-            }
-            let name = outcome.name;
-            let Some((urls, redis_url, pids)) = load_target(name, &fleets, &upstream_url) else {
-                continue;
-            };
-            let spec = LoadSpec {
-                label: name.as_str().into(),
-                urls,
-                sessions: args.rate_sessions,
-                era: name.era(),
-                routing: name.routing(),
-                mix: args.mix,
-                duration: args.duration,
-                requests: None,
-                rate: Some(rate),
-                warmup: args.warmup,
-                timeout: args.timeout,
-                redis_url,
-                pids,
-                upstream_pid,
-                progress: true,
-                cleanup: true,
-            };
-            match run_load(&spec).await {
-                Ok(result) => {
-                    eprintln!("{}", summary_line(&result));
-                    let base = outcome.sweep.first().unwrap_or(&result).latency.p99_us;
-                    let reason = saturated_because(&result, base);
-                    let sustained = outcome.saturation.as_ref().and_then(|s| s.sustained_rps);
-                    outcome.saturation = Some(match reason {
-                        None => Saturation {
-                            sustained_rps: Some(rate),
-                            saturated_at_rps: None,
-                            reason: None,
-                        },
-                        Some(reason) => Saturation {
-                            sustained_rps: sustained,
-                            saturated_at_rps: Some(rate),
-                            reason: Some(reason),
-                        },
-                    });
-                    outcome.sweep.push(result);
-                }
-                Err(e) => {
-                    eprintln!("{name} at {rate} req/s: failed: {e}");
-                    outcome.not_available = Some(format!("run at {rate} req/s failed: {e}"));
-                }
+        for outcome in outcomes.iter_mut().filter(|o| sweeps(o)) {
+            if let Some(result) = open.run(outcome, rate).await {
+                outcome.record_swept(rate, result);
             }
         }
     }
+    // The doubling steps of a sweep leave the saturation rate known within a factor
+    // of two; halving the bracket a few times makes configurations comparable.
+    for _ in 0..args.refine_steps {
+        for outcome in outcomes.iter_mut() {
+            let Some(rate) = outcome.bracket_middle() else {
+                continue;
+            };
+            if let Some(result) = open.run(outcome, rate).await {
+                outcome.record_swept(rate, result);
+            }
+        }
+    }
+    // The p99 target compares the transports at one offered rate that the baseline
+    // sustains comfortably: half of its saturation rate.
+    let half_baseline_rps = outcomes
+        .iter()
+        .find(|o| o.name == ConfigName::Redis)
+        .and_then(|o| o.saturation.as_ref()?.saturated_at_rps)
+        .map(|rate| (rate / 2.0).round());
+    if let Some(rate) = half_baseline_rps {
+        for outcome in outcomes.iter_mut().filter(|o| o.name.sweeps()) {
+            if outcome.not_available.is_none() {
+                outcome.at_half_baseline = open.run(outcome, rate).await;
+            }
+        }
+    }
+    let mut rates: Vec<f64> = outcomes
+        .iter()
+        .flat_map(|o| o.sweep.iter().filter_map(|r| r.offered_rps))
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    rates.dedup();
     for (_, fleet) in fleets {
         if let Ok(f) = fleet {
             f.fleet.stop().await;
@@ -565,6 +673,8 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<()> {
     let settings = Settings {
         concurrency: args.concurrency.clone(),
         rates,
+        refine_steps: args.refine_steps,
+        half_baseline_rps,
         rate_sessions: args.rate_sessions,
         duration_s: args.duration.as_secs_f64(),
         warmup_s: args.warmup.as_secs_f64(),
@@ -735,5 +845,58 @@ mod tests {
         assert!(failed.starts_with("11 errors of 1,000"), "{failed}");
         // A closed-loop run has no offered rate to fall short of.
         assert_eq!(saturated_because(&sample("sticky", 64, 100, 1.0), 1), None);
+    }
+
+    #[test]
+    fn refinement_halves_the_bracket_between_sustained_and_saturated_rates() {
+        let mut outcome = ConfigOutcome {
+            name: ConfigName::Tcp,
+            description: String::new(),
+            not_available: None,
+            runs: Vec::new(),
+            sweep: Vec::new(),
+            saturation: None,
+            at_half_baseline: None,
+        };
+        outcome.record_swept(1000.0, open(1000.0, 1000.0, 900));
+        outcome.record_swept(2000.0, open(2000.0, 2000.0, 1_000));
+        assert_eq!(outcome.bracket_middle(), None, "nothing saturated yet");
+        outcome.record_swept(4000.0, open(4000.0, 3000.0, 9_000));
+        assert_eq!(outcome.bracket_middle(), Some(3000.0));
+        // Sustained in the middle: the lower end rises.
+        outcome.record_swept(3000.0, open(3000.0, 2990.0, 2_000));
+        assert_eq!(outcome.bracket_middle(), Some(3500.0));
+        // Saturated in the middle: the upper end falls, with its own reason.
+        outcome.record_swept(3500.0, open(3500.0, 3000.0, 2_000));
+        let saturation = outcome.saturation.clone().expect("a bracket");
+        assert_eq!(saturation.sustained_rps, Some(3000.0));
+        assert_eq!(saturation.saturated_at_rps, Some(3500.0));
+        assert!(
+            saturation
+                .reason
+                .as_deref()
+                .unwrap_or_default()
+                .contains("of 3,500"),
+            "{saturation:?}"
+        );
+        assert_eq!(outcome.bracket_middle(), Some(3300.0));
+        let offered: Vec<f64> = outcome.sweep.iter().filter_map(|r| r.offered_rps).collect();
+        assert_eq!(
+            offered,
+            [1000.0, 2000.0, 3000.0, 3500.0, 4000.0],
+            "kept in rate order"
+        );
+        // Within one step there is nothing left to halve.
+        outcome.record_swept(3100.0, open(3100.0, 3100.0, 2_000));
+        outcome.record_swept(3200.0, open(3200.0, 3000.0, 2_000));
+        assert_eq!(outcome.bracket_middle(), None);
+        // Virtual servers are not swept, so never refined.
+        outcome.name = ConfigName::Virtual;
+        outcome.saturation = Some(Saturation {
+            sustained_rps: Some(1000.0),
+            saturated_at_rps: Some(2000.0),
+            reason: None,
+        });
+        assert_eq!(outcome.bracket_middle(), None);
     }
 }

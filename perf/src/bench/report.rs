@@ -95,7 +95,8 @@ pub fn open_loop_section(report: &CompareReport) -> String {
          A rate is sustained when at least {:.0} % of it is achieved, no request is left \
          unsent, at most {:.0} % fail, and p99 stays within {:.0} × the p99 at the lowest \
          rate; the saturation rate is the lowest offered rate that is not. Each \
-         configuration stops at its saturation rate.\n\n\
+         configuration stops at its saturation rate; then runs halfway between its \
+         highest sustained and lowest saturated rate narrow the bracket.\n\n\
          | configuration | sustained req/s | saturated at req/s | why |\n|---|---:|---:|---|",
         report.settings.rate_sessions,
         super::compare::ACHIEVED_SHARE * 100.0,
@@ -126,6 +127,20 @@ pub fn open_loop_section(report: &CompareReport) -> String {
     });
     out.push('\n');
     out.push_str(&open_loop_markdown(&runs));
+    if let Some(rate) = report.settings.half_baseline_rps {
+        let at_half: Vec<RunResult> = report
+            .configurations
+            .iter()
+            .filter_map(|c| c.at_half_baseline.clone())
+            .collect();
+        let _ = writeln!(
+            out,
+            "\n### At half the Redis baseline's saturation rate ({} req/s)\n\n\
+             Every configuration at one offered rate the baseline sustains.\n",
+            grouped(rate.round() as u64)
+        );
+        out.push_str(&open_loop_markdown(&at_half));
+    }
     out
 }
 
