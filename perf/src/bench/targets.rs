@@ -520,6 +520,108 @@ mod tests {
         );
     }
 
+    fn with_cpu(mut run: RunResult, us_per_request: f64) -> RunResult {
+        run.cpu.gateway_s_per_1k = Some(us_per_request / 1000.0);
+        run
+    }
+
+    #[test]
+    fn forwarded_cpu_is_judged_against_sticky_at_64_sessions() {
+        let sticky = outcome(
+            ConfigName::Sticky,
+            vec![
+                with_cpu(sample("sticky", 8, 100, 1000.0), 10.0),
+                with_cpu(sample("sticky", 64, 100, 1000.0), 32.0),
+            ],
+        );
+        let tcp = |us| {
+            outcome(
+                ConfigName::Tcp,
+                vec![
+                    with_cpu(sample("tcp", 8, 100, 1000.0), 1.0),
+                    with_cpu(sample("tcp", 64, 100, 1000.0), us),
+                ],
+            )
+        };
+        let missed = forwarded_cpu(&[sticky.clone(), tcp(70.0)]);
+        assert_eq!(missed.verdict, Verdict::Missed, "{missed:?}");
+        assert!(
+            missed.measured.contains("c=64 tcp: 70 vs 32 µs (2.19×)"),
+            "{missed:?}"
+        );
+        let met = forwarded_cpu(&[sticky.clone(), tcp(48.0)]);
+        assert_eq!(met.verdict, Verdict::Met, "{met:?}");
+        assert_eq!(forwarded_cpu(&[tcp(48.0)]).verdict, Verdict::NotMeasured);
+    }
+
+    fn swept(name: ConfigName, sustained: Option<f64>, saturated: Option<f64>) -> ConfigOutcome {
+        let mut o = outcome(name, Vec::new());
+        o.saturation = Some(super::super::compare::Saturation {
+            sustained_rps: sustained,
+            saturated_at_rps: saturated,
+            reason: None,
+        });
+        o
+    }
+
+    #[test]
+    fn saturation_rates_compare_to_the_baselines_and_an_unsaturated_mesh_is_a_lower_bound() {
+        let redis = swept(ConfigName::Redis, Some(4000.0), Some(6000.0));
+        let met = mesh_vs_redis_saturation(&[
+            redis.clone(),
+            swept(ConfigName::Tcp, Some(12_000.0), Some(14_000.0)),
+        ]);
+        assert_eq!(met.verdict, Verdict::Met, "{met:?}");
+        assert!(
+            met.measured.contains("tcp: 14,000 vs 6,000 req/s (2.3×)"),
+            "{met:?}"
+        );
+        let bound =
+            mesh_vs_redis_saturation(&[redis.clone(), swept(ConfigName::Tcp, Some(8000.0), None)]);
+        assert_eq!(bound.verdict, Verdict::Missed, "{bound:?}");
+        assert!(bound.measured.contains("more than 8,000"), "{bound:?}");
+        let unsaturated = swept(ConfigName::Redis, Some(32_000.0), None);
+        assert_eq!(
+            mesh_vs_redis_saturation(&[unsaturated, swept(ConfigName::Tcp, Some(1.0), None)])
+                .verdict,
+            Verdict::NotMeasured
+        );
+    }
+
+    #[test]
+    fn open_loop_p99_is_compared_at_half_the_baselines_saturation_rate() {
+        let at_half = |name: ConfigName, p99_us: u64| {
+            let mut o = outcome(name, Vec::new());
+            let mut run = sample(name.as_str(), 64, p99_us / 3, 3000.0);
+            run.offered_rps = Some(3000.0);
+            run.latency.p99_us = p99_us;
+            o.at_half_baseline = Some(run);
+            o
+        };
+        let check = mesh_vs_redis_open_loop_p99(&[
+            at_half(ConfigName::Redis, 6000),
+            at_half(ConfigName::Tcp, 1500),
+            at_half(ConfigName::Quic, 3000),
+        ]);
+        assert_eq!(check.verdict, Verdict::Missed, "{check:?}");
+        assert!(
+            check
+                .measured
+                .contains("tcp: p99 1.50 vs 6.00 ms at 3,000 req/s (4.0×)"),
+            "{check:?}"
+        );
+        assert!(
+            check
+                .measured
+                .contains("quic: p99 3.00 vs 6.00 ms at 3,000 req/s (2.0×)"),
+            "{check:?}"
+        );
+        assert_eq!(
+            mesh_vs_redis_open_loop_p99(&[at_half(ConfigName::Tcp, 1500)]).verdict,
+            Verdict::NotMeasured
+        );
+    }
+
     #[test]
     fn the_baseline_comparison_needs_the_baseline() {
         let sticky = outcome(
