@@ -307,17 +307,7 @@ async fn handle(
     let path = parts.uri.path().to_owned();
     let base = worker.auth.base_url(&parts.headers);
     if let Some(resource) = path.strip_prefix(auth::metadata::WELL_KNOWN) {
-        let reply = worker.auth.metadata(
-            &parts.method,
-            worker.endpoints.resolve(resource),
-            resource,
-            base.as_deref(),
-        );
-        let mut response = into_response(reply);
-        response
-            .headers_mut()
-            .insert(HEADER_EDGE_WORKER, worker.id_header.clone());
-        return response;
+        return metadata_response(&worker, &parts.method, resource, base.as_deref());
     }
     let arrived = tokio::time::Instant::now();
     let route = worker.endpoints.resolve(&path);
@@ -370,6 +360,23 @@ async fn handle(
         status,
         response.headers_mut(),
     );
+    response
+        .headers_mut()
+        .insert(HEADER_EDGE_WORKER, worker.id_header.clone());
+    response
+}
+
+/// The protected-resource metadata of the route `resource` names (RFC 9728).
+fn metadata_response(
+    worker: &Worker,
+    method: &http::Method,
+    resource: &str,
+    base: Option<&str>,
+) -> Response<ReplyBody> {
+    let reply = worker
+        .auth
+        .metadata(method, worker.endpoints.resolve(resource), resource, base);
+    let mut response = into_response(reply);
     response
         .headers_mut()
         .insert(HEADER_EDGE_WORKER, worker.id_header.clone());

@@ -133,59 +133,14 @@ async fn run_forwarded(
     method: Method,
     headers: HeaderMap,
 ) -> Result<Reply, ErrorFrame> {
-    let checked = request::check_head(&worker.endpoints, &method, &frame.path, &headers).and_then(
-        |(upstream, era)| {
-            request::parse_call(
-                upstream,
-                era,
-                method,
-                &frame.path,
-                &headers,
-                frame.body,
-                frame.auth,
-            )
-        },
-    );
-    let call = match checked {
-        // A 2026-07-28 call binds to its principal's shared session here too.
-        Ok(call) => worker.bind_shared_session(call),
-        // The edge ran the same checks; a refusal here is still an answer to relay.
-        Err(error) => return Ok(Reply::from_error(&error)),
+    let call = match checked_call(worker, frame, method, &headers) {
+        Ok(call) => call,
+        Err(refusal) => return Ok(refusal),
     };
-    // The edge authenticated the client; the owner checks that the context fits this
-    // route and that the credential has not expired since (invariant 4).
-    if let Err(error) = worker.auth.check_forwarded(&call) {
-        return Ok(Reply::from_error(&error));
-    }
     // A lease past its own deadline is revalidated first, as at the edge: an owner
     // whose heartbeat is merely late serves, and only one in real doubt refuses.
     let session = worker.hold_session(&call).await;
-    let mut known = Known {
-        has_session_id: call.session_id.is_some(),
-        held_here: session.is_some(),
-        lease_valid: worker.lease_valid(),
-        in_fleet: worker.fleet().is_some(),
-        fenced: worker.is_fenced(),
-        adopts: worker.adopts(),
-        ..Known::of(
-            Side::Owner,
-            match call.is_shared_bound() {
-                true => SessionKind::Shared,
-                false => SessionKind::Own,
-            },
-        )
-    };
-    // Decided again once the one fact the core may ask for is in.
-    let (situation, decided) = loop {
-        let situation = decision::situation(&known);
-        match decision::decide(&situation) {
-            Decision::Ask(Fact::OwnRecord) => {
-                let id = call.session_id.as_deref().unwrap_or_default();
-                known.recorded_here = Some(worker.records_as_own(id).await);
-            }
-            decided => break (situation, decided),
-        }
-    };
+    let (situation, decided) = owner_decision(worker, &call, session.is_some()).await;
     match decided {
         Decision::ExecuteHere => {}
         Decision::NotMine => {
@@ -219,6 +174,75 @@ async fn run_forwarded(
         Ok(reply) => reply,
         Err(error) => Reply::from_error(&error),
     })
+}
+
+/// The forwarded request as a call, checked as the edge checked it; else the
+/// refusal to relay.
+fn checked_call(
+    worker: &Worker,
+    frame: RequestFrame,
+    method: Method,
+    headers: &HeaderMap,
+) -> Result<crate::request::Call, Reply> {
+    let checked = request::check_head(&worker.endpoints, &method, &frame.path, headers).and_then(
+        |(upstream, era)| {
+            request::parse_call(
+                upstream,
+                era,
+                method,
+                &frame.path,
+                headers,
+                frame.body,
+                frame.auth,
+            )
+        },
+    );
+    let call = match checked {
+        // A 2026-07-28 call binds to its principal's shared session here too.
+        Ok(call) => worker.bind_shared_session(call),
+        // The edge ran the same checks; a refusal here is still an answer to relay.
+        Err(error) => return Err(Reply::from_error(&error)),
+    };
+    // The edge authenticated the client; the owner checks that the context fits this
+    // route and that the credential has not expired since (invariant 4).
+    match worker.auth.check_forwarded(&call) {
+        Ok(()) => Ok(call),
+        Err(error) => Err(Reply::from_error(&error)),
+    }
+}
+
+/// What the decision core says of `call` at its owner, asked again once the one
+/// fact it may ask for (whether the directory records the session here) is in.
+async fn owner_decision(
+    worker: &Worker,
+    call: &crate::request::Call,
+    held_here: bool,
+) -> (decision::Situation, Decision) {
+    let mut known = Known {
+        has_session_id: call.session_id.is_some(),
+        held_here,
+        lease_valid: worker.lease_valid(),
+        in_fleet: worker.fleet().is_some(),
+        fenced: worker.is_fenced(),
+        adopts: worker.adopts(),
+        ..Known::of(
+            Side::Owner,
+            match call.is_shared_bound() {
+                true => SessionKind::Shared,
+                false => SessionKind::Own,
+            },
+        )
+    };
+    loop {
+        let situation = decision::situation(&known);
+        match decision::decide(&situation) {
+            Decision::Ask(Fact::OwnRecord) => {
+                let id = call.session_id.as_deref().unwrap_or_default();
+                known.recorded_here = Some(worker.records_as_own(id).await);
+            }
+            decided => return (situation, decided),
+        }
+    }
 }
 
 /// Streams a reply as mesh response parts: head, one chunk per body frame, end.
