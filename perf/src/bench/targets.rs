@@ -37,10 +37,12 @@ pub const SESSION_MEMORY_TARGET: f64 = 16.0 * 1024.0;
 pub const IDLE_SESSIONS_TARGET: usize = 10_000;
 pub const ROUND_ROBIN_RPS_TARGET: f64 = 10_000.0;
 
+fn outcome_of(outcomes: &[ConfigOutcome], name: ConfigName) -> Option<&ConfigOutcome> {
+    outcomes.iter().find(|o| o.name == name)
+}
+
 fn run_at(outcomes: &[ConfigOutcome], name: ConfigName, concurrency: usize) -> Option<&RunResult> {
-    outcomes
-        .iter()
-        .find(|o| o.name == name)?
+    outcome_of(outcomes, name)?
         .runs
         .iter()
         .find(|r| r.sessions == concurrency)
@@ -221,13 +223,7 @@ fn mesh_vs_redis_open_loop_p99(outcomes: &[ConfigOutcome]) -> TargetCheck {
     let target = "At half the Redis baseline's saturation rate (open loop), forwarded p99 ≥3× \
                   lower than the baseline's"
         .to_owned();
-    let at_half = |name: ConfigName| {
-        outcomes
-            .iter()
-            .find(|o| o.name == name)?
-            .at_half_baseline
-            .as_ref()
-    };
+    let at_half = |name: ConfigName| outcome_of(outcomes, name)?.at_half_baseline.as_ref();
     let Some(redis) = at_half(ConfigName::Redis) else {
         return not_measured(target, "needs a rate sweep in which the baseline saturates");
     };
@@ -256,16 +252,10 @@ fn mesh_vs_redis_open_loop_p99(outcomes: &[ConfigOutcome]) -> TargetCheck {
 }
 
 /// The saturation rates of the open-loop sweep. A mesh that never saturated is
-/// credited with the rate above its highest sustained one, a lower bound.
+/// credited with its highest sustained rate, as a lower bound ("more than").
 fn mesh_vs_redis_saturation(outcomes: &[ConfigOutcome]) -> TargetCheck {
     let target = "The mesh's open-loop saturation rate ≥2× the Redis baseline's".to_owned();
-    let saturation = |name: ConfigName| {
-        outcomes
-            .iter()
-            .find(|o| o.name == name)?
-            .saturation
-            .as_ref()
-    };
+    let saturation = |name: ConfigName| outcome_of(outcomes, name)?.saturation.as_ref();
     let Some(redis) = saturation(ConfigName::Redis).and_then(|s| s.saturated_at_rps) else {
         return not_measured(target, "needs a rate sweep in which the baseline saturates");
     };
