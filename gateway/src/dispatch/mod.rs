@@ -52,7 +52,7 @@ impl Worker {
         let call = self.bind_shared_session(call);
         // The paths off the common one are boxed: an async fn's future is as large as
         // its largest path, and every request's future is moved (copied) several times
-        // on its way to being polled. Inlined, these rare paths tripled its size.
+        // on its way to being polled. Inlined, these rare paths doubled its size.
         if call.is_shared_bound() {
             return Box::pin(self.dispatch_shared(call)).await;
         }

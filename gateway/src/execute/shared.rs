@@ -142,6 +142,8 @@ impl Worker {
         )
     }
 
+    /// Acts on where the directory says the session stands: runs, adopts, forwards
+    /// or refuses the call, or hands it back to look again.
     async fn act_on_standing(
         self: &Arc<Self>,
         fleet: &Arc<Fleet>,
