@@ -4,36 +4,62 @@
 
 use std::process::Command;
 
-#[test]
-fn compare_runs_the_virtual_server_beside_its_plain_route_and_reports_both() {
+/// What one `compare` run wrote, and what it said on stderr.
+struct Compared {
+    report: serde_json::Value,
+    /// report.json as text, for failure messages.
+    text: String,
+    markdown: String,
+    stderr: String,
+}
+
+/// Runs `mcpgw-bench compare` with `args` against this build's binaries and reads its
+/// reports; fails the test when it fails.
+fn compare(args: &[&str]) -> Compared {
     let out = tempfile::tempdir().expect("a temporary directory");
     let mcpgw = mcpgw_testkit::bin("mcpgw");
     let bin_dir = mcpgw.parent().expect("the binaries' directory");
     let output = Command::new(env!("CARGO_BIN_EXE_mcpgw-bench"))
-        .args([
-            "compare",
-            "--configs",
-            "sticky,tcp,virtual,virtual-tcp",
-            "--concurrency",
-            "2",
-            "--duration",
-            "600ms",
-            "--warmup",
-            "200ms",
-            "--idle-sessions",
-            "0",
-            "--bin-dir",
-        ])
+        .arg("compare")
+        .args(args)
+        .arg("--bin-dir")
         .arg(bin_dir)
         .arg("--out")
         .arg(out.path())
         .output()
         .expect("run mcpgw-bench compare");
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert!(output.status.success(), "compare failed: {stderr}");
-
     let text = std::fs::read_to_string(out.path().join("report.json")).expect("report.json");
-    let report: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    let report = serde_json::from_str(&text).expect("JSON");
+    let markdown = std::fs::read_to_string(out.path().join("report.md")).expect("report.md");
+    Compared {
+        report,
+        text,
+        markdown,
+        stderr,
+    }
+}
+
+#[test]
+fn compare_runs_the_virtual_server_beside_its_plain_route_and_reports_both() {
+    let Compared {
+        report,
+        text,
+        markdown,
+        stderr,
+    } = compare(&[
+        "--configs",
+        "sticky,tcp,virtual,virtual-tcp",
+        "--concurrency",
+        "2",
+        "--duration",
+        "600ms",
+        "--warmup",
+        "200ms",
+        "--idle-sessions",
+        "0",
+    ]);
     for (name, forwarded) in [
         ("sticky", 0.0),
         ("tcp", 1.0),
@@ -61,7 +87,6 @@ fn compare_runs_the_virtual_server_beside_its_plain_route_and_reports_both() {
             "{name}: forwarded share"
         );
     }
-    let markdown = std::fs::read_to_string(out.path().join("report.md")).expect("report.md");
     for row in ["| 2 | virtual vs sticky |", "| 2 | virtual-tcp vs tcp |"] {
         assert!(
             markdown.contains("## Virtual server: three members against the plain route")
@@ -76,40 +101,29 @@ fn compare_runs_the_virtual_server_beside_its_plain_route_and_reports_both() {
 /// configuration runs once more at half the baseline's saturation rate.
 #[test]
 fn compare_sweeps_to_saturation_narrows_the_bracket_and_compares_at_half_the_baseline() {
-    let out = tempfile::tempdir().expect("a temporary directory");
-    let mcpgw = mcpgw_testkit::bin("mcpgw");
-    let bin_dir = mcpgw.parent().expect("the binaries' directory");
-    let output = Command::new(env!("CARGO_BIN_EXE_mcpgw-bench"))
-        .args([
-            "compare",
-            "--configs",
-            "sticky,redis",
-            "--concurrency",
-            "1",
-            "--duration",
-            "1s",
-            "--warmup",
-            "100ms",
-            "--rates",
-            "100,100000",
-            "--rate-sessions",
-            "4",
-            "--refine-steps",
-            "1",
-            "--idle-sessions",
-            "0",
-            "--bin-dir",
-        ])
-        .arg(bin_dir)
-        .arg("--out")
-        .arg(out.path())
-        .output()
-        .expect("run mcpgw-bench compare");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "compare failed: {stderr}");
-
-    let text = std::fs::read_to_string(out.path().join("report.json")).expect("report.json");
-    let report: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    let Compared {
+        report,
+        text,
+        markdown,
+        stderr,
+    } = compare(&[
+        "--configs",
+        "sticky,redis",
+        "--concurrency",
+        "1",
+        "--duration",
+        "1s",
+        "--warmup",
+        "100ms",
+        "--rates",
+        "100,100000",
+        "--rate-sessions",
+        "4",
+        "--refine-steps",
+        "1",
+        "--idle-sessions",
+        "0",
+    ]);
     let config = |name: &str| {
         report["configurations"]
             .as_array()
@@ -154,7 +168,6 @@ fn compare_sweeps_to_saturation_narrows_the_bracket_and_compares_at_half_the_bas
             "{name} ran at half the baseline's saturation rate: {at_half}"
         );
     }
-    let markdown = std::fs::read_to_string(out.path().join("report.md")).expect("report.md");
     for part in [
         "## Open loop: latency at a fixed offered rate",
         "### At half the Redis baseline's saturation rate",
