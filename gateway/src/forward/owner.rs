@@ -183,7 +183,7 @@ fn checked_call(
     frame: RequestFrame,
     method: Method,
     headers: &HeaderMap,
-) -> Result<crate::request::Call, Reply> {
+) -> Result<request::Call, Reply> {
     let checked = request::check_head(&worker.endpoints, &method, &frame.path, headers).and_then(
         |(upstream, era)| {
             request::parse_call(
@@ -215,7 +215,7 @@ fn checked_call(
 /// fact it may ask for (whether the directory records the session here) is in.
 async fn owner_decision(
     worker: &Worker,
-    call: &crate::request::Call,
+    call: &request::Call,
     held_here: bool,
 ) -> (decision::Situation, Decision) {
     let mut known = Known {

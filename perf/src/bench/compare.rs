@@ -252,7 +252,7 @@ pub struct ConfigOutcome {
 /// the offered one, no request was left unsent, at most [`ERROR_SHARE`] of the
 /// requests failed, and p99 stays within [`P99_GROWTH`] × the p99 at the lowest
 /// swept rate. The saturation rate is the lowest offered rate that is not.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct Saturation {
     /// The highest offered rate below the saturation rate (req/s); null when the
     /// lowest rate already saturated.
@@ -300,31 +300,31 @@ pub fn saturated_because(run: &RunResult, base_p99_us: u64) -> Option<String> {
     None
 }
 
-/// Whether the sweep's next rate runs `outcome`: it is swept, available, and has not
-/// saturated yet.
-fn sweeps(outcome: &ConfigOutcome) -> bool {
-    let saturated = outcome
-        .saturation
-        .as_ref()
-        .is_some_and(|s| s.saturated_at_rps.is_some());
-    outcome.name.sweeps() && outcome.not_available.is_none() && !saturated
-}
-
 /// Refinement rates are rounded to this step, so reports read as round numbers.
 const REFINE_STEP_RPS: f64 = 100.0;
 
 impl ConfigOutcome {
+    /// Whether open-loop runs are made of it: it is swept and available.
+    fn runs_open_loop(&self) -> bool {
+        self.name.sweeps() && self.not_available.is_none()
+    }
+
+    /// Whether the sweep's next rate runs it: it runs open loop and has not saturated yet.
+    fn sweeps_on(&self) -> bool {
+        let saturated = self
+            .saturation
+            .as_ref()
+            .is_some_and(|s| s.saturated_at_rps.is_some());
+        self.runs_open_loop() && !saturated
+    }
+
     /// Files an open-loop run at `rate` and moves the saturation bracket: a sustained
     /// rate raises its lower end, a saturated one lowers its upper end. The sweep
     /// stays ordered by rate.
     fn record_swept(&mut self, rate: f64, result: RunResult) {
         let base = self.sweep.first().unwrap_or(&result).latency.p99_us;
         let reason = saturated_because(&result, base);
-        let previous = self.saturation.take().unwrap_or(Saturation {
-            sustained_rps: None,
-            saturated_at_rps: None,
-            reason: None,
-        });
+        let previous = self.saturation.take().unwrap_or_default();
         self.saturation = Some(match reason {
             None => Saturation {
                 sustained_rps: Some(previous.sustained_rps.map_or(rate, |s| s.max(rate))),
@@ -348,7 +348,7 @@ impl ConfigOutcome {
     /// The rate halfway between the highest sustained and the lowest saturated rate,
     /// when the two are further apart than one refinement step.
     fn bracket_middle(&self) -> Option<f64> {
-        if !self.name.sweeps() || self.not_available.is_some() {
+        if !self.runs_open_loop() {
             return None;
         }
         let saturation = self.saturation.as_ref()?;
@@ -356,6 +356,14 @@ impl ConfigOutcome {
         let middle = ((low + high) / 2.0 / REFINE_STEP_RPS).round() * REFINE_STEP_RPS;
         (middle > low && middle < high).then_some(middle)
     }
+}
+
+/// `rates` in ascending order, each once.
+fn sorted_rates(rates: impl Iterator<Item = f64>) -> Vec<f64> {
+    let mut rates: Vec<f64> = rates.collect();
+    rates.sort_by(f64::total_cmp);
+    rates.dedup();
+    rates
 }
 
 /// What every open-loop run of `compare` shares: the flags, the fleets, the upstream.
@@ -585,9 +593,7 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<()> {
             }
         }
     }
-    let mut rates = args.rates.clone();
-    rates.sort_by(f64::total_cmp);
-    rates.dedup();
+    let rates = sorted_rates(args.rates.iter().copied());
     let open = OpenLoop {
         args: &args,
         fleets: &fleets,
@@ -597,7 +603,7 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<()> {
     // Rates in the outer loop, as concurrency above, so drift touches every
     // configuration alike; a configuration stops at its first saturated rate.
     for &rate in &rates {
-        for outcome in outcomes.iter_mut().filter(|o| sweeps(o)) {
+        for outcome in outcomes.iter_mut().filter(|o| o.sweeps_on()) {
             if let Some(result) = open.run(outcome, rate).await {
                 outcome.record_swept(rate, result);
             }
@@ -623,18 +629,16 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<()> {
         .and_then(|o| o.saturation.as_ref()?.saturated_at_rps)
         .map(|rate| (rate / 2.0).round());
     if let Some(rate) = half_baseline_rps {
-        for outcome in outcomes.iter_mut().filter(|o| o.name.sweeps()) {
-            if outcome.not_available.is_none() {
-                outcome.at_half_baseline = open.run(outcome, rate).await;
-            }
+        for outcome in outcomes.iter_mut().filter(|o| o.runs_open_loop()) {
+            outcome.at_half_baseline = open.run(outcome, rate).await;
         }
     }
-    let mut rates: Vec<f64> = outcomes
-        .iter()
-        .flat_map(|o| o.sweep.iter().filter_map(|r| r.offered_rps))
-        .collect();
-    rates.sort_by(f64::total_cmp);
-    rates.dedup();
+    // The report's rates: every one a configuration ran, refinements included.
+    let rates = sorted_rates(
+        outcomes
+            .iter()
+            .flat_map(|o| o.sweep.iter().filter_map(|r| r.offered_rps)),
+    );
     for (_, fleet) in fleets {
         if let Ok(f) = fleet {
             f.fleet.stop().await;
