@@ -501,14 +501,14 @@ pub fn to_frame(call: &Call, request_id: u64, deadline: Duration) -> RequestFram
     }
 }
 
-/// The owner's answer as a reply for the client: head as sent, body chunks relayed
-/// one by one as they arrive. Dropping the reply (client gone) drops the forwarded
 /// The machine relayed an answer that never came: it has a bug, and nothing was
 /// proven.
 fn lost_track() -> Unanswered {
     Unanswered::new(Situation::Unknown, "the gateway lost track of this forward")
 }
 
+/// The owner's answer as a reply for the client: head as sent, body chunks relayed
+/// one by one as they arrive. Dropping the reply (client gone) drops the forwarded
 /// response, which cancels the request at the owner.
 pub fn from_forwarded(response: ForwardedResponse) -> Reply {
     let head = response.head();
