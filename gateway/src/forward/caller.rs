@@ -8,13 +8,14 @@
 //! lookup and probe races it, and the answer wins.
 
 use std::collections::HashMap;
+use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures_util::stream::unfold;
-use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use http::StatusCode;
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use mcpgw_mesh::directory::{Directory, DirectoryError};
@@ -510,18 +511,10 @@ fn lost_track() -> Unanswered {
 /// The owner's answer as a reply for the client: head as sent, body chunks relayed
 /// one by one as they arrive. Dropping the reply (client gone) drops the forwarded
 /// response, which cancels the request at the owner.
-pub fn from_forwarded(response: ForwardedResponse) -> Reply {
-    let head = response.head();
-    let mut headers = HeaderMap::new();
-    for (name, value) in &head.headers {
-        if let (Ok(name), Ok(value)) = (
-            HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_str(value),
-        ) {
-            headers.append(name, value);
-        }
-    }
-    let status = StatusCode::from_u16(head.status).unwrap_or(StatusCode::BAD_GATEWAY);
+pub fn from_forwarded(mut response: ForwardedResponse) -> Reply {
+    let status = StatusCode::from_u16(response.head().status).unwrap_or(StatusCode::BAD_GATEWAY);
+    // A header HTTP does not allow is left out; the rest of the answer stands.
+    let Ok(headers) = super::header_map(response.take_headers(), |_| Ok::<(), Infallible>(()));
     let chunks = unfold(response, |mut response| async move {
         match response.next_chunk().await {
             Some(Ok(chunk)) => Some((Ok(Frame::data(chunk)), response)),

@@ -8,12 +8,13 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
 use futures_util::stream::BoxStream;
-use http::{HeaderMap, HeaderName, HeaderValue, Method};
+use http::{HeaderMap, Method};
 use http_body_util::BodyExt;
 use mcpgw_mesh::transport::{MeshService, PeerInfo, ResponsePart};
 use mcpgw_wire::{ErrorFrame, ErrorKind, RequestFrame, ResponseHead};
 use tracing::debug;
 
+use super::BadHeader;
 use crate::decision::{self, Decision, Fact, Known, Refusal, SessionKind, Side};
 use crate::reply::Reply;
 use crate::request;
@@ -91,14 +92,13 @@ async fn serve_forwarded(
     };
     let method = Method::from_bytes(frame.method.as_bytes())
         .map_err(|_| malformed(format!("bad HTTP method {:?}", frame.method)))?;
-    let mut headers = HeaderMap::new();
-    for (name, value) in &frame.headers {
-        let name = HeaderName::from_bytes(name.as_bytes())
-            .map_err(|_| malformed(format!("bad header name {name:?}")))?;
-        let value = HeaderValue::from_str(value)
-            .map_err(|_| malformed(format!("bad value for header {name}")))?;
-        headers.append(name, value);
-    }
+    let mut frame = frame;
+    let mut headers = super::header_map(std::mem::take(&mut frame.headers), |bad| {
+        Err(malformed(match bad {
+            BadHeader::Name(name) => format!("bad header name {name:?}"),
+            BadHeader::Value(name) => format!("bad value for header {name}"),
+        }))
+    })?;
     // The owner's span, a child of the edge's (whose context came in the frame).
     let span = worker
         .tracer

@@ -349,6 +349,12 @@ impl ForwardedResponse {
         &self.head
     }
 
+    /// Takes the head's headers, so the caller can keep their strings instead of
+    /// copying them; [`head`](Self::head) has none after.
+    pub fn take_headers(&mut self) -> Vec<(String, String)> {
+        std::mem::take(&mut self.head.headers)
+    }
+
     /// The next body chunk as soon as the owner sent it; `None` after `End`.
     ///
     /// An error ends the body: [`MeshError::Remote`] when the owner reported one
