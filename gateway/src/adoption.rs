@@ -22,8 +22,8 @@ use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use serde::{Deserialize, Serialize};
 
+use crate::digest;
 use crate::execute::upstream::UpstreamLink;
-use crate::session;
 
 /// Bytes of an adoption key.
 const KEY_BYTES: usize = 32;
@@ -191,12 +191,12 @@ pub(crate) fn continues_elsewhere(link: &UpstreamLink) -> bool {
 /// Who may adopt a session: a hash of its route and principal (the directory never
 /// holds the principal itself; it may be a credential in some auth modes).
 pub fn guard_of(route: &str, principal: &str) -> String {
-    let digest = session::sha256(&[
+    let digest = digest::sha256(&[
         b"mcpgw adoption guard v1",
         route.as_bytes(),
         principal.as_bytes(),
     ]);
-    session::hex(&digest[..16])
+    digest::hex(&digest[..16])
 }
 
 /// The fleet's adoption keys: the first seals, every one opens (so a key can be
@@ -247,7 +247,7 @@ impl AdoptionKeys {
     }
 
     fn key_of(bytes: &[u8; KEY_BYTES]) -> Result<(String, LessSafeKey), String> {
-        let id = session::hex(&session::sha256(&[b"mcpgw adoption key id", bytes])[..4]);
+        let id = digest::hex(&digest::sha256(&[b"mcpgw adoption key id", bytes])[..4]);
         let key = UnboundKey::new(&AES_256_GCM, bytes)
             .map_err(|_| "the adoption key was refused by the cipher".to_owned())?;
         Ok((id, LessSafeKey::new(key)))
@@ -384,7 +384,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!(
             "mcpgw-adoption-keys-{}-{}",
             std::process::id(),
-            session::hex(&session::sha256(&[lines.as_bytes()])[..4])
+            digest::hex(&digest::sha256(&[lines.as_bytes()])[..4])
         ));
         std::fs::write(&dir, lines).expect("write key file");
         let loaded = AdoptionKeys::load(&dir);

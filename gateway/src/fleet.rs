@@ -216,7 +216,7 @@ impl Fleet {
             .release_session(session_id, &self.id, Some(&session.quota_key))
             .await
         {
-            warn!(session = %crate::session::tag_of(session_id), error = %e, "could not remove the session's directory record");
+            warn!(session = %crate::digest::tag_of(session_id), error = %e, "could not remove the session's directory record");
         }
     }
 }

@@ -316,7 +316,7 @@ async fn handle(
         .headers
         .get(mcp::HEADER_SESSION_ID)
         .and_then(|v| v.to_str().ok())
-        .map(crate::session::tag_of);
+        .map(crate::digest::tag_of);
     let mut method_label = "none";
     // Before the call is built from the headers: the span's context replaces the
     // client's `traceparent`, so the owner and the upstream become its children.
@@ -417,7 +417,7 @@ struct RequestRecord<'a> {
     /// The MCP method (a bounded label, see [`crate::metrics::method_label`]).
     method: &'static str,
     /// A short hash of the session id: the id itself is a credential.
-    session: Option<crate::session::SessionTag>,
+    session: Option<crate::digest::SessionTag>,
     reply: &'a Reply,
     /// The gateway's own refusal, when it refused (its message and log detail).
     refusal: Option<&'a GatewayError>,

@@ -23,6 +23,7 @@ mod body;
 mod commands;
 mod config;
 mod decision;
+mod digest;
 mod dispatch;
 mod execute;
 mod federation;

@@ -220,14 +220,14 @@ impl Worker {
             LeaseCheck::FailedOver { taken } => {
                 self.metrics.directory_failover();
                 for sid in taken {
-                    warn!(session = %crate::session::tag_of(&sid), "session now owned elsewhere; dropping it here");
+                    warn!(session = %crate::digest::tag_of(&sid), "session now owned elsewhere; dropping it here");
                     self.sessions.remove(&sid);
                 }
                 true
             }
             LeaseCheck::Rebuilt { taken } => {
                 for sid in taken {
-                    warn!(session = %crate::session::tag_of(&sid), "session now owned elsewhere; dropping it here");
+                    warn!(session = %crate::digest::tag_of(&sid), "session now owned elsewhere; dropping it here");
                     self.sessions.remove(&sid);
                 }
                 true

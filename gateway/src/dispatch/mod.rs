@@ -159,7 +159,7 @@ impl Worker {
         let known_dead = |owner: &str| forwarder.is_some_and(|f| f.known_dead(owner));
         let route = self.routes[call.upstream].name();
         let guard = crate::adoption::guard_of(route, &call.auth.subject);
-        let tag = crate::session::tag_of(&sid);
+        let tag = crate::digest::tag_of(&sid);
         let mut asked = fleet.directory.adopt_session(&sid, &self.id, &guard).await;
         // Still recorded for an owner this worker proved dead: its reclaim (by another
         // request, here or elsewhere) is under way and takes milliseconds. Ask again
@@ -238,7 +238,7 @@ impl Worker {
         let Some(sid) = call.session_id.clone() else {
             return Err(GatewayError::session_not_found().with_id(call.id()));
         };
-        let tag = crate::session::tag_of(&sid);
+        let tag = crate::digest::tag_of(&sid);
         if cause.is_none()
             && let Some(held) = self.sessions.enter(&sid)
         {

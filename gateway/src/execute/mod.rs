@@ -532,7 +532,7 @@ impl Worker {
                 let unsolicited = streams.new_get(&self.id);
                 let process = stdio
                     .start(
-                        session::tag_of(session_id),
+                        crate::digest::tag_of(session_id),
                         principal,
                         unsolicited,
                         self.on_process_exit(session_id),

@@ -40,7 +40,7 @@ use crate::fleet::Fleet;
 use crate::mcp::{self, Era, GatewayError};
 use crate::reply::Reply;
 use crate::request::Call;
-use crate::session::{self, Session, shared_session_id};
+use crate::session::{Session, shared_session_id};
 use crate::worker::{Route, Worker};
 
 /// The legacy protocol version the gateway asks for when it opens a shared session.
@@ -331,7 +331,7 @@ impl Worker {
                 Ok(false) => {
                     // Another worker opened it first: use theirs.
                     drop(guard);
-                    debug!(session = %session::tag_of(&key), "shared session opened elsewhere first");
+                    debug!(session = %crate::digest::tag_of(&key), "shared session opened elsewhere first");
                     return self
                         .forward_counted(&call, None)
                         .await

@@ -18,6 +18,7 @@ use super::{
     mark_lost, member_headers, member_streams,
 };
 use crate::config::MemberConfig;
+use crate::digest;
 use crate::execute::streams::{SessionStreams, StreamLog};
 use crate::execute::upstream::{
     StdioProcess, StdioUpstream, Upstream, UpstreamError, UpstreamLink, UpstreamReply,
@@ -25,7 +26,6 @@ use crate::execute::upstream::{
 };
 use crate::mcp::{self, GatewayError};
 use crate::reason::Reason;
-use crate::session;
 use crate::worker::Worker;
 
 /// The version the gateway answers in when the client asks for one it does not speak.
@@ -369,7 +369,7 @@ async fn start_stdio_member(
     };
     stdio
         .start(
-            session::tag_of(opening.session_id),
+            digest::tag_of(opening.session_id),
             opening.principal,
             Arc::clone(outside),
             on_exit,

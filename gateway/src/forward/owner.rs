@@ -150,7 +150,7 @@ async fn run_forwarded(
                 message: format!(
                     "worker {} does not hold session {}",
                     worker.id,
-                    crate::session::tag_of(id)
+                    crate::digest::tag_of(id)
                 ),
             });
         }

@@ -42,8 +42,8 @@ use super::conversation::{Answer, Conversation, Route};
 use super::{UpstreamError, UpstreamReply};
 use crate::body::{self, BoxError};
 use crate::config::StdioCommand;
+use crate::digest::SessionTag;
 use crate::execute::streams::StreamLog;
-use crate::session::SessionTag;
 
 /// The hidden subcommand that starts a child: `mcpgw stdio-exec -- PROGRAM ARG…`.
 pub const EXEC_SUBCOMMAND: &str = "stdio-exec";
