@@ -36,6 +36,7 @@ use tokio::sync::mpsc;
 use tracing::warn;
 
 use crate::config::Config;
+use crate::digest::hex;
 
 /// Spans per export request.
 pub const BATCH: usize = 512;
@@ -107,10 +108,6 @@ fn hex_bytes<const N: usize>(text: &str) -> Option<[u8; N]> {
         *byte = u8::from_str_radix(&text[i * 2..i * 2 + 2], 16).ok()?;
     }
     Some(out)
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn random<const N: usize>() -> [u8; N] {
