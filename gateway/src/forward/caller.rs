@@ -482,11 +482,7 @@ fn probe_frame(deadline: Duration) -> RequestFrame {
 /// Builds the mesh request for `call`. The session id travels as a header too, so
 /// the owner parses the request exactly as the edge did.
 pub fn to_frame(call: &Call, request_id: u64, deadline: Duration) -> RequestFrame {
-    let mut headers: Vec<(String, String)> = call
-        .headers
-        .iter()
-        .filter_map(|(k, v)| Some((k.as_str().to_owned(), v.to_str().ok()?.to_owned())))
-        .collect();
+    let mut headers = super::header_pairs(&call.headers, 1);
     if let Some(session) = &call.session_id {
         headers.push((mcp::HEADER_SESSION_ID.to_owned(), session.clone()));
     }

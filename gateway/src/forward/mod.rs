@@ -61,6 +61,17 @@ pub(crate) fn header_map<E>(
     Ok(headers)
 }
 
+/// A header map as a mesh frame carries it: name and value strings, in map order, with
+/// room for `room` more. A value that is not visible ASCII has no string and is left
+/// out, as the frame cannot carry it.
+pub(crate) fn header_pairs(headers: &HeaderMap, room: usize) -> Vec<(String, String)> {
+    let mut pairs = Vec::with_capacity(headers.len() + room);
+    pairs.extend(headers.iter().filter_map(|(name, value)| {
+        Some((name.as_str().to_owned(), value.to_str().ok()?.to_owned()))
+    }));
+    pairs
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -91,6 +102,24 @@ mod tests {
         assert_eq!(headers["content-type"], "application/json");
         assert_eq!(headers["mcp-param-region"], "eu");
         assert_eq!(headers.len(), 4);
+    }
+
+    #[test]
+    fn a_header_map_goes_into_a_frame_and_back_unchanged() {
+        let mut headers = HeaderMap::new();
+        headers.append("mcp-session-id", HeaderValue::from_static("s1"));
+        headers.append("accept", HeaderValue::from_static("application/json"));
+        headers.append("accept", HeaderValue::from_static("text/event-stream"));
+        headers.append("x-note", HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap());
+        let pairs = header_pairs(&headers, 1);
+        // The value that is not visible ASCII has no string to travel as.
+        assert_eq!(pairs.len(), 3);
+        assert!(pairs.capacity() >= 4);
+        let Ok(back) = header_map(pairs, |bad| -> Result<(), Infallible> {
+            panic!("no header is bad here, got {bad:?}")
+        });
+        headers.remove("x-note");
+        assert_eq!(back, headers);
     }
 
     #[test]

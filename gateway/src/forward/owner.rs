@@ -83,7 +83,7 @@ fn serve_stream(
 /// `edge`: the worker that forwarded it.
 async fn serve_forwarded(
     worker: &Arc<Worker>,
-    frame: RequestFrame,
+    mut frame: RequestFrame,
     edge: &str,
 ) -> Result<Reply, ErrorFrame> {
     let malformed = |message: String| ErrorFrame {
@@ -92,7 +92,6 @@ async fn serve_forwarded(
     };
     let method = Method::from_bytes(frame.method.as_bytes())
         .map_err(|_| malformed(format!("bad HTTP method {:?}", frame.method)))?;
-    let mut frame = frame;
     let mut headers = super::header_map(std::mem::take(&mut frame.headers), |bad| {
         Err(malformed(match bad {
             BadHeader::Name(name) => format!("bad header name {name:?}"),
@@ -249,11 +248,7 @@ async fn owner_decision(
 fn reply_parts(reply: Reply) -> BoxStream<'static, ResponsePart> {
     let head = ResponsePart::Head(ResponseHead {
         status: reply.status.as_u16(),
-        headers: reply
-            .headers
-            .iter()
-            .filter_map(|(k, v)| Some((k.as_str().to_owned(), v.to_str().ok()?.to_owned())))
-            .collect(),
+        headers: super::header_pairs(&reply.headers, 0),
     });
     let body = futures_util::stream::unfold(Some(reply.body), |body| async move {
         let mut body = body?;
