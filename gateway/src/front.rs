@@ -3,6 +3,7 @@
 //! size, body size and body time limits), and writes the reply (streams relayed as
 //! they come). Every refusal is one log line and a JSON-RPC error body.
 
+use crate::dispatch::Router;
 use crate::reason::Reason;
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
@@ -531,7 +532,7 @@ async fn accept_call(
     worker.auth.authorize(&call)?;
     worker.auth.admit(&call).await?;
     let expires_at_ms = call.auth.expires_at_ms;
-    let reply = worker.dispatch(call).await?;
+    let reply = Router::of(worker).dispatch(call).await?;
     Ok(match expires_at_ms {
         Some(at) if crate::execute::is_sse(&reply.headers) => end_at_expiry(reply, at),
         _ => reply,

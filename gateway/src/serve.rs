@@ -18,6 +18,7 @@ use mcpgw_mesh::transport::{
 use crate::adoption::AdoptionKeys;
 use crate::auth::Authenticator;
 use crate::config::{AdoptMode, Config, MeshSameHost, MeshTransport};
+use crate::execute::Executor;
 use crate::fleet::Fleet;
 use crate::forward::caller::Forwarder;
 use crate::forward::owner::OwnerService;
@@ -345,7 +346,7 @@ async fn end_sessions(worker: &Arc<Worker>, ending: Ending) {
                     }
                 }
                 Ending::End => {
-                    worker.end_session(&session).await;
+                    Executor::of(&worker).end_session(&session).await;
                     worker.metrics.session_ended("drained", 1);
                 }
             }
@@ -408,7 +409,7 @@ async fn expire_idle_sessions(worker: Arc<Worker>, mut stop: watch::Receiver<Opt
             () = tokio::time::sleep(period) => {}
             _ = stop.wait_for(Option::is_some) => return,
         }
-        let expired = worker.expire_idle_sessions().await;
+        let expired = Executor::of(&worker).expire_idle_sessions().await;
         if expired > 0 {
             info!(worker = %worker.id, expired, "idle sessions ended");
         }

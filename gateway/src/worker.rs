@@ -261,29 +261,6 @@ impl Worker {
             .map_err(claim_refused)
     }
 
-    /// Ends the sessions no exchange has used for the idle timeout, upstream and in
-    /// the directory; later requests for them get 404. A shared session (2026-07-28
-    /// clients) is retired instead, so its clients are told once that its state is
-    /// gone before their next call opens a fresh one. Returns how many ended.
-    pub async fn expire_idle_sessions(&self) -> usize {
-        let idle = self.config.limits.session_idle_timeout;
-        let expired = self.sessions.take_idle(idle);
-        self.metrics.session_ended("expired", expired.len() as u64);
-        for session in &expired {
-            if session.shared {
-                let why = format!("it was idle for longer than {}s", idle.as_secs());
-                self.sessions.keep_retired(Arc::clone(session), &why);
-            }
-            if let Some(fleet) = self.fleet.get() {
-                fleet.release(session).await;
-            }
-            session.streams.close();
-            self.close_link(&self.routes[session.upstream], &session.link)
-                .await;
-        }
-        expired.len()
-    }
-
     /// Drops a session from this worker and from the directory.
     pub async fn forget_session(&self, session_id: &str) {
         if let Some(session) = self.sessions.remove(session_id)

@@ -5,6 +5,7 @@
 //! stateless answer when the operator opted in.
 
 pub mod refuse;
+mod shared;
 
 use std::sync::Arc;
 
@@ -17,13 +18,14 @@ use crate::decision::forward::Unanswered;
 use crate::decision::{
     self, AfterForward, Decision, Known, SessionKind, Side, Situation, Standing, decide,
 };
+use crate::execute::Executor;
 use crate::execute::stateless::STATELESS_METHODS;
 use crate::execute::upstream::UpstreamLink;
 use crate::fleet::Fleet;
 use crate::mcp::{Era, GatewayError};
 use crate::reply::{HEADER_ADOPTED, Reply};
 use crate::request::Call;
-use crate::session::{Session, SessionUse};
+use crate::session::Session;
 use crate::worker::Worker;
 
 /// How often, and how long apart, an adoption asks again while the session is still
@@ -41,12 +43,32 @@ pub(crate) enum AdoptionOutcome {
     NotAdoptable(Call),
 }
 
+/// The routing stage: decides where a checked call runs (here, at its owner over the
+/// mesh, or nowhere, with the truthful refusal) and hands it on. It keeps nothing of
+/// its own: it reads the worker's sessions, lease and fleet, and borrows the worker
+/// for one call.
+#[derive(Clone, Copy)]
+pub struct Router<'w> {
+    worker: &'w Arc<Worker>,
+}
+
+impl<'w> Router<'w> {
+    pub fn of(worker: &'w Arc<Worker>) -> Self {
+        Router { worker }
+    }
+
+    /// The stage that runs a call here.
+    fn executor(&self) -> Executor<'w> {
+        Executor::of(self.worker)
+    }
+}
+
 /// What the client is told when a situation refuses and nothing more specific is known.
 const LEASE_IN_DOUBT_WHY: &str = "the worker holding it could not renew its lease in time";
 
-impl Worker {
+impl Router<'_> {
     /// Decides where `call` runs and runs it.
-    pub async fn dispatch(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
+    pub async fn dispatch(&self, call: Call) -> Result<Reply, GatewayError> {
         // A 2026-07-28 call to an upstream that keeps state in sessions runs in the
         // session its principal shares there (execute/shared.rs).
         let call = self.bind_shared_session(call);
@@ -60,27 +82,27 @@ impl Worker {
         let fallback = self.stateless_candidate(&call).then(|| call.clone());
         match (self.decide_and_run(call).await, fallback) {
             (Err(error), Some(call)) if refuse::owner_unconfirmed(&error) => {
-                Box::pin(self.answer_statelessly(call, error)).await
+                Box::pin(self.executor().answer_statelessly(call, error)).await
             }
             (result, _) => result,
         }
     }
 
-    async fn decide_and_run(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
-        let local = self.hold_session(&call).await;
+    async fn decide_and_run(&self, call: Call) -> Result<Reply, GatewayError> {
+        let local = self.executor().hold_session(&call).await;
         let situation = decision::situation(&Known {
             modern: call.era == Era::Modern,
             has_session_id: call.session_id.is_some(),
             is_initialize: call.is_initialize(),
             held_here: local.is_some(),
-            lease_valid: self.lease_valid(),
-            in_fleet: self.fleet().is_some(),
-            fenced: self.is_fenced(),
-            adopts: self.adopts(),
+            lease_valid: self.worker.lease_valid(),
+            in_fleet: self.worker.fleet().is_some(),
+            fenced: self.worker.is_fenced(),
+            adopts: self.worker.adopts(),
             ..Known::of(Side::Edge, SessionKind::Own)
         });
-        match (decide(&situation), self.fleet()) {
-            (Decision::ExecuteHere, _) => self.execute_held(call, local).await,
+        match (decide(&situation), self.worker.fleet()) {
+            (Decision::ExecuteHere, _) => self.executor().execute_held(call, local).await,
             (Decision::Forward, Some(fleet)) => match self.forward_counted(&call, None).await {
                 Ok(reply) => Ok(reply),
                 Err(unanswered) => match decision::after_forward(
@@ -119,8 +141,8 @@ impl Worker {
         Standing {
             adopts: fleet.adoption.is_some(),
             has_session_id: call.session_id.is_some(),
-            draining: self.draining(),
-            fenced: self.is_fenced(),
+            draining: self.worker.draining(),
+            fenced: self.worker.is_fenced(),
         }
     }
 
@@ -128,7 +150,7 @@ impl Worker {
     /// here, and runs `call` in it; forwards to the worker that adopted it first; or
     /// answers what the forward found (`unanswered`).
     async fn adopt_or_refuse(
-        self: &Arc<Self>,
+        &self,
         fleet: &Fleet,
         call: Call,
         unanswered: Unanswered,
@@ -148,19 +170,22 @@ impl Worker {
     /// Takes `call`'s session on here if its owner left it for adoption (died, or
     /// drained) and it can continue, and runs `call` in it. Legacy sessions and the
     /// shared sessions of 2026-07-28 clients alike.
-    pub(crate) async fn try_adopt(self: &Arc<Self>, fleet: &Fleet, call: Call) -> AdoptionOutcome {
+    pub(crate) async fn try_adopt(&self, fleet: &Fleet, call: Call) -> AdoptionOutcome {
         let Some(sid) = call.session_id.clone() else {
             return AdoptionOutcome::NotAdoptable(call);
         };
-        let forwarder = self.forwarder();
+        let forwarder = self.worker.forwarder();
         if let Some(forwarder) = forwarder {
             forwarder.forget_moved(&sid);
         }
         let known_dead = |owner: &str| forwarder.is_some_and(|f| f.known_dead(owner));
-        let route = self.routes[call.upstream].name();
+        let route = self.worker.routes[call.upstream].name();
         let guard = crate::adoption::guard_of(route, &call.auth.subject);
         let tag = crate::digest::tag_of(&sid);
-        let mut asked = fleet.directory.adopt_session(&sid, &self.id, &guard).await;
+        let mut asked = fleet
+            .directory
+            .adopt_session(&sid, &self.worker.id, &guard)
+            .await;
         // Still recorded for an owner this worker proved dead: its reclaim (by another
         // request, here or elsewhere) is under way and takes milliseconds. Ask again
         // shortly rather than forward to the dead.
@@ -168,7 +193,10 @@ impl Worker {
             match &asked {
                 Ok(Adoption::OwnedBy(owner)) if known_dead(owner) => {
                     tokio::time::sleep(RECLAIM_WAIT).await;
-                    asked = fleet.directory.adopt_session(&sid, &self.id, &guard).await;
+                    asked = fleet
+                        .directory
+                        .adopt_session(&sid, &self.worker.id, &guard)
+                        .await;
                 }
                 _ => break,
             }
@@ -186,14 +214,14 @@ impl Worker {
             Ok(Adoption::AlreadyOwned { payload }) => {
                 AdoptionOutcome::Ran(self.run_adopted(fleet, call, &payload, None).await)
             }
-            Ok(Adoption::OwnedBy(owner)) if owner != self.id => {
+            Ok(Adoption::OwnedBy(owner)) if owner != self.worker.id => {
                 if let Some(forwarder) = forwarder {
                     forwarder.remember_moved(&sid, &owner);
                 }
                 AdoptionOutcome::OwnedBy(owner, call)
             }
             Ok(Adoption::CannotContinue) => {
-                self.metrics.adoption_refused("stdio");
+                self.worker.metrics.adoption_refused("stdio");
                 let why = "its upstream process ended with the worker that held it";
                 info!(session = %tag, "session not adopted: {why}");
                 if call.is_shared_bound() {
@@ -201,7 +229,7 @@ impl Worker {
                     // directory's memory of it.
                     return AdoptionOutcome::NotAdoptable(call);
                 }
-                AdoptionOutcome::Ran(Err(self.session_gone(why).with_id(call.id())))
+                AdoptionOutcome::Ran(Err(self.executor().session_gone(why).with_id(call.id())))
             }
             Ok(_) => AdoptionOutcome::NotAdoptable(call),
             // Left for adoption, but this worker holds no lease: it was declared dead
@@ -229,7 +257,7 @@ impl Worker {
     /// the record its first owner wrote (`payload`). `cause`: why that owner left it,
     /// when this request is the one that adopted it.
     async fn run_adopted(
-        self: &Arc<Self>,
+        &self,
         fleet: &Fleet,
         call: Call,
         payload: &str,
@@ -240,12 +268,12 @@ impl Worker {
         };
         let tag = crate::digest::tag_of(&sid);
         if cause.is_none()
-            && let Some(held) = self.sessions.enter(&sid)
+            && let Some(held) = self.worker.sessions.enter(&sid)
         {
             // Another request adopted it here a moment ago: its link is built.
-            return self.execute_held(call, Some(held)).await;
+            return self.executor().execute_held(call, Some(held)).await;
         }
-        let streams = self.new_streams();
+        let streams = self.worker.new_streams();
         let mut upstream_init = None;
         let link = match SessionRecord::from_payload(payload) {
             Err(why) => Err(why),
@@ -261,10 +289,14 @@ impl Worker {
                 // Taken, but it cannot go on: let it go, so no record names this worker
                 // for a session it does not hold.
                 warn!(session = %tag, "adopted session cannot continue: {why}");
-                if let Err(e) = fleet.directory.release_session(&sid, &self.id, None).await {
+                if let Err(e) = fleet
+                    .directory
+                    .release_session(&sid, &self.worker.id, None)
+                    .await
+                {
                     warn!(session = %tag, error = %e, "could not remove the session's record");
                 }
-                return Err(self.session_gone(&why).with_id(call.id()));
+                return Err(self.executor().session_gone(&why).with_id(call.id()));
             }
         };
         let mut session = Session::new(
@@ -277,20 +309,20 @@ impl Worker {
         .with_quota_key(call.quota_key());
         session.shared = call.is_shared_bound();
         session.upstream_init = upstream_init;
-        let session = self.sessions.insert(session);
-        let held = self.sessions.enter(&sid);
-        let result = self.execute_held(call, held).await;
+        let session = self.worker.sessions.insert(session);
+        let held = self.worker.sessions.enter(&sid);
+        let result = self.executor().execute_held(call, held).await;
         // Counted once the upstream took the session on: one that no longer knows it
         // (its answer ended the session: the client hears "gone" as it would have from
         // the first owner) is a refused adoption, not an adopted session.
         match (cause, session.ended()) {
             (Some(_), Some(why)) => {
-                self.metrics.adoption_refused("upstream_forgot");
+                self.worker.metrics.adoption_refused("upstream_forgot");
                 info!(session = %session.tag, "session not adopted: {why}");
             }
             (Some(cause), None) => {
-                self.metrics.session_adopted(cause.as_str());
-                self.metrics.session_opened();
+                self.worker.metrics.session_adopted(cause.as_str());
+                self.worker.metrics.session_opened();
                 info!(
                     session = %session.tag,
                     cause = cause.as_str(),
@@ -324,10 +356,11 @@ impl Worker {
         let keys = fleet.adoption.as_ref().ok_or("adoption is off here")?;
         if let Some(members) = &record.members {
             return self
+                .executor()
                 .adopt_federation(call.upstream, sid, members, keys, streams)
                 .await
                 .map_err(|refused| {
-                    self.metrics.adoption_refused(refused.label);
+                    self.worker.metrics.adoption_refused(refused.label);
                     refused.why
                 });
         }
@@ -335,7 +368,7 @@ impl Worker {
             return Ok(UpstreamLink::Http { session_id: None });
         };
         let opened = keys.open(sid, &recorded).map_err(|e| {
-            self.metrics.adoption_refused(match e {
+            self.worker.metrics.adoption_refused(match e {
                 OpenError::UnknownKey(_) => "key_unknown",
                 OpenError::Malformed => "record_unreadable",
             });
@@ -357,7 +390,7 @@ impl Worker {
         call: &Call,
         recorded: Option<&str>,
     ) -> Result<Reply, Unanswered> {
-        let Some(forwarder) = self.forwarder() else {
+        let Some(forwarder) = self.worker.forwarder() else {
             return Err(Unanswered::new(
                 Situation::NoSuchSession,
                 "this worker belongs to no fleet",
@@ -378,39 +411,10 @@ impl Worker {
                 _ => "ownership_unknown",
             },
         };
-        self.metrics
+        self.worker
+            .metrics
             .forward(forwarder.transport_label(), outcome, started.elapsed());
         result
-    }
-
-    /// The session `call` names, if this worker holds it, held for the exchange. A
-    /// lease past its own deadline is revalidated first (one attempt shared by every
-    /// request that waits for it); if that fenced the worker, the session is gone.
-    pub(crate) async fn hold_session(&self, call: &Call) -> Option<SessionUse> {
-        let held = || {
-            call.session_id
-                .as_deref()
-                .and_then(|id| self.sessions.enter(id))
-        };
-        let local = held();
-        if local.is_some() && !self.lease_confirmed().await {
-            return held();
-        }
-        local
-    }
-
-    /// Runs `call` here, holding its session (if any) until the answer is fully sent.
-    pub(crate) async fn execute_held(
-        self: &Arc<Self>,
-        call: Call,
-        held: Option<SessionUse>,
-    ) -> Result<Reply, GatewayError> {
-        let session = held.as_ref().map(|held| Arc::clone(held.session()));
-        let mut reply = self.execute_local(call, session).await?;
-        if let Some(held) = held {
-            reply.body = crate::body::hold(reply.body, held);
-        }
-        Ok(reply)
     }
 
     /// The client-facing error for a situation that refuses; `why` is its cause.
@@ -421,6 +425,7 @@ impl Worker {
         id: serde_json::Value,
     ) -> GatewayError {
         let gone = self
+            .worker
             .fleet()
             .map_or(StatusCode::NOT_FOUND, |fleet| fleet.gone_status());
         match decide(situation) {
@@ -435,7 +440,7 @@ impl Worker {
     /// Opt-in (`--stateless-when-unknown`): session methods whose answer does not
     /// depend on the session.
     fn stateless_candidate(&self, call: &Call) -> bool {
-        self.config.fleet.stateless_when_unknown
+        self.worker.config.fleet.stateless_when_unknown
             && call.session_id.is_some()
             && call
                 .message

@@ -23,10 +23,11 @@ use serde_json::json;
 use tracing::{debug, warn};
 
 use crate::body::{self, ReplyBody};
+use crate::dispatch::Router;
 use crate::mcp::{self, Era, GatewayError};
 use crate::reply::{HEADER_OWNER_WORKER, Reply};
 use crate::request::Call;
-use crate::session::{self, Session};
+use crate::session::{self, Session, SessionUse};
 use crate::worker::{Route, Worker};
 use streams::{EventId, SessionStreams};
 use upstream::{Upstream, UpstreamError, UpstreamLink, UpstreamReply, UpstreamRequest};
@@ -39,11 +40,62 @@ const TOOL_LIST_OBSERVED_BYTES: usize = 1024 * 1024;
 pub(crate) const ACCEPT_BOTH: HeaderValue =
     HeaderValue::from_static("application/json, text/event-stream");
 
-impl Worker {
+/// The executing stage: runs a call in this process, in its session (opening, using
+/// and ending sessions, their streams and upstream links) or without one. It keeps
+/// nothing of its own: the sessions and routes are the worker's, which the router
+/// and the lease renewal read as well; it borrows the worker for one call.
+#[derive(Clone, Copy)]
+pub struct Executor<'w> {
+    pub(crate) worker: &'w Arc<Worker>,
+}
+
+impl<'w> Executor<'w> {
+    pub fn of(worker: &'w Arc<Worker>) -> Self {
+        Executor { worker }
+    }
+
+    /// The routing stage, for a call that turns out to belong elsewhere while it runs
+    /// (a shared session another worker opened or adopted first).
+    fn router(&self) -> Router<'w> {
+        Router::of(self.worker)
+    }
+}
+
+impl Executor<'_> {
+    /// The session `call` names, if this worker holds it, held for the exchange. A
+    /// lease past its own deadline is revalidated first (one attempt shared by every
+    /// request that waits for it); if that fenced the worker, the session is gone.
+    pub(crate) async fn hold_session(&self, call: &Call) -> Option<SessionUse> {
+        let held = || {
+            call.session_id
+                .as_deref()
+                .and_then(|id| self.worker.sessions.enter(id))
+        };
+        let local = held();
+        if local.is_some() && !self.worker.lease_confirmed().await {
+            return held();
+        }
+        local
+    }
+
+    /// Runs `call` here, holding its session (if any) until the answer is fully sent.
+    pub(crate) async fn execute_held(
+        &self,
+        call: Call,
+        held: Option<SessionUse>,
+    ) -> Result<Reply, GatewayError> {
+        let session = held.as_ref().map(|held| Arc::clone(held.session()));
+        let mut reply = self.execute_local(call, session).await?;
+        if let Some(held) = held {
+            reply.body = crate::body::hold(reply.body, held);
+        }
+        Ok(reply)
+    }
+
     /// Runs `call` here. `session` is the local session the call names, already looked
     /// up by the caller (None for initialize and modern calls).
     pub async fn execute_local(
-        self: &Arc<Self>,
+        &self,
         call: Call,
         session: Option<Arc<Session>>,
     ) -> Result<Reply, GatewayError> {
@@ -60,7 +112,7 @@ impl Worker {
                     .map(str::to_owned)
             });
         let upstream = call.upstream;
-        let route = &self.routes[upstream];
+        let route = &self.worker.routes[upstream];
         let lists_tools = call
             .message
             .as_ref()
@@ -87,12 +139,13 @@ impl Worker {
                 Ok(reply) => reply.status,
                 Err(error) => error.status,
             };
-            self.metrics
+            self.worker
+                .metrics
                 .tool_call(upstream, route.label(), &tool, status);
         }
         let mut reply = result?;
         if lists_tools && reply.status.is_success() {
-            let metrics = Arc::clone(&self.metrics);
+            let metrics = Arc::clone(&self.worker.metrics);
             reply.body = body::observe_end(reply.body, TOOL_LIST_OBSERVED_BYTES, move |answer| {
                 metrics.learn_tools_from_answer(upstream, &answer)
             });
@@ -102,7 +155,7 @@ impl Worker {
         reply
             .headers
             .entry(HEADER_OWNER_WORKER)
-            .or_insert_with(|| self.id_header.clone());
+            .or_insert_with(|| self.worker.id_header.clone());
         Ok(reply)
     }
 
@@ -111,7 +164,7 @@ impl Worker {
         let id = call.id();
         let reply = self
             .send_upstream(
-                &self.routes[call.upstream],
+                &self.worker.routes[call.upstream],
                 call.method,
                 call.headers,
                 call.body,
@@ -119,20 +172,24 @@ impl Worker {
             )
             .await
             .map_err(|e| upstream_error(e, id))?;
-        Ok(relay(reply, None, self.config.limits.max_sse_event_bytes))
+        Ok(relay(
+            reply,
+            None,
+            self.worker.config.limits.max_sse_event_bytes,
+        ))
     }
 
     /// Legacy `initialize`: opens this client's own upstream session (an upstream
     /// session over HTTP, or a child process), then mints the client-facing id and
     /// registers ownership.
-    async fn open_session(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
+    async fn open_session(&self, call: Call) -> Result<Reply, GatewayError> {
         let id = call.id();
         let quota_key = call.quota_key();
         let session_id = self
             .admit_session(&quota_key)
             .map_err(|e| e.with_id(id.clone()))?;
-        let route = &self.routes[call.upstream];
-        let streams = self.new_streams();
+        let route = &self.worker.routes[call.upstream];
+        let streams = self.worker.new_streams();
         let (link, reply) = self
             .open_link_for(
                 route,
@@ -170,7 +227,7 @@ impl Worker {
         Ok(relay(
             reply,
             Some(header),
-            self.config.limits.max_sse_event_bytes,
+            self.worker.config.limits.max_sse_event_bytes,
         ))
     }
 
@@ -179,7 +236,7 @@ impl Worker {
     fn admit_session(&self, quota_key: &str) -> Result<String, GatewayError> {
         self.admit_new_session()
             .and_then(|()| self.check_local_quota(quota_key))?;
-        session::mint_session_id(&self.id).map_err(|e| {
+        session::mint_session_id(&self.worker.id).map_err(|e| {
             GatewayError::gateway(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 Reason::EntropyUnavailable,
@@ -199,7 +256,11 @@ impl Worker {
         if !reply.status.is_success() {
             // The upstream refused initialize: its answer is the truth for the client.
             self.close_link(route, link).await;
-            return Err(relay(reply, None, self.config.limits.max_sse_event_bytes));
+            return Err(relay(
+                reply,
+                None,
+                self.worker.config.limits.max_sse_event_bytes,
+            ));
         }
         // A child whose initialize failed serves no session: it ends, and its
         // answer goes to the client without a session id.
@@ -230,18 +291,18 @@ impl Worker {
         session: Session,
         initialize: Option<&serde_json::Value>,
     ) -> Result<(), GatewayError> {
-        if let Err(error) = self.claim_session(&session, initialize).await {
+        if let Err(error) = self.worker.claim_session(&session, initialize).await {
             // Never hand out a session the fleet cannot route to: end it upstream. A
             // claim that timed out may still land when Redis answers again: take any
             // such record back, so the directory holds no session nobody was given.
             self.close_link(route, &session.link).await;
-            if let Some(fleet) = self.fleet() {
+            if let Some(fleet) = self.worker.fleet() {
                 fleet.release_unclaimed(Arc::new(session));
             }
             return Err(error);
         }
-        let session = self.sessions.insert(session);
-        self.metrics.session_opened();
+        let session = self.worker.sessions.insert(session);
+        self.worker.metrics.session_opened();
         debug!(session = %session.tag, upstream = route.name(), "session opened");
         Ok(())
     }
@@ -249,15 +310,18 @@ impl Worker {
     /// Standalone, this worker's count is the whole count of a principal's sessions;
     /// in a fleet the directory keeps the fleet-wide one when the session is claimed.
     fn check_local_quota(&self, quota_key: &str) -> Result<(), GatewayError> {
-        let quota = self.config.limits.session_quota(quota_key);
-        if self.fleet().is_none() && quota > 0 && self.sessions.count_for(quota_key) >= quota {
+        let quota = self.worker.config.limits.session_quota(quota_key);
+        if self.worker.fleet().is_none()
+            && quota > 0
+            && self.worker.sessions.count_for(quota_key) >= quota
+        {
             return Err(quota_exceeded(quota, quota_key));
         }
         Ok(())
     }
 
     pub(crate) fn admit_new_session(&self) -> Result<(), GatewayError> {
-        if self.draining() {
+        if self.worker.draining() {
             return Err(GatewayError::gateway(
                 StatusCode::SERVICE_UNAVAILABLE,
                 Reason::Draining,
@@ -265,8 +329,8 @@ impl Worker {
             )
             .with_retry_after(1));
         }
-        let max = self.config.limits.max_sessions;
-        if self.sessions.len() >= max {
+        let max = self.worker.config.limits.max_sessions;
+        if self.worker.sessions.len() >= max {
             return Err(GatewayError::gateway(
                 StatusCode::SERVICE_UNAVAILABLE,
                 Reason::SessionLimit,
@@ -278,7 +342,7 @@ impl Worker {
     }
 
     async fn run_in_session(
-        self: &Arc<Self>,
+        &self,
         call: Call,
         session: Arc<Session>,
     ) -> Result<Reply, GatewayError> {
@@ -298,7 +362,7 @@ impl Worker {
         match call.method {
             Method::DELETE => {
                 self.end_session(&session).await;
-                self.metrics.session_ended("deleted", 1);
+                self.worker.metrics.session_ended("deleted", 1);
                 Ok(Reply::json(StatusCode::OK, Bytes::new()))
             }
             Method::GET => self.open_stream(call, &session).await,
@@ -327,7 +391,7 @@ impl Worker {
                         let why = format!("its upstream process {detail}");
                         self.session_lost(&session.id, &why).await;
                         return Err(lost_while_running(
-                            self.routes[session.upstream].name(),
+                            self.worker.routes[session.upstream].name(),
                             &detail,
                             "send initialize without Mcp-Session-Id to start a new session",
                         )
@@ -356,11 +420,7 @@ impl Worker {
 
     /// A legacy `GET`: resumes a stream after `Last-Event-ID`, or takes over the
     /// session's `GET` stream (opening it upstream when it is not open).
-    async fn open_stream(
-        self: &Arc<Self>,
-        call: Call,
-        session: &Session,
-    ) -> Result<Reply, GatewayError> {
+    async fn open_stream(&self, call: Call, session: &Session) -> Result<Reply, GatewayError> {
         let id = call.id();
         if let UpstreamLink::Federated(link) = &session.link {
             // A virtual server's members feed the session's GET stream from their own.
@@ -383,13 +443,17 @@ impl Worker {
             .await
             .map_err(|e| upstream_error(e, id.clone()))?;
         if !(reply.status.is_success() && is_sse(&reply.headers)) {
-            return Ok(relay(reply, None, self.config.limits.max_sse_event_bytes));
+            return Ok(relay(
+                reply,
+                None,
+                self.worker.config.limits.max_sse_event_bytes,
+            ));
         }
-        let log = session.streams.new_get(&self.id);
+        let log = session.streams.new_get(&self.worker.id);
         streams::pump(
             Arc::clone(&log),
             reply.body,
-            self.config.limits.max_sse_event_bytes,
+            self.worker.config.limits.max_sse_event_bytes,
         );
         self.stream_reply(log.subscribe(None), id)
     }
@@ -402,7 +466,7 @@ impl Worker {
                  last event received, or open the stream without it",
             )
         })?;
-        if event.owner != self.id {
+        if event.owner != self.worker.id {
             return Err(replay_unavailable(format!(
                 "its events were numbered by worker {}, which no longer holds this session",
                 event.owner
@@ -431,13 +495,13 @@ impl Worker {
     /// stream log, so the client can resume it after a dropped connection.
     fn relay_in_session(&self, session: &Session, reply: UpstreamReply) -> Reply {
         if !is_sse(&reply.headers) {
-            return relay(reply, None, self.config.limits.max_sse_event_bytes);
+            return relay(reply, None, self.worker.config.limits.max_sse_event_bytes);
         }
-        let log = session.streams.new_post(&self.id);
+        let log = session.streams.new_post(&self.worker.id);
         streams::pump(
             Arc::clone(&log),
             reply.body,
-            self.config.limits.max_sse_event_bytes,
+            self.worker.config.limits.max_sse_event_bytes,
         );
         match log.subscribe(None) {
             Ok(body) => sse_reply(reply.status, body),
@@ -446,15 +510,40 @@ impl Worker {
         }
     }
 
+    /// Ends the sessions no exchange has used for the idle timeout, upstream and in
+    /// the directory; later requests for them get 404. A shared session (2026-07-28
+    /// clients) is retired instead, so its clients are told once that its state is
+    /// gone before their next call opens a fresh one. Returns how many ended.
+    pub async fn expire_idle_sessions(&self) -> usize {
+        let idle = self.worker.config.limits.session_idle_timeout;
+        let expired = self.worker.sessions.take_idle(idle);
+        self.worker
+            .metrics
+            .session_ended("expired", expired.len() as u64);
+        for session in &expired {
+            if session.shared {
+                let why = format!("it was idle for longer than {}s", idle.as_secs());
+                self.worker.sessions.keep_retired(Arc::clone(session), &why);
+            }
+            if let Some(fleet) = self.worker.fleet() {
+                fleet.release(session).await;
+            }
+            session.streams.close();
+            self.close_link(&self.worker.routes[session.upstream], &session.link)
+                .await;
+        }
+        expired.len()
+    }
+
     /// Ends a session here and upstream (client DELETE, drain, idle expiry): forgets it
     /// (registry and directory), ends its streams, then its upstream session or child
     /// process. Later requests for it get 404 `session_not_found`. (For a shared
     /// session the next 2026-07-28 call silently opens a new one; an expiry that wants
     /// those clients told once calls [`Worker::session_lost`] instead.)
     pub async fn end_session(&self, session: &Session) {
-        self.forget_session(&session.id).await;
+        self.worker.forget_session(&session.id).await;
         session.streams.close();
-        self.close_link(&self.routes[session.upstream], &session.link)
+        self.close_link(&self.worker.routes[session.upstream], &session.link)
             .await;
     }
 
@@ -463,13 +552,13 @@ impl Worker {
     /// Does nothing for a session already ended. A child process still running is
     /// ended when the retired session is dropped.
     pub(crate) async fn session_lost(&self, session_id: &str, why: &str) {
-        let Some(session) = self.sessions.retire(session_id, why) else {
+        let Some(session) = self.worker.sessions.retire(session_id, why) else {
             return;
         };
-        warn!(session = %session.tag, upstream = self.routes[session.upstream].name(), "session ended: {why}");
-        self.metrics.session_ended("lost", 1);
+        warn!(session = %session.tag, upstream = self.worker.routes[session.upstream].name(), "session ended: {why}");
+        self.worker.metrics.session_ended("lost", 1);
         session.streams.close();
-        if let Some(fleet) = self.fleet() {
+        if let Some(fleet) = self.worker.fleet() {
             fleet.release(&session).await;
         }
     }
@@ -478,6 +567,7 @@ impl Worker {
     /// configured).
     pub(crate) fn session_gone(&self, why: &str) -> GatewayError {
         let status = self
+            .worker
             .fleet()
             .map_or(StatusCode::NOT_FOUND, |fleet| fleet.gone_status());
         GatewayError::new(
@@ -494,7 +584,7 @@ impl Worker {
     /// Opens an upstream session with an `initialize` request: the upstream's own
     /// session over HTTP, or a new child process for stdio.
     pub(crate) async fn open_link(
-        self: &Arc<Self>,
+        &self,
         route: &Route,
         headers: HeaderMap,
         body: Bytes,
@@ -508,7 +598,7 @@ impl Worker {
     /// [`Worker::open_link`] for a client's own session: a stdio child counts against
     /// the process quota of `principal` (its quota key) on this route and worker.
     pub(crate) async fn open_link_for(
-        self: &Arc<Self>,
+        &self,
         route: &Route,
         headers: HeaderMap,
         body: Bytes,
@@ -529,7 +619,7 @@ impl Worker {
                     .await
             }
             Upstream::Stdio(stdio) => {
-                let unsolicited = streams.new_get(&self.id);
+                let unsolicited = streams.new_get(&self.worker.id);
                 let process = stdio
                     .start(
                         crate::digest::tag_of(session_id),
@@ -538,7 +628,7 @@ impl Worker {
                         self.on_process_exit(session_id),
                     )
                     .await?;
-                let timeout = self.config.limits.upstream_request_timeout;
+                let timeout = self.worker.config.limits.upstream_request_timeout;
                 match process
                     .exchange(&body, accepts_json(&headers), timeout)
                     .await
@@ -554,13 +644,13 @@ impl Worker {
     }
 
     /// What happens when a session's child process exits: the session ends with it.
-    fn on_process_exit(self: &Arc<Self>, session_id: &str) -> Box<dyn FnOnce(String) + Send> {
-        let worker = Arc::downgrade(self);
+    fn on_process_exit(&self, session_id: &str) -> Box<dyn FnOnce(String) + Send> {
+        let worker = Arc::downgrade(self.worker);
         let session_id = session_id.to_owned();
         Box::new(move |why| {
             if let Some(worker) = worker.upgrade() {
                 tokio::spawn(async move {
-                    worker
+                    Executor::of(&worker)
                         .session_lost(&session_id, &format!("its upstream process {why}"))
                         .await;
                 });
@@ -576,7 +666,7 @@ impl Worker {
         headers: HeaderMap,
         body: Bytes,
     ) -> Result<UpstreamReply, UpstreamError> {
-        let route = &self.routes[session.upstream];
+        let route = &self.worker.routes[session.upstream];
         self.send_on_link(route, &session.link, method, headers, body)
             .await
     }
@@ -595,7 +685,7 @@ impl Worker {
                     .await
             }
             UpstreamLink::Stdio(process) if method == Method::POST => {
-                let timeout = self.config.limits.upstream_request_timeout;
+                let timeout = self.worker.config.limits.upstream_request_timeout;
                 process
                     .exchange(&body, accepts_json(&headers), timeout)
                     .await
@@ -674,7 +764,7 @@ impl Worker {
             method,
             headers,
             body,
-            timeout: self.config.limits.upstream_request_timeout,
+            timeout: self.worker.config.limits.upstream_request_timeout,
         })
         .await
     }

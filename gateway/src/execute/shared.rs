@@ -16,6 +16,7 @@
 //! after opens a new session: the client learns that its state was lost, then
 //! carries on with fresh state.
 
+use super::Executor;
 use crate::reason::Reason;
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,14 +34,11 @@ use super::{ACCEPT_BOTH, is_sse, lost_while_running, upstream_error};
 use mcpgw_mesh::directory::{Claim, SessionState};
 
 use crate::body;
-use crate::decision::shared::{self as judged, SharedStanding};
-use crate::decision::{self, Decision, Known, Refusal, SessionKind, Side, Situation};
-use crate::dispatch::AdoptionOutcome;
 use crate::fleet::Fleet;
-use crate::mcp::{self, Era, GatewayError};
+use crate::mcp::{self, GatewayError};
 use crate::reply::Reply;
 use crate::request::Call;
-use crate::session::{Session, shared_session_id};
+use crate::session::Session;
 use crate::worker::{Route, Worker};
 
 /// The legacy protocol version the gateway asks for when it opens a shared session.
@@ -48,266 +46,30 @@ const SHARED_PROTOCOL_VERSION: &str = "2025-11-25";
 /// Largest `initialize` answer read whole.
 const MAX_INITIALIZE_BYTES: usize = 1024 * 1024;
 
-/// What one look at the directory led to, in [`Worker::find_shared`].
-// Lives for one step of one request, moved and never stored: boxing the call would
-// cost an allocation for nothing.
-#[allow(clippy::large_enum_variant)]
-enum SharedStep {
-    /// The call is answered (or refused).
-    Answered(Result<Reply, GatewayError>),
-    /// The directory changed under the call (a stale record taken back, an owner
-    /// proven gone): look again.
-    LookAgain(Call),
-}
-
-impl Worker {
-    /// Binds a 2026-07-28 call on a route whose upstream keeps state in sessions to the
-    /// session its principal shares there. The edge and the owner both bind, from the
-    /// authenticated principal, so a client can never name another's session.
-    pub fn bind_shared_session(&self, mut call: Call) -> Call {
-        let route = self.routes[call.upstream].config();
-        if call.era == Era::Modern && route.legacy_only {
-            call.session_id = Some(shared_session_id(&route.name, &call.auth.subject));
-        }
-        call
-    }
-
-    /// Where a bound call runs: the decision core, as for a legacy session, where this
-    /// worker holds the session; elsewhere what the directory remembers of it
-    /// ([`judged::judge_shared`]): forward to its owner, tell its end once, or open it.
-    pub async fn dispatch_shared(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
-        let local = self.hold_session(&call).await;
-        let situation = decision::situation(&Known {
-            modern: true,
-            has_session_id: true,
-            held_here: local.is_some(),
-            lease_valid: self.lease_valid(),
-            in_fleet: self.fleet().is_some(),
-            fenced: self.is_fenced(),
-            adopts: self.adopts(),
-            ..Known::of(Side::Edge, SessionKind::Shared)
-        });
-        match (decision::decide(&situation), self.fleet()) {
-            (Decision::ExecuteHere, _) => self.execute_held(call, local).await,
-            (Decision::Forward, Some(fleet)) => self.find_shared(fleet, call).await,
-            // Not held, and no fleet that could hold it: open it here.
-            (Decision::Forward, None) => self.execute_local(call, None).await,
-            (Decision::Refuse(_) | Decision::Ask(_) | Decision::NotMine, _) => Err(self
-                .refuse_shared(
-                    &situation,
-                    "the worker holding it could not renew its lease in time",
-                    &call,
-                )),
-        }
-    }
-
-    /// A shared session this worker does not hold live: asks the directory where it
-    /// stands and acts on it. Loops only after a step that changed what the directory
-    /// holds (a stale record taken back, an owner proven gone), so at most a few times.
-    async fn find_shared(
-        self: &Arc<Self>,
-        fleet: &Arc<crate::fleet::Fleet>,
-        mut call: Call,
-    ) -> Result<Reply, GatewayError> {
-        let Some(key) = call.session_id.clone() else {
-            return Err(GatewayError::session_not_found().with_id(call.id()));
-        };
-        for _ in 0..3 {
-            let standing = self.shared_standing(fleet, &key).await;
-            match self.act_on_standing(fleet, &key, standing, call).await {
-                SharedStep::Answered(result) => return result,
-                SharedStep::LookAgain(back) => call = back,
-            }
-        }
-        Err(self.refuse_shared(
-            &Situation::Unknown,
-            "its owner changed while this request looked for it",
-            &call,
-        ))
-    }
-
-    /// Where the directory says the shared session `key` stands, for this worker.
-    async fn shared_standing(&self, fleet: &Fleet, key: &str) -> SharedStanding {
-        let record = fleet
-            .directory
-            .remembered_session(key)
-            .await
-            .map_err(|e| e.to_string());
-        judged::judge_shared(
-            record,
-            &self.id,
-            fleet.lease.revoked(),
-            &fleet.lease.generation(),
-            self.config.fleet.lease,
-        )
-    }
-
-    /// Acts on where the directory says the session stands: runs, adopts, forwards
-    /// or refuses the call, or hands it back to look again.
-    async fn act_on_standing(
-        self: &Arc<Self>,
-        fleet: &Arc<Fleet>,
-        key: &str,
-        standing: SharedStanding,
-        call: Call,
-    ) -> SharedStep {
-        match standing {
-            SharedStanding::Open => SharedStep::Answered(self.execute_local(call, None).await),
-            // Taken by another worker first, or not adoptable after all: the
-            // directory's next answer says where it stands.
-            SharedStanding::Adopt => self.adopt_shared(fleet, call).await,
-            SharedStanding::TellEnded => SharedStep::Answered(Err(self
-                .shared_lost(call.upstream, "it ended")
-                .with_id(call.id()))),
-            SharedStanding::Unknown => SharedStep::Answered(Err(self.refuse_shared(
-                &Situation::Unknown,
-                "the fleet directory cannot confirm where it is (it did not answer, \
-                 or it was rebuilt less than a lease ago)",
-                &call,
-            ))),
-            // A late claim of ours: opening confirms it (the recorded owner's claim
-            // succeeds), so the record and the session agree again.
-            SharedStanding::StaleOwnRecord => {
-                SharedStep::Answered(self.execute_local(call, None).await)
-            }
-            SharedStanding::Forward(owner) => self.forward_shared(fleet, key, &owner, call).await,
-        }
-    }
-
-    async fn adopt_shared(self: &Arc<Self>, fleet: &Fleet, call: Call) -> SharedStep {
-        match self.try_adopt(fleet, call).await {
-            AdoptionOutcome::Ran(result) => SharedStep::Answered(result),
-            AdoptionOutcome::OwnedBy(_, back) | AdoptionOutcome::NotAdoptable(back) => {
-                SharedStep::LookAgain(back)
-            }
-        }
-    }
-
-    /// Forwards to the recorded owner; when it no longer holds the session, the
-    /// directory is asked again.
-    async fn forward_shared(
-        self: &Arc<Self>,
-        fleet: &Arc<Fleet>,
-        key: &str,
-        owner: &str,
-        call: Call,
-    ) -> SharedStep {
-        match self.forward_counted(&call, Some(owner)).await {
-            Ok(reply) => SharedStep::Answered(Ok(reply)),
-            // The owner no longer holds it, or was proven gone (and its sessions
-            // reclaimed): the directory now says how it ended.
-            Err(unanswered)
-                if decision::may_adopt(unanswered.situation, &self.standing(fleet, &call)) =>
-            {
-                // Where it went, or how it ended: the directory says.
-                self.adopt_shared(fleet, call).await
-            }
-            Err(unanswered)
-                if matches!(
-                    unanswered.situation,
-                    Situation::NoSuchSession | Situation::OwnerGone
-                ) =>
-            {
-                SharedStep::LookAgain(call)
-            }
-            Err(unanswered) => {
-                if unanswered.situation == Situation::ForwardedThenLost {
-                    // This answer tells the loss; take the directory's memory of it so
-                    // no other call is told again.
-                    let _ = fleet.directory.remembered_session(key).await;
-                }
-                SharedStep::Answered(Err(self.refuse_shared(
-                    &unanswered.situation,
-                    &unanswered.why,
-                    &call,
-                )))
-            }
-        }
-    }
-
-    /// Whether the directory records this worker as the owner of `sid` (a read only:
-    /// the memory of an ended session is left for the call that tells it).
-    pub(crate) async fn records_as_own(&self, sid: &str) -> bool {
-        let Some(fleet) = self.fleet() else {
-            return false;
-        };
-        matches!(fleet.directory.session_owner(sid).await, Ok(Some(owner)) if owner == self.id)
-    }
-
-    /// The table's refusal, with "gone" told the way a 2026-07-28 client needs it.
-    fn refuse_shared(&self, situation: &Situation, why: &str, call: &Call) -> GatewayError {
-        let route = self.routes[call.upstream].name();
-        let message = match decision::decide(situation) {
-            Decision::Refuse(Refusal::SessionGone) => {
-                return self.shared_lost(call.upstream, why).with_id(call.id());
-            }
-            Decision::Refuse(Refusal::OutcomeUnknown) if self.adopts_on(call.upstream) => format!(
-                "the worker holding your upstream session on route {route} died while \
-                 running this request ({why}): its outcome is unknown and it was not \
-                 re-run; that session's state lives in the upstream, and your next request \
-                 goes on in it on another worker, so check its state before retrying a \
-                 non-idempotent call"
-            ),
-            Decision::Refuse(Refusal::OutcomeUnknown) => format!(
-                "the worker holding your upstream session on route {route} died while \
-                 running this request ({why}): its outcome is unknown, it was not re-run, \
-                 and the state of that session is lost; your next request starts a new one"
-            ),
-            Decision::Refuse(Refusal::AnswerLost) => format!(
-                "the answer to this request was lost on its way from the worker holding \
-                 your upstream session on route {route} ({why}): it may have run, and it \
-                 was not re-run; that session goes on, so check its state before retrying \
-                 a non-idempotent call"
-            ),
-            _ => return self.refuse(situation, why, call.id()),
-        };
-        let mut error = self.refuse(situation, why, call.id());
-        error.message = message;
-        error
-    }
-
-    /// Whether sessions on `upstream` outlive their worker (`--adopt http`, and an HTTP
-    /// upstream).
-    fn adopts_on(&self, upstream: usize) -> bool {
-        self.adopts() && self.routes[upstream].is_http()
-    }
-
-    /// The shared session's state is lost; the next call starts afresh.
-    fn shared_lost(&self, upstream: usize, why: &str) -> GatewayError {
-        let status = self
-            .fleet()
-            .map_or(StatusCode::NOT_FOUND, |fleet| fleet.gone_status());
-        let route = self.routes[upstream].name();
-        GatewayError::new(
-            status,
-            mcp::code::SESSION_NOT_FOUND,
-            format!(
-                "the upstream session that held your state on route {route} is gone ({why}); \
-                 your next request starts a new one, without that state"
-            ),
-        )
-        .with_reason(Reason::SessionGone)
-        .with_data(json!({ "detail": why, "retryable": false }))
-    }
-
+impl Executor<'_> {
     /// The first call of a principal on a route: opens the shared session here, claims
     /// it in the directory, and runs the call in it. If another worker claimed it
     /// meanwhile, ours is closed and the call goes there.
-    pub(crate) async fn open_shared(self: &Arc<Self>, call: Call) -> Result<Reply, GatewayError> {
+    pub(crate) async fn open_shared(&self, call: Call) -> Result<Reply, GatewayError> {
         let id = call.id();
         let Some(key) = call.session_id.clone() else {
             return Err(GatewayError::session_not_found().with_id(id));
         };
-        let opening = self.sessions.opening(&key);
+        let opening = self.worker.sessions.opening(&key);
         let guard = opening.lock().await;
-        if let Some(session) = self.sessions.get(&key).filter(|s| s.ended().is_none()) {
+        if let Some(session) = self
+            .worker
+            .sessions
+            .get(&key)
+            .filter(|s| s.ended().is_none())
+        {
             drop(guard);
             return self.run_shared(call, session).await;
         }
         self.admit_new_session()
             .map_err(|e| e.with_id(id.clone()))?;
-        let route = &self.routes[call.upstream];
-        let streams = self.new_streams();
+        let route = &self.worker.routes[call.upstream];
+        let streams = self.worker.new_streams();
         let (link, init) = self
             .initialize_shared(route, &key, &streams)
             .await
@@ -321,7 +83,7 @@ impl Worker {
         );
         session.shared = true;
         session.upstream_init = Some(init);
-        if let Some(fleet) = self.fleet() {
+        if let Some(fleet) = self.worker.fleet() {
             let claimed = self.claim_shared(fleet, &session).await;
             if !matches!(claimed, Ok(true)) {
                 self.close_link(route, &session.link).await;
@@ -332,17 +94,20 @@ impl Worker {
                     // Another worker opened it first: use theirs.
                     drop(guard);
                     debug!(session = %crate::digest::tag_of(&key), "shared session opened elsewhere first");
-                    return self
-                        .forward_counted(&call, None)
-                        .await
-                        .map_err(|unanswered| {
-                            self.refuse_shared(&unanswered.situation, &unanswered.why, &call)
-                        });
+                    return self.router().forward_counted(&call, None).await.map_err(
+                        |unanswered| {
+                            self.router().refuse_shared(
+                                &unanswered.situation,
+                                &unanswered.why,
+                                &call,
+                            )
+                        },
+                    );
                 }
                 Err(e) => return Err(e.with_id(id)),
             }
         }
-        let session = self.sessions.insert(session);
+        let session = self.worker.sessions.insert(session);
         info!(session = %session.tag, upstream = route.name(), "shared session opened for 2026-07-28 clients");
         drop(guard);
         self.run_shared(call, session).await
@@ -352,7 +117,7 @@ impl Worker {
     /// `notifications/initialized`. The link and the upstream's initialize answer; on
     /// failure, the link is closed.
     async fn initialize_shared(
-        self: &Arc<Self>,
+        &self,
         route: &Route,
         key: &str,
         streams: &SessionStreams,
@@ -368,7 +133,7 @@ impl Worker {
             .await
             .map_err(|e| upstream_error(e, Value::Null))?;
         let name = route.name();
-        let timeout = self.config.limits.upstream_request_timeout;
+        let timeout = self.worker.config.limits.upstream_request_timeout;
         let init = match read_initialize(reply, name, timeout).await {
             Ok(init) => init,
             Err(why) => {
@@ -420,7 +185,7 @@ impl Worker {
             .with_retry_after(1)
             .with_log_detail(detail)
         };
-        if !self.lease_confirmed().await {
+        if !self.worker.lease_confirmed().await {
             return Err(unavailable(
                 "this worker could not confirm its lease".into(),
             ));
@@ -432,7 +197,7 @@ impl Worker {
         });
         match fleet
             .directory
-            .claim_remembered_session(&session.id, &self.id, state)
+            .claim_remembered_session(&session.id, &self.worker.id, state)
             .await
         {
             Ok(Claim::Claimed) => Ok(true),
@@ -447,7 +212,7 @@ impl Worker {
 
     /// Runs a 2026-07-28 call in its shared session.
     pub(crate) async fn run_shared(
-        self: &Arc<Self>,
+        &self,
         call: Call,
         session: Arc<Session>,
     ) -> Result<Reply, GatewayError> {
@@ -456,13 +221,13 @@ impl Worker {
             return Err(GatewayError::session_not_found().with_id(id));
         }
         if let Some(why) = session.ended() {
-            self.sessions.forget_retired(&session.id);
+            self.worker.sessions.forget_retired(&session.id);
             // In a fleet the directory decides who tells the end (any worker may get
             // the next call); standalone, this entry is the only memory of it.
-            return match self.fleet() {
+            return match self.worker.fleet() {
                 // Boxed: finding may open the session anew and run this call in it.
-                Some(fleet) => Box::pin(self.find_shared(fleet, call)).await,
-                None => Err(self.shared_lost(session.upstream, why).with_id(id)),
+                Some(fleet) => Box::pin(self.router().find_shared(fleet, call)).await,
+                None => Err(self.router().shared_lost(session.upstream, why).with_id(id)),
             };
         }
         session.touch();
@@ -504,10 +269,10 @@ impl Worker {
             Err(UpstreamError::ExitedWhileRunning { detail, .. }) => {
                 self.session_lost(&session.id, &format!("its upstream process {detail}"))
                     .await;
-                self.sessions.forget_retired(&session.id);
+                self.worker.sessions.forget_retired(&session.id);
                 self.take_told_end(&session).await;
                 return Err(lost_while_running(
-                    self.routes[session.upstream].name(),
+                    self.worker.routes[session.upstream].name(),
                     &detail,
                     "your next request starts a new one, without that state",
                 )
@@ -516,9 +281,12 @@ impl Worker {
             Err(e) => return Err(upstream_error(e, id)),
         };
         self.session_lost(&session.id, &lost).await;
-        self.sessions.forget_retired(&session.id);
+        self.worker.sessions.forget_retired(&session.id);
         self.take_told_end(&session).await;
-        Err(self.shared_lost(session.upstream, &lost).with_id(id))
+        Err(self
+            .router()
+            .shared_lost(session.upstream, &lost)
+            .with_id(id))
     }
 
     /// This call's answer tells that `session` ended: its directory record is made
@@ -528,12 +296,13 @@ impl Worker {
     /// new session of this id can be claimed here meanwhile; a release removes only
     /// this worker's record) means the memory is there to take once it returns.
     async fn take_told_end(&self, session: &Arc<Session>) {
-        let Some(fleet) = self.fleet() else {
+        let Some(fleet) = self.worker.fleet() else {
             return;
         };
-        let opening = self.sessions.opening(&session.id);
+        let opening = self.worker.sessions.opening(&session.id);
         let _guard = opening.lock().await;
         if self
+            .worker
             .sessions
             .get(&session.id)
             .is_some_and(|newer| !Arc::ptr_eq(&newer, session))
@@ -548,7 +317,7 @@ impl Worker {
     /// complete; server-to-client requests, which it cannot receive here, are answered
     /// upstream with an error instead of being passed on.
     async fn modernize(
-        self: &Arc<Self>,
+        &self,
         reply: UpstreamReply,
         session: &Arc<Session>,
         cacheable: bool,
@@ -572,7 +341,7 @@ impl Worker {
                 Err(e) => {
                     let error = upstream_error(
                         UpstreamError::Failed {
-                            name: self.routes[session.upstream].name().to_owned(),
+                            name: self.worker.routes[session.upstream].name().to_owned(),
                             detail: e.to_string(),
                         },
                         Value::Null,
@@ -586,9 +355,9 @@ impl Worker {
                 body: body::full(body),
             };
         }
-        let worker = Arc::clone(self);
+        let worker = Arc::clone(self.worker);
         let session = Arc::clone(session);
-        let events = body::sse_events(reply.body, self.config.limits.max_sse_event_bytes)
+        let events = body::sse_events(reply.body, self.worker.config.limits.max_sse_event_bytes)
             .map_frame(move |frame| {
                 frame.map_data(|event| modernize_event(&event, &worker, &session, cacheable))
             });
@@ -645,7 +414,7 @@ fn decline_server_request(
     let session = Arc::clone(session);
     tokio::spawn(async move {
         let version = negotiated_version(session.upstream_init.as_ref()).to_owned();
-        let sent = worker
+        let sent = Executor::of(&worker)
             .send_in_session(
                 &session,
                 Method::POST,

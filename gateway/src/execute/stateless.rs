@@ -2,20 +2,19 @@
 //! `--stateless-when-unknown`): only for methods whose answer does not depend on the
 //! session's state.
 
-use std::sync::Arc;
-
 use http::header::{ACCEPT, CONTENT_TYPE};
 use http::{HeaderMap, HeaderValue, Method, StatusCode};
 use http_body_util::BodyExt;
 use tracing::debug;
 
 use super::ACCEPT_BOTH;
+use super::Executor;
 use super::upstream::{UpstreamError, UpstreamLink, UpstreamReply};
 use crate::body;
 use crate::mcp::{self, GatewayError};
 use crate::reply::{HEADER_STATELESS, Reply};
 use crate::request::Call;
-use crate::worker::{Route, Worker};
+use crate::worker::Route;
 
 /// Methods whose answer does not depend on the session's state, so a worker may
 /// answer them without the session when its owner cannot be reached (opt-in).
@@ -27,13 +26,13 @@ pub const STATELESS_METHODS: &[&str] = &[
     "prompts/list",
 ];
 
-impl Worker {
+impl Executor<'_> {
     /// Answers a session-independent method without the session, because its owner
     /// cannot be confirmed (`unknown` is the refusal it replaces). `ping` is answered
     /// here; a list method runs on a short-lived upstream session of its own, opened
     /// and ended around it. The reply says so in `mcpgw-stateless: 1`.
     pub async fn answer_statelessly(
-        self: &Arc<Self>,
+        &self,
         call: Call,
         unknown: GatewayError,
     ) -> Result<Reply, GatewayError> {
@@ -57,7 +56,7 @@ impl Worker {
         Ok(reply)
     }
 
-    async fn on_temporary_session(self: &Arc<Self>, call: &Call) -> Result<Reply, UpstreamError> {
+    async fn on_temporary_session(&self, call: &Call) -> Result<Reply, UpstreamError> {
         let version = call
             .headers
             .get(mcp::HEADER_PROTOCOL_VERSION)
@@ -69,8 +68,8 @@ impl Worker {
         headers.insert(ACCEPT, ACCEPT_BOTH);
         // A temporary upstream session: its own upstream session id, or a child
         // process of its own for a stdio upstream.
-        let route = &self.routes[call.upstream];
-        let streams = self.new_streams();
+        let route = &self.worker.routes[call.upstream];
+        let streams = self.worker.new_streams();
         let (link, opened) = self
             .open_link(
                 route,

@@ -24,9 +24,9 @@ use tracing::{info, warn};
 use super::{FederatedLink, Member, MemberHealth, OwnIds, PROCESS_LEFT_BEHIND};
 use crate::adoption::{AdoptionKeys, MemberRecord, MemberTransport, OpenError};
 use crate::config::MemberConfig;
+use crate::execute::Executor;
 use crate::execute::streams::SessionStreams;
 use crate::execute::upstream::{Upstream, UpstreamLink};
-use crate::worker::Worker;
 
 /// Why an adopted virtual server's session cannot go on, and the refused adoption's
 /// metric label.
@@ -40,7 +40,7 @@ fn refusal(label: &'static str, why: String) -> AdoptRefusal {
     AdoptRefusal { why, label }
 }
 
-impl Worker {
+impl Executor<'_> {
     /// The link of the virtual server session `session_id` on route `upstream`,
     /// rebuilt from its record's `members` (their sealed sessions opened with
     /// `keys`), its `GET` stream one of `streams`.
@@ -52,7 +52,7 @@ impl Worker {
         keys: &AdoptionKeys,
         streams: &SessionStreams,
     ) -> Result<UpstreamLink, AdoptRefusal> {
-        let route = &self.routes[upstream];
+        let route = &self.worker.routes[upstream];
         let Upstream::Virtual(server) = route.upstream() else {
             return Err(refusal(
                 "record_unreadable",
@@ -88,13 +88,13 @@ impl Worker {
             separator: server.server.separator.clone(),
             members: built,
             left_out: Vec::new(),
-            get_stream: streams.new_get(&self.id),
+            get_stream: streams.new_get(&self.worker.id),
             // Opened again here on the client's next GET, in the recorded sessions.
             members_followed: AtomicBool::new(false),
             ending: Arc::new(AtomicBool::new(false)),
             catalog: Mutex::default(),
             resources: Mutex::default(),
-            own_ids: OwnIds::new(&self.id),
+            own_ids: OwnIds::new(&self.worker.id),
         };
         for (at, why) in &lost {
             link.mark_lost(&link.members[*at], why);
@@ -123,7 +123,7 @@ impl Worker {
         session_id: &str,
         keys: &AdoptionKeys,
     ) -> Result<(Member, Option<String>), AdoptRefusal> {
-        let http = self.routes[config.index].is_http();
+        let http = self.worker.routes[config.index].is_http();
         let lost_link = || (None, HeaderValue::from_static(super::open::LATEST_LEGACY));
         let (link, version, why_lost) = match (record.transport, &record.session) {
             (MemberTransport::Http, Some(sealed)) if http => {

@@ -40,6 +40,7 @@ use tracing::{debug, warn};
 
 use super::{FORGOTTEN, FederatedLink, MemberHealth, ids, mark_lost};
 use crate::body::{self, ReplyBody};
+use crate::execute::Executor;
 use crate::execute::streams::StreamLog;
 use crate::execute::upstream::UpstreamLink;
 use crate::mcp::{self, GatewayError};
@@ -51,10 +52,10 @@ const FIRST_REOPEN_DELAY: Duration = Duration::from_millis(250);
 /// The longest pause between two reopenings (the bound on the backoff).
 const MAX_REOPEN_DELAY: Duration = Duration::from_secs(30);
 
-impl Worker {
+impl Executor<'_> {
     /// The client opened the session's `GET` stream here: each live HTTP member's own
     /// `GET` stream is opened and followed into it, once per session on this worker.
-    pub(crate) fn follow_member_streams(self: &Arc<Self>, link: &FederatedLink) {
+    pub(crate) fn follow_member_streams(&self, link: &FederatedLink) {
         if link.members_followed.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -73,7 +74,7 @@ impl Worker {
                 continue;
             }
             let follower = Follower {
-                worker: Arc::downgrade(self),
+                worker: Arc::downgrade(self.worker),
                 server: link.server.clone(),
                 at,
                 upstream: member.config.index,
@@ -237,7 +238,7 @@ impl Follower {
             headers.insert(mcp::HEADER_LAST_EVENT_ID, last.clone());
         }
         let max_event = worker.config.limits.max_sse_event_bytes;
-        let reply = worker
+        let reply = Executor::of(&worker)
             .send_upstream(
                 &worker.routes[self.upstream],
                 Method::GET,

@@ -45,12 +45,12 @@ use tracing::warn;
 use crate::adoption::{self, AdoptionKeys, MemberRecord, MemberSession};
 use crate::config::{MemberConfig, NameFilter, PrefixRule};
 use crate::execute::ACCEPT_BOTH;
+use crate::execute::Executor;
 use crate::execute::streams::StreamLog;
 use crate::execute::upstream::{UpstreamError, UpstreamLink, UpstreamReply, read_answer};
 use crate::mcp::{self, GatewayError};
 use crate::reason::Reason;
 use crate::reply::Reply;
-use crate::worker::Worker;
 pub(crate) use modern::ModernCatalogs;
 use names::{Exposure, Listed, Owner};
 use uris::ResourceCatalog;
@@ -205,14 +205,14 @@ impl Member {
     /// as a process that ended (the reason it was lost with).
     async fn send(
         &self,
-        worker: &Worker,
+        executor: &Executor<'_>,
         headers: HeaderMap,
         body: Bytes,
     ) -> Result<UpstreamReply, UpstreamError> {
         match &self.link {
             Some(link) => {
-                let route = &worker.routes[self.config.index];
-                worker
+                let route = &executor.worker.routes[self.config.index];
+                executor
                     .send_on_link(route, link, Method::POST, headers, body)
                     .await
             }
@@ -288,7 +288,7 @@ impl FederatedLink {
 
     /// The member that owns `name` of `kind`, from the catalog, refreshed once by a
     /// merged list when the name is not in it.
-    async fn owner_of(&self, worker: &Worker, kind: Kind, name: &str) -> Option<Owner> {
+    async fn owner_of(&self, executor: &Executor<'_>, kind: Kind, name: &str) -> Option<Owner> {
         let known = |link: &FederatedLink| {
             link.catalog
                 .lock()
@@ -299,7 +299,7 @@ impl FederatedLink {
         if let Some(owner) = known(self) {
             return Some(owner);
         }
-        self.merged_list(worker, kind).await;
+        self.merged_list(executor, kind).await;
         known(self).or_else(|| self.lost_owner_of(kind, name))
     }
 
@@ -327,12 +327,12 @@ impl FederatedLink {
     /// Every live member's list of `kind`, followed page by page, merged and exposed
     /// by the server's rule; the catalog is renewed from it. Returns the list and the
     /// members missing from it with why.
-    async fn merged_list(&self, worker: &Worker, kind: Kind) -> (Vec<Value>, Vec<Value>) {
+    async fn merged_list(&self, executor: &Executor<'_>, kind: Kind) -> (Vec<Value>, Vec<Value>) {
         let Gathered {
             mut items,
             missing,
             unlisted,
-        } = self.gather(worker, kind.listing()).await;
+        } = self.gather(executor, kind.listing()).await;
         let listed: Vec<Listed<'_>> = self
             .members
             .iter()
@@ -376,10 +376,11 @@ impl FederatedLink {
 
     /// Every member's whole list of `of`, at once: the items per member (none for a
     /// member that could not list), and which members are missing with why.
-    async fn gather(&self, worker: &Worker, of: ListOf) -> Gathered {
+    async fn gather(&self, executor: &Executor<'_>, of: ListOf) -> Gathered {
         let count = |member: &Member, outcome| {
-            let label = worker.routes[member.config.index].label();
-            worker
+            let label = executor.worker.routes[member.config.index].label();
+            executor
+                .worker
                 .metrics
                 .member_request(&self.label, label, Some(of.method), outcome);
         };
@@ -391,8 +392,8 @@ impl FederatedLink {
             if !member.has(of.capability) {
                 return Ok(Vec::new());
             }
-            let deadline = member.config.list_deadline(&worker.config.limits);
-            let listed = tokio::time::timeout(deadline, self.list_member(worker, member, of))
+            let deadline = member.config.list_deadline(&executor.worker.config.limits);
+            let listed = tokio::time::timeout(deadline, self.list_member(executor, member, of))
                 .await
                 .unwrap_or_else(|_| Err(too_slow(of.method, deadline)));
             count(
@@ -429,7 +430,7 @@ impl FederatedLink {
     /// One member's whole list of `of`, following its `nextCursor` to the end.
     async fn list_member(
         &self,
-        worker: &Worker,
+        executor: &Executor<'_>,
         member: &Member,
         of: ListOf,
     ) -> Result<Vec<Value>, String> {
@@ -444,7 +445,7 @@ impl FederatedLink {
                 request["params"]["cursor"] = cursor;
             }
             let mut answer = self
-                .exchange(worker, member, Bytes::from(request.to_string()))
+                .exchange(executor, member, Bytes::from(request.to_string()))
                 .await?;
             let Some(result) = answer.get_mut("result") else {
                 return Err(format!("it answered {}: {answer}", of.method));
@@ -469,12 +470,12 @@ impl FederatedLink {
     /// lost when its session turns out to be.
     async fn exchange(
         &self,
-        worker: &Worker,
+        executor: &Executor<'_>,
         member: &Member,
         body: Bytes,
     ) -> Result<Value, String> {
         let reply = member
-            .send(worker, member_headers(&member.version, None), body)
+            .send(executor, member_headers(&member.version, None), body)
             .await;
         match self.judge(member, reply) {
             Ok(reply) => {
@@ -482,7 +483,7 @@ impl FederatedLink {
                     reply,
                     member.name(),
                     MAX_ANSWER_BYTES,
-                    worker.config.limits.upstream_request_timeout,
+                    executor.worker.config.limits.upstream_request_timeout,
                 )
                 .await
             }
@@ -649,7 +650,7 @@ fn from_gateway_error(error: &GatewayError) -> UpstreamReply {
     }
 }
 
-impl Worker {
+impl Executor<'_> {
     /// One client message in a federated session, answered as the session's upstream
     /// would answer it. Never `Exited`: a member's end is that member's, not the
     /// session's.
@@ -781,8 +782,9 @@ impl Worker {
             .and_then(Value::as_str)
             .map(str::to_owned);
         let count = |outcome| {
-            let label = self.routes[member.config.index].label();
-            self.metrics
+            let label = self.worker.routes[member.config.index].label();
+            self.worker
+                .metrics
                 .member_request(&link.label, label, method.as_deref(), outcome);
         };
         if let Some(why) = member.lost() {
@@ -837,7 +839,7 @@ impl Worker {
     /// ids that name the member ([`ids`]).
     fn tag_member_requests(&self, at: usize, mut reply: UpstreamReply) -> UpstreamReply {
         if crate::execute::is_sse(&reply.headers) {
-            let max_event = self.config.limits.max_sse_event_bytes;
+            let max_event = self.worker.config.limits.max_sse_event_bytes;
             let body = std::mem::replace(&mut reply.body, crate::body::full(Bytes::new()));
             reply.body =
                 crate::body::rewrite_events(body, max_event, move |e| ids::tag_event(at, e));
@@ -931,12 +933,12 @@ fn refuse_cursor(link: &FederatedLink, id: &Value, message: &Value) -> Option<Up
 
 /// `tools/list` or `prompts/list`: the merged list, with the members missing from it.
 async fn list_names(
-    worker: &Worker,
+    executor: &Executor<'_>,
     link: &FederatedLink,
     kind: Kind,
     id: &Value,
 ) -> UpstreamReply {
-    let (list, missing) = link.merged_list(worker, kind).await;
+    let (list, missing) = link.merged_list(executor, kind).await;
     let mut listed = json!({ kind.key(): list });
     if !missing.is_empty() {
         listed["_meta"] = json!({ "mcpgw/federation": { "missing": missing } });

@@ -21,7 +21,6 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, StatusCode};
@@ -37,12 +36,13 @@ use super::names::{self, Listed};
 use super::resources::ResourceList;
 use super::{INVALID_PARAMS, Kind, ListOf, MAX_ANSWER_BYTES, MAX_LIST_PAGES};
 use crate::config::{MemberConfig, PrefixRule};
+use crate::dispatch::Router;
+use crate::execute::Executor;
 use crate::execute::upstream::{Upstream, UpstreamReply, VirtualUpstream, read_answer};
 use crate::mcp::{self, Era, GatewayError};
 use crate::reason::Reason;
 use crate::reply::Reply;
 use crate::request::{self, Call};
-use crate::worker::Worker;
 
 /// A member call's answer, boxed: a member call re-enters the dispatch that brought
 /// the client's request here.
@@ -140,13 +140,10 @@ struct Merged {
     lists: MemberLists,
 }
 
-impl Worker {
+impl Executor<'_> {
     /// A 2026-07-28 request on the virtual server `call` addresses, answered here.
-    pub(crate) async fn serve_federated_modern(
-        self: &Arc<Self>,
-        call: Call,
-    ) -> Result<Reply, GatewayError> {
-        let Upstream::Virtual(server) = self.routes[call.upstream].upstream() else {
+    pub(crate) async fn serve_federated_modern(&self, call: Call) -> Result<Reply, GatewayError> {
+        let Upstream::Virtual(server) = self.worker.routes[call.upstream].upstream() else {
             return Err(GatewayError::session_not_found().with_id(call.id()));
         };
         let id = call.id();
@@ -183,12 +180,7 @@ impl Worker {
     }
 
     /// `tools/list` or `prompts/list`: every member's list, merged whole.
-    async fn answer_list(
-        self: &Arc<Self>,
-        server: &VirtualUpstream,
-        call: &Call,
-        kind: Kind,
-    ) -> Reply {
+    async fn answer_list(&self, server: &VirtualUpstream, call: &Call, kind: Kind) -> Reply {
         let id = call.id();
         if let Some(refused) = refuse_cursor(call, &server.name) {
             return refused;
@@ -201,7 +193,7 @@ impl Worker {
 
     /// Every member's list of `kind`, merged and exposed by the server's rule.
     async fn merged_modern_list(
-        self: &Arc<Self>,
+        &self,
         server: &VirtualUpstream,
         call: &Call,
         kind: Kind,
@@ -240,14 +232,14 @@ impl Worker {
 
     /// Every member's whole list of `of`, at once, each within its list deadline.
     async fn gather_modern(
-        self: &Arc<Self>,
+        &self,
         server: &VirtualUpstream,
         call: &Call,
         of: ListOf,
     ) -> MemberLists {
         let members = &server.server.members;
         let listings = futures_util::future::join_all(members.iter().map(|member| async move {
-            let deadline = member.list_deadline(&self.config.limits);
+            let deadline = member.list_deadline(&self.worker.config.limits);
             let listed = self.list_member_modern(server, call, member, of);
             tokio::time::timeout(deadline, listed)
                 .await
@@ -281,7 +273,7 @@ impl Worker {
     /// One member's whole list of `of`, following its `nextCursor` to the end, or why
     /// it could not be had.
     async fn list_member_modern(
-        self: &Arc<Self>,
+        &self,
         server: &VirtualUpstream,
         call: &Call,
         member: &MemberConfig,
@@ -306,7 +298,7 @@ impl Worker {
                 headers: reply.headers,
                 body: reply.body,
             };
-            let timeout = self.config.limits.upstream_request_timeout;
+            let timeout = self.worker.config.limits.upstream_request_timeout;
             let mut answer =
                 read_answer(reply, &member.upstream, MAX_ANSWER_BYTES, timeout).await?;
             let Some(result) = answer.get_mut("result") else {
@@ -334,7 +326,7 @@ impl Worker {
     /// `tools/call` or `prompts/get`: sent to the member that owns the exposed name,
     /// under the member's own name; its answer (JSON, or a stream) relayed as it came.
     async fn call_owner(
-        self: &Arc<Self>,
+        &self,
         server: &VirtualUpstream,
         call: &Call,
         kind: Kind,
@@ -367,7 +359,7 @@ impl Worker {
     /// has goes to a member left out of it that could own it, whose call then tells
     /// why it is missing.
     async fn owner_of_modern<'s>(
-        self: &Arc<Self>,
+        &self,
         server: &'s VirtualUpstream,
         call: &Call,
         kind: Kind,
@@ -410,7 +402,7 @@ impl Worker {
     /// that route, wherever it lives). `name`: the member's own name of a tool or
     /// prompt, for the `Mcp-Name` header. A refusal names the member.
     fn member_call<'a>(
-        self: &'a Arc<Self>,
+        &'a self,
         server: &'a VirtualUpstream,
         call: &'a Call,
         member: &'a MemberConfig,
@@ -419,9 +411,10 @@ impl Worker {
     ) -> Dispatched<'a> {
         // Boxed as a `Send` future by its type: the dispatch it runs may come back here.
         Box::pin(async move {
-            let route = &self.routes[member.index];
+            let route = &self.worker.routes[member.index];
             if route.config().legacy_only
-                && self.config.auth.mode_of(&server.name) != self.config.auth.mode_of(route.name())
+                && self.worker.config.auth.mode_of(&server.name)
+                    != self.worker.config.auth.mode_of(route.name())
             {
                 return Err(modes_differ(route.name(), &server.name).with_id(call.id()));
             }
@@ -449,7 +442,7 @@ impl Worker {
             ) {
                 Ok(mut member_call) => {
                     member_call.client = call.client;
-                    self.dispatch(member_call).await
+                    Router::of(self.worker).dispatch(member_call).await
                 }
                 Err(e) => Err(e),
             };
@@ -459,8 +452,8 @@ impl Worker {
                 Err(e) if e.reason == Some(Reason::OutcomeUnknown) => "outcome_unknown",
                 Err(_) => "failed",
             };
-            self.metrics.member_request(
-                self.routes[call.upstream].label(),
+            self.worker.metrics.member_request(
+                self.worker.routes[call.upstream].label(),
                 route.label(),
                 Some(method),
                 outcome,

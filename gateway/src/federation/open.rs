@@ -19,6 +19,7 @@ use super::{
 };
 use crate::config::MemberConfig;
 use crate::digest;
+use crate::execute::Executor;
 use crate::execute::streams::{SessionStreams, StreamLog};
 use crate::execute::upstream::{
     StdioProcess, StdioUpstream, Upstream, UpstreamError, UpstreamLink, UpstreamReply,
@@ -26,18 +27,17 @@ use crate::execute::upstream::{
 };
 use crate::mcp::{self, GatewayError};
 use crate::reason::Reason;
-use crate::worker::Worker;
 
 /// The version the gateway answers in when the client asks for one it does not speak.
 pub(super) const LATEST_LEGACY: &str = "2025-11-25";
 
-impl Worker {
+impl Executor<'_> {
     /// The client's `initialize` on a virtual server: every member's session opened
     /// at once. A required member that fails fails it (an error answer: the caller
     /// closes the link and so every member opened); an optional one is left out, and
     /// the result says so.
     pub(crate) async fn open_federation(
-        self: &Arc<Self>,
+        &self,
         server: &VirtualUpstream,
         body: &Bytes,
         session_id: &str,
@@ -54,7 +54,7 @@ impl Worker {
             .unwrap_or(LATEST_LEGACY)
             .to_owned();
         let capabilities = params.get("capabilities").cloned().unwrap_or(json!({}));
-        let get_stream = streams.new_get(&self.id);
+        let get_stream = streams.new_get(&self.worker.id);
         let ending = Arc::new(AtomicBool::new(false));
         let opening = Opening {
             server: &server.name,
@@ -91,7 +91,7 @@ impl Worker {
             ending,
             catalog: Mutex::default(),
             resources: Mutex::default(),
-            own_ids: OwnIds::new(&self.id),
+            own_ids: OwnIds::new(&self.worker.id),
         });
         // Until the session ends: a refused initialize ends it too, its streams with it.
         for (at, written) in outside {
@@ -111,7 +111,7 @@ impl Worker {
     /// Opens one member's session, with (for stdio) the log it writes what it sends
     /// outside a request to; on failure, why (its link, if any, is closed).
     async fn open_member(
-        self: &Arc<Self>,
+        &self,
         opening: &Opening<'_>,
         config: &MemberConfig,
     ) -> Result<Opened, String> {
@@ -130,9 +130,9 @@ impl Worker {
             lost: Mutex::new(None),
         });
         let body = Bytes::from(initialize.to_string());
-        let timeout = self.config.limits.upstream_request_timeout;
+        let timeout = self.worker.config.limits.upstream_request_timeout;
         let mut outside = None;
-        let route = &self.routes[config.index];
+        let route = &self.worker.routes[config.index];
         let (link, reply) = match route.upstream() {
             Upstream::Http(_) => {
                 let reply = self
@@ -143,7 +143,7 @@ impl Worker {
                 (UpstreamLink::Http { session_id }, reply)
             }
             Upstream::Stdio(stdio) => {
-                let written = StreamLog::unkept(&self.id);
+                let written = StreamLog::unkept(&self.worker.id);
                 let process = start_stdio_member(stdio, opening, config, &health, &written).await?;
                 outside = Some(written);
                 match process.exchange(&body, true, timeout).await {
@@ -185,7 +185,7 @@ impl Worker {
         reply: UpstreamReply,
         requested: HeaderValue,
     ) -> Result<(HeaderValue, Value), String> {
-        let timeout = self.config.limits.upstream_request_timeout;
+        let timeout = self.worker.config.limits.upstream_request_timeout;
         let status = reply.status;
         let answer = read_answer(reply, &config.upstream, MAX_ANSWER_BYTES, timeout).await?;
         let Some(result) = answer.get("result") else {
@@ -198,7 +198,7 @@ impl Worker {
             .unwrap_or(requested);
         let initialized = self
             .send_on_link(
-                &self.routes[config.index],
+                &self.worker.routes[config.index],
                 link,
                 Method::POST,
                 member_headers(&negotiated, None),
@@ -220,7 +220,7 @@ impl Worker {
             link.members
                 .iter()
                 .filter_map(|member| Some((member.config.index, member.link.as_ref()?)))
-                .map(|(upstream, link)| self.close_link(&self.routes[upstream], link)),
+                .map(|(upstream, link)| self.close_link(&self.worker.routes[upstream], link)),
         )
         .await;
     }

@@ -19,8 +19,8 @@ use super::names::{self, Listed};
 use super::uris::ResourceCatalog;
 use super::{FederatedLink, Gathered, INVALID_PARAMS, Kind, ListOf, error, result};
 use crate::config::{NameFilter, PrefixRule};
+use crate::execute::Executor;
 use crate::execute::upstream::UpstreamReply;
-use crate::worker::Worker;
 
 /// The two resource lists a virtual server merges.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -196,14 +196,14 @@ impl FederatedLink {
     /// and the members missing from it.
     async fn merged_resources(
         &self,
-        worker: &Worker,
+        executor: &Executor<'_>,
         list: ResourceList,
     ) -> (MergedResources, Vec<Value>) {
         let Gathered {
             items,
             missing,
             unlisted,
-        } = self.gather(worker, list.listing()).await;
+        } = self.gather(executor, list.listing()).await;
         let members: Vec<MemberResources<'_>> = self
             .members
             .iter()
@@ -272,7 +272,12 @@ impl FederatedLink {
     /// The member (its position) that serves `uri`: by the catalog, refreshed once by
     /// both lists when it does not know the URI. `as_template`: `uri` may also name a
     /// listed template exactly (a completion's `ref/resource`).
-    async fn resource_owner(&self, worker: &Worker, uri: &str, as_template: bool) -> Option<usize> {
+    async fn resource_owner(
+        &self,
+        executor: &Executor<'_>,
+        uri: &str,
+        as_template: bool,
+    ) -> Option<usize> {
         let known = |link: &FederatedLink| {
             link.resources
                 .lock()
@@ -284,8 +289,8 @@ impl FederatedLink {
             return Some(member);
         }
         futures_util::future::join(
-            self.merged_resources(worker, ResourceList::Resources),
-            self.merged_resources(worker, ResourceList::Templates),
+            self.merged_resources(executor, ResourceList::Resources),
+            self.merged_resources(executor, ResourceList::Templates),
         )
         .await;
         known(self)
@@ -315,7 +320,7 @@ impl FederatedLink {
     }
 }
 
-impl Worker {
+impl Executor<'_> {
     /// `resources/list` or `resources/templates/list` of a virtual server.
     pub(super) async fn list_resources(
         &self,

@@ -16,6 +16,8 @@ use tracing::debug;
 
 use super::BadHeader;
 use crate::decision::{self, Decision, Fact, Known, Refusal, SessionKind, Side};
+use crate::dispatch::Router;
+use crate::execute::Executor;
 use crate::reply::Reply;
 use crate::request;
 use crate::worker::Worker;
@@ -138,7 +140,7 @@ async fn run_forwarded(
     };
     // A lease past its own deadline is revalidated first, as at the edge: an owner
     // whose heartbeat is merely late serves, and only one in real doubt refuses.
-    let session = worker.hold_session(&call).await;
+    let session = Executor::of(worker).hold_session(&call).await;
     let (situation, decided) = owner_decision(worker, &call, session.is_some()).await;
     match decided {
         Decision::ExecuteHere => {}
@@ -161,7 +163,7 @@ async fn run_forwarded(
             });
         }
         Decision::Refuse(_) | Decision::Forward | Decision::Ask(_) => {
-            let error = worker.refuse(
+            let error = Router::of(worker).refuse(
                 &situation,
                 "the worker that held it was declared dead and dropped it",
                 call.id(),
@@ -169,16 +171,18 @@ async fn run_forwarded(
             return Ok(Reply::from_error(&error));
         }
     }
-    Ok(match worker.execute_held(call, session).await {
-        Ok(reply) => reply,
-        Err(error) => Reply::from_error(&error),
-    })
+    Ok(
+        match Executor::of(worker).execute_held(call, session).await {
+            Ok(reply) => reply,
+            Err(error) => Reply::from_error(&error),
+        },
+    )
 }
 
 /// The forwarded request as a call, checked as the edge checked it; else the
 /// refusal to relay.
 fn checked_call(
-    worker: &Worker,
+    worker: &Arc<Worker>,
     frame: RequestFrame,
     method: Method,
     headers: &HeaderMap,
@@ -198,7 +202,7 @@ fn checked_call(
     );
     let call = match checked {
         // A 2026-07-28 call binds to its principal's shared session here too.
-        Ok(call) => worker.bind_shared_session(call),
+        Ok(call) => Router::of(worker).bind_shared_session(call),
         // The edge ran the same checks; a refusal here is still an answer to relay.
         Err(error) => return Err(Reply::from_error(&error)),
     };
@@ -213,7 +217,7 @@ fn checked_call(
 /// What the decision core says of `call` at its owner, asked again once the one
 /// fact it may ask for (whether the directory records the session here) is in.
 async fn owner_decision(
-    worker: &Worker,
+    worker: &Arc<Worker>,
     call: &request::Call,
     held_here: bool,
 ) -> (decision::Situation, Decision) {
@@ -237,7 +241,7 @@ async fn owner_decision(
         match decision::decide(&situation) {
             Decision::Ask(Fact::OwnRecord) => {
                 let id = call.session_id.as_deref().unwrap_or_default();
-                known.recorded_here = Some(worker.records_as_own(id).await);
+                known.recorded_here = Some(Router::of(worker).records_as_own(id).await);
             }
             decided => return (situation, decided),
         }

@@ -12,12 +12,11 @@
 //! `subscriptions/listen` replaced them, and is not built here): those are -32601
 //! saying so (`super::not_served`).
 
-use std::sync::Arc;
-
 use serde_json::Value;
 use tracing::debug;
 
 use super::{Kind, MemberLists, refuse_cursor, rpc_error};
+use crate::execute::Executor;
 use crate::execute::upstream::VirtualUpstream;
 use crate::federation::INVALID_PARAMS;
 use crate::federation::names;
@@ -28,13 +27,12 @@ use crate::federation::resources::{
 use crate::mcp::GatewayError;
 use crate::reply::Reply;
 use crate::request::Call;
-use crate::worker::Worker;
 use std::time::Duration;
 
-impl Worker {
+impl Executor<'_> {
     /// `resources/list` or `resources/templates/list`: every member's list, merged.
     pub(super) async fn answer_resource_list(
-        self: &Arc<Self>,
+        &self,
         server: &VirtualUpstream,
         call: &Call,
         list: ResourceList,
@@ -49,7 +47,7 @@ impl Worker {
     /// `resources/read`: to the member that serves `params.uri`, unchanged (its
     /// `Mcp-Name` is the URI, as the client sent it).
     pub(super) async fn read_resource(
-        self: &Arc<Self>,
+        &self,
         server: &VirtualUpstream,
         call: &Call,
     ) -> Result<Reply, GatewayError> {
@@ -72,7 +70,7 @@ impl Worker {
     /// under its own name; a `ref/resource` to the member that listed the template (or
     /// that a read of the URI would reach).
     pub(super) async fn complete_modern(
-        self: &Arc<Self>,
+        &self,
         server: &VirtualUpstream,
         call: &Call,
     ) -> Result<Reply, GatewayError> {
@@ -104,7 +102,7 @@ impl Worker {
 
     /// Every member's `list`, merged by the sessions' rule.
     async fn merged_modern_resources(
-        self: &Arc<Self>,
+        &self,
         server: &VirtualUpstream,
         call: &Call,
         list: ResourceList,
@@ -134,7 +132,7 @@ impl Worker {
     /// list has goes to the first member left out of a list whose filter lets it
     /// through, so the client hears that member's error rather than "unknown".
     async fn resource_member(
-        self: &Arc<Self>,
+        &self,
         server: &VirtualUpstream,
         call: &Call,
         uri: &str,
