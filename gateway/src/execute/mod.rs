@@ -23,7 +23,6 @@ use serde_json::json;
 use tracing::{debug, warn};
 
 use crate::body::{self, ReplyBody};
-use crate::dispatch::Router;
 use crate::mcp::{self, Era, GatewayError};
 use crate::reply::{HEADER_OWNER_WORKER, Reply};
 use crate::request::Call;
@@ -52,12 +51,6 @@ pub struct Executor<'w> {
 impl<'w> Executor<'w> {
     pub fn of(worker: &'w Arc<Worker>) -> Self {
         Executor { worker }
-    }
-
-    /// The routing stage, for a call that turns out to belong elsewhere while it runs
-    /// (a shared session another worker opened or adopted first).
-    fn router(&self) -> Router<'w> {
-        Router::of(self.worker)
     }
 }
 

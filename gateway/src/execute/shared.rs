@@ -17,6 +17,7 @@
 //! carries on with fresh state.
 
 use super::Executor;
+use crate::dispatch::Router;
 use crate::reason::Reason;
 use std::sync::Arc;
 use std::time::Duration;
@@ -94,15 +95,16 @@ impl Executor<'_> {
                     // Another worker opened it first: use theirs.
                     drop(guard);
                     debug!(session = %crate::digest::tag_of(&key), "shared session opened elsewhere first");
-                    return self.router().forward_counted(&call, None).await.map_err(
-                        |unanswered| {
-                            self.router().refuse_shared(
+                    return Router::of(self.worker)
+                        .forward_counted(&call, None)
+                        .await
+                        .map_err(|unanswered| {
+                            Router::of(self.worker).refuse_shared(
                                 &unanswered.situation,
                                 &unanswered.why,
                                 &call,
                             )
-                        },
-                    );
+                        });
                 }
                 Err(e) => return Err(e.with_id(id)),
             }
@@ -226,8 +228,10 @@ impl Executor<'_> {
             // the next call); standalone, this entry is the only memory of it.
             return match self.worker.fleet() {
                 // Boxed: finding may open the session anew and run this call in it.
-                Some(fleet) => Box::pin(self.router().find_shared(fleet, call)).await,
-                None => Err(self.router().shared_lost(session.upstream, why).with_id(id)),
+                Some(fleet) => Box::pin(Router::of(self.worker).find_shared(fleet, call)).await,
+                None => Err(Router::of(self.worker)
+                    .shared_lost(session.upstream, why)
+                    .with_id(id)),
             };
         }
         session.touch();
@@ -283,8 +287,7 @@ impl Executor<'_> {
         self.session_lost(&session.id, &lost).await;
         self.worker.sessions.forget_retired(&session.id);
         self.take_told_end(&session).await;
-        Err(self
-            .router()
+        Err(Router::of(self.worker)
             .shared_lost(session.upstream, &lost)
             .with_id(id))
     }
