@@ -23,7 +23,6 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use serde::{Deserialize, Serialize};
 
 use crate::digest;
-use crate::execute::upstream::UpstreamLink;
 
 /// Bytes of an adoption key.
 const KEY_BYTES: usize = 32;
@@ -175,17 +174,6 @@ pub fn record_for(
         upstream_init: None,
         members: None,
     })
-}
-
-/// Whether a session on `link` can go on on another worker: an HTTP upstream's
-/// session, or a virtual server's with at least one HTTP member (its stdio members
-/// are lost on the way). A draining worker hands these over instead of ending them.
-pub(crate) fn continues_elsewhere(link: &UpstreamLink) -> bool {
-    match link {
-        UpstreamLink::Http { .. } => true,
-        UpstreamLink::Stdio(_) => false,
-        UpstreamLink::Federated(federated) => federated.has_http_member(),
-    }
 }
 
 /// Who may adopt a session: a hash of its route and principal (the directory never

@@ -14,8 +14,8 @@ use tracing::{info, warn};
 
 use crate::adoption::{self, AdoptionKeys};
 use crate::config::Config;
-use crate::execute::upstream::UpstreamLink;
 use crate::lease::LeaseHolder;
+use crate::link::UpstreamLink;
 use crate::session::Session;
 
 /// Why a session was not recorded as this worker's. Rendered for the client by the
@@ -126,7 +126,7 @@ impl Fleet {
             // A virtual server's session with an HTTP member: kind http (it can go on),
             // its members in a format 2 record; its stdio members are lost on the way.
             (Some(keys), UpstreamLink::Federated(federated))
-                if adoption::continues_elsewhere(&session.link) =>
+                if session.link.continues_elsewhere() =>
             {
                 let members = federated
                     .record_members(&session.id, keys)

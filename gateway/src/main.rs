@@ -31,6 +31,7 @@ mod fleet;
 mod forward;
 mod front;
 mod lease;
+mod link;
 mod mcp;
 mod metrics;
 mod process;

@@ -376,7 +376,7 @@ async fn hand_over(worker: &Worker, session: &Session) -> bool {
     let Some(fleet) = worker.fleet() else {
         return false;
     };
-    if fleet.adoption.is_none() || !crate::adoption::continues_elsewhere(&session.link) {
+    if fleet.adoption.is_none() || !session.link.continues_elsewhere() {
         return false;
     }
     match fleet

@@ -18,7 +18,7 @@ use tokio::time::Instant;
 
 use crate::digest::{SessionTag, hex, sha256, tag_of};
 use crate::execute::streams::SessionStreams;
-use crate::execute::upstream::UpstreamLink;
+use crate::link::UpstreamLink;
 
 /// Random bytes in a session id: 128 bits, as the MCP security guidance asks.
 const SESSION_ENTROPY_BYTES: usize = 16;

@@ -13,7 +13,8 @@ use tracing::{error, info, warn};
 
 use crate::auth::Authenticator;
 use crate::config::{Config, UpstreamConfig};
-use crate::dispatch::refuse::RETRY_AFTER_SECONDS;
+use crate::dispatch::refuse::{self, RETRY_AFTER_SECONDS};
+use crate::execute::streams::{ReplayBudget, SessionStreams};
 use crate::execute::upstream::Upstream;
 use crate::fleet::{ClaimError, Fleet};
 use crate::forward::caller::Forwarder;
@@ -51,7 +52,7 @@ pub struct Worker {
     /// the certificate metrics and `/readyz`.
     pub mesh_tls: OnceLock<mcpgw_certs::MeshTlsSource>,
     /// Bytes all replay logs of this worker's sessions may keep, and keep now.
-    pub replay_budget: Arc<crate::execute::streams::ReplayBudget>,
+    pub replay_budget: Arc<ReplayBudget>,
     /// Makes and exports spans (`--otlp-endpoint`); none: the gateway makes no spans.
     pub tracer: Option<crate::trace::Tracer>,
     /// Set once a drain begins (or the worker is fenced): no new sessions.
@@ -145,9 +146,7 @@ impl Worker {
             mesh_streams: OnceLock::new(),
             mesh_tls: OnceLock::new(),
             tracer,
-            replay_budget: crate::execute::streams::ReplayBudget::new(
-                config.limits.replay_budget_bytes,
-            ),
+            replay_budget: ReplayBudget::new(config.limits.replay_budget_bytes),
             routes,
             config,
             sessions: SessionRegistry::default(),
@@ -168,11 +167,8 @@ impl Worker {
     }
 
     /// The stream logs of a new session, within this worker's replay budget.
-    pub fn new_streams(&self) -> crate::execute::streams::SessionStreams {
-        crate::execute::streams::SessionStreams::new(
-            &self.replay_budget,
-            self.config.limits.replay_session_bytes,
-        )
+    pub fn new_streams(&self) -> SessionStreams {
+        SessionStreams::new(&self.replay_budget, self.config.limits.replay_session_bytes)
     }
 
     pub fn fleet(&self) -> Option<&Arc<Fleet>> {
@@ -328,7 +324,7 @@ impl Worker {
 /// The client's answer for a session the fleet did not record.
 pub(crate) fn claim_refused(error: ClaimError) -> GatewayError {
     match error {
-        ClaimError::OverQuota { limit, key } => crate::execute::quota_exceeded(limit, &key),
+        ClaimError::OverQuota { limit, key } => refuse::quota_exceeded(limit, &key),
         ClaimError::Collision => GatewayError::gateway(
             StatusCode::INTERNAL_SERVER_ERROR,
             Reason::SessionIdCollision,

@@ -20,8 +20,8 @@ use crate::decision::{
 };
 use crate::execute::Executor;
 use crate::execute::stateless::STATELESS_METHODS;
-use crate::execute::upstream::UpstreamLink;
 use crate::fleet::Fleet;
+use crate::link::UpstreamLink;
 use crate::mcp::{Era, GatewayError};
 use crate::reply::{HEADER_ADOPTED, Reply};
 use crate::request::Call;

@@ -34,6 +34,32 @@ pub const SESSION_MAY_CONTINUE: &str = "session_may_continue";
 /// Seconds a client should wait before retrying an "unknown" answer.
 pub const RETRY_AFTER_SECONDS: u32 = 1;
 
+/// 429 for a principal (or client address) at its session quota.
+pub(crate) fn quota_exceeded(quota: usize, quota_key: &str) -> GatewayError {
+    let scope = if quota_key.starts_with("addr:") {
+        "client_address"
+    } else {
+        "principal"
+    };
+    GatewayError::gateway(
+        StatusCode::TOO_MANY_REQUESTS,
+        Reason::SessionQuota,
+        format!(
+            "this {} already holds its maximum of {quota} sessions: end sessions you no \
+             longer use (DELETE), or wait for idle ones to expire",
+            scope.replace('_', " ")
+        ),
+    )
+    .with_reason(Reason::SessionQuota)
+    .with_data(json!({ "scope": scope, "limit": quota, "retryable": true,
+    }))
+    .with_retry_after(QUOTA_RETRY_AFTER_SECONDS)
+}
+
+/// Seconds a client at its session quota should wait: sessions free up as clients end
+/// them or as idle ones expire, not within a second.
+pub(crate) const QUOTA_RETRY_AFTER_SECONDS: u32 = 30;
+
 impl Refusal {
     /// The client-facing error. `gone_status` is 404 by default (MCP: re-initialize),
     /// or 409 for clients that follow a "session reassigned" contract. `why` is the

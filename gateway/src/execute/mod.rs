@@ -23,13 +23,15 @@ use serde_json::json;
 use tracing::{debug, warn};
 
 use crate::body::{self, ReplyBody};
+use crate::dispatch::refuse;
+use crate::link::UpstreamLink;
 use crate::mcp::{self, Era, GatewayError};
 use crate::reply::{HEADER_OWNER_WORKER, Reply};
 use crate::request::Call;
 use crate::session::{self, Session, SessionUse};
 use crate::worker::{Route, Worker};
 use streams::{EventId, SessionStreams};
-use upstream::{Upstream, UpstreamError, UpstreamLink, UpstreamReply, UpstreamRequest};
+use upstream::{Upstream, UpstreamError, UpstreamReply, UpstreamRequest};
 
 /// Largest `tools/list` answer read for tool names (metric labels); larger ones pass
 /// through unread.
@@ -308,7 +310,7 @@ impl Executor<'_> {
             && quota > 0
             && self.worker.sessions.count_for(quota_key) >= quota
         {
-            return Err(quota_exceeded(quota, quota_key));
+            return Err(refuse::quota_exceeded(quota, quota_key));
         }
         Ok(())
     }
@@ -838,32 +840,6 @@ fn relay(reply: UpstreamReply, session_header: Option<HeaderValue>, max_event: u
     }
 }
 
-/// 429 for a principal (or client address) at its session quota.
-pub(crate) fn quota_exceeded(quota: usize, quota_key: &str) -> GatewayError {
-    let scope = if quota_key.starts_with("addr:") {
-        "client_address"
-    } else {
-        "principal"
-    };
-    GatewayError::gateway(
-        StatusCode::TOO_MANY_REQUESTS,
-        Reason::SessionQuota,
-        format!(
-            "this {} already holds its maximum of {quota} sessions: end sessions you no \
-             longer use (DELETE), or wait for idle ones to expire",
-            scope.replace('_', " ")
-        ),
-    )
-    .with_reason(Reason::SessionQuota)
-    .with_data(json!({ "scope": scope, "limit": quota, "retryable": true,
-    }))
-    .with_retry_after(QUOTA_RETRY_AFTER_SECONDS)
-}
-
-/// Seconds a client at its session quota should wait: sessions free up as clients end
-/// them or as idle ones expire, not within a second.
-const QUOTA_RETRY_AFTER_SECONDS: u32 = 30;
-
 /// 502 `outcome_unknown` for a request written to a session's process that then ended
 /// before answering: it may have run, and the session ended with the process.
 /// `start_anew` tells the client how it gets a new session.
@@ -925,7 +901,7 @@ pub(crate) fn upstream_error(error: UpstreamError, id: serde_json::Value) -> Gat
         return GatewayError::gateway(status, reason, message)
             .with_id(id)
             .with_data(json!({ "scope": scope.replace(' ', "_"), "limit": max, "retryable": true }))
-            .with_retry_after(QUOTA_RETRY_AFTER_SECONDS);
+            .with_retry_after(refuse::QUOTA_RETRY_AFTER_SECONDS);
     }
     let mut error = GatewayError::gateway(status, reason, message).with_id(id);
     if status == StatusCode::SERVICE_UNAVAILABLE {

@@ -30,8 +30,9 @@ use serde_json::{Value, json};
 use tracing::{debug, info};
 
 use super::streams::SessionStreams;
-use super::upstream::{UpstreamError, UpstreamLink, UpstreamReply, read_answer};
+use super::upstream::{UpstreamError, UpstreamReply, read_answer};
 use super::{ACCEPT_BOTH, is_sse, lost_while_running, upstream_error};
+use crate::link::UpstreamLink;
 use mcpgw_mesh::directory::{Claim, SessionState};
 
 use crate::body;
@@ -259,7 +260,7 @@ impl Executor<'_> {
                 if reply.status == StatusCode::NOT_FOUND
                     && matches!(
                         session.link,
-                        super::upstream::UpstreamLink::Http {
+                        UpstreamLink::Http {
                             session_id: Some(_)
                         }
                     ) =>

@@ -9,8 +9,9 @@ use tracing::debug;
 
 use super::ACCEPT_BOTH;
 use super::Executor;
-use super::upstream::{UpstreamError, UpstreamLink, UpstreamReply};
+use super::upstream::{UpstreamError, UpstreamReply};
 use crate::body;
+use crate::link::UpstreamLink;
 use crate::mcp::{self, GatewayError};
 use crate::reply::{HEADER_STATELESS, Reply};
 use crate::request::Call;

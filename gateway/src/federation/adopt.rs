@@ -21,12 +21,13 @@ use parking_lot::Mutex;
 use serde_json::json;
 use tracing::{info, warn};
 
-use super::{FederatedLink, Member, MemberHealth, OwnIds, PROCESS_LEFT_BEHIND};
+use super::PROCESS_LEFT_BEHIND;
 use crate::adoption::{AdoptionKeys, MemberRecord, MemberTransport, OpenError};
 use crate::config::MemberConfig;
 use crate::execute::Executor;
 use crate::execute::streams::SessionStreams;
-use crate::execute::upstream::{Upstream, UpstreamLink};
+use crate::execute::upstream::Upstream;
+use crate::link::{FederatedLink, Member, MemberHealth, OwnIds, UpstreamLink};
 
 /// Why an adopted virtual server's session cannot go on, and the refused adoption's
 /// metric label.

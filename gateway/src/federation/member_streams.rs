@@ -38,11 +38,11 @@ use http::{HeaderMap, HeaderValue, Method, StatusCode};
 use http_body_util::BodyExt;
 use tracing::{debug, warn};
 
-use super::{FORGOTTEN, FederatedLink, MemberHealth, ids, mark_lost};
+use super::{FORGOTTEN, ids};
 use crate::body::{self, ReplyBody};
 use crate::execute::Executor;
 use crate::execute::streams::StreamLog;
-use crate::execute::upstream::UpstreamLink;
+use crate::link::{FederatedLink, MemberHealth, UpstreamLink, mark_lost};
 use crate::mcp::{self, GatewayError};
 use crate::reason::Reason;
 use crate::worker::Worker;

@@ -24,36 +24,30 @@
 mod adopt;
 mod ids;
 mod member_streams;
-mod modern;
-mod names;
+pub(crate) mod modern;
+pub(crate) mod names;
 mod open;
 mod resources;
-mod uris;
+pub(crate) mod uris;
 
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
 use http::{HeaderMap, HeaderValue, Method, StatusCode};
 use http_body_util::BodyExt;
-use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tracing::warn;
 
-use crate::adoption::{self, AdoptionKeys, MemberRecord, MemberSession};
-use crate::config::{MemberConfig, NameFilter, PrefixRule};
+use crate::config::PrefixRule;
 use crate::execute::ACCEPT_BOTH;
 use crate::execute::Executor;
-use crate::execute::streams::StreamLog;
-use crate::execute::upstream::{UpstreamError, UpstreamLink, UpstreamReply, read_answer};
+use crate::execute::upstream::{UpstreamError, UpstreamReply, read_answer};
+use crate::link::{FederatedLink, Kind, ListOf, Member, UpstreamLink};
 use crate::mcp::{self, GatewayError};
 use crate::reason::Reason;
 use crate::reply::Reply;
-pub(crate) use modern::ModernCatalogs;
 use names::{Exposure, Listed, Owner};
-use uris::ResourceCatalog;
 
 /// JSON-RPC "invalid params": an unknown tool or prompt name, a cursor never issued.
 const INVALID_PARAMS: i64 = -32602;
@@ -63,167 +57,6 @@ const MAX_LIST_PAGES: usize = 1000;
 /// Largest member answer to a list or initialize read whole.
 const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
 
-/// The kinds of named things a virtual server merges and routes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum Kind {
-    Tools,
-    Prompts,
-}
-
-/// One list method of a member: how it is asked for and read.
-#[derive(Debug, Clone, Copy)]
-struct ListOf {
-    method: &'static str,
-    /// The key of the list in the result.
-    key: &'static str,
-    /// The capability a member announces it with.
-    capability: &'static str,
-}
-
-impl Kind {
-    fn listing(self) -> ListOf {
-        match self {
-            Kind::Tools => ListOf {
-                method: "tools/list",
-                key: "tools",
-                capability: "tools",
-            },
-            Kind::Prompts => ListOf {
-                method: "prompts/list",
-                key: "prompts",
-                capability: "prompts",
-            },
-        }
-    }
-
-    /// The key of the list in a list result, and the capability that announces it.
-    fn key(self) -> &'static str {
-        self.listing().key
-    }
-
-    fn filter(self, member: &MemberConfig) -> &NameFilter {
-        match self {
-            Kind::Tools => &member.tools,
-            Kind::Prompts => &member.prompts,
-        }
-    }
-
-    fn singular(self) -> &'static str {
-        match self {
-            Kind::Tools => "tool",
-            Kind::Prompts => "prompt",
-        }
-    }
-}
-
-/// One client session of a virtual server: its members' upstream sessions.
-pub struct FederatedLink {
-    /// The virtual server's route name, for messages and logs.
-    server: String,
-    /// `server` as a metric label value.
-    label: Arc<String>,
-    rule: PrefixRule,
-    separator: String,
-    /// The members opened at initialize, in configuration order.
-    members: Vec<Member>,
-    /// Optional members that could not be opened: (upstream name, why).
-    left_out: Vec<(String, String)>,
-    /// The session's `GET` stream: what members send outside a request (their own
-    /// `GET` streams over HTTP, what they write outside a request over stdio), and the
-    /// gateway's `list_changed` when a member is lost.
-    get_stream: Arc<StreamLog>,
-    /// Set once the HTTP members' own `GET` streams are followed (at the client's
-    /// first `GET` on this worker): a member allows one per session.
-    members_followed: AtomicBool,
-    /// Set when the session ends: members stopping then are not "lost".
-    ending: Arc<AtomicBool>,
-    /// Exposed name → owning member, per kind, from the last merged list; names of
-    /// members lost since stay, so their calls are told the loss, not "unknown".
-    catalog: Mutex<HashMap<Kind, HashMap<String, Owner>>>,
-    /// The URIs and templates of the last merged resource lists, kept the same way.
-    resources: Mutex<ResourceCatalog>,
-    /// Ids for the gateway's own requests in the members' sessions.
-    own_ids: OwnIds,
-}
-
-/// Ids of the gateway's own requests to members (list pages, the adoption ping),
-/// unique per worker and link. A server answers each id of its session once: two
-/// merged lists asked at once under one id would leave one of them waiting until its
-/// deadline (seen with the Python SDK's HTTP server).
-struct OwnIds {
-    worker: String,
-    next: AtomicU64,
-}
-
-impl OwnIds {
-    fn new(worker: &str) -> Self {
-        Self {
-            worker: worker.to_owned(),
-            next: AtomicU64::new(0),
-        }
-    }
-
-    /// A fresh id for a request of the gateway's own, `what` naming it.
-    fn next(&self, what: &str) -> Value {
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
-        Value::from(format!("mcpgw-{what}-{}-{n}", self.worker))
-    }
-}
-
-/// One member's upstream session inside a federated session.
-struct Member {
-    config: MemberConfig,
-    /// None: a stdio member of an adopted session, whose process stayed with the
-    /// worker that held the session (it is lost from the start).
-    link: Option<UpstreamLink>,
-    /// The protocol version the member negotiated; sent on every exchange with it.
-    version: HeaderValue,
-    /// What the member announced at initialize.
-    capabilities: Value,
-    health: Arc<MemberHealth>,
-}
-
-/// Whether a member's session still lives; shared with its process's exit handler.
-struct MemberHealth {
-    lost: Mutex<Option<String>>,
-}
-
-impl Member {
-    fn name(&self) -> &str {
-        &self.config.upstream
-    }
-
-    fn lost(&self) -> Option<String> {
-        self.health.lost.lock().clone()
-    }
-
-    fn has(&self, capability: &str) -> bool {
-        self.capabilities.get(capability).is_some()
-    }
-
-    /// One exchange with the member in its session. A member without a link answers
-    /// as a process that ended (the reason it was lost with).
-    async fn send(
-        &self,
-        executor: &Executor<'_>,
-        headers: HeaderMap,
-        body: Bytes,
-    ) -> Result<UpstreamReply, UpstreamError> {
-        match &self.link {
-            Some(link) => {
-                let route = &executor.worker.routes[self.config.index];
-                executor
-                    .send_on_link(route, link, Method::POST, headers, body)
-                    .await
-            }
-            None => Err(UpstreamError::Exited {
-                name: self.name().to_owned(),
-                detail: PROCESS_LEFT_BEHIND.to_owned(),
-            }),
-        }
-    }
-}
-
 /// Why an HTTP member that answers 404 to its session id is lost.
 const FORGOTTEN: &str = "the upstream no longer knows its session (it restarted or expired it)";
 
@@ -232,60 +65,6 @@ const PROCESS_LEFT_BEHIND: &str =
     "ended with the worker that held this session (a process cannot move to another worker)";
 
 impl FederatedLink {
-    pub fn member_count(&self) -> usize {
-        self.members.len()
-    }
-
-    /// Whether a member is reached over HTTP: then the session can go on elsewhere.
-    pub fn has_http_member(&self) -> bool {
-        self.members
-            .iter()
-            .any(|m| matches!(m.link, Some(UpstreamLink::Http { .. })))
-    }
-
-    /// What the session's record holds of each member, for the session `session_id`
-    /// (see [`crate::adoption::MemberRecord`]).
-    pub(crate) fn record_members(
-        &self,
-        session_id: &str,
-        keys: &AdoptionKeys,
-    ) -> Result<Vec<MemberRecord>, String> {
-        self.members
-            .iter()
-            .map(|member| {
-                let http = match &member.link {
-                    Some(UpstreamLink::Http { session_id }) => Some(MemberSession {
-                        session_id: session_id
-                            .as_ref()
-                            .and_then(|v| v.to_str().ok())
-                            .map(str::to_owned),
-                        protocol_version: member.version.to_str().unwrap_or_default().to_owned(),
-                    }),
-                    _ => None,
-                };
-                adoption::member_record(
-                    session_id,
-                    member.name(),
-                    http.as_ref(),
-                    &member.capabilities,
-                    keys,
-                )
-            })
-            .collect()
-    }
-
-    /// Marks `member` lost with `why` (once), logs it and tells the client's `GET`
-    /// stream that the lists changed.
-    fn mark_lost(&self, member: &Member, why: &str) {
-        mark_lost(
-            &self.server,
-            member.name(),
-            &member.health,
-            &self.get_stream,
-            why,
-        );
-    }
-
     /// The member that owns `name` of `kind`, from the catalog, refreshed once by a
     /// merged list when the name is not in it.
     async fn owner_of(&self, executor: &Executor<'_>, kind: Kind, name: &str) -> Option<Owner> {
@@ -474,8 +253,8 @@ impl FederatedLink {
         member: &Member,
         body: Bytes,
     ) -> Result<Value, String> {
-        let reply = member
-            .send(executor, member_headers(&member.version, None), body)
+        let reply = executor
+            .send_to_member(member, member_headers(&member.version, None), body)
             .await;
         match self.judge(member, reply) {
             Ok(reply) => {
@@ -591,24 +370,6 @@ enum MemberFailure {
     Failed(UpstreamError),
 }
 
-fn mark_lost(server: &str, member: &str, health: &MemberHealth, get_stream: &StreamLog, why: &str) {
-    {
-        let mut lost = health.lost.lock();
-        if lost.is_some() {
-            return;
-        }
-        *lost = Some(why.to_owned());
-    }
-    warn!(server = %server, member = %member, "member of a virtual server's session lost: {why}; its names leave the lists, it is not reopened");
-    for kind in ["tools", "prompts", "resources"] {
-        get_stream.push_message(
-            json!({"jsonrpc": "2.0", "method": format!("notifications/{kind}/list_changed")})
-                .to_string()
-                .as_bytes(),
-        );
-    }
-}
-
 /// Headers of an exchange with a member, in the version it negotiated.
 fn member_headers(version: &HeaderValue, client: Option<&HeaderMap>) -> HeaderMap {
     let mut headers = client.cloned().unwrap_or_default();
@@ -651,6 +412,27 @@ fn from_gateway_error(error: &GatewayError) -> UpstreamReply {
 }
 
 impl Executor<'_> {
+    /// One exchange with the member in its session. A member without a link answers
+    /// as a process that ended (the reason it was lost with).
+    async fn send_to_member(
+        &self,
+        member: &Member,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Result<UpstreamReply, UpstreamError> {
+        match &member.link {
+            Some(link) => {
+                let route = &self.worker.routes[member.config.index];
+                self.send_on_link(route, link, Method::POST, headers, body)
+                    .await
+            }
+            None => Err(UpstreamError::Exited {
+                name: member.name().to_owned(),
+                detail: PROCESS_LEFT_BEHIND.to_owned(),
+            }),
+        }
+    }
+
     /// One client message in a federated session, answered as the session's upstream
     /// would answer it. Never `Exited`: a member's end is that member's, not the
     /// session's.
@@ -791,9 +573,9 @@ impl Executor<'_> {
             count("lost");
             return from_gateway_error(&member_lost(link, member, &why, id));
         }
-        let reply = member
-            .send(
-                self,
+        let reply = self
+            .send_to_member(
+                member,
                 member_headers(&member.version, Some(&headers)),
                 Bytes::from(message.to_string()),
             )
@@ -856,8 +638,8 @@ impl Executor<'_> {
         headers: &HeaderMap,
         body: Bytes,
     ) {
-        let reply = member
-            .send(self, member_headers(&member.version, Some(headers)), body)
+        let reply = self
+            .send_to_member(member, member_headers(&member.version, Some(headers)), body)
             .await;
         if let Ok(reply) = link.judge(member, reply) {
             let _ = reply.body.collect().await;

@@ -27,18 +27,17 @@ use http::{HeaderValue, Method, StatusCode};
 use serde_json::{Value, json};
 use tracing::debug;
 
-mod catalog;
+pub(crate) mod catalog;
 mod resources;
-
-pub(crate) use catalog::ModernCatalogs;
 
 use super::names::{self, Listed};
 use super::resources::ResourceList;
-use super::{INVALID_PARAMS, Kind, ListOf, MAX_ANSWER_BYTES, MAX_LIST_PAGES};
+use super::{INVALID_PARAMS, MAX_ANSWER_BYTES, MAX_LIST_PAGES};
 use crate::config::{MemberConfig, PrefixRule};
 use crate::dispatch::Router;
 use crate::execute::Executor;
 use crate::execute::upstream::{Upstream, UpstreamReply, VirtualUpstream, read_answer};
+use crate::link::{Kind, ListOf};
 use crate::mcp::{self, Era, GatewayError};
 use crate::reason::Reason;
 use crate::reply::Reply;

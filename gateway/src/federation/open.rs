@@ -13,18 +13,16 @@ use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tracing::warn;
 
-use super::{
-    FederatedLink, MAX_ANSWER_BYTES, Member, MemberHealth, OwnIds, answer, from_gateway_error,
-    mark_lost, member_headers, member_streams,
-};
+use super::{MAX_ANSWER_BYTES, answer, from_gateway_error, member_headers, member_streams};
 use crate::config::MemberConfig;
 use crate::digest;
 use crate::execute::Executor;
 use crate::execute::streams::{SessionStreams, StreamLog};
 use crate::execute::upstream::{
-    StdioProcess, StdioUpstream, Upstream, UpstreamError, UpstreamLink, UpstreamReply,
-    VirtualUpstream, read_answer,
+    StdioProcess, StdioUpstream, Upstream, UpstreamError, UpstreamReply, VirtualUpstream,
+    read_answer,
 };
+use crate::link::{FederatedLink, Kind, Member, MemberHealth, OwnIds, UpstreamLink, mark_lost};
 use crate::mcp::{self, GatewayError};
 use crate::reason::Reason;
 
@@ -279,7 +277,7 @@ fn sort_opened(
 /// virtual server serves), the virtual server's name, and which members are missing.
 fn initialize_result(link: &FederatedLink, version: &str) -> Value {
     let mut capabilities = json!({});
-    for kind in [super::Kind::Tools, super::Kind::Prompts] {
+    for kind in [Kind::Tools, Kind::Prompts] {
         if link.members.iter().any(|m| m.has(kind.key())) {
             capabilities[kind.key()] = json!({ "listChanged": true });
         }

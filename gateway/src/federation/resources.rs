@@ -17,10 +17,11 @@ use tracing::warn;
 
 use super::names::{self, Listed};
 use super::uris::ResourceCatalog;
-use super::{FederatedLink, Gathered, INVALID_PARAMS, Kind, ListOf, error, result};
+use super::{Gathered, INVALID_PARAMS, error, result};
 use crate::config::{NameFilter, PrefixRule};
 use crate::execute::Executor;
 use crate::execute::upstream::UpstreamReply;
+use crate::link::{FederatedLink, Kind, ListOf};
 
 /// The two resource lists a virtual server merges.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

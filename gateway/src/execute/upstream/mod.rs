@@ -11,10 +11,9 @@ pub mod stdio;
 pub(crate) mod tls;
 
 use crate::reason::Reason;
-use std::sync::Arc;
 use std::time::Duration;
 
-use ::http::{HeaderMap, HeaderValue, Method, StatusCode};
+use ::http::{HeaderMap, Method, StatusCode};
 use bytes::Bytes;
 
 pub(crate) use self::answer::read_answer;
@@ -22,7 +21,6 @@ pub use self::http::HttpUpstream;
 pub use self::stdio::{StdioProcess, StdioUpstream};
 use crate::body::ReplyBody;
 use crate::config::{Limits, UpstreamConfig, UpstreamTarget, VirtualServer};
-use crate::federation::FederatedLink;
 
 /// One request to an upstream, already translated to the upstream's session.
 pub struct UpstreamRequest {
@@ -135,7 +133,7 @@ pub struct VirtualUpstream {
     pub name: String,
     pub server: VirtualServer,
     /// What 2026-07-28 requests learnt from its members' lists, while they allow it.
-    pub catalogs: crate::federation::ModernCatalogs,
+    pub catalogs: crate::federation::modern::catalog::ModernCatalogs,
 }
 
 impl Upstream {
@@ -156,35 +154,5 @@ impl Upstream {
                 catalogs: Default::default(),
             }),
         })
-    }
-}
-
-/// How one session reaches its upstream: the upstream's own session over HTTP, or a
-/// child process of its own. It lives as long as the session.
-pub enum UpstreamLink {
-    /// Streamable HTTP: the upstream's `Mcp-Session-Id`, if it issued one.
-    Http { session_id: Option<HeaderValue> },
-    /// A child process started for this session alone.
-    Stdio(Arc<StdioProcess>),
-    /// A virtual server's session: one link per member (`federation`).
-    Federated(Arc<FederatedLink>),
-}
-
-impl std::fmt::Debug for UpstreamLink {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            UpstreamLink::Http { session_id } => f
-                .debug_struct("Http")
-                .field("has_session", &session_id.is_some())
-                .finish(),
-            UpstreamLink::Stdio(process) => f
-                .debug_struct("Stdio")
-                .field("pid", &process.pid())
-                .finish(),
-            UpstreamLink::Federated(link) => f
-                .debug_struct("Federated")
-                .field("members", &link.member_count())
-                .finish(),
-        }
     }
 }

@@ -17,9 +17,9 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokio::time::{Duration, Instant};
 
-use crate::federation::Kind;
 use crate::federation::names::Owner;
 use crate::federation::uris::ResourceCatalog;
+use crate::link::Kind;
 
 /// Entries kept per map at most: principals are unbounded, memory is not. A full map
 /// drops its expired entries, then (still full) all of them; they are only a shortcut.
