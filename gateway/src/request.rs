@@ -112,7 +112,7 @@ pub struct Call {
 
 impl Call {
     /// Whether this call was bound to its principal's shared session
-    /// ([`crate::worker::Worker::bind_shared_session`]): a 2026-07-28 call that carries a
+    /// ([`crate::dispatch::Router::bind_shared_session`]): a 2026-07-28 call that carries a
     /// session id can only have got it there.
     pub fn is_shared_bound(&self) -> bool {
         self.era == Era::Modern && self.session_id.is_some()

@@ -5,7 +5,7 @@
 //! owner always checks its own registry, so a forged id reaches no other session.
 //!
 //! A session ends in one of two ways: the gateway ends it (client DELETE, drain, idle
-//! expiry: [`crate::worker::Worker::end_session`]), or it ends under the gateway (its
+//! expiry: [`crate::execute::Executor::end_session`]), or it ends under the gateway (its
 //! stdio process exited, its upstream forgot it): then it is *retired* with the
 //! reason, and its requests are answered "gone" with that reason for a while.
 

@@ -1,7 +1,9 @@
 //! One worker process's state: its identity, its upstream clients, the sessions it
 //! owns, its fleet membership, and what it does when its lease says it may no longer
-//! act. Where a call runs is decided in [`crate::dispatch`]; how it runs, in
-//! [`crate::execute`] (local) and [`crate::forward`] (over the mesh).
+//! act. The stages of a request act on this state: the router decides where a call
+//! runs ([`crate::dispatch::Router`]), the executor runs it here
+//! ([`crate::execute::Executor`]), the forwarder sends it to its owner
+//! ([`crate::forward::caller::Forwarder`]). `Worker`'s own methods are all in this file.
 
 use crate::reason::Reason;
 use std::sync::atomic::{AtomicBool, Ordering};

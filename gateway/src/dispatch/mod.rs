@@ -33,7 +33,7 @@ use crate::worker::Worker;
 const RECLAIM_WAITS: usize = 20;
 const RECLAIM_WAIT: std::time::Duration = std::time::Duration::from_millis(25);
 
-/// What [`Worker::try_adopt`] did with a call whose session's owner left it.
+/// What [`Router::try_adopt`] did with a call whose session's owner left it.
 pub(crate) enum AdoptionOutcome {
     /// The session was adopted here (or could not continue): the call's answer.
     Ran(Result<Reply, GatewayError>),

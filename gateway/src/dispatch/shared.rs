@@ -19,7 +19,7 @@ use crate::reply::Reply;
 use crate::request::Call;
 use crate::session::shared_session_id;
 
-/// What one look at the directory led to, in [`Worker::find_shared`].
+/// What one look at the directory led to, in [`Router::find_shared`].
 // Lives for one step of one request, moved and never stored: boxing the call would
 // cost an allocation for nothing.
 #[allow(clippy::large_enum_variant)]

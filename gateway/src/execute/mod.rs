@@ -115,7 +115,7 @@ impl Executor<'_> {
         let virtual_server = matches!(route.upstream(), Upstream::Virtual(_));
         // The large and less frequent paths are boxed, so that a call in a session
         // does not carry (and copy) a future sized for a virtual server's or an
-        // initialize's (see `Worker::dispatch`).
+        // initialize's (see `Router::dispatch`).
         let result = match (call.era, session) {
             // A 2026-07-28 call on a virtual server: its members' calls made for it.
             (Era::Modern, _) if virtual_server => Box::pin(self.serve_federated_modern(call)).await,
@@ -534,7 +534,7 @@ impl Executor<'_> {
     /// (registry and directory), ends its streams, then its upstream session or child
     /// process. Later requests for it get 404 `session_not_found`. (For a shared
     /// session the next 2026-07-28 call silently opens a new one; an expiry that wants
-    /// those clients told once calls [`Worker::session_lost`] instead.)
+    /// those clients told once calls [`Executor::session_lost`] instead.)
     pub async fn end_session(&self, session: &Session) {
         self.worker.forget_session(&session.id).await;
         session.streams.close();
@@ -590,7 +590,7 @@ impl Executor<'_> {
             .await
     }
 
-    /// [`Worker::open_link`] for a client's own session: a stdio child counts against
+    /// [`Executor::open_link`] for a client's own session: a stdio child counts against
     /// the process quota of `principal` (its quota key) on this route and worker.
     pub(crate) async fn open_link_for(
         &self,

@@ -4,7 +4,7 @@
 //!
 //! A member call is the request the client would have sent to the member's own route
 //! (`/servers/{member}/mcp`), rewritten to the member's own name, and it runs through
-//! [`Worker::dispatch`] exactly as that request would: a stateless HTTP member is
+//! [`crate::dispatch::Router::dispatch`] exactly as that request would: a stateless HTTP member is
 //! called straight from here; a stateful member (stdio, `legacy_only`) runs in the
 //! session its principal shares on that route (`execute/shared.rs`), wherever in the
 //! fleet that session lives, with its loss told once like on the plain route. So the

@@ -210,7 +210,7 @@ impl Forwarder {
         let mut action = machine.start();
         // Every step but the send and its wait is boxed: a forward that is answered
         // (almost every one) then does not carry a future sized for probes and
-        // directory calls (see `Worker::dispatch`).
+        // directory calls (see `Router::dispatch`).
         loop {
             let event = match action {
                 Action::Relay => return answer.take().map(from_forwarded).ok_or_else(lost_track),
