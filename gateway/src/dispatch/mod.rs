@@ -182,26 +182,7 @@ impl Router<'_> {
         let route = self.worker.routes[call.upstream].name();
         let guard = crate::adoption::guard_of(route, &call.auth.subject);
         let tag = crate::digest::tag_of(&sid);
-        let mut asked = fleet
-            .directory
-            .adopt_session(&sid, &self.worker.id, &guard)
-            .await;
-        // Still recorded for an owner this worker proved dead: its reclaim (by another
-        // request, here or elsewhere) is under way and takes milliseconds. Ask again
-        // shortly rather than forward to the dead.
-        for _ in 0..RECLAIM_WAITS {
-            match &asked {
-                Ok(Adoption::OwnedBy(owner)) if known_dead(owner) => {
-                    tokio::time::sleep(RECLAIM_WAIT).await;
-                    asked = fleet
-                        .directory
-                        .adopt_session(&sid, &self.worker.id, &guard)
-                        .await;
-                }
-                _ => break,
-            }
-        }
-        match asked {
+        match self.ask_adoption(fleet, &sid, &guard, known_dead).await {
             Ok(Adoption::OwnedBy(owner)) if known_dead(&owner) => AdoptionOutcome::Ran(Err(self
                 .refuse(
                     &Situation::Unknown,
@@ -251,6 +232,31 @@ impl Router<'_> {
                 )))
             }
         }
+    }
+
+    /// Asks the directory to hand `sid` to this worker. While it is still recorded for
+    /// an owner this worker proved dead, its reclaim (by another request, here or
+    /// elsewhere) is under way and takes milliseconds: ask again shortly rather than
+    /// forward to the dead.
+    async fn ask_adoption(
+        &self,
+        fleet: &Fleet,
+        sid: &str,
+        guard: &str,
+        known_dead: impl Fn(&str) -> bool,
+    ) -> Result<Adoption, DirectoryError> {
+        let ask = || fleet.directory.adopt_session(sid, &self.worker.id, guard);
+        let mut asked = ask().await;
+        for _ in 0..RECLAIM_WAITS {
+            match &asked {
+                Ok(Adoption::OwnedBy(owner)) if known_dead(owner) => {
+                    tokio::time::sleep(RECLAIM_WAIT).await;
+                    asked = ask().await;
+                }
+                _ => break,
+            }
+        }
+        asked
     }
 
     /// Runs `call` in its session, which this worker now owns in the directory, from
@@ -312,25 +318,8 @@ impl Router<'_> {
         let session = self.worker.sessions.insert(session);
         let held = self.worker.sessions.enter(&sid);
         let result = self.executor().execute_held(call, held).await;
-        // Counted once the upstream took the session on: one that no longer knows it
-        // (its answer ended the session: the client hears "gone" as it would have from
-        // the first owner) is a refused adoption, not an adopted session.
-        match (cause, session.ended()) {
-            (Some(_), Some(why)) => {
-                self.worker.metrics.adoption_refused("upstream_forgot");
-                info!(session = %session.tag, "session not adopted: {why}");
-            }
-            (Some(cause), None) => {
-                self.worker.metrics.session_adopted(cause.as_str());
-                self.worker.metrics.session_opened();
-                info!(
-                    session = %session.tag,
-                    cause = cause.as_str(),
-                    previous_owner = crate::session::owner_hint(&sid).unwrap_or("unknown"),
-                    "adopted a session its owner left"
-                );
-            }
-            (None, _) => {}
+        if let Some(cause) = cause {
+            self.count_adoption(cause, &session);
         }
         let mut reply = result?;
         if let Some(cause) = cause {
@@ -339,6 +328,29 @@ impl Router<'_> {
                 .insert(HEADER_ADOPTED, HeaderValue::from_static(cause.as_str()));
         }
         Ok(reply)
+    }
+
+    /// Counts an adoption once the upstream took the session on: one that no longer
+    /// knows it (its answer ended the session: the client hears "gone" as it would have
+    /// from the first owner) is a refused adoption, not an adopted session.
+    fn count_adoption(&self, cause: AdoptCause, session: &Session) {
+        let metrics = &self.worker.metrics;
+        match session.ended() {
+            Some(why) => {
+                metrics.adoption_refused("upstream_forgot");
+                info!(session = %session.tag, "session not adopted: {why}");
+            }
+            None => {
+                metrics.session_adopted(cause.as_str());
+                metrics.session_opened();
+                info!(
+                    session = %session.tag,
+                    cause = cause.as_str(),
+                    previous_owner = crate::session::owner_hint(&session.id).unwrap_or("unknown"),
+                    "adopted a session its owner left"
+                );
+            }
+        }
     }
 
     /// The upstream link of an adopted session, from its `record`: the upstream's
