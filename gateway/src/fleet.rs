@@ -125,9 +125,7 @@ impl Fleet {
             (None, _) => (None, String::new()),
             // A virtual server's session with an HTTP member: kind http (it can go on),
             // its members in a format 2 record; its stdio members are lost on the way.
-            (Some(keys), UpstreamLink::Federated(federated))
-                if session.link.continues_elsewhere() =>
-            {
+            (Some(keys), UpstreamLink::Federated(federated)) if federated.has_http_member() => {
                 let members = federated
                     .record_members(&session.id, keys)
                     .map_err(unrecorded)?;

@@ -15,6 +15,7 @@ use tracing::{error, info, warn};
 
 use crate::auth::Authenticator;
 use crate::config::{Config, UpstreamConfig};
+use crate::decision::{Known, SessionKind, Side};
 use crate::dispatch::refuse::{self, RETRY_AFTER_SECONDS};
 use crate::execute::streams::{ReplayBudget, SessionStreams};
 use crate::execute::upstream::Upstream;
@@ -306,6 +307,20 @@ impl Worker {
     /// Resolves once a drain was requested (see [`Worker::request_drain`]).
     pub fn drain_requests(&self) -> watch::Receiver<bool> {
         self.drain_requested.subscribe()
+    }
+
+    /// What this worker knows of itself, for the decision core: its lease, its fleet,
+    /// whether it was fenced and whether its fleet adopts sessions. Every path that
+    /// decides (the edge, a shared session, the owner of a forwarded call) starts here
+    /// and adds what it knows of the call.
+    pub fn knows(&self, side: Side, session: SessionKind) -> Known {
+        Known {
+            lease_valid: self.lease_valid(),
+            in_fleet: self.fleet().is_some(),
+            fenced: self.is_fenced(),
+            adopts: self.adopts(),
+            ..Known::of(side, session)
+        }
     }
 
     /// Whether sessions of HTTP upstreams outlive their owner in this fleet (`--adopt

@@ -43,6 +43,9 @@ pub(crate) enum AdoptionOutcome {
     NotAdoptable(Call),
 }
 
+/// What the client is told when a situation refuses and nothing more specific is known.
+const LEASE_IN_DOUBT_WHY: &str = "the worker holding it could not renew its lease in time";
+
 /// The routing stage: decides where a checked call runs (here, at its owner over the
 /// mesh, or nowhere, with the truthful refusal) and hands it on. It keeps nothing of
 /// its own: it reads the worker's sessions, lease and fleet, and borrows the worker
@@ -61,12 +64,7 @@ impl<'w> Router<'w> {
     fn executor(&self) -> Executor<'w> {
         Executor::of(self.worker)
     }
-}
 
-/// What the client is told when a situation refuses and nothing more specific is known.
-const LEASE_IN_DOUBT_WHY: &str = "the worker holding it could not renew its lease in time";
-
-impl Router<'_> {
     /// Decides where `call` runs and runs it.
     pub async fn dispatch(&self, call: Call) -> Result<Reply, GatewayError> {
         // A 2026-07-28 call to an upstream that keeps state in sessions runs in the
@@ -95,11 +93,7 @@ impl Router<'_> {
             has_session_id: call.session_id.is_some(),
             is_initialize: call.is_initialize(),
             held_here: local.is_some(),
-            lease_valid: self.worker.lease_valid(),
-            in_fleet: self.worker.fleet().is_some(),
-            fenced: self.worker.is_fenced(),
-            adopts: self.worker.adopts(),
-            ..Known::of(Side::Edge, SessionKind::Own)
+            ..self.worker.knows(Side::Edge, SessionKind::Own)
         });
         match (decide(&situation), self.worker.fleet()) {
             (Decision::ExecuteHere, _) => self.executor().execute_held(call, local).await,

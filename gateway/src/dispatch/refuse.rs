@@ -50,9 +50,7 @@ pub(crate) fn quota_exceeded(quota: usize, quota_key: &str) -> GatewayError {
             scope.replace('_', " ")
         ),
     )
-    .with_reason(Reason::SessionQuota)
-    .with_data(json!({ "scope": scope, "limit": quota, "retryable": true,
-    }))
+    .with_data(json!({ "scope": scope, "limit": quota, "retryable": true }))
     .with_retry_after(QUOTA_RETRY_AFTER_SECONDS)
 }
 

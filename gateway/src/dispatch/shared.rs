@@ -52,11 +52,7 @@ impl Router<'_> {
             modern: true,
             has_session_id: true,
             held_here: local.is_some(),
-            lease_valid: self.worker.lease_valid(),
-            in_fleet: self.worker.fleet().is_some(),
-            fenced: self.worker.is_fenced(),
-            adopts: self.worker.adopts(),
-            ..Known::of(Side::Edge, SessionKind::Shared)
+            ..self.worker.knows(Side::Edge, SessionKind::Shared)
         });
         match (decision::decide(&situation), self.worker.fleet()) {
             (Decision::ExecuteHere, _) => self.executor().execute_held(call, local).await,

@@ -54,9 +54,7 @@ impl<'w> Executor<'w> {
     pub fn of(worker: &'w Arc<Worker>) -> Self {
         Executor { worker }
     }
-}
 
-impl Executor<'_> {
     /// The session `call` names, if this worker holds it, held for the exchange. A
     /// lease past its own deadline is revalidated first (one attempt shared by every
     /// request that waits for it); if that fenced the worker, the session is gone.

@@ -140,7 +140,8 @@ async fn run_forwarded(
     };
     // A lease past its own deadline is revalidated first, as at the edge: an owner
     // whose heartbeat is merely late serves, and only one in real doubt refuses.
-    let session = Executor::of(worker).hold_session(&call).await;
+    let executor = Executor::of(worker);
+    let session = executor.hold_session(&call).await;
     let (situation, decided) = owner_decision(worker, &call, session.is_some()).await;
     match decided {
         Decision::ExecuteHere => {}
@@ -171,12 +172,10 @@ async fn run_forwarded(
             return Ok(Reply::from_error(&error));
         }
     }
-    Ok(
-        match Executor::of(worker).execute_held(call, session).await {
-            Ok(reply) => reply,
-            Err(error) => Reply::from_error(&error),
-        },
-    )
+    Ok(match executor.execute_held(call, session).await {
+        Ok(reply) => reply,
+        Err(error) => Reply::from_error(&error),
+    })
 }
 
 /// The forwarded request as a call, checked as the edge checked it; else the
@@ -224,11 +223,7 @@ async fn owner_decision(
     let mut known = Known {
         has_session_id: call.session_id.is_some(),
         held_here,
-        lease_valid: worker.lease_valid(),
-        in_fleet: worker.fleet().is_some(),
-        fenced: worker.is_fenced(),
-        adopts: worker.adopts(),
-        ..Known::of(
+        ..worker.knows(
             Side::Owner,
             match call.is_shared_bound() {
                 true => SessionKind::Shared,
