@@ -484,7 +484,8 @@ async fn the_directory_reconnects_after_redis_restarts_empty() {
 
 #[tokio::test]
 async fn connecting_to_nothing_fails_clearly_without_leaking_the_password() {
-    let port = mcpgw_testkit::free_port();
+    let refusing = mcpgw_testkit::refusing_port();
+    let port = refusing.port;
     let cfg = DirectoryConfig {
         redis_url: format!("redis://user:hunter2@127.0.0.1:{port}"),
         connect_timeout: Duration::from_secs(2),

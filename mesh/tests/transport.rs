@@ -122,7 +122,7 @@ async fn wrong_expected_worker_is_proof(kind: TransportKind) {
 
 async fn closed_port_is_refused(kind: TransportKind) {
     let mesh = Mesh::start_with(kind, limits(), patient()).await;
-    let addr = closed_port(kind);
+    let (addr, _held) = closed_port(kind);
     let started = std::time::Instant::now();
     let err = mesh
         .client
@@ -145,14 +145,19 @@ async fn closed_port_is_refused(kind: TransportKind) {
     );
 }
 
-/// A loopback port on which nothing listens for `kind`.
-fn closed_port(kind: TransportKind) -> SocketAddr {
-    let port = match kind {
-        TransportKind::Quic => mcpgw_testkit::free_udp_port(),
-        TransportKind::Tcp => mcpgw_testkit::free_port(),
+/// A loopback port on which nothing listens for `kind`, and for TCP what holds it
+/// refusing until dropped (a UDP port is only free a moment ago: a socket bound to it
+/// would take the datagrams instead of letting the kernel refuse them).
+fn closed_port(kind: TransportKind) -> (SocketAddr, Option<mcpgw_testkit::RefusingPort>) {
+    let (port, held) = match kind {
+        TransportKind::Quic => (mcpgw_testkit::free_udp_port(), None),
+        TransportKind::Tcp => {
+            let held = mcpgw_testkit::refusing_port();
+            (held.port, Some(held))
+        }
         TransportKind::Redis => unreachable!("the Redis transport has its own tests"),
     };
-    SocketAddr::from(([127, 0, 0, 1], port))
+    (SocketAddr::from(([127, 0, 0, 1], port)), held)
 }
 
 async fn silent_port_is_a_timeout_not_proof(kind: TransportKind) {

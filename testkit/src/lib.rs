@@ -39,7 +39,9 @@ use std::path::PathBuf;
 
 pub use gateway::Gateway;
 pub use poll::{eventually, eventually_async};
-pub use ports::{free_port, free_udp_port, wait_for_listener, wait_until_refused};
+pub use ports::{
+    RefusingPort, free_port, free_udp_port, refusing_port, wait_for_listener, wait_until_refused,
+};
 pub use process::Child;
 pub use python::{python, python_script, run_python};
 pub use redis::RedisServer;

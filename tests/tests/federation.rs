@@ -342,7 +342,9 @@ fn a_killed_member_process_is_lost_alone_and_never_restarted() {
 #[test]
 fn an_optional_member_down_is_left_out_and_a_required_one_refuses_initialize() {
     let demo = Upstream::start();
-    let down = format!("http://127.0.0.1:{}/mcp", mcpgw_testkit::free_port());
+    // Held refusing for the whole test: no other test can bind it meanwhile.
+    let refusing = mcpgw_testkit::refusing_port();
+    let down = format!("http://127.0.0.1:{}/mcp", refusing.port);
     let config = config_file(
         "down",
         &format!(

@@ -354,7 +354,9 @@ fn a_killed_stateful_member_is_told_once_and_the_other_members_go_on() {
 #[test]
 fn a_member_that_fails_is_left_out_of_the_list_and_its_calls_name_it() {
     let demo = Upstream::start();
-    let down = format!("http://127.0.0.1:{}/mcp", mcpgw_testkit::free_port());
+    // Held refusing for the whole test: no other test can bind it meanwhile.
+    let refusing = mcpgw_testkit::refusing_port();
+    let down = format!("http://127.0.0.1:{}/mcp", refusing.port);
     let path = config("down", &demo);
     let text = std::fs::read_to_string(&path).expect("read the configuration");
     let text = text.replace(
@@ -681,7 +683,9 @@ fn a_uri_no_member_serves_and_the_removed_subscription_methods_are_told_plainly(
 #[test]
 fn a_failing_member_is_named_in_the_resource_lists_and_the_others_are_read() {
     let demo = Upstream::start();
-    let down = format!("http://127.0.0.1:{}/mcp", mcpgw_testkit::free_port());
+    // Held refusing for the whole test: no other test can bind it meanwhile.
+    let refusing = mcpgw_testkit::refusing_port();
+    let down = format!("http://127.0.0.1:{}/mcp", refusing.port);
     let extra = format!(
         "\n[[server.member]]\nupstream = \"gone\"\nresources = {{ include = [\"gone://*\"] }}\n\n\
          [[upstream]]\nname = \"gone\"\nurl = {}\n",

@@ -431,7 +431,8 @@ fn bad_input_is_refused_clearly_and_the_gateway_keeps_serving() {
 
 #[test]
 fn an_unreachable_upstream_gets_a_gateway_error() {
-    let port = mcpgw_testkit::free_port();
+    let refusing = mcpgw_testkit::refusing_port();
+    let port = refusing.port;
     let gateway = Gateway::start(&["--upstream", &format!("gone=http://127.0.0.1:{port}/mcp")]);
     let body = br#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-11-25","capabilities":{},"clientInfo":{"name":"t","version":"0"}}}"#;
     let response = request(

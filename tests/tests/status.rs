@@ -390,7 +390,8 @@ fn status_flags_a_second_listener_on_a_redis_transport_channel() {
 
 #[test]
 fn status_and_drain_without_a_reachable_redis_exit_2_without_the_password() {
-    let port = mcpgw_testkit::free_port();
+    let refusing = mcpgw_testkit::refusing_port();
+    let port = refusing.port;
     let url = format!("redis://:hunter2-secret@127.0.0.1:{port}/0");
     for args in [
         vec!["status", "--redis", url.as_str()],
