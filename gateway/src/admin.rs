@@ -174,6 +174,7 @@ fn metrics(worker: &Worker) -> Response<ReplyBody> {
         lease_valid: worker.lease_valid(),
         replay_bytes: worker.replay_budget.used(),
         replay_budget_bytes: worker.replay_budget.limit(),
+        runtime_threads: tokio::runtime::Handle::current().metrics().num_workers(),
     });
     if let Some(tls) = worker.mesh_tls.get() {
         metrics.set_mesh_certs(tls);

@@ -205,6 +205,7 @@ struct FleetMetrics {
     directory_failovers: Counter,
     lease_valid: Gauge,
     draining: Gauge,
+    runtime_threads: Gauge,
     directory_calls: Family<DirectoryLabels, Counter>,
     directory_seconds: Family<OpLabels, Histogram>,
 }
@@ -381,6 +382,12 @@ impl FleetMetrics {
                 "1 once this worker drains (or was fenced)",
                 Gauge::default(),
             ),
+            runtime_threads: add(
+                r,
+                "runtime_threads",
+                "Threads of this worker's async runtime (--threads; by default one per CPU it may use)",
+                Gauge::default(),
+            ),
             directory_calls: add(
                 r,
                 "directory_calls",
@@ -453,6 +460,7 @@ pub struct WorkerState {
     pub lease_valid: bool,
     pub replay_bytes: usize,
     pub replay_budget_bytes: usize,
+    pub runtime_threads: usize,
 }
 
 /// A gauge value from a count (saturating: a count never fits badly into a gauge).
@@ -627,6 +635,9 @@ impl Metrics {
         self.sessions.owned.set(gauge_value(state.sessions_owned));
         self.fleet.draining.set(i64::from(state.draining));
         self.fleet.lease_valid.set(i64::from(state.lease_valid));
+        self.fleet
+            .runtime_threads
+            .set(gauge_value(state.runtime_threads));
         self.sessions
             .replay_bytes
             .set(gauge_value(state.replay_bytes));

@@ -47,7 +47,8 @@ pub fn run(config: Config) -> ExitCode {
     if config.fleet.redis_url.is_some() {
         return crate::supervisor::run(config);
     }
-    block_on(run_worker(config, None, auth))
+    let threads = config.fleet.threads;
+    block_on(threads, run_worker(config, None, auth))
 }
 
 /// The hidden `mcpgw worker` command: one worker process of a supervised fleet, with
@@ -86,7 +87,7 @@ pub fn run_worker_process() -> ExitCode {
     })();
     match slot {
         Some((config, slot)) => match Authenticator::new(&config) {
-            Ok(auth) => block_on(run_worker(config, Some(slot), auth)),
+            Ok(auth) => block_on(config.fleet.threads, run_worker(config, Some(slot), auth)),
             Err(e) => exit_with(WorkerError::Fatal(e.to_string())),
         },
         None => {
@@ -115,11 +116,16 @@ enum WorkerError {
     Fenced,
 }
 
-fn block_on(work: impl std::future::Future<Output = Result<(), WorkerError>>) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+/// Runs a worker on a runtime of `threads` threads (`None`: one per CPU it may use).
+fn block_on(
+    threads: Option<usize>,
+    work: impl std::future::Future<Output = Result<(), WorkerError>>,
+) -> ExitCode {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = threads {
+        builder.worker_threads(threads);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("mcpgw: cannot start the async runtime: {e}");

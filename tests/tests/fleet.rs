@@ -469,3 +469,27 @@ fn try_forward(
         .pop()
         .unwrap_or_else(|| Err("no outcome".into()))
 }
+
+/// `--threads` sizes the runtime of every worker the supervisor starts (it reaches
+/// them through the configuration the supervisor hands over); without it, a worker
+/// runs one thread per CPU it may use.
+#[test]
+fn threads_sizes_the_runtime_of_every_worker_of_the_host_it_is_given_to() {
+    let fleet = LocalFleet::start_hosts("tcp", (2, &["--threads", "1"]), (1, &[]));
+    let host_a: HashSet<u32> = signal::children_of(fleet.a.pid()).into_iter().collect();
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from) as f64;
+    let leases = fleet.leases();
+    assert_eq!(leases.len(), 3, "three workers registered: {leases:?}");
+    for (id, lease) in leases {
+        let admin = mcpgw_testkit::admin::admin_of(&fleet.redis, &id);
+        let threads = mcpgw_testkit::admin::scrape(&admin)
+            .get("mcpgw_runtime_threads")
+            .copied();
+        let expected = if host_a.contains(&lease.pid) {
+            1.0
+        } else {
+            cpus
+        };
+        assert_eq!(threads, Some(expected), "worker {id} (pid {})", lease.pid);
+    }
+}

@@ -25,6 +25,9 @@ pub struct ServeArgs {
     /// Worker processes to run.
     #[arg(long, env = "MCPGW_WORKERS")]
     pub workers: Option<usize>,
+    /// Threads of each worker's async runtime [default: one per CPU it may use].
+    #[arg(long, env = "MCPGW_THREADS")]
+    pub threads: Option<usize>,
     /// Redis URL of the fleet directory, e.g. redis://127.0.0.1:6379/0.
     #[arg(long, env = "MCPGW_REDIS_URL")]
     pub redis: Option<String>,
@@ -192,6 +195,9 @@ impl Config {
 
     fn apply_fleet_args(&mut self, a: &ServeArgs) {
         set(&mut self.fleet.workers, a.workers);
+        if a.threads.is_some() {
+            self.fleet.threads = a.threads;
+        }
         if a.redis.is_some() {
             self.fleet.redis_url = a.redis.clone();
         }

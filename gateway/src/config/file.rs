@@ -304,6 +304,7 @@ struct FileLimits {
 #[serde(deny_unknown_fields)]
 struct FileFleet {
     workers: Option<usize>,
+    threads: Option<usize>,
     redis_url: Option<String>,
     key_prefix: Option<String>,
     lease_ms: Option<u64>,
@@ -428,6 +429,9 @@ impl Config {
     /// `[fleet]`.
     fn apply_file_fleet(&mut self, f: FileFleet) {
         set(&mut self.fleet.workers, f.workers);
+        if f.threads.is_some() {
+            self.fleet.threads = f.threads;
+        }
         if f.redis_url.is_some() {
             self.fleet.redis_url = f.redis_url;
         }

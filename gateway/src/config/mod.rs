@@ -349,6 +349,12 @@ pub struct Limits {
 pub struct FleetConfig {
     /// Worker processes this supervisor runs.
     pub workers: usize,
+    /// Threads of each worker's async runtime. `None`: one per CPU the process may
+    /// use. One thread answers sooner at low concurrency (no second thread to wake)
+    /// and serves less under load (docs/performance.md); for several workers or
+    /// containers sharing few cores.
+    #[serde(default)]
+    pub threads: Option<usize>,
     /// The fleet directory; without it a single worker runs with an in-memory one.
     pub redis_url: Option<String>,
     pub key_prefix: String,
@@ -504,6 +510,7 @@ impl Default for Config {
             },
             fleet: FleetConfig {
                 workers: 1,
+                threads: None,
                 redis_url: None,
                 key_prefix: directory.prefix,
                 lease: directory.lease,
@@ -706,6 +713,10 @@ mod tests {
             Some("demo")
         );
         assert_eq!(config.fleet.workers, 1);
+        assert_eq!(
+            config.fleet.threads, None,
+            "one thread per CPU unless asked"
+        );
     }
 
     #[test]
@@ -727,6 +738,13 @@ mod tests {
                     ..args(&["a=http://x/mcp"])
                 },
                 "fleet.redis_url",
+            ),
+            (
+                ServeArgs {
+                    threads: Some(0),
+                    ..args(&["a=http://x/mcp"])
+                },
+                "fleet.threads",
             ),
             (
                 ServeArgs {
@@ -827,6 +845,23 @@ mod tests {
         });
         let _ = std::fs::remove_dir_all(&dir);
         loaded
+    }
+
+    #[test]
+    fn threads_come_from_the_file_and_a_flag_overrides_them() {
+        let text = "[fleet]\nthreads = 3\n\n[[upstream]]\nname = \"a\"\nurl = \"http://x/mcp\"\n";
+        assert_eq!(load_file(text).unwrap().fleet.threads, Some(3));
+        let dir = std::env::temp_dir().join(format!("mcpgw-config-threads-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("mcpgw.toml");
+        std::fs::write(&path, text).unwrap();
+        let flagged = Config::load(&ServeArgs {
+            config: Some(path),
+            threads: Some(1),
+            ..ServeArgs::default()
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(flagged.unwrap().fleet.threads, Some(1));
     }
 
     #[test]

@@ -90,6 +90,12 @@ impl Config {
         if fleet.workers == 0 || fleet.workers > 1024 {
             return Err(invalid("fleet.workers", "must be between 1 and 1024"));
         }
+        if fleet
+            .threads
+            .is_some_and(|threads| threads == 0 || threads > 1024)
+        {
+            return Err(invalid("fleet.threads", "must be between 1 and 1024"));
+        }
         if fleet.workers > 1 && fleet.redis_url.is_none() {
             return Err(invalid(
                 "fleet.redis_url",
