@@ -607,19 +607,22 @@ impl Dialer {
         &self,
         conn: &Arc<CallerConn>,
         outbox: Arc<Outbox>,
-        mut write: W,
+        write: W,
     ) {
+        outbox.attach(Box::new(write));
         let stall = self.limits.idle_timeout;
         let writer_conn = conn.clone();
         let stop = self.stop.clone();
         tokio::spawn(async move {
             let written = tokio::select! {
-                written = write_loop(&outbox, &mut write, stall) => written,
+                written = write_loop(&outbox, stall) => written,
                 () = stop.cancelled() => Ok(()),
             };
             match written {
                 Ok(()) => {
-                    let _ = timeout(Duration::from_secs(1), write.shutdown()).await;
+                    if let Some(mut write) = outbox.detach() {
+                        let _ = timeout(Duration::from_secs(1), write.shutdown()).await;
+                    }
                 }
                 Err(e) => {
                     debug!(error = %e, "mesh TCP connection: writing failed");

@@ -3,14 +3,16 @@
 //! the reader, which yields `(exchange, frame)` pairs.
 
 use std::io;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::BytesMut;
 use mcpgw_wire::{Frame, MuxCodec, WireError};
 use parking_lot::Mutex;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::sync::Notify;
 use tokio::time::timeout;
 use tokio_util::codec::Decoder;
@@ -23,11 +25,19 @@ const READ_RESERVE: usize = 16 * 1024;
 /// A write buffer larger than this after a burst is given back instead of kept.
 const KEEP_CAPACITY: usize = 1 << 20;
 
+/// The connection's write half, shared by its writer task and the exchanges' pushes.
+pub(crate) type WriteHalf = Box<dyn AsyncWrite + Send + Unpin>;
+
 /// Frames waiting for the connection's writer task. Exchanges push encoded frames
 /// here without waiting (the owner only pushes body bytes it has credit for, so what
 /// waits here is bounded by the credit windows); the writer takes everything that
 /// gathered while it was busy and sends it in one write.
-#[derive(Debug)]
+///
+/// A lone exchange on an idle connection writes its frames itself, as far as the
+/// socket takes them without waiting: handing them to the writer task would cost a
+/// task wake-up (often another thread's) per frame, which at one request at a time is
+/// most of what the hop costs. What the socket does not take at once stays queued,
+/// first, for the writer task.
 pub(crate) struct Outbox {
     /// Encodes frames with their exchange id; stateless when encoding.
     codec: MuxCodec,
@@ -36,8 +46,21 @@ pub(crate) struct Outbox {
     /// Wakes the writer when frames arrive in an empty outbox, or on close.
     wake: Notify,
     /// Exchanges running on the connection: the writer gathers frames only when
-    /// there is more than one to gather from.
+    /// there is more than one to gather from, and a push writes itself only when
+    /// there is at most one.
     running: AtomicUsize,
+    /// The write half, once [`attach`](Self::attach)ed. Locked only while a write is
+    /// polled, never across a wait; `OutboxState::writing` says who may write.
+    io: Mutex<Option<WriteHalf>>,
+}
+
+impl std::fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbox")
+            .field("state", &self.state)
+            .field("running", &self.running)
+            .finish_non_exhaustive()
+    }
 }
 
 #[derive(Debug, Default)]
@@ -46,6 +69,13 @@ struct OutboxState {
     buf: BytesMut,
     /// Set once the connection takes no more frames.
     closed: bool,
+    /// Someone (the writer task, or a push writing itself) is writing bytes taken
+    /// from `buf`; nobody else may write until it is done and has looked at `buf`
+    /// again.
+    writing: bool,
+    /// A push's write left bytes inside the stream (a TLS record the socket did not
+    /// take): the writer task must flush, even with `buf` empty.
+    unflushed: bool,
 }
 
 /// Why frames could not be pushed.
@@ -64,7 +94,18 @@ impl Outbox {
             state: Mutex::new(OutboxState::default()),
             wake: Notify::new(),
             running: AtomicUsize::new(0),
+            io: Mutex::new(None),
         })
+    }
+
+    /// Gives the outbox the connection's write half, before its writer task starts.
+    pub(crate) fn attach(&self, io: WriteHalf) {
+        *self.io.lock() = Some(io);
+    }
+
+    /// Takes the write half back (to shut it down once the writer is done).
+    pub(crate) fn detach(&self) -> Option<WriteHalf> {
+        self.io.lock().take()
     }
 
     /// Counts an exchange that started on the connection.
@@ -104,11 +145,82 @@ impl Outbox {
                 return Err(PushError::Encode(e));
             }
         }
+        if state.writing {
+            // Whoever writes looks at the buffer again when done.
+            return Ok(());
+        }
+        if !state.unflushed && self.running.load(Ordering::Relaxed) <= 1 {
+            let batch = std::mem::take(&mut state.buf);
+            state.writing = true;
+            drop(state);
+            self.write_now(batch);
+            return Ok(());
+        }
         drop(state);
         if was_empty {
             self.wake.notify_one();
         }
         Ok(())
+    }
+
+    /// Writes `batch` (taken from the buffer, `writing` set) as far as the stream
+    /// takes it without waiting; the rest goes back in front of the buffer for the
+    /// writer task, which is woken only when something is left for it.
+    fn write_now(&self, mut batch: BytesMut) {
+        let mut written = 0;
+        let sent = self.poll_send(
+            &mut Context::from_waker(Waker::noop()),
+            &batch,
+            &mut written,
+        );
+        let mut state = self.state.lock();
+        state.writing = false;
+        if let Poll::Ready(Ok(())) = sent {
+            if state.buf.is_empty() {
+                if batch.capacity() <= KEEP_CAPACITY {
+                    batch.clear();
+                    state.buf = batch;
+                }
+                if !state.closed {
+                    return;
+                }
+            }
+        } else {
+            // Not taken at once, or failed: the writer task goes on from here (and
+            // meets a failure again, and fails the connection).
+            let mut rest = batch.split_off(written);
+            rest.extend_from_slice(&state.buf);
+            state.buf = rest;
+            state.unflushed = true;
+        }
+        drop(state);
+        self.wake.notify_one();
+    }
+
+    /// Writes `batch` from `written` on, then flushes; `written` counts what the
+    /// stream took, so a write that must wait can be polled again.
+    fn poll_send(
+        &self,
+        cx: &mut Context<'_>,
+        batch: &[u8],
+        written: &mut usize,
+    ) -> Poll<io::Result<()>> {
+        let mut io = self.io.lock();
+        let Some(io) = io.as_mut() else {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "the mesh connection's writer is not attached",
+            )));
+        };
+        while *written < batch.len() {
+            match Pin::new(&mut *io).poll_write(cx, &batch[*written..]) {
+                Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                Poll::Ready(Ok(n)) => *written += n,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        Pin::new(&mut *io).poll_flush(cx)
     }
 
     /// Takes no more frames; the writer sends what is queued, then ends.
@@ -118,15 +230,12 @@ impl Outbox {
     }
 }
 
-/// The writer task's loop: sends whatever gathered in `outbox`, one write per batch,
-/// until the outbox is closed and empty (`Ok`) or the stream fails. A write that
-/// takes longer than `stall` (a peer that stopped reading the whole connection)
-/// fails it; zero waits forever.
-pub(crate) async fn write_loop<W: AsyncWrite + Unpin>(
-    outbox: &Outbox,
-    io: &mut W,
-    stall: Duration,
-) -> io::Result<()> {
+/// The writer task's loop: sends whatever gathered in `outbox` (through the write
+/// half [`attach`](Outbox::attach)ed to it), one write per batch, until the outbox is
+/// closed and empty (`Ok`) or the stream fails. A write that takes longer than
+/// `stall` (a peer that stopped reading the whole connection) fails it; zero waits
+/// forever.
+pub(crate) async fn write_loop(outbox: &Outbox, stall: Duration) -> io::Result<()> {
     let mut batch = BytesMut::new();
     loop {
         let notified = outbox.wake.notified();
@@ -134,13 +243,18 @@ pub(crate) async fn write_loop<W: AsyncWrite + Unpin>(
         notified.as_mut().enable();
         let took = {
             let mut state = outbox.state.lock();
-            if state.buf.is_empty() {
+            if state.writing {
+                // A push is writing: it wakes us if it leaves anything.
+                false
+            } else if state.buf.is_empty() && !state.unflushed {
                 if state.closed {
                     return Ok(());
                 }
                 false
             } else {
                 std::mem::swap(&mut state.buf, &mut batch);
+                state.writing = true;
+                state.unflushed = false;
                 true
             }
         };
@@ -154,10 +268,8 @@ pub(crate) async fn write_loop<W: AsyncWrite + Unpin>(
             }
             continue;
         }
-        let write = async {
-            io.write_all(&batch).await?;
-            io.flush().await
-        };
+        let mut written = 0;
+        let write = std::future::poll_fn(|cx| outbox.poll_send(cx, &batch, &mut written));
         tokio::pin!(write);
         // A write to a reading peer completes at once; only one that has to wait
         // pays for a timer.
@@ -171,6 +283,7 @@ pub(crate) async fn write_loop<W: AsyncWrite + Unpin>(
                 )
             })??,
         }
+        outbox.state.lock().writing = false;
         batch.clear();
         if batch.capacity() > KEEP_CAPACITY {
             batch = BytesMut::new();
@@ -243,5 +356,103 @@ fn broken(e: &io::Error) -> LinkError {
     LinkError::Broken {
         reason: e.to_string(),
         tls: tls_cause(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    /// Reads `count` frames from `reader`, panicking on anything else.
+    async fn frames<R: AsyncRead + Unpin>(
+        reader: &mut MuxReader<R>,
+        count: usize,
+    ) -> Vec<(u64, Frame)> {
+        let mut got = Vec::with_capacity(count);
+        while got.len() < count {
+            match reader.next().await {
+                MuxRead::Frame(id, frame) => got.push((id, frame)),
+                other => panic!("expected a frame, got {other:?}"),
+            }
+        }
+        got
+    }
+
+    fn chunk(at: usize, len: usize) -> Frame {
+        Frame::Chunk(Bytes::from(vec![u8::try_from(at % 251).unwrap_or(0); len]))
+    }
+
+    #[tokio::test]
+    async fn a_lone_exchange_writes_itself_and_what_the_stream_does_not_take_follows_in_order() {
+        // A pipe far smaller than the frames: every push writes part of its batch
+        // at once and leaves the rest to the writer task.
+        let (near, far) = tokio::io::duplex(512);
+        let outbox = Outbox::new(1 << 20);
+        outbox.attach(Box::new(near));
+        outbox.exchange_started();
+        let writer = {
+            let outbox = outbox.clone();
+            tokio::spawn(async move { write_loop(&outbox, Duration::ZERO).await })
+        };
+        let pushed: Vec<Frame> = (0..40).map(|at| chunk(at, 100 + at * 37)).collect();
+        for frame in &pushed {
+            outbox.push(7, frame).expect("pushed");
+        }
+        let mut reader = MuxReader::new(far, BytesMut::new(), 1 << 20);
+        let got = frames(&mut reader, pushed.len()).await;
+        for (at, (id, frame)) in got.into_iter().enumerate() {
+            assert_eq!(id, 7);
+            assert_eq!(frame, pushed[at], "frame {at} arrived whole and in order");
+        }
+        outbox.close();
+        writer
+            .await
+            .expect("the writer task")
+            .expect("the writer ends cleanly");
+        assert!(
+            outbox.detach().is_some(),
+            "the write half comes back for shutdown"
+        );
+    }
+
+    #[tokio::test]
+    async fn concurrent_exchanges_hand_their_frames_to_the_writer_task() {
+        let (near, far) = tokio::io::duplex(1 << 16);
+        let outbox = Outbox::new(1 << 20);
+        outbox.attach(Box::new(near));
+        outbox.exchange_started();
+        outbox.exchange_started();
+        outbox.push(1, &chunk(1, 10)).expect("pushed");
+        assert!(
+            !outbox.state.lock().buf.is_empty(),
+            "with two exchanges running the frame waits to be gathered"
+        );
+        let writer = {
+            let outbox = outbox.clone();
+            tokio::spawn(async move { write_loop(&outbox, Duration::ZERO).await })
+        };
+        outbox.push(2, &chunk(2, 10)).expect("pushed");
+        let mut reader = MuxReader::new(far, BytesMut::new(), 1 << 20);
+        let got = frames(&mut reader, 2).await;
+        assert_eq!(got, vec![(1, chunk(1, 10)), (2, chunk(2, 10))]);
+        outbox.close();
+        writer
+            .await
+            .expect("the writer task")
+            .expect("the writer ends cleanly");
+    }
+
+    #[tokio::test]
+    async fn a_push_that_writes_itself_leaves_nothing_for_the_writer() {
+        let (near, far) = tokio::io::duplex(1 << 16);
+        let outbox = Outbox::new(1 << 20);
+        outbox.attach(Box::new(near));
+        outbox.exchange_started();
+        // No writer task runs: the frame can only have left through the push.
+        outbox.push(3, &chunk(3, 64)).expect("pushed");
+        assert!(outbox.state.lock().buf.is_empty());
+        let mut reader = MuxReader::new(far, BytesMut::new(), 1 << 20);
+        assert_eq!(frames(&mut reader, 1).await, vec![(3, chunk(3, 64))]);
     }
 }

@@ -129,7 +129,7 @@ pub(super) async fn serve_connection<R, W>(
 fn spawn_writer<W>(
     shared: &ServerShared,
     conn: &OwnerConn,
-    mut write: W,
+    write: W,
     peer: &PeerInfo,
 ) -> CancellationToken
 where
@@ -137,13 +137,16 @@ where
 {
     let write_failed = CancellationToken::new();
     let outbox = conn.outbox.clone();
+    outbox.attach(Box::new(write));
     let failed = write_failed.clone();
     let stall = shared.limits.idle_timeout;
     let worker = peer.worker_id.clone();
     shared.tracker.spawn(async move {
-        match write_loop(&outbox, &mut write, stall).await {
+        match write_loop(&outbox, stall).await {
             Ok(()) => {
-                let _ = timeout(std::time::Duration::from_secs(1), write.shutdown()).await;
+                if let Some(mut write) = outbox.detach() {
+                    let _ = timeout(std::time::Duration::from_secs(1), write.shutdown()).await;
+                }
             }
             Err(e) => {
                 debug!(peer = %worker, error = %e, "mesh TCP connection: writing failed");
