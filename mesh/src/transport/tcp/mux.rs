@@ -379,6 +379,15 @@ mod tests {
         got
     }
 
+    /// An outbox attached to one end of an in-memory pipe of `capacity` bytes, and
+    /// the pipe's other end.
+    fn connected(capacity: usize) -> (Arc<Outbox>, tokio::io::DuplexStream) {
+        let (near, far) = tokio::io::duplex(capacity);
+        let outbox = Outbox::new(1 << 20);
+        outbox.attach(Box::new(near));
+        (outbox, far)
+    }
+
     fn chunk(at: usize, len: usize) -> Frame {
         Frame::Chunk(Bytes::from(vec![u8::try_from(at % 251).unwrap_or(0); len]))
     }
@@ -387,9 +396,7 @@ mod tests {
     async fn a_lone_exchange_writes_itself_and_what_the_stream_does_not_take_follows_in_order() {
         // A pipe far smaller than the frames: every push writes part of its batch
         // at once and leaves the rest to the writer task.
-        let (near, far) = tokio::io::duplex(512);
-        let outbox = Outbox::new(1 << 20);
-        outbox.attach(Box::new(near));
+        let (outbox, far) = connected(512);
         outbox.exchange_started();
         let writer = {
             let outbox = outbox.clone();
@@ -418,9 +425,7 @@ mod tests {
 
     #[tokio::test]
     async fn concurrent_exchanges_hand_their_frames_to_the_writer_task() {
-        let (near, far) = tokio::io::duplex(1 << 16);
-        let outbox = Outbox::new(1 << 20);
-        outbox.attach(Box::new(near));
+        let (outbox, far) = connected(1 << 16);
         outbox.exchange_started();
         outbox.exchange_started();
         outbox.push(1, &chunk(1, 10)).expect("pushed");
@@ -445,9 +450,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_push_that_writes_itself_leaves_nothing_for_the_writer() {
-        let (near, far) = tokio::io::duplex(1 << 16);
-        let outbox = Outbox::new(1 << 20);
-        outbox.attach(Box::new(near));
+        let (outbox, far) = connected(1 << 16);
         outbox.exchange_started();
         // No writer task runs: the frame can only have left through the push.
         outbox.push(3, &chunk(3, 64)).expect("pushed");
