@@ -195,9 +195,7 @@ impl Config {
 
     fn apply_fleet_args(&mut self, a: &ServeArgs) {
         set(&mut self.fleet.workers, a.workers);
-        if a.threads.is_some() {
-            self.fleet.threads = a.threads;
-        }
+        set(&mut self.fleet.threads, a.threads.map(Some));
         if a.redis.is_some() {
             self.fleet.redis_url = a.redis.clone();
         }

@@ -429,9 +429,7 @@ impl Config {
     /// `[fleet]`.
     fn apply_file_fleet(&mut self, f: FileFleet) {
         set(&mut self.fleet.workers, f.workers);
-        if f.threads.is_some() {
-            self.fleet.threads = f.threads;
-        }
+        set(&mut self.fleet.threads, f.threads.map(Some));
         if f.redis_url.is_some() {
             self.fleet.redis_url = f.redis_url;
         }

@@ -831,6 +831,11 @@ mod tests {
     }
 
     fn load_file(text: &str) -> Result<Config, ConfigError> {
+        load_file_with(text, ServeArgs::default())
+    }
+
+    /// Loads `text` as the configuration file, with `args` as the flags.
+    fn load_file_with(text: &str, args: ServeArgs) -> Result<Config, ConfigError> {
         let dir = std::env::temp_dir().join(format!(
             "mcpgw-config-upstreams-{}-{}",
             std::process::id(),
@@ -841,7 +846,7 @@ mod tests {
         std::fs::write(&path, text).unwrap();
         let loaded = Config::load(&ServeArgs {
             config: Some(path),
-            ..ServeArgs::default()
+            ..args
         });
         let _ = std::fs::remove_dir_all(&dir);
         loaded
@@ -851,16 +856,13 @@ mod tests {
     fn threads_come_from_the_file_and_a_flag_overrides_them() {
         let text = "[fleet]\nthreads = 3\n\n[[upstream]]\nname = \"a\"\nurl = \"http://x/mcp\"\n";
         assert_eq!(load_file(text).unwrap().fleet.threads, Some(3));
-        let dir = std::env::temp_dir().join(format!("mcpgw-config-threads-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("mcpgw.toml");
-        std::fs::write(&path, text).unwrap();
-        let flagged = Config::load(&ServeArgs {
-            config: Some(path),
-            threads: Some(1),
-            ..ServeArgs::default()
-        });
-        let _ = std::fs::remove_dir_all(&dir);
+        let flagged = load_file_with(
+            text,
+            ServeArgs {
+                threads: Some(1),
+                ..ServeArgs::default()
+            },
+        );
         assert_eq!(flagged.unwrap().fleet.threads, Some(1));
     }
 

@@ -619,11 +619,7 @@ impl Dialer {
                 () = stop.cancelled() => Ok(()),
             };
             match written {
-                Ok(()) => {
-                    if let Some(mut write) = outbox.detach() {
-                        let _ = timeout(Duration::from_secs(1), write.shutdown()).await;
-                    }
-                }
+                Ok(()) => outbox.shut_down().await,
                 Err(e) => {
                     debug!(error = %e, "mesh TCP connection: writing failed");
                     writer_conn.fail_all(LinkError::Broken {

@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::BytesMut;
 use mcpgw_wire::{Frame, MuxCodec, WireError};
 use parking_lot::Mutex;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::Notify;
 use tokio::time::timeout;
 use tokio_util::codec::Decoder;
@@ -103,9 +103,17 @@ impl Outbox {
         *self.io.lock() = Some(io);
     }
 
-    /// Takes the write half back (to shut it down once the writer is done).
-    pub(crate) fn detach(&self) -> Option<WriteHalf> {
+    /// Takes the write half back.
+    fn detach(&self) -> Option<WriteHalf> {
         self.io.lock().take()
+    }
+
+    /// Once the writer is done: shuts the write half down (a FIN, or TLS's
+    /// close_notify), waiting at most a second for a peer that does not read.
+    pub(crate) async fn shut_down(&self) {
+        if let Some(mut io) = self.detach() {
+            let _ = timeout(Duration::from_secs(1), io.shutdown()).await;
+        }
     }
 
     /// Counts an exchange that started on the connection.

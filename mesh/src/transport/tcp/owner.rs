@@ -11,9 +11,9 @@ use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 use mcpgw_wire::{ErrorFrame, ErrorKind, Frame, RequestFrame, WireError};
 use parking_lot::Mutex;
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::Notify;
-use tokio::time::{Instant, timeout, timeout_at};
+use tokio::time::{Instant, timeout_at};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
@@ -143,11 +143,7 @@ where
     let worker = peer.worker_id.clone();
     shared.tracker.spawn(async move {
         match write_loop(&outbox, stall).await {
-            Ok(()) => {
-                if let Some(mut write) = outbox.detach() {
-                    let _ = timeout(std::time::Duration::from_secs(1), write.shutdown()).await;
-                }
-            }
+            Ok(()) => outbox.shut_down().await,
             Err(e) => {
                 debug!(peer = %worker, error = %e, "mesh TCP connection: writing failed");
                 outbox.close();
