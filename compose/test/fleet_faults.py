@@ -194,6 +194,9 @@ class Fleet:
             "MCPGW_IMAGE": IMAGE,
             "MCPGW_LEASE_MS": str(int(LEASE_S * 1000)),
             "MCPGW_MESH_MAX_CONNECTION_AGE_MS": str(int(MAX_CONNECTION_AGE_S * 1000)),
+            # Every request's line at its edge and its owner: a count that moved
+            # without an answer is found in the logs where it ran.
+            "MCPGW_LOG_REQUESTS": "true",
             "MCPGW_LB_PORT": str(lb_port),
             "MCPGW_LB_BIND": "127.0.0.1",
             "MCPGW_SUBNET_PREFIX": subnet_prefix,
@@ -421,6 +424,7 @@ class Answer:
     value: int | None = None
     message: str = ""  # the error's message, for reports
     adopted: str | None = None  # the `mcpgw-adopted` header: this answer adopted the session
+    edge_worker: str | None = None  # the `mcpgw-edge-worker` header: the worker it reached
 
 
 def parse_jsonrpc(content_type: str, text: str) -> dict | None:
@@ -496,7 +500,8 @@ class Load:
             if isinstance(result.get("structuredContent"), dict):
                 value = result["structuredContent"].get("value")
             return Answer(session, sent, done, "ok", status, "", edge, owner, value,
-                          adopted=adopted), response
+                          adopted=adopted,
+                          edge_worker=response.headers.get("mcpgw-edge-worker")), response
         error = message.get("error") or {}
         data = error.get("data") or {}
         reason = str(data.get("reason", ""))
@@ -511,7 +516,8 @@ class Load:
         else:
             cls = "other"
         return Answer(session, sent, done, cls, status, reason, edge, owner,
-                      message=str(error.get("message", "")), adopted=adopted), response
+                      message=str(error.get("message", "")), adopted=adopted,
+                      edge_worker=response.headers.get("mcpgw-edge-worker")), response
 
     async def open_session(self) -> LoadSession | None:
         init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
@@ -1586,6 +1592,16 @@ def print_table(steps: list[Step]) -> None:
     print(flush=True)
 
 
+def recent_answers(session: LoadSession, upto: Answer, n: int = 8) -> str:
+    """The answers of `session` up to `upto`, one line each with the workers involved,
+    for a failure report: the worker logs (build/compose/logs) say the rest."""
+    until = session.answers.index(upto) + 1
+    return "\n".join(
+        f"  {b.sent:.3f}..{b.done:.3f}s {b.cls} {b.status} {b.reason or b.value} "
+        f"edge {b.edge}/{b.edge_worker} owner {b.owner_worker} adopted {b.adopted}"
+        for b in session.answers[max(0, until - n):until])
+
+
 def check_sessions(sessions: list[LoadSession]) -> str:
     """Every session had one owner at a time: the worker that opened it, then each
     worker whose answer said it adopted the session (a worker it never had before),
@@ -1620,7 +1636,8 @@ def check_sessions(sessions: list[LoadSession]) -> str:
                       f"session {s.sid[:8]}… owned by {owner}: counter "
                       f"went {last} -> {a.value} at {a.sent:.1f}s via {a.edge} "
                       f"with {ambiguous} requests of unknown outcome between; "
-                      f"answers between: [{seen}]")
+                      f"answers between: [{seen}]; its last answers, "
+                      f"{s.answers.index(a) + 1} in all:\n" + recent_answers(s, a))
                 last, ambiguous, between = a.value, 0, []
                 checked += 1
             else:

@@ -38,13 +38,17 @@ impl LeaseClock {
         }
     }
 
-    /// A renewal sent at `sent_at` succeeded. A late answer to an older renewal never
-    /// moves the deadline back.
-    pub fn renewed(&mut self, sent_at: Instant) {
+    /// A renewal sent at `sent_at` succeeded; returns whether the worker may act at
+    /// `now`. A late answer to an older renewal never moves the deadline back, and an
+    /// answer that arrives after the lease it renewed has run out (the process was
+    /// paused while it was on its way) makes nothing valid: the fleet may have declared
+    /// this worker dead since Redis wrote it.
+    pub fn renewed(&mut self, sent_at: Instant, now: Instant) -> bool {
         let until = (sent_at + self.lease)
             .checked_sub(self.margin)
             .unwrap_or(sent_at);
         self.acts_until = self.acts_until.max(until);
+        self.valid_at(now)
     }
 
     /// Whether the worker may act at `now`.
@@ -127,6 +131,21 @@ impl LeaseHolder {
         self.lease.lock().set_cert_not_after(Some(not_after));
     }
 
+    /// Records a renewal sent at `sent_at` that succeeded; returns whether this worker
+    /// may act now, which a renewal answered too late does not prove.
+    fn renewed(&self, sent_at: Instant) -> bool {
+        let in_time = self.clock.lock().renewed(sent_at, Instant::now());
+        if !in_time {
+            warn!(
+                worker = self.lease.lock().id(),
+                waited_ms = sent_at.elapsed().as_millis() as u64,
+                "a lease renewal was answered after the lease it renewed had run out (was \
+                 this process paused?); acting for no session until one is answered in time"
+            );
+        }
+        in_time
+    }
+
     /// Whether this worker may act for its sessions right now.
     pub fn valid(&self) -> bool {
         self.clock.lock().valid_at(Instant::now())
@@ -183,12 +202,14 @@ impl LeaseHolder {
         }
         let sent_at = Instant::now();
         match self.directory.renew_lease(&lease).await {
-            Ok(LeaseRenewal::Renewed { .. }) => {
-                self.clock.lock().renewed(sent_at);
-                LeaseCheck::Valid
-            }
+            Ok(LeaseRenewal::Renewed { .. }) => match self.renewed(sent_at) {
+                true => LeaseCheck::Valid,
+                false => LeaseCheck::InDoubt,
+            },
             Ok(LeaseRenewal::DrainRequested { .. }) => {
-                self.clock.lock().renewed(sent_at);
+                // Asked for whether or not the answer came in time; the worker acts on
+                // its clock either way.
+                self.renewed(sent_at);
                 LeaseCheck::DrainRequested
             }
             Ok(LeaseRenewal::DirectoryLost) => {
@@ -221,8 +242,10 @@ impl LeaseHolder {
                     worker = lease.id(),
                     "lease had expired in Redis and nobody reclaimed this worker; resumed it"
                 );
-                self.clock.lock().renewed(sent_at);
-                LeaseCheck::Valid
+                match self.renewed(sent_at) {
+                    true => LeaseCheck::Valid,
+                    false => LeaseCheck::InDoubt,
+                }
             }
             Ok(LeaseRenewal::DirectoryLost) => self.rebuild(lease, held_sessions()).await,
             Ok(LeaseRenewal::Lost) => {
@@ -257,7 +280,9 @@ impl LeaseHolder {
                 *self.lease.lock() = lease;
                 match self.claim_held_again(old.id(), &held).await {
                     Ok(taken) => {
-                        self.clock.lock().renewed(sent_at);
+                        // The worker drops the taken sessions either way, and acts
+                        // only if this came in time.
+                        self.renewed(sent_at);
                         info!(
                             worker = old.id(),
                             sessions = held.len(),
@@ -316,7 +341,9 @@ impl LeaseHolder {
                 *self.lease.lock() = lease;
                 match self.claim_held_again(old.id(), &held).await {
                     Ok(taken) => {
-                        self.clock.lock().renewed(sent_at);
+                        // The worker drops the taken sessions either way, and acts
+                        // only if this came in time.
+                        self.renewed(sent_at);
                         info!(
                             worker = old.id(),
                             sessions = held.len(),
@@ -389,7 +416,7 @@ mod tests {
             "at lease − margin it stops"
         );
         // A renewal sent now extends from now.
-        clock.renewed(Instant::now());
+        assert!(clock.renewed(Instant::now(), Instant::now()));
         assert_eq!(clock.acts_until(), Instant::now() + Duration::from_secs(8));
     }
 
@@ -399,10 +426,29 @@ mod tests {
         let first = Instant::now();
         let mut clock = LeaseClock::new(lease, first);
         tokio::time::advance(Duration::from_secs(3)).await;
-        clock.renewed(Instant::now());
+        clock.renewed(Instant::now(), Instant::now());
         let extended = clock.acts_until();
-        clock.renewed(first);
+        clock.renewed(first, Instant::now());
         assert_eq!(clock.acts_until(), extended);
+    }
+
+    /// A renewal Redis wrote, whose answer reached the worker only after the lease it
+    /// renewed had run out (the process was paused with the answer on its way): the
+    /// fleet may have declared the worker dead meanwhile, so the answer proves nothing.
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_answered_after_its_lease_ran_out_makes_nothing_valid() {
+        let lease = Duration::from_secs(3);
+        let mut clock = LeaseClock::new(lease, Instant::now());
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let sent = Instant::now();
+        // Paused for 7 s between the send and the answer.
+        tokio::time::advance(Duration::from_secs(7)).await;
+        assert!(!clock.renewed(sent, Instant::now()), "answered too late");
+        assert!(!clock.valid_at(Instant::now()));
+        // Answered in time, a renewal proves the lease again.
+        let sent = Instant::now();
+        tokio::time::advance(Duration::from_millis(50)).await;
+        assert!(clock.renewed(sent, Instant::now()));
     }
 
     #[tokio::test(start_paused = true)]

@@ -197,7 +197,9 @@ impl Worker {
 
     /// Renews the lease and acts on what the renewal found. `only_if_invalid`: called
     /// by a request that found the lease past its deadline (see
-    /// [`crate::lease::LeaseHolder::renew`]). Returns whether the worker may act now.
+    /// [`crate::lease::LeaseHolder::renew`]). Returns whether the worker may act now,
+    /// which only its lease clock says: a renewal's outcome (perhaps another caller's,
+    /// answered a while ago) never stands in for it.
     pub async fn renew_lease(&self, only_if_invalid: bool) -> bool {
         let Some(fleet) = self.fleet.get() else {
             return true;
@@ -207,10 +209,10 @@ impl Worker {
             .renew(only_if_invalid, || self.sessions.ids())
             .await
         {
-            LeaseCheck::Valid => true,
+            LeaseCheck::Valid => fleet.lease.valid(),
             LeaseCheck::DrainRequested => {
                 self.request_drain("the fleet directory (mcpgw drain)");
-                true
+                fleet.lease.valid()
             }
             LeaseCheck::InDoubt => {
                 self.metrics.lease_in_doubt();
@@ -222,14 +224,14 @@ impl Worker {
                     warn!(session = %crate::digest::tag_of(&sid), "session now owned elsewhere; dropping it here");
                     self.sessions.remove(&sid);
                 }
-                true
+                fleet.lease.valid()
             }
             LeaseCheck::Rebuilt { taken } => {
                 for sid in taken {
                     warn!(session = %crate::digest::tag_of(&sid), "session now owned elsewhere; dropping it here");
                     self.sessions.remove(&sid);
                 }
-                true
+                fleet.lease.valid()
             }
             LeaseCheck::Lost => {
                 self.fence();

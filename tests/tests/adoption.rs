@@ -352,6 +352,73 @@ fn an_owner_paused_past_its_lease_is_adopted_from_and_fences_itself_when_resumed
     assert_adoptions(&fleet, SESSIONS as u64, 0);
 }
 
+/// A whole host frozen past its lease and past its mesh connections' maximum age (what
+/// `docker pause` does to a container), with requests for every session arriving at
+/// it meanwhile: on waking, its workers learn they were declared dead and answer the
+/// requests queued at them for sessions that went on elsewhere. None of those answers
+/// may say "retry" for a call that ran: every session's counter moves by one per call
+/// it was told succeeded, plus at most one per answer of unknown outcome.
+#[test]
+fn a_host_frozen_past_its_lease_answers_its_queued_requests_truthfully_on_waking() {
+    let lease_ms = 3000;
+    let fleet = LocalFleet::start(
+        "quic",
+        2,
+        &[
+            "--lease-ms",
+            &lease_ms.to_string(),
+            "--mesh-max-connection-age-ms",
+            "4000",
+        ],
+    );
+    let proxy =
+        mcpgw_testkit::ScatterProxy::start(vec![fleet.a.addr.clone(), fleet.b.addr.clone()]);
+    let sessions: Vec<String> = (0..SESSIONS * 2)
+        .map(|_| initialize(&proxy.addr, "/mcp"))
+        .collect();
+    let load = Load::through(&proxy.addr, &sessions, WITHIN);
+    load.wait_until(every_session_progressed(&sessions, 3, Instant::now()));
+    let mut paused: Vec<Paused> = fleet
+        .workers_of(&fleet.a)
+        .into_values()
+        .map(Paused::stop)
+        .collect();
+    paused.push(Paused::stop(fleet.a.pid()));
+    let paused_at = Instant::now();
+    // The fault: twice the lease and a second, as the compose test's `docker pause`.
+    thread::sleep(Duration::from_millis(2 * lease_ms + 1000));
+    for p in paused.into_iter().rev() {
+        p.resume();
+    }
+    let resumed_at = Instant::now();
+    eprintln!("host-a frozen at {paused_at:?}, thawed at {resumed_at:?}");
+    load.wait_until(every_session_progressed_or_gone(
+        &sessions,
+        3,
+        Instant::now(),
+    ));
+    let outcomes = load.finish();
+    let mut around_the_wake: BTreeMap<String, usize> = BTreeMap::new();
+    for o in outcomes
+        .iter()
+        .filter(|o| o.finished > resumed_at && o.started < resumed_at)
+    {
+        *around_the_wake
+            .entry(match o.value() {
+                Some(_) => "200".to_owned(),
+                None => format!("{} {}", o.status, o.detail),
+            })
+            .or_default() += 1;
+    }
+    eprintln!("answers to requests sent while frozen, after the thaw: {around_the_wake:?}");
+    for session in &sessions {
+        assert_counting_on(&outcomes, session);
+    }
+    for o in &outcomes {
+        assert_ne!(o.status, 404, "an HTTP session outlives its host: {o:?}");
+    }
+}
+
 #[test]
 fn draining_the_owner_hands_its_http_sessions_over_without_an_error() {
     let fleet = two_by_two(&[]);

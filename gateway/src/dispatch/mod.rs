@@ -43,9 +43,6 @@ pub(crate) enum AdoptionOutcome {
     NotAdoptable(Call),
 }
 
-/// What the client is told when a situation refuses and nothing more specific is known.
-const LEASE_IN_DOUBT_WHY: &str = "the worker holding it could not renew its lease in time";
-
 /// The routing stage: decides where a checked call runs (here, at its owner over the
 /// mesh, or nowhere, with the truthful refusal) and hands it on. It keeps nothing of
 /// its own: it reads the worker's sessions, lease and fleet, and borrows the worker
@@ -117,7 +114,7 @@ impl<'w> Router<'w> {
             (Decision::Forward, None) => Err(GatewayError::session_not_found().with_id(call.id())),
             // The edge never asks for facts or answers "not mine": those are the owner's.
             (Decision::Refuse(_) | Decision::Ask(_) | Decision::NotMine, _) => {
-                Err(self.refuse(&situation, LEASE_IN_DOUBT_WHY, call.id()))
+                Err(self.refuse(&situation, refuse::LEASE_IN_DOUBT_WHY, call.id()))
             }
         }
     }

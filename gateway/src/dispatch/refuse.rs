@@ -9,6 +9,10 @@ use crate::decision::Refusal;
 use crate::mcp::{self, GatewayError};
 use crate::reason::Reason;
 
+/// What the client is told when a situation refuses and nothing more specific is known.
+pub(crate) const LEASE_IN_DOUBT_WHY: &str =
+    "the worker holding it could not renew its lease in time";
+
 /// Whether `error` leaves the session's owner unconfirmed rather than proven gone:
 /// ownership unknown, a lease in doubt, or an answer lost while the owner may live.
 /// The only cases where a stateless answer may stand in for a method whose answer does

@@ -77,6 +77,16 @@ impl<'w> Executor<'w> {
         call: Call,
         held: Option<SessionUse>,
     ) -> Result<Reply, GatewayError> {
+        // The last moment before acting for a session, whichever path brought the call
+        // here (a session held here, or one adopted a moment ago): this worker acts only
+        // while its own lease clock says the fleet cannot have declared it dead. A
+        // directory answer that reached it late (it was paused while the answer was on
+        // its way) proves nothing now.
+        if held.is_some() && !self.worker.lease_valid() {
+            return Err(crate::decision::Refusal::LeaseInDoubt
+                .to_error(StatusCode::SERVICE_UNAVAILABLE, refuse::LEASE_IN_DOUBT_WHY)
+                .with_id(call.id()));
+        }
         let session = held.as_ref().map(|held| Arc::clone(held.session()));
         let mut reply = self.execute_local(call, session).await?;
         if let Some(held) = held {

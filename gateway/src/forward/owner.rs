@@ -12,7 +12,7 @@ use http::{HeaderMap, Method};
 use http_body_util::BodyExt;
 use mcpgw_mesh::transport::{MeshService, PeerInfo, ResponsePart};
 use mcpgw_wire::{ErrorFrame, ErrorKind, RequestFrame, ResponseHead};
-use tracing::debug;
+use tracing::{debug, info};
 
 use super::BadHeader;
 use crate::decision::{self, Decision, Fact, Known, Refusal, SessionKind, Side};
@@ -105,7 +105,30 @@ async fn serve_forwarded(
         .tracer
         .as_ref()
         .and_then(|tracer| tracer.begin(&mut headers));
+    // With `--log-requests`, the owner says what it ran for whom, as the edge does:
+    // with both lines, a run is found where it happened.
+    let logged = worker.config.log_requests.then(|| {
+        let session = headers
+            .get("mcp-session-id")
+            .and_then(|v| v.to_str().ok())
+            .map(|sid| crate::digest::tag_of(sid).to_string())
+            .unwrap_or_default();
+        (session, tokio::time::Instant::now())
+    });
     let result = run_forwarded(worker, frame, method, headers).await;
+    if let Some((session, started)) = logged {
+        let status = result.as_ref().map_or(0, |reply| reply.status.as_u16());
+        let refused = result.as_ref().err().map(|frame| frame.kind);
+        info!(
+            worker = %worker.id,
+            edge,
+            session,
+            status,
+            refused = ?refused,
+            duration_ms = started.elapsed().as_secs_f64() * 1000.0,
+            "served a forwarded request"
+        );
+    }
     if let (Some(tracer), Some(span)) = (&worker.tracer, span) {
         let (status, error) = match &result {
             Ok(reply) => (reply.status.as_u16(), reply.status.is_server_error()),
