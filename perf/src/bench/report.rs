@@ -54,14 +54,14 @@ pub fn open_loop_markdown(results: &[RunResult]) -> String {
     let mut out = String::new();
     out.push_str(
         "| configuration | sessions | offered req/s | achieved req/s | p50 ms | p90 ms | p99 ms \
-         | p99.9 ms | max ms | service p99 ms | unsent | errors |\n",
+         | p99.9 ms | max ms | service p99 ms | send lag p99 ms | unsent | errors |\n",
     );
-    out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     for r in results {
         let l = &r.latency;
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             cell(&r.label),
             r.sessions,
             r.offered_rps
@@ -73,6 +73,7 @@ pub fn open_loop_markdown(results: &[RunResult]) -> String {
             ms(l.p999_us),
             ms(l.max_us),
             r.service_latency.map_or("–".into(), |s| ms(s.p99_us)),
+            r.send_lag.map_or("–".into(), |s| ms(s.p99_us)),
             grouped(r.unsent),
             errors_with_unmeasured(r),
         );
@@ -583,6 +584,7 @@ pub(crate) mod tests {
                 mean_us: p50_us as f64,
             },
             service_latency: None,
+            send_lag: None,
             tools_call_latency: LatencySummary {
                 p50_us,
                 p99_us: p50_us * 3,

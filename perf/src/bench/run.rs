@@ -185,6 +185,10 @@ pub struct RunResult {
     /// Open loop: latency from the actual send to the answer, as a closed loop
     /// would measure it; the gap to `latency` is time spent waiting to be sent.
     pub service_latency: Option<LatencySummary>,
+    /// Open loop: how long after its due time each request left, among those whose
+    /// session was free when it fell due: the load generator's own punctuality, which
+    /// is in `latency` too and is not the gateway's.
+    pub send_lag: Option<LatencySummary>,
     /// Latency of the successful `tools/call` requests alone.
     pub tools_call_latency: LatencySummary,
     /// Share of successful answers whose edge and owner workers differ; null when
@@ -299,12 +303,69 @@ impl Schedule {
     }
 }
 
+/// The open-loop timetable as the sessions see it: the schedule, and each session's
+/// gate, which [`pace`] opens once per request of that session as it falls due.
+#[derive(Clone)]
+struct Paced {
+    schedule: Schedule,
+    gates: Arc<[Gate]>,
+}
+
+/// How many of one session's requests have fallen due.
+#[derive(Default)]
+struct Gate {
+    due: AtomicU64,
+    opened: tokio::sync::Notify,
+}
+
+impl Gate {
+    /// Waits until the session's `n`-th request (from 0) is due.
+    async fn wait_for(&self, n: u64) {
+        loop {
+            let opened = self.opened.notified();
+            if self.due.load(Ordering::Acquire) > n {
+                return;
+            }
+            opened.await;
+        }
+    }
+}
+
+/// Opens each request's gate at its due time, from a thread of its own. tokio's timer
+/// counts whole milliseconds: a request that slept on it left up to a millisecond (on
+/// a busy runtime, more) after it was due, and that lateness of the load generator
+/// was counted as the gateway's latency, alike for every configuration. A thread
+/// sleeping on the kernel's high-resolution timer wakes within tens of microseconds,
+/// and opens every gate that fell due meanwhile. It ends with the timetable, or when
+/// no session is left to wait (the run ended early).
+fn pace(paced: Paced) {
+    let Paced { schedule, gates } = paced;
+    let sessions = gates.len() as u64;
+    let mut k = 0;
+    while k < schedule.end && Arc::strong_count(&gates) > 1 {
+        let now = Instant::now();
+        let due = schedule.due(k);
+        if due > now {
+            std::thread::sleep(due - now);
+            continue;
+        }
+        while k < schedule.end && schedule.due(k) <= now {
+            let gate = &gates[(k % sessions) as usize];
+            gate.due.fetch_add(1, Ordering::Release);
+            gate.opened.notify_one();
+            k += 1;
+        }
+    }
+}
+
 /// One session's measurements, merged at the end.
 struct SessionStats {
     all: Histogram<u64>,
     calls: Histogram<u64>,
     /// Open loop: latency from the actual send.
     service: Histogram<u64>,
+    /// Open loop: due → sent, for requests whose session was free when due.
+    send_lag: Histogram<u64>,
     ok: u64,
     unsent: u64,
     /// When the last counted answer came.
@@ -323,6 +384,7 @@ impl SessionStats {
             all: new_histogram(),
             calls: new_histogram(),
             service: new_histogram(),
+            send_lag: new_histogram(),
             ok: 0,
             unsent: 0,
             last_answer: None,
@@ -338,6 +400,7 @@ impl SessionStats {
         let _ = self.all.add(&other.all);
         let _ = self.calls.add(&other.calls);
         let _ = self.service.add(&other.service);
+        let _ = self.send_lag.add(&other.send_lag);
         self.ok += other.ok;
         self.unsent += other.unsent;
         self.last_answer = self.last_answer.max(other.last_answer);
@@ -452,7 +515,7 @@ pub async fn run_load(spec: &LoadSpec) -> Result<RunResult, String> {
     ready.wait().await;
     let setup = setup_started.elapsed();
     // Open loop: the measured window is fixed by the timetable, not by a stop flag.
-    let (duration, schedule) = match spec.rate {
+    let (duration, paced) = match spec.rate {
         Some(rate) => {
             let duration = match spec.requests {
                 Some(requests) => Duration::from_secs_f64(requests as f64 / rate),
@@ -471,12 +534,22 @@ pub async fn run_load(spec: &LoadSpec) -> Result<RunResult, String> {
                 end: first + counted,
                 deadline: start + spec.warmup + duration + duration.max(Duration::from_secs(1)),
             };
-            (duration, Some(schedule))
+            let paced = Paced {
+                schedule,
+                gates: (0..spec.sessions).map(|_| Gate::default()).collect(),
+            };
+            let pacer = paced.clone();
+            std::thread::Builder::new()
+                .name("open-loop pacer".into())
+                .spawn(move || pace(pacer))
+                .map_err(|e| format!("cannot start the open-loop pacer thread: {e}"))?;
+            (duration, Some(paced))
         }
         None => (spec.duration, None),
     };
     // Sessions that could not open have returned; nobody listening is fine.
-    let _ = timetable.send(Some(schedule));
+    let schedule = paced.as_ref().map(|paced| paced.schedule);
+    let _ = timetable.send(Some(paced));
     match &schedule {
         Some(schedule) => tokio::time::sleep_until(schedule.due(schedule.first).into()).await,
         None => tokio::time::sleep(spec.warmup).await,
@@ -580,6 +653,7 @@ pub async fn run_load(spec: &LoadSpec) -> Result<RunResult, String> {
         },
         latency: LatencySummary::of(&totals.all),
         service_latency: schedule.map(|_| LatencySummary::of(&totals.service)),
+        send_lag: schedule.map(|_| LatencySummary::of(&totals.send_lag)),
         tools_call_latency: LatencySummary::of(&totals.calls),
         forwarded_fraction: (totals.with_worker_headers > 0)
             .then(|| totals.forwarded as f64 / totals.with_worker_headers as f64),
@@ -622,7 +696,7 @@ async fn drive_session(
     plan: Arc<Plan>,
     flags: Arc<Flags>,
     ready: Arc<Barrier>,
-    mut timetable: tokio::sync::watch::Receiver<Option<Option<Schedule>>>,
+    mut timetable: tokio::sync::watch::Receiver<Option<Option<Paced>>>,
 ) -> SessionOutcome {
     let url_count = plan.targets.len();
     let home = index % url_count;
@@ -656,17 +730,22 @@ async fn drive_session(
         .and_then(|worker| plan.owner_urls.get(worker).copied());
 
     // Some(schedule): open loop; None: closed loop.
-    let schedule = timetable
+    let paced = timetable
         .wait_for(Option::is_some)
         .await
         .ok()
-        .and_then(|published| *published)
+        .and_then(|published| published.clone())
         .flatten();
+    let gate = paced
+        .as_ref()
+        .map(|paced| (paced.schedule, Arc::clone(&paced.gates)));
+    drop(paced);
+    let schedule = gate.as_ref().map(|(schedule, _)| *schedule);
 
     let mut seq: u64 = 0;
     let mut next_due = index as u64;
     loop {
-        let (counted, due) = match &schedule {
+        let (counted, due, waited) = match &schedule {
             None => {
                 if flags.stop.load(Ordering::Relaxed) {
                     break;
@@ -678,7 +757,7 @@ async fn drive_session(
                 {
                     break;
                 }
-                (counted, None)
+                (counted, None, false)
             }
             Some(schedule) => {
                 let k = next_due;
@@ -691,11 +770,12 @@ async fn drive_session(
                     stats.unsent += counted_from(k, schedule);
                     break;
                 }
-                if due > now {
-                    tokio::time::sleep_until(due.into()).await;
+                let waited = due > now;
+                if waited && let Some((_, gates)) = &gate {
+                    gates[index].wait_for(k / schedule.sessions).await;
                 }
                 next_due += schedule.sessions;
-                (k >= schedule.first, Some(due))
+                (k >= schedule.first, Some(due), waited)
             }
         };
         // Offsetting the mix by the session index spreads the tools/list requests.
@@ -728,8 +808,15 @@ async fn drive_session(
                 stats.ok += 1;
                 stats.last_answer = Some(answered);
                 latency::record(&mut stats.all, micros);
-                if due.is_some() {
+                if let Some(due) = due {
                     latency::record(&mut stats.service, since(sent));
+                    if waited {
+                        let lag = sent.saturating_duration_since(due).as_micros();
+                        latency::record(
+                            &mut stats.send_lag,
+                            u64::try_from(lag).unwrap_or(u64::MAX),
+                        );
+                    }
                 }
                 if op == Op::CallEcho {
                     latency::record(&mut stats.calls, micros);
