@@ -487,6 +487,7 @@ class Load:
         message = parse_jsonrpc(response.headers.get("content-type", ""), response.text)
         edge = self.edge_of(response.headers)
         owner = response.headers.get("mcpgw-owner-worker")
+        edge_worker = response.headers.get("mcpgw-edge-worker")
         adopted = response.headers.get("mcpgw-adopted")
         status = response.status_code
         if status == 202:  # a notification, accepted
@@ -501,7 +502,7 @@ class Load:
                 value = result["structuredContent"].get("value")
             return Answer(session, sent, done, "ok", status, "", edge, owner, value,
                           adopted=adopted,
-                          edge_worker=response.headers.get("mcpgw-edge-worker")), response
+                          edge_worker=edge_worker), response
         error = message.get("error") or {}
         data = error.get("data") or {}
         reason = str(data.get("reason", ""))
@@ -517,7 +518,7 @@ class Load:
             cls = "other"
         return Answer(session, sent, done, cls, status, reason, edge, owner,
                       message=str(error.get("message", "")), adopted=adopted,
-                      edge_worker=response.headers.get("mcpgw-edge-worker")), response
+                      edge_worker=edge_worker), response
 
     async def open_session(self) -> LoadSession | None:
         init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",

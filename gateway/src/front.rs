@@ -313,11 +313,7 @@ async fn handle(
     let arrived = tokio::time::Instant::now();
     let route = worker.endpoints.resolve(&path);
     let http_method = parts.method.clone();
-    let session = parts
-        .headers
-        .get(mcp::HEADER_SESSION_ID)
-        .and_then(|v| v.to_str().ok())
-        .map(crate::digest::tag_of);
+    let session = mcp::session_tag(&parts.headers);
     let mut method_label = "none";
     // Before the call is built from the headers: the span's context replaces the
     // client's `traceparent`, so the owner and the upstream become its children.

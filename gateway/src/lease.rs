@@ -131,6 +131,15 @@ impl LeaseHolder {
         self.lease.lock().set_cert_not_after(Some(not_after));
     }
 
+    /// A renewal sent at `sent_at` that Redis answered "renewed": valid, unless the
+    /// answer came too late to prove it.
+    fn renewed_check(&self, sent_at: Instant) -> LeaseCheck {
+        match self.renewed(sent_at) {
+            true => LeaseCheck::Valid,
+            false => LeaseCheck::InDoubt,
+        }
+    }
+
     /// Records a renewal sent at `sent_at` that succeeded; returns whether this worker
     /// may act now, which a renewal answered too late does not prove.
     fn renewed(&self, sent_at: Instant) -> bool {
@@ -202,10 +211,7 @@ impl LeaseHolder {
         }
         let sent_at = Instant::now();
         match self.directory.renew_lease(&lease).await {
-            Ok(LeaseRenewal::Renewed { .. }) => match self.renewed(sent_at) {
-                true => LeaseCheck::Valid,
-                false => LeaseCheck::InDoubt,
-            },
+            Ok(LeaseRenewal::Renewed { .. }) => self.renewed_check(sent_at),
             Ok(LeaseRenewal::DrainRequested { .. }) => {
                 // Asked for whether or not the answer came in time; the worker acts on
                 // its clock either way.
@@ -242,10 +248,7 @@ impl LeaseHolder {
                     worker = lease.id(),
                     "lease had expired in Redis and nobody reclaimed this worker; resumed it"
                 );
-                match self.renewed(sent_at) {
-                    true => LeaseCheck::Valid,
-                    false => LeaseCheck::InDoubt,
-                }
+                self.renewed_check(sent_at)
             }
             Ok(LeaseRenewal::DirectoryLost) => self.rebuild(lease, held_sessions()).await,
             Ok(LeaseRenewal::Lost) => {

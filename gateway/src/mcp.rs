@@ -12,6 +12,14 @@ pub const HEADER_METHOD: &str = "mcp-method";
 pub const HEADER_NAME: &str = "mcp-name";
 pub const HEADER_LAST_EVENT_ID: &str = "last-event-id";
 
+/// The log tag of the session a request names in `Mcp-Session-Id`, if any.
+pub fn session_tag(headers: &HeaderMap) -> Option<crate::digest::SessionTag> {
+    headers
+        .get(HEADER_SESSION_ID)
+        .and_then(|v| v.to_str().ok())
+        .map(crate::digest::tag_of)
+}
+
 /// Revisions that open a session with `initialize` and carry `Mcp-Session-Id`.
 pub const LEGACY_VERSIONS: &[&str] = &["2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"];
 /// Revisions without sessions: every request carries its own protocol envelope.

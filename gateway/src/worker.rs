@@ -204,15 +204,15 @@ impl Worker {
         let Some(fleet) = self.fleet.get() else {
             return true;
         };
-        match fleet
+        let acts = match fleet
             .lease
             .renew(only_if_invalid, || self.sessions.ids())
             .await
         {
-            LeaseCheck::Valid => fleet.lease.valid(),
+            LeaseCheck::Valid => true,
             LeaseCheck::DrainRequested => {
                 self.request_drain("the fleet directory (mcpgw drain)");
-                fleet.lease.valid()
+                true
             }
             LeaseCheck::InDoubt => {
                 self.metrics.lease_in_doubt();
@@ -224,20 +224,21 @@ impl Worker {
                     warn!(session = %crate::digest::tag_of(&sid), "session now owned elsewhere; dropping it here");
                     self.sessions.remove(&sid);
                 }
-                fleet.lease.valid()
+                true
             }
             LeaseCheck::Rebuilt { taken } => {
                 for sid in taken {
                     warn!(session = %crate::digest::tag_of(&sid), "session now owned elsewhere; dropping it here");
                     self.sessions.remove(&sid);
                 }
-                fleet.lease.valid()
+                true
             }
             LeaseCheck::Lost => {
                 self.fence();
                 false
             }
-        }
+        };
+        acts && fleet.lease.valid()
     }
 
     /// Records a freshly minted session as ours in the fleet directory, within its

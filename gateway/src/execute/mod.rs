@@ -83,9 +83,11 @@ impl<'w> Executor<'w> {
         // directory answer that reached it late (it was paused while the answer was on
         // its way) proves nothing now.
         if held.is_some() && !self.worker.lease_valid() {
-            return Err(crate::decision::Refusal::LeaseInDoubt
-                .to_error(StatusCode::SERVICE_UNAVAILABLE, refuse::LEASE_IN_DOUBT_WHY)
-                .with_id(call.id()));
+            return Err(crate::dispatch::Router::of(self.worker).refuse(
+                &crate::decision::Situation::LocalLeaseInDoubt,
+                refuse::LEASE_IN_DOUBT_WHY,
+                call.id(),
+            ));
         }
         let session = held.as_ref().map(|held| Arc::clone(held.session()));
         let mut reply = self.execute_local(call, session).await?;

@@ -108,11 +108,7 @@ async fn serve_forwarded(
     // With `--log-requests`, the owner says what it ran for whom, as the edge does:
     // with both lines, a run is found where it happened.
     let logged = worker.config.log_requests.then(|| {
-        let session = headers
-            .get("mcp-session-id")
-            .and_then(|v| v.to_str().ok())
-            .map(|sid| crate::digest::tag_of(sid).to_string())
-            .unwrap_or_default();
+        let session = crate::mcp::session_tag(&headers);
         (session, tokio::time::Instant::now())
     });
     let result = run_forwarded(worker, frame, method, headers).await;
@@ -122,7 +118,7 @@ async fn serve_forwarded(
         info!(
             worker = %worker.id,
             edge,
-            session,
+            session = session.map(|tag| tag.to_string()).unwrap_or_default(),
             status,
             refused = ?refused,
             duration_ms = started.elapsed().as_secs_f64() * 1000.0,

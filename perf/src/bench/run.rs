@@ -739,11 +739,7 @@ async fn drive_session(
         .ok()
         .and_then(|published| published.clone())
         .flatten();
-    let gate = paced
-        .as_ref()
-        .map(|paced| (paced.schedule, Arc::clone(&paced.gates)));
-    drop(paced);
-    let schedule = gate.as_ref().map(|(schedule, _)| *schedule);
+    let schedule = paced.as_ref().map(|paced| paced.schedule);
 
     let mut seq: u64 = 0;
     let mut next_due = index as u64;
@@ -774,8 +770,8 @@ async fn drive_session(
                     break;
                 }
                 let waited = due > now;
-                if waited && let Some((_, gates)) = &gate {
-                    gates[index].wait_for(k / schedule.sessions).await;
+                if waited && let Some(paced) = &paced {
+                    paced.gates[index].wait_for(k / schedule.sessions).await;
                 }
                 next_due += schedule.sessions;
                 (k >= schedule.first, Some(due), waited)
