@@ -8,8 +8,8 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use futures_util::StreamExt;
 use futures_util::stream::BoxStream;
+use futures_util::{FutureExt, StreamExt};
 use mcpgw_wire::{
     ErrorFrame, ErrorKind, Frame, MeshCodec, PROTOCOL_VERSION, RequestFrame, WireError,
 };
@@ -207,8 +207,7 @@ impl Owner {
         Replier {
             publisher: self.publisher.clone(),
             channel: self.config.reply_channel(caller),
-            exchange,
-            codec: MeshCodec::new(self.shared.limits.max_frame),
+            queue: ReplyQueue::new(exchange, self.shared.limits.max_frame),
             last_sent: Instant::now(),
         }
     }
@@ -321,10 +320,10 @@ impl Owner {
                     return Relayed::Last(refusal(ErrorKind::DeadlineExceeded, message));
                 }
                 () = quiet => reply.send(None).await,
-                part = response.next() => match order.check(part) {
-                    OrderedPart::Head(head) => reply.send(Some(&Frame::Head(head))).await,
-                    OrderedPart::Chunk(bytes) => reply.send_chunk(bytes).await,
-                    OrderedPart::Last(frame) => return Relayed::Last(frame),
+                part = response.next() => match queue_ready(&mut reply.queue, order, part, response) {
+                    // Goes out with what was queued before it, in `finish`.
+                    Some(last) => return Relayed::Last(last),
+                    None => reply.flush().await,
                 },
             };
             if let Some(relayed) = sent.ends_relay(request_id, caller) {
@@ -394,26 +393,122 @@ impl Sent {
     }
 }
 
+/// Queues `part` and every part that is already ready behind it (a JSON answer is
+/// Head, Chunk and End at once), so that they are published in one pipeline, as the
+/// other transports send them in one write; a stream still gets each event out as it
+/// is produced. Returns the response's last frame once the response ended, unqueued.
+fn queue_ready(
+    queue: &mut ReplyQueue,
+    order: &mut ResponseOrder,
+    mut part: Option<ResponsePart>,
+    response: &mut BoxStream<'static, ResponsePart>,
+) -> Option<Frame> {
+    loop {
+        let queued = match order.check(part) {
+            OrderedPart::Head(head) => queue.push(Some(&Frame::Head(head))),
+            OrderedPart::Chunk(bytes) => queue.push_chunk(bytes),
+            OrderedPart::Last(frame) => return Some(frame),
+        };
+        if let Err(e) = queued {
+            warn!(request_id = order.request_id(), error = %e, "mesh response part cannot be encoded");
+            let message = format!("owner cannot encode the response: {e}");
+            return Some(refusal(ErrorKind::Internal, message));
+        }
+        if queue.full() {
+            return None;
+        }
+        part = response.next().now_or_never()?;
+    }
+}
+
+/// One exchange's replies, encoded and not yet published, in order.
+struct ReplyQueue {
+    exchange: u64,
+    codec: MeshCodec,
+    messages: Vec<Bytes>,
+    /// Their bytes, to bound how much of a fast response is gathered at once.
+    bytes: usize,
+}
+
+impl ReplyQueue {
+    fn new(exchange: u64, max_frame: usize) -> Self {
+        Self {
+            exchange,
+            codec: MeshCodec::new(max_frame),
+            messages: Vec::new(),
+            bytes: 0,
+        }
+    }
+
+    /// Queues `frame` (`None`: a keep-alive) behind the messages already queued.
+    fn push(&mut self, frame: Option<&Frame>) -> Result<(), WireError> {
+        let payload = encode_to_caller(&mut self.codec, self.exchange, frame)?;
+        self.bytes += payload.len();
+        self.messages.push(payload);
+        Ok(())
+    }
+
+    /// Queues a body chunk, split so that each frame fits the maximum frame size.
+    fn push_chunk(&mut self, mut bytes: Bytes) -> Result<(), WireError> {
+        let piece = self
+            .codec
+            .max_frame()
+            .saturating_sub(Frame::CHUNK_OVERHEAD)
+            .max(1);
+        while bytes.len() > piece {
+            let rest = bytes.split_off(piece);
+            self.push(Some(&Frame::Chunk(bytes)))?;
+            bytes = rest;
+        }
+        self.push(Some(&Frame::Chunk(bytes)))
+    }
+
+    /// A frame's worth is queued: publish before gathering more.
+    fn full(&self) -> bool {
+        self.bytes >= self.codec.max_frame()
+    }
+
+    fn take(&mut self) -> Vec<Bytes> {
+        self.bytes = 0;
+        std::mem::take(&mut self.messages)
+    }
+}
+
 /// Publishes one exchange's replies, in order, to the caller's reply channel.
 struct Replier {
     publisher: ConnectionManager,
     channel: String,
-    exchange: u64,
-    codec: MeshCodec,
+    queue: ReplyQueue,
     /// When a message last went out, for keep-alives.
     last_sent: Instant,
 }
 
 impl Replier {
-    /// Publishes `frame` (`None`: a keep-alive).
-    async fn send(&mut self, frame: Option<&Frame>) -> Sent {
-        let payload = match encode_to_caller(&mut self.codec, self.exchange, frame) {
-            Ok(payload) => payload,
-            Err(e) => return Sent::Unencodable(e),
+    /// Publishes what is queued: one `PUBLISH`, or a pipeline of them (one write and
+    /// one round trip to Redis, in order).
+    async fn flush(&mut self) -> Sent {
+        let published = match self.queue.take().as_slice() {
+            [] => return Sent::Delivered,
+            [one] => publish(&mut self.publisher, &self.channel, one)
+                .await
+                .map(|receivers| receivers > 0),
+            many => {
+                let mut pipeline = redis::pipe();
+                for payload in many {
+                    pipeline
+                        .cmd("PUBLISH")
+                        .arg(&self.channel)
+                        .arg(payload.as_ref());
+                }
+                pipeline
+                    .query_async::<Vec<i64>>(&mut self.publisher)
+                    .await
+                    .map(|receivers| receivers.iter().all(|&n| n > 0))
+            }
         };
-        match publish(&mut self.publisher, &self.channel, &payload).await {
-            Ok(0) => Sent::CallerGone,
-            Ok(_) => {
+        match published {
+            Ok(false) => Sent::CallerGone,
+            Ok(true) => {
                 self.last_sent = Instant::now();
                 Sent::Delivered
             }
@@ -421,23 +516,11 @@ impl Replier {
         }
     }
 
-    /// Publishes a body chunk, split so that each frame fits the maximum frame size.
-    async fn send_chunk(&mut self, mut bytes: Bytes) -> Sent {
-        let piece = self
-            .codec
-            .max_frame()
-            .saturating_sub(Frame::CHUNK_OVERHEAD)
-            .max(1);
-        loop {
-            let rest = if bytes.len() > piece {
-                bytes.split_off(piece)
-            } else {
-                Bytes::new()
-            };
-            match self.send(Some(&Frame::Chunk(bytes))).await {
-                Sent::Delivered if !rest.is_empty() => bytes = rest,
-                sent => return sent,
-            }
+    /// Publishes `frame` (`None`: a keep-alive) after whatever is queued.
+    async fn send(&mut self, frame: Option<&Frame>) -> Sent {
+        match self.queue.push(frame) {
+            Ok(()) => self.flush().await,
+            Err(e) => Sent::Unencodable(e),
         }
     }
 
@@ -448,5 +531,74 @@ impl Replier {
             Sent::Unencodable(e) => warn!(error = %e, "mesh answer cannot be encoded"),
             Sent::Failed(reason) => debug!(%reason, "publishing a mesh answer failed"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use futures_util::stream;
+
+    use super::*;
+    use crate::transport::budget::{Budgets, StreamClass};
+    use mcpgw_wire::ResponseHead;
+
+    fn json_head() -> ResponsePart {
+        ResponsePart::Head(ResponseHead {
+            status: 200,
+            headers: vec![("content-type".into(), "application/json".into())],
+        })
+    }
+
+    fn order() -> (ResponseOrder, Arc<Budgets>) {
+        let budgets = Budgets::new(4, 4);
+        let slot = budgets.admit("peer", StreamClass::Short).expect("room");
+        (ResponseOrder::new(slot, 7), budgets)
+    }
+
+    #[test]
+    fn a_response_ready_at_once_is_queued_whole_for_one_pipeline() {
+        let (mut order, _budgets) = order();
+        let mut queue = ReplyQueue::new(3, 64 * 1024);
+        let mut response: BoxStream<'static, ResponsePart> =
+            stream::iter([ResponsePart::Chunk("{}".into()), ResponsePart::End]).boxed();
+        let last = queue_ready(&mut queue, &mut order, Some(json_head()), &mut response);
+        assert!(matches!(last, Some(Frame::End)));
+        assert_eq!(queue.take().len(), 2, "head and chunk wait for the end");
+    }
+
+    #[test]
+    fn a_stream_publishes_what_is_ready_and_waits_for_the_rest() {
+        let (mut order, _budgets) = order();
+        let mut queue = ReplyQueue::new(3, 64 * 1024);
+        let later = stream::once(async {
+            tokio::task::yield_now().await;
+            ResponsePart::Chunk("event".into())
+        });
+        let mut response: BoxStream<'static, ResponsePart> =
+            stream::iter([ResponsePart::Chunk("first".into())])
+                .chain(later)
+                .boxed();
+        let last = queue_ready(&mut queue, &mut order, Some(json_head()), &mut response);
+        assert!(last.is_none(), "the response goes on");
+        assert_eq!(
+            queue.take().len(),
+            2,
+            "head and the ready chunk, not the later one"
+        );
+    }
+
+    #[test]
+    fn a_fast_response_is_published_a_frame_at_a_time() {
+        let (mut order, _budgets) = order();
+        let max_frame = 1024;
+        let mut queue = ReplyQueue::new(3, max_frame);
+        let big = Bytes::from(vec![b'x'; 3 * max_frame]);
+        let mut response: BoxStream<'static, ResponsePart> =
+            stream::iter([ResponsePart::Chunk(big), ResponsePart::End]).boxed();
+        let last = queue_ready(&mut queue, &mut order, Some(json_head()), &mut response);
+        assert!(last.is_none(), "the end waits for the next round");
+        let messages = queue.take();
+        assert!(messages.len() > 3, "the chunk was split to fit frames");
+        assert!(messages.iter().all(|m| m.len() <= max_frame + 64));
     }
 }
