@@ -178,6 +178,13 @@ impl Worker {
         self.fleet.get()
     }
 
+    /// The status that says a session is gone for good: the fleet's setting (404 or
+    /// 409); 404 on a standalone worker.
+    pub fn gone_status(&self) -> http::StatusCode {
+        self.fleet()
+            .map_or(http::StatusCode::NOT_FOUND, |fleet| fleet.gone_status())
+    }
+
     /// The forwarding stage; none for a standalone worker.
     pub fn forwarder(&self) -> Option<&Forwarder> {
         self.forwarder.get()

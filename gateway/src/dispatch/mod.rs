@@ -9,7 +9,7 @@ mod shared;
 
 use std::sync::Arc;
 
-use http::{HeaderValue, StatusCode};
+use http::HeaderValue;
 use mcpgw_mesh::directory::{AdoptCause, Adoption, DirectoryError};
 use tracing::{debug, info, warn};
 
@@ -427,17 +427,7 @@ impl<'w> Router<'w> {
         why: &str,
         id: serde_json::Value,
     ) -> GatewayError {
-        let gone = self
-            .worker
-            .fleet()
-            .map_or(StatusCode::NOT_FOUND, |fleet| fleet.gone_status());
-        match decide(situation) {
-            Decision::Refuse(refusal) => refusal.to_error(gone, why).with_id(id),
-            other => {
-                tracing::error!(?situation, ?other, "decision table returned no refusal");
-                GatewayError::session_not_found().with_id(id)
-            }
-        }
+        refuse::situation(self.worker.gone_status(), situation, why, id)
     }
 
     /// Opt-in (`--stateless-when-unknown`): session methods whose answer does not

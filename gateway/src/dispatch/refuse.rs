@@ -5,13 +5,32 @@
 use http::StatusCode;
 use serde_json::json;
 
-use crate::decision::Refusal;
+use crate::decision::{Decision, Refusal, Situation, decide};
 use crate::mcp::{self, GatewayError};
 use crate::reason::Reason;
 
 /// What the client is told when a situation refuses and nothing more specific is known.
 pub(crate) const LEASE_IN_DOUBT_WHY: &str =
     "the worker holding it could not renew its lease in time";
+
+/// The client-facing error for a `situation` that refuses; `why` is its cause, `gone`
+/// the status that says a session is gone for good. Here rather than on the router so
+/// that the executor, which the router drives, refuses through the same table without
+/// depending back on the router.
+pub(crate) fn situation(
+    gone: StatusCode,
+    situation: &Situation,
+    why: &str,
+    id: serde_json::Value,
+) -> GatewayError {
+    match decide(situation) {
+        Decision::Refuse(refusal) => refusal.to_error(gone, why).with_id(id),
+        other => {
+            tracing::error!(?situation, ?other, "decision table returned no refusal");
+            GatewayError::session_not_found().with_id(id)
+        }
+    }
+}
 
 /// Whether `error` leaves the session's owner unconfirmed rather than proven gone:
 /// ownership unknown, a lease in doubt, or an answer lost while the owner may live.

@@ -6,7 +6,6 @@
 
 use std::sync::Arc;
 
-use http::StatusCode;
 use serde_json::json;
 
 use super::{AdoptionOutcome, Router};
@@ -248,10 +247,7 @@ impl Router<'_> {
 
     /// The shared session's state is lost; the next call starts afresh.
     pub(crate) fn shared_lost(&self, upstream: usize, why: &str) -> GatewayError {
-        let status = self
-            .worker
-            .fleet()
-            .map_or(StatusCode::NOT_FOUND, |fleet| fleet.gone_status());
+        let status = self.worker.gone_status();
         let route = self.worker.routes[upstream].name();
         GatewayError::new(
             status,

@@ -83,7 +83,8 @@ impl<'w> Executor<'w> {
         // directory answer that reached it late (it was paused while the answer was on
         // its way) proves nothing now.
         if held.is_some() && !self.worker.lease_valid() {
-            return Err(crate::dispatch::Router::of(self.worker).refuse(
+            return Err(refuse::situation(
+                self.worker.gone_status(),
                 &crate::decision::Situation::LocalLeaseInDoubt,
                 refuse::LEASE_IN_DOUBT_WHY,
                 call.id(),
@@ -571,10 +572,7 @@ impl<'w> Executor<'w> {
     /// "Session gone" with the reason, as the fleet answers it (404, or 409 when
     /// configured).
     pub(crate) fn session_gone(&self, why: &str) -> GatewayError {
-        let status = self
-            .worker
-            .fleet()
-            .map_or(StatusCode::NOT_FOUND, |fleet| fleet.gone_status());
+        let status = self.worker.gone_status();
         GatewayError::new(
             status,
             mcp::code::SESSION_NOT_FOUND,
