@@ -85,6 +85,12 @@ impl Frame {
     /// `u64` length), so a sender can split a payload to fit the maximum frame size.
     pub const CHUNK_OVERHEAD: usize = 12;
 
+    /// The largest body chunk one frame of at most `max_frame` bytes carries (at least
+    /// one byte, so that splitting a body always makes progress).
+    pub fn max_chunk(max_frame: usize) -> usize {
+        max_frame.saturating_sub(Self::CHUNK_OVERHEAD).max(1)
+    }
+
     /// The protocol version that introduced this frame: it is never sent on a
     /// connection whose agreed version is older.
     pub fn since(&self) -> u32 {

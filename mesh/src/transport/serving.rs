@@ -357,19 +357,24 @@ pub(crate) enum CallerEvent {
     Bad(LinkError),
 }
 
-/// The owner's end of one exchange: where its response frames go and where it hears
-/// from the caller. A QUIC stream pair, or one exchange of a multiplexed TCP
-/// connection (which sends body bytes only against the caller's credit).
-pub(crate) trait ExchangeLink: Send {
+/// Where an owner gathers a response's frames before they leave together: every
+/// transport's owner end (the Redis owner's too, which publishes them in one pipeline).
+pub(crate) trait FrameQueue: Send {
     /// Queues `frame` behind those already queued, without sending.
     fn queue(&mut self, frame: Frame) -> Result<(), WireError>;
-    /// Bytes queued and not yet sent, to bound how much is gathered into one write.
+    /// Bytes queued and not yet sent, to bound how much is gathered into one send.
     fn queued_len(&self) -> usize;
     /// How many queued bytes are worth gathering before a send: a response that is
     /// ready faster than it can leave is not pulled further ahead than this.
     fn gather_limit(&self) -> usize;
     /// The largest body chunk one frame may carry.
     fn max_chunk(&self) -> usize;
+}
+
+/// The owner's end of one exchange: where its response frames go and where it hears
+/// from the caller. A QUIC stream pair, or one exchange of a multiplexed TCP
+/// connection (which sends body bytes only against the caller's credit).
+pub(crate) trait ExchangeLink: FrameQueue {
     /// Sends everything queued, giving up at `by` (a caller that stops reading cannot
     /// hold the exchange forever).
     fn flush(&mut self, by: Instant) -> impl Future<Output = Result<(), SendError>> + Send;
@@ -567,7 +572,7 @@ impl<L: ExchangeLink> Responding<'_, L> {
                     return self.interrupted(interruption, send_by).await;
                 }
             };
-            let ending = self.queue_ready(part, &mut response);
+            let ending = queue_ready(self.link, &mut self.order, part, &mut response);
             if let Some(end) = self.send_queued(ending, send_by).await {
                 return end;
             }
@@ -635,33 +640,6 @@ impl<L: ExchangeLink> Responding<'_, L> {
         finish(self.link, frame, send_by).await
     }
 
-    /// Queues `part` and every part that is already ready behind it (a JSON answer is
-    /// Head, Chunk and End at once), so they leave in one send; a stream still gets
-    /// each event out as it is produced. Returns the response's last frame once the
-    /// response ended, unqueued.
-    fn queue_ready(
-        &mut self,
-        mut part: Option<ResponsePart>,
-        response: &mut BoxStream<'static, ResponsePart>,
-    ) -> Option<Frame> {
-        loop {
-            let queued = match self.order.check(part) {
-                OrderedPart::Head(head) => self.link.queue(Frame::Head(head)),
-                OrderedPart::Chunk(bytes) => queue_chunk(self.link, bytes),
-                OrderedPart::Last(frame) => return Some(frame),
-            };
-            if let Err(e) = queued {
-                warn!(request_id = self.request_id, error = %e, "mesh response part cannot be encoded");
-                let message = format!("owner cannot encode the response: {e}");
-                return Some(refusal(ErrorKind::Internal, message));
-            }
-            if self.link.queued_len() >= self.link.gather_limit() {
-                return None;
-            }
-            part = response.next().now_or_never()?;
-        }
-    }
-
     /// Sends what is queued, and the response's last frame when it came. `None` while
     /// the response goes on.
     async fn send_queued(
@@ -716,8 +694,36 @@ pub(crate) fn budget_key(peer: &PeerInfo) -> &str {
     }
 }
 
+/// Queues `part` and every part that is already ready behind it (a JSON answer is
+/// Head, Chunk and End at once), so they leave in one send; a stream still gets each
+/// event out as it is produced. Returns the response's last frame once the response
+/// ended, unqueued.
+pub(crate) fn queue_ready<Q: FrameQueue>(
+    queue: &mut Q,
+    order: &mut ResponseOrder,
+    mut part: Option<ResponsePart>,
+    response: &mut BoxStream<'static, ResponsePart>,
+) -> Option<Frame> {
+    loop {
+        let queued = match order.check(part) {
+            OrderedPart::Head(head) => queue.queue(Frame::Head(head)),
+            OrderedPart::Chunk(bytes) => queue_chunk(queue, bytes),
+            OrderedPart::Last(frame) => return Some(frame),
+        };
+        if let Err(e) = queued {
+            warn!(request_id = order.request_id(), error = %e, "mesh response part cannot be encoded");
+            let message = format!("owner cannot encode the response: {e}");
+            return Some(refusal(ErrorKind::Internal, message));
+        }
+        if queue.queued_len() >= queue.gather_limit() {
+            return None;
+        }
+        part = response.next().now_or_never()?;
+    }
+}
+
 /// Queues a body chunk, split so that each frame fits the maximum frame size.
-fn queue_chunk<L: ExchangeLink>(link: &mut L, mut bytes: bytes::Bytes) -> Result<(), WireError> {
+fn queue_chunk<Q: FrameQueue>(link: &mut Q, mut bytes: bytes::Bytes) -> Result<(), WireError> {
     let piece = link.max_chunk();
     loop {
         let rest = if bytes.len() > piece {

@@ -25,8 +25,8 @@ use crate::transport::guard::HandshakePermit;
 use crate::transport::observe::Link;
 use crate::transport::service::PeerInfo;
 use crate::transport::serving::{
-    CallerEvent, ExchangeEnd, ExchangeLink, ServerShared, admit_connection, greet, serve_next,
-    timed_out,
+    CallerEvent, ExchangeEnd, ExchangeLink, FrameQueue, ServerShared, admit_connection, greet,
+    serve_next, timed_out,
 };
 use crate::transport::tls::ServerTls;
 
@@ -384,7 +384,7 @@ struct QuicLink {
     writer: FrameWriter<SendStream>,
 }
 
-impl ExchangeLink for QuicLink {
+impl FrameQueue for QuicLink {
     fn queue(&mut self, frame: Frame) -> Result<(), mcpgw_wire::WireError> {
         self.writer.queue(&frame)
     }
@@ -398,12 +398,11 @@ impl ExchangeLink for QuicLink {
     }
 
     fn max_chunk(&self) -> usize {
-        self.writer
-            .max_frame()
-            .saturating_sub(Frame::CHUNK_OVERHEAD)
-            .max(1)
+        Frame::max_chunk(self.writer.max_frame())
     }
+}
 
+impl ExchangeLink for QuicLink {
     async fn flush(&mut self, by: Instant) -> Result<(), SendError> {
         match tokio::time::timeout_at(by, self.writer.flush_queued()).await {
             Ok(result) => result,

@@ -8,8 +8,8 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
 use bytes::Bytes;
+use futures_util::StreamExt;
 use futures_util::stream::BoxStream;
-use futures_util::{FutureExt, StreamExt};
 use mcpgw_wire::{
     ErrorFrame, ErrorKind, Frame, MeshCodec, PROTOCOL_VERSION, RequestFrame, WireError,
 };
@@ -32,7 +32,7 @@ use crate::transport::config::TransportKind;
 use crate::transport::error::MeshError;
 use crate::transport::service::{PeerInfo, ResponsePart};
 use crate::transport::serving::{
-    OrderedPart, ResponseOrder, ServerShared, admit_request, head_deadline_of, refusal,
+    FrameQueue, ResponseOrder, ServerShared, admit_request, head_deadline_of, queue_ready, refusal,
 };
 
 /// The owner's side: the request channel's subscriber and the exchanges it runs.
@@ -393,34 +393,6 @@ impl Sent {
     }
 }
 
-/// Queues `part` and every part that is already ready behind it (a JSON answer is
-/// Head, Chunk and End at once), so that they are published in one pipeline, as the
-/// other transports send them in one write; a stream still gets each event out as it
-/// is produced. Returns the response's last frame once the response ended, unqueued.
-fn queue_ready(
-    queue: &mut ReplyQueue,
-    order: &mut ResponseOrder,
-    mut part: Option<ResponsePart>,
-    response: &mut BoxStream<'static, ResponsePart>,
-) -> Option<Frame> {
-    loop {
-        let queued = match order.check(part) {
-            OrderedPart::Head(head) => queue.push(Some(&Frame::Head(head))),
-            OrderedPart::Chunk(bytes) => queue.push_chunk(bytes),
-            OrderedPart::Last(frame) => return Some(frame),
-        };
-        if let Err(e) = queued {
-            warn!(request_id = order.request_id(), error = %e, "mesh response part cannot be encoded");
-            let message = format!("owner cannot encode the response: {e}");
-            return Some(refusal(ErrorKind::Internal, message));
-        }
-        if queue.full() {
-            return None;
-        }
-        part = response.next().now_or_never()?;
-    }
-}
-
 /// One exchange's replies, encoded and not yet published, in order.
 struct ReplyQueue {
     exchange: u64,
@@ -448,29 +420,28 @@ impl ReplyQueue {
         Ok(())
     }
 
-    /// Queues a body chunk, split so that each frame fits the maximum frame size.
-    fn push_chunk(&mut self, mut bytes: Bytes) -> Result<(), WireError> {
-        let piece = self
-            .codec
-            .max_frame()
-            .saturating_sub(Frame::CHUNK_OVERHEAD)
-            .max(1);
-        while bytes.len() > piece {
-            let rest = bytes.split_off(piece);
-            self.push(Some(&Frame::Chunk(bytes)))?;
-            bytes = rest;
-        }
-        self.push(Some(&Frame::Chunk(bytes)))
-    }
-
-    /// A frame's worth is queued: publish before gathering more.
-    fn full(&self) -> bool {
-        self.bytes >= self.codec.max_frame()
-    }
-
-    fn take(&mut self) -> Vec<Bytes> {
+    fn clear(&mut self) {
         self.bytes = 0;
-        std::mem::take(&mut self.messages)
+        self.messages.clear();
+    }
+}
+
+impl FrameQueue for ReplyQueue {
+    fn queue(&mut self, frame: Frame) -> Result<(), WireError> {
+        self.push(Some(&frame))
+    }
+
+    fn queued_len(&self) -> usize {
+        self.bytes
+    }
+
+    /// A frame's worth: published before more is gathered.
+    fn gather_limit(&self) -> usize {
+        self.codec.max_frame()
+    }
+
+    fn max_chunk(&self) -> usize {
+        Frame::max_chunk(self.codec.max_frame())
     }
 }
 
@@ -487,7 +458,7 @@ impl Replier {
     /// Publishes what is queued: one `PUBLISH`, or a pipeline of them (one write and
     /// one round trip to Redis, in order).
     async fn flush(&mut self) -> Sent {
-        let published = match self.queue.take().as_slice() {
+        let published = match self.queue.messages.as_slice() {
             [] => return Sent::Delivered,
             [one] => publish(&mut self.publisher, &self.channel, one)
                 .await
@@ -506,6 +477,7 @@ impl Replier {
                     .map(|receivers| receivers.iter().all(|&n| n > 0))
             }
         };
+        self.queue.clear();
         match published {
             Ok(false) => Sent::CallerGone,
             Ok(true) => {
@@ -563,7 +535,7 @@ mod tests {
             stream::iter([ResponsePart::Chunk("{}".into()), ResponsePart::End]).boxed();
         let last = queue_ready(&mut queue, &mut order, Some(json_head()), &mut response);
         assert!(matches!(last, Some(Frame::End)));
-        assert_eq!(queue.take().len(), 2, "head and chunk wait for the end");
+        assert_eq!(queue.messages.len(), 2, "head and chunk wait for the end");
     }
 
     #[test]
@@ -581,7 +553,7 @@ mod tests {
         let last = queue_ready(&mut queue, &mut order, Some(json_head()), &mut response);
         assert!(last.is_none(), "the response goes on");
         assert_eq!(
-            queue.take().len(),
+            queue.messages.len(),
             2,
             "head and the ready chunk, not the later one"
         );
@@ -597,7 +569,7 @@ mod tests {
             stream::iter([ResponsePart::Chunk(big), ResponsePart::End]).boxed();
         let last = queue_ready(&mut queue, &mut order, Some(json_head()), &mut response);
         assert!(last.is_none(), "the end waits for the next round");
-        let messages = queue.take();
+        let messages = &queue.messages;
         assert!(messages.len() > 3, "the chunk was split to fit frames");
         assert!(messages.iter().all(|m| m.len() <= max_frame + 64));
     }

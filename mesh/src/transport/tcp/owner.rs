@@ -22,7 +22,7 @@ use crate::transport::error::LinkError;
 use crate::transport::framed::SendError;
 use crate::transport::service::PeerInfo;
 use crate::transport::serving::{
-    CallerEvent, ExchangeEnd, ExchangeLink, ServerShared, error_for, serve_request,
+    CallerEvent, ExchangeEnd, ExchangeLink, FrameQueue, ServerShared, error_for, serve_request,
 };
 
 /// The exchange runs.
@@ -340,7 +340,7 @@ impl MuxLink {
     }
 }
 
-impl ExchangeLink for MuxLink {
+impl FrameQueue for MuxLink {
     fn queue(&mut self, frame: Frame) -> Result<(), WireError> {
         self.pending_len += match &frame {
             Frame::Chunk(bytes) => bytes.len(),
@@ -362,7 +362,9 @@ impl ExchangeLink for MuxLink {
     fn max_chunk(&self) -> usize {
         self.max_chunk
     }
+}
 
+impl ExchangeLink for MuxLink {
     async fn flush(&mut self, by: Instant) -> Result<(), SendError> {
         self.pending_len = 0;
         let frames = std::mem::take(&mut self.pending);
