@@ -313,7 +313,8 @@ async fn handle(
     let arrived = tokio::time::Instant::now();
     let route = worker.endpoints.resolve(&path);
     let http_method = parts.method.clone();
-    let session = mcp::session_tag(&parts.headers);
+    // Kept as the value (a shared reference to the request's bytes), hashed only if logged.
+    let session = parts.headers.get(mcp::HEADER_SESSION_ID).cloned();
     let mut method_label = "none";
     // Before the call is built from the headers: the span's context replaces the
     // client's `traceparent`, so the owner and the upstream become its children.
@@ -413,8 +414,8 @@ struct RequestRecord<'a> {
     route: &'a str,
     /// The MCP method (a bounded label, see [`crate::metrics::method_label`]).
     method: &'static str,
-    /// A short hash of the session id: the id itself is a credential.
-    session: Option<crate::digest::SessionTag>,
+    /// The session id the request carried: a credential, logged only as its tag.
+    session: Option<http::HeaderValue>,
     reply: &'a Reply,
     /// The gateway's own refusal, when it refused (its message and log detail).
     refusal: Option<&'a GatewayError>,
@@ -458,6 +459,8 @@ fn log_request(record: &RequestRecord<'_>) {
     let (owner, forwarded, reason) = (record.owner(), record.forwarded(), record.reason());
     let session = record
         .session
+        .as_ref()
+        .and_then(mcp::session_tag_of)
         .map(|tag| tag.to_string())
         .unwrap_or_default();
     let message = record.refusal.map_or("", |e| e.message.as_str());

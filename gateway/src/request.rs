@@ -2,8 +2,6 @@
 //! MCP call. Both entry points run this same code, so a forwarded request is judged
 //! exactly as a local one.
 
-use std::collections::HashMap;
-
 use bytes::Bytes;
 use http::header::{ACCEPT, CONTENT_TYPE};
 use http::{HeaderMap, HeaderName, Method, StatusCode};
@@ -16,7 +14,7 @@ use crate::mcp::{self, Era, GatewayError, Message};
 /// upstream is configured.
 #[derive(Debug, Clone)]
 pub struct Endpoints {
-    by_name: HashMap<String, usize>,
+    by_name: rustc_hash::FxHashMap<String, usize>,
     default: Option<usize>,
     /// Every route is public, so the 404 for an unknown path may list them: where
     /// clients must authenticate, the route names are not told to strangers.

@@ -7,7 +7,7 @@
 //! Every judgement is the machine's; while the request's answer may still come, each
 //! lookup and probe races it, and the answer wins.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -60,16 +60,16 @@ pub struct Forwarder {
     /// riding the connection whose health is in question.
     probe_mesh: MeshClient,
     /// Mesh addresses of peers by worker id, so steady-state forwarding needs no Redis.
-    peers: RwLock<HashMap<String, String>>,
+    peers: RwLock<FxHashMap<String, String>>,
     /// Workers this worker proved dead, and when: once reclaimed, a dead worker leaves
     /// no trace in the directory, so later requests for its sessions are answered
     /// "gone" from here. Bounded (see [`Forwarder::remember_dead`]).
-    buried: parking_lot::Mutex<HashMap<String, tokio::time::Instant>>,
+    buried: parking_lot::Mutex<FxHashMap<String, tokio::time::Instant>>,
     /// Sessions whose owner left them and that another worker adopted, by session id:
     /// their ids still hint the old owner, so without this every request for one
     /// would ask the directory who holds it now. Bounded; a stale entry is corrected
     /// by the owner's "not mine".
-    moved: RwLock<HashMap<String, String>>,
+    moved: RwLock<FxHashMap<String, String>>,
     /// Ids of forwarded requests, unique per caller.
     request_ids: AtomicU64,
     config: Arc<Config>,
@@ -93,9 +93,9 @@ impl Forwarder {
             lease,
             mesh,
             probe_mesh,
-            peers: RwLock::new(HashMap::new()),
-            buried: parking_lot::Mutex::new(HashMap::new()),
-            moved: RwLock::new(HashMap::new()),
+            peers: RwLock::default(),
+            buried: parking_lot::Mutex::default(),
+            moved: RwLock::default(),
             request_ids: AtomicU64::new(1),
             config,
             metrics,

@@ -18,7 +18,6 @@
 //! at most the short limit (the requests that were short a moment before). Refusing
 //! such a stream would lose an answer the owner already produced.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use mcpgw_wire::ResponseHead;
@@ -108,7 +107,7 @@ impl StreamCounter {
 
 #[derive(Debug, Default)]
 struct Books {
-    peers: HashMap<Arc<str>, Counts>,
+    peers: rustc_hash::FxHashMap<Arc<str>, Counts>,
     total: usize,
 }
 

@@ -12,7 +12,8 @@ use mcpgw_wire::{ErrorFrame, RequestFrame, ResponseHead};
 
 use super::config::TransportKind;
 
-/// Who sent a forwarded request, as the owner sees it.
+/// Who sent a forwarded request, as the owner sees it. Each exchange gets its own
+/// copy, so the strings are shared, not copied.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerInfo {
     /// The peer's socket address as seen by this server; the unspecified address
@@ -20,10 +21,10 @@ pub struct PeerInfo {
     pub addr: SocketAddr,
     /// The peer's mesh identity from its certificate's URI SAN, verified by mTLS;
     /// empty over Redis, which has no mTLS (Redis is that transport's trust boundary).
-    pub identity: String,
+    pub identity: Arc<str>,
     /// The worker id the peer announced in `Hello` (vouched for by its certificate
     /// only as far as the identity above goes), or over Redis in each request.
-    pub worker_id: String,
+    pub worker_id: Arc<str>,
     /// The transport the request came over.
     pub transport: TransportKind,
     /// The mesh protocol version agreed with the peer at the greeting: no frame newer

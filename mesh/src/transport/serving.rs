@@ -311,8 +311,8 @@ pub(crate) fn admit_connection(
         ConnectionLife::owner_close_at(shared.limits.max_connection_age, identity.not_after);
     let peer = PeerInfo {
         addr: remote,
-        identity: identity.member,
-        worker_id,
+        identity: identity.member.into(),
+        worker_id: worker_id.into(),
         transport: shared.kind,
         protocol,
         connection: shared.next_connection(),

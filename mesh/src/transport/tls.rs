@@ -19,7 +19,6 @@
 //! another mesh member can neither stand in for the worker nor, by answering as another
 //! worker, prove it gone.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -162,7 +161,7 @@ fn client_with_alpn(config: Arc<ClientConfig>) -> Arc<ClientConfig> {
 /// checked by mTLS alone (any member of the mesh).
 #[derive(Debug, Default)]
 pub(crate) struct IdentityBook {
-    by_worker: RwLock<HashMap<String, String>>,
+    by_worker: RwLock<rustc_hash::FxHashMap<String, String>>,
 }
 
 impl IdentityBook {

@@ -120,8 +120,8 @@ pub fn head(peer: &PeerInfo) -> ResponsePart {
         status: 200,
         headers: vec![
             ("x-served-by".into(), OWNER.into()),
-            ("x-peer-worker".into(), peer.worker_id.clone()),
-            ("x-peer-identity".into(), peer.identity.clone()),
+            ("x-peer-worker".into(), peer.worker_id.to_string()),
+            ("x-peer-identity".into(), peer.identity.to_string()),
             ("x-peer-addr".into(), peer.addr.to_string()),
             ("x-peer-connection".into(), peer.connection.to_string()),
             ("x-peer-protocol".into(), peer.protocol.to_string()),

@@ -338,8 +338,8 @@ impl Owner {
 fn redis_peer(caller: &str) -> PeerInfo {
     PeerInfo {
         addr: SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
-        identity: String::new(),
-        worker_id: caller.to_owned(),
+        identity: "".into(),
+        worker_id: caller.into(),
         transport: TransportKind::Redis,
         protocol: MESSAGE_VERSION,
         connection: 0,

@@ -2,7 +2,7 @@
 //! frame to the exchange it names, and the exchanges, which read their own frames and
 //! grant the owner credit as they consume body bytes.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
@@ -47,7 +47,7 @@ pub(crate) struct CallerConn {
 #[derive(Default)]
 struct Routes {
     /// Where each open exchange's frames go.
-    map: HashMap<u64, Arc<Inbox>>,
+    map: rustc_hash::FxHashMap<u64, Arc<Inbox>>,
     /// The next exchange id; ids are never reused on a connection, so a late frame of
     /// a finished exchange can never be taken for another's.
     next_id: u64,

@@ -28,7 +28,6 @@ mod mux;
 mod owner;
 mod same_host;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -257,7 +256,7 @@ struct Dialer {
 pub(crate) struct TcpClient {
     dialer: Arc<Dialer>,
     /// Pool per peer address, as the directory spells it.
-    peers: Mutex<HashMap<String, Arc<TcpPeer>>>,
+    peers: Mutex<rustc_hash::FxHashMap<String, Arc<TcpPeer>>>,
     /// Ends every connection's tasks when the client goes.
     _stop: DropGuard,
 }
@@ -332,7 +331,7 @@ impl TcpClient {
                 observer,
                 same_host: Arc::default(),
             }),
-            peers: Mutex::new(HashMap::new()),
+            peers: Mutex::default(),
             _stop: stop.drop_guard(),
         }
     }

@@ -2,7 +2,6 @@
 //! task per `Request` and hands `Cancel` and `Credit` to the exchange they name, and
 //! the link through which an exchange task sends its response against its credit.
 
-use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::io;
 use std::ops::ControlFlow;
@@ -61,7 +60,7 @@ struct OwnerConn {
     /// Frames for the writer task.
     outbox: Arc<Outbox>,
     /// Running exchanges by the caller's id.
-    exchanges: Mutex<HashMap<u64, Arc<ExchangeCtl>>>,
+    exchanges: Mutex<rustc_hash::FxHashMap<u64, Arc<ExchangeCtl>>>,
     /// Credit every exchange starts with.
     window: usize,
 }
@@ -81,7 +80,7 @@ pub(super) async fn serve_connection<R, W>(
     let limits = &shared.limits;
     let conn = Arc::new(OwnerConn {
         outbox: Outbox::new(limits.max_frame),
-        exchanges: Mutex::new(HashMap::new()),
+        exchanges: Mutex::default(),
         window: limits.stream_window.max(1),
     });
     let write_failed = spawn_writer(&shared, &conn, write, &peer);
