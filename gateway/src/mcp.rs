@@ -108,14 +108,37 @@ pub enum MessageKind {
     },
 }
 
-/// One parsed client message: its kind and the full JSON (kept for header checks).
+/// One parsed client message: its kind, the tool a `tools/call` names, and the body
+/// it came from, whose JSON tree is built only when a path asks for it
+/// ([`Message::json`]): a request that is relayed as it came never needs one, and
+/// building it cost more than a tenth of a local request.
 #[derive(Debug, Clone)]
 pub struct Message {
     pub kind: MessageKind,
-    pub json: Value,
+    tool: Option<String>,
+    body: Bytes,
+    json: std::sync::OnceLock<Value>,
 }
 
 impl Message {
+    /// The whole message as a JSON tree, built on first use.
+    pub fn json(&self) -> &Value {
+        self.json.get_or_init(|| tree_of(&self.body))
+    }
+
+    /// The whole message as a JSON tree, taken.
+    pub fn into_json(self) -> Value {
+        match self.json.into_inner() {
+            Some(json) => json,
+            None => tree_of(&self.body),
+        }
+    }
+
+    /// `params.name` of a `tools/call`, when it is a string.
+    pub fn tool_name(&self) -> Option<&str> {
+        self.tool.as_deref()
+    }
+
     /// The JSON-RPC id to echo in an error, or null when there is none.
     pub fn id(&self) -> Value {
         match &self.kind {
@@ -138,16 +161,101 @@ impl Message {
     }
 }
 
+/// How deep serde_json builds a tree: its recursion limit. The envelope's parse skips
+/// params without counting their depth, so [`parse_message`] refuses deeper bodies
+/// itself; whatever it accepts, [`tree_of`] can build.
+const MAX_TREE_DEPTH: usize = 127;
+
+/// Whether valid JSON `body` nests arrays and objects at most `limit` deep.
+fn nests_within(body: &[u8], limit: usize) -> bool {
+    // Each level takes at least one byte.
+    if body.len() <= limit {
+        return true;
+    }
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for &byte in body {
+        if in_string {
+            match byte {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match byte {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > limit {
+                    return false;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    true
+}
+
+/// A body that [`parse_message`] already read as JSON, as a tree.
+fn tree_of(body: &[u8]) -> Value {
+    serde_json::from_slice(body).unwrap_or(Value::Null)
+}
+
+/// The members of a JSON-RPC message the gateway decides on; everything else is
+/// checked to be JSON and skipped.
+#[derive(serde::Deserialize)]
+struct Envelope<'a> {
+    #[serde(default, borrow)]
+    jsonrpc: Option<&'a serde_json::value::RawValue>,
+    #[serde(default)]
+    id: Member,
+    #[serde(default)]
+    method: Member,
+    #[serde(default, borrow)]
+    params: Option<&'a serde_json::value::RawValue>,
+    #[serde(default)]
+    result: Member,
+    #[serde(default)]
+    error: Member,
+}
+
+/// A member that may be absent, apart from one that is `null` (which `Option` would
+/// fold into absent).
+#[derive(Default)]
+struct Member(Option<Value>);
+
+impl<'de> serde::Deserialize<'de> for Member {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Value::deserialize(deserializer).map(|value| Member(Some(value)))
+    }
+}
+
+/// The one member of a `tools/call`'s params the hot path needs.
+#[derive(serde::Deserialize)]
+struct ToolParams {
+    #[serde(default)]
+    name: Option<Value>,
+}
+
+fn not_json(e: &serde_json::Error) -> GatewayError {
+    GatewayError::new(
+        StatusCode::BAD_REQUEST,
+        code::PARSE_ERROR,
+        format!("request body is not valid JSON ({e}): send one JSON-RPC message"),
+    )
+}
+
 /// Parses and classifies one POST body.
-pub fn parse_message(body: &[u8]) -> Result<Message, GatewayError> {
-    let json: Value = serde_json::from_slice(body).map_err(|e| {
-        GatewayError::new(
-            StatusCode::BAD_REQUEST,
-            code::PARSE_ERROR,
-            format!("request body is not valid JSON ({e}): send one JSON-RPC message"),
-        )
-    })?;
-    let Some(object) = json.as_object() else {
+pub fn parse_message(body: &Bytes) -> Result<Message, GatewayError> {
+    let opens_object = body
+        .iter()
+        .find(|byte| !byte.is_ascii_whitespace())
+        .is_some_and(|&byte| byte == b'{');
+    if !opens_object {
+        // Not an object: say what it is (or that it is not JSON at all).
+        let json: Value = serde_json::from_slice(body).map_err(|e| not_json(&e))?;
         let what = if json.is_array() {
             "a JSON array (batches are not supported since 2025-06-18): send one JSON-RPC message per POST"
         } else {
@@ -156,43 +264,75 @@ pub fn parse_message(body: &[u8]) -> Result<Message, GatewayError> {
         return Err(GatewayError::invalid_request(format!(
             "request body is {what}"
         )));
-    };
-    if object.get("jsonrpc").and_then(Value::as_str) != Some("2.0") {
+    }
+    let envelope: Envelope<'_> = serde_json::from_slice(body).map_err(|e| not_json(&e))?;
+    if !nests_within(body, MAX_TREE_DEPTH) {
+        return Err(GatewayError::new(
+            StatusCode::BAD_REQUEST,
+            code::PARSE_ERROR,
+            format!(
+                "request body nests arrays and objects more than {MAX_TREE_DEPTH} deep: \
+                 send a flatter JSON-RPC message"
+            ),
+        ));
+    }
+    let version_ok = envelope.jsonrpc.is_some_and(|raw| {
+        raw.get() == "\"2.0\""
+            || serde_json::from_str::<Value>(raw.get()).is_ok_and(|v| v.as_str() == Some("2.0"))
+    });
+    if !version_ok {
         return Err(GatewayError::invalid_request(
             "request body lacks \"jsonrpc\": \"2.0\"",
         ));
     }
-    let id = object.get("id");
-    if let Some(id) = id
+    let id = envelope.id.0;
+    if let Some(id) = &id
         && !(id.is_string() || id.is_i64() || id.is_u64())
     {
         return Err(GatewayError::invalid_request(
             "JSON-RPC id must be a string or an integer",
         ));
     }
-    let kind = match (object.get("method"), id) {
-        (Some(Value::String(method)), Some(id)) => MessageKind::Request {
-            id: id.clone(),
-            method: method.clone(),
-        },
-        (Some(Value::String(method)), None) => MessageKind::Notification {
-            method: method.clone(),
-        },
+    let is_response = envelope.result.0.is_some() || envelope.error.0.is_some();
+    let kind = match (envelope.method.0, id) {
+        (Some(Value::String(method)), Some(id)) => MessageKind::Request { id, method },
+        (Some(Value::String(method)), None) => MessageKind::Notification { method },
         (Some(_), _) => {
             return Err(GatewayError::invalid_request(
                 "JSON-RPC \"method\" must be a string",
             ));
         }
-        (None, Some(id)) if object.contains_key("result") || object.contains_key("error") => {
-            MessageKind::Response { id: id.clone() }
-        }
+        (None, Some(id)) if is_response => MessageKind::Response { id },
         (None, _) => {
             return Err(GatewayError::invalid_request(
                 "JSON-RPC message has neither \"method\" nor \"result\"/\"error\"",
             ));
         }
     };
-    Ok(Message { kind, json })
+    // A notification that says tools/call names its tool too: scopes are checked on it
+    // as on a request.
+    let tool = match &kind {
+        MessageKind::Request { method, .. } | MessageKind::Notification { method }
+            if method == "tools/call" =>
+        {
+            envelope
+                .params
+                // Only an object has a name (serde would read an array by position).
+                .filter(|raw| raw.get().starts_with('{'))
+                .and_then(|raw| serde_json::from_str::<ToolParams>(raw.get()).ok())
+                .and_then(|params| match params.name {
+                    Some(Value::String(name)) => Some(name),
+                    _ => None,
+                })
+        }
+        _ => None,
+    };
+    Ok(Message {
+        kind,
+        tool,
+        body: body.clone(),
+        json: std::sync::OnceLock::new(),
+    })
 }
 
 /// Checks a session id a client sent: visible ASCII only (0x21–0x7E), bounded length.
@@ -229,7 +369,7 @@ pub fn check_modern_headers(headers: &HeaderMap, message: &Message) -> Result<()
     let Some(&(_, key)) = NAME_BEARING_METHODS.iter().find(|(m, _)| *m == method) else {
         return Ok(());
     };
-    let Some(body_value) = message.json.pointer(&format!("/params/{key}")) else {
+    let Some(body_value) = message.json().pointer(&format!("/params/{key}")) else {
         return Ok(());
     };
     let header_value = headers
@@ -415,7 +555,87 @@ impl std::fmt::Display for GatewayError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::HeaderValue;
+
+    fn parse(body: &[u8]) -> Result<Message, GatewayError> {
+        parse_message(&Bytes::copy_from_slice(body))
+    }
+
+    #[test]
+    fn the_tree_is_the_whole_body_and_the_tool_is_read_without_it() {
+        let body = br#"{"jsonrpc":"2.0","id":"q","method":"tools/call","params":{"name":"echo","arguments":{"text":"hi","n":[1,2]}},"_meta":{}}"#;
+        let message = parse(body).unwrap();
+        assert_eq!(message.tool_name(), Some("echo"));
+        assert!(
+            message.json.get().is_none(),
+            "no tree until one is asked for"
+        );
+        let whole: Value = serde_json::from_slice(body).unwrap();
+        assert_eq!(message.json(), &whole);
+        assert_eq!(message.clone().into_json(), whole);
+        assert_eq!(parse(body).unwrap().into_json(), whole);
+    }
+
+    #[test]
+    fn a_body_too_deep_for_a_tree_is_refused_up_front() {
+        // Whatever passes the parse must make a tree later: serde_json stops at a
+        // nesting depth of 128, so params nested deeper are refused here too.
+        let nested = |levels: usize| {
+            format!(
+                r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{}"[{{\"",1{}}}"#,
+                "[".repeat(levels),
+                "]".repeat(levels)
+            )
+        };
+        // The envelope is one level, so params may nest one less than the limit.
+        let deepest = nested(MAX_TREE_DEPTH - 1);
+        assert!(serde_json::from_str::<Value>(&deepest).is_ok());
+        let message = parse(deepest.as_bytes()).unwrap();
+        assert!(message.json()["params"].is_array());
+        let too_deep = nested(MAX_TREE_DEPTH);
+        assert!(
+            serde_json::from_str::<Value>(&too_deep).is_err(),
+            "the limit moved"
+        );
+        let err = parse(too_deep.as_bytes()).unwrap_err();
+        assert_eq!(err.code, code::PARSE_ERROR, "{}", err.message);
+    }
+
+    #[test]
+    fn only_a_tools_call_with_a_string_name_names_a_tool() {
+        let tool = |body: &[u8]| parse(body).unwrap().tool_name().map(str::to_owned);
+        let note = br#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"admin"}}"#;
+        assert_eq!(
+            tool(note).as_deref(),
+            Some("admin"),
+            "scopes apply to it too"
+        );
+        let spaced = b"{ \"params\" :\n {\"name\" : \"echo\"}, \"method\":\"tools/call\", \"id\":1, \"jsonrpc\":\"2.0\" }";
+        assert_eq!(tool(spaced).as_deref(), Some("echo"));
+        for body in [
+            &br#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"name":"echo"}}"#[..],
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":7}}"#,
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":["echo"]}"#,
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call"}"#,
+        ] {
+            assert_eq!(tool(body), None, "{}", String::from_utf8_lossy(body));
+        }
+    }
+
+    #[test]
+    fn null_members_are_present_and_escapes_are_read() {
+        // A null id is an id, and not a valid one.
+        let err = parse(br#"{"jsonrpc":"2.0","id":null,"method":"x"}"#).unwrap_err();
+        assert!(err.message.contains("id must be"), "{}", err.message);
+        // A null result still makes an answer.
+        let answer = parse(br#"{"jsonrpc":"2.0","id":3,"result":null}"#).unwrap();
+        assert_eq!(answer.kind, MessageKind::Response { id: 3.into() });
+        let escaped = parse(br#"{"jsonrpc":"2\u002e0","id":1,"method":"ping"}"#).unwrap();
+        assert_eq!(escaped.method(), Some("ping"));
+        let err = parse(br#" [{"jsonrpc":"2.0","id":1,"method":"ping"}]"#).unwrap_err();
+        assert!(err.message.contains("batches"), "{}", err.message);
+        let err = parse(br#"{"jsonrpc":"2.0","id":1,"method":"ping""#).unwrap_err();
+        assert_eq!(err.code, code::PARSE_ERROR);
+    }
 
     #[test]
     fn era_follows_the_protocol_version_header() {
@@ -431,17 +651,16 @@ mod tests {
 
     #[test]
     fn messages_are_classified() {
-        let req = parse_message(br#"{"jsonrpc":"2.0","id":1,"method":"initialize"}"#).unwrap();
+        let req = parse(br#"{"jsonrpc":"2.0","id":1,"method":"initialize"}"#).unwrap();
         assert!(req.is_initialize());
-        let note =
-            parse_message(br#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#).unwrap();
+        let note = parse(br#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#).unwrap();
         assert_eq!(
             note.kind,
             MessageKind::Notification {
                 method: "notifications/initialized".into()
             }
         );
-        let resp = parse_message(br#"{"jsonrpc":"2.0","id":"a","result":{}}"#).unwrap();
+        let resp = parse(br#"{"jsonrpc":"2.0","id":"a","result":{}}"#).unwrap();
         assert_eq!(resp.kind, MessageKind::Response { id: "a".into() });
     }
 
@@ -463,7 +682,7 @@ mod tests {
             (br#"{"jsonrpc":"2.0","id":1}"#, code::INVALID_REQUEST),
         ];
         for (body, expected) in cases {
-            let err = parse_message(body).expect_err("must be rejected");
+            let err = parse(body).expect_err("must be rejected");
             assert_eq!(err.code, *expected, "{}", String::from_utf8_lossy(body));
             assert_eq!(err.status, StatusCode::BAD_REQUEST);
         }
@@ -489,10 +708,9 @@ mod tests {
 
     #[test]
     fn modern_headers_must_match_the_body() {
-        let call = parse_message(
-            br#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"echo"}}"#,
-        )
-        .unwrap();
+        let call =
+            parse(br#"{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"echo"}}"#)
+                .unwrap();
         let good = headers(&[(HEADER_METHOD, "tools/call"), (HEADER_NAME, "echo")]);
         assert!(check_modern_headers(&good, &call).is_ok());
         let b64 = headers(&[

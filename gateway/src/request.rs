@@ -128,7 +128,7 @@ impl Call {
     pub fn message_copy(&self) -> serde_json::Value {
         self.message
             .as_ref()
-            .map_or(serde_json::Value::Null, |m| m.json.clone())
+            .map_or(serde_json::Value::Null, |m| m.json().clone())
     }
 
     pub fn is_initialize(&self) -> bool {

@@ -535,11 +535,7 @@ fn unauthorized(
 
 /// The tool a `tools/call` names.
 fn tool_name(call: &Call) -> Option<&str> {
-    let message = call.message.as_ref()?;
-    if message.method() != Some("tools/call") {
-        return None;
-    }
-    message.json.get("params")?.get("name")?.as_str()
+    call.message.as_ref()?.tool_name()
 }
 
 /// Unix time in milliseconds (the clock tokens' `exp` is measured on).

@@ -109,14 +109,8 @@ impl<'w> Executor<'w> {
         let tool = call
             .message
             .as_ref()
-            .filter(|m| m.method() == Some("tools/call"))
-            .and_then(|m| {
-                m.json
-                    .get("params")?
-                    .get("name")?
-                    .as_str()
-                    .map(str::to_owned)
-            });
+            .and_then(|m| m.tool_name())
+            .map(str::to_owned);
         let upstream = call.upstream;
         let route = &self.worker.routes[upstream];
         let lists_tools = call
@@ -219,7 +213,7 @@ impl<'w> Executor<'w> {
             streams,
         )
         .with_quota_key(quota_key);
-        let initialize = call.message.as_ref().map(|m| &m.json);
+        let initialize = call.message.as_ref().map(|m| m.json());
         self.record_session(route, session, initialize)
             .await
             .map_err(|error| error.with_id(id))?;
@@ -376,7 +370,7 @@ impl<'w> Executor<'w> {
                 let reply = match (&session.link, call.message) {
                     // Parsed at the front door already: routed without a second parse.
                     (UpstreamLink::Federated(link), Some(message)) => Ok(Box::pin(
-                        self.answer_federated(link, call.headers, call.body, message.json),
+                        self.answer_federated(link, call.headers, call.body, message.into_json()),
                     )
                     .await),
                     _ => {

@@ -148,7 +148,7 @@ impl Executor<'_> {
         let id = call.id();
         let message = call.message.as_ref();
         let method = message.and_then(|m| m.method()).map(str::to_owned);
-        let is_request = message.is_some_and(|m| m.json.get("id").is_some());
+        let is_request = message.is_some_and(|m| m.json().get("id").is_some());
         let (Some(method), true) = (method, is_request) else {
             // Notifications and responses have no member to go to without a session
             // (a 2026-07-28 client's cancellation ends its own HTTP request).
@@ -496,7 +496,7 @@ fn refuse_cursor(call: &Call, server: &str) -> Option<Reply> {
     let asked_cursor = call
         .message
         .as_ref()
-        .and_then(|m| m.json.get("params")?.get("cursor"))
+        .and_then(|m| m.json().get("params")?.get("cursor"))
         .is_some_and(|c| !c.is_null());
     asked_cursor.then(|| {
         rpc_error(
@@ -516,7 +516,7 @@ fn list_request(call: &Call, method: &str) -> Value {
     let envelope: serde_json::Map<String, Value> = call
         .message
         .as_ref()
-        .and_then(|m| m.json.get("params")?.get("_meta")?.as_object().cloned())
+        .and_then(|m| m.json().get("params")?.get("_meta")?.as_object().cloned())
         .unwrap_or_default()
         .into_iter()
         .filter(|(key, _)| key.starts_with(ENVELOPE_PREFIX))
