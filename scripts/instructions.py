@@ -7,7 +7,7 @@ a long window) with every `mcpgw` process under callgrind; the difference betwee
 two runs' instruction totals, divided by the difference in requests, is what one more
 request costs each worker, without start-up, certificates or the first TLS handshake.
 The worker that served the client's HTTP (the edge) is told apart from the other by
-whether its profile runs the front door.
+how much of its profile runs the front door.
 
     scripts/instructions.py --bin-dir target/release [--configs sticky,tcp] [--out DIR]
 
@@ -31,7 +31,7 @@ TOTALS = re.compile(r"^totals: (\d+)", re.M)
 
 
 def worker_profiles(directory):
-    """(instructions, serves the front door) of each worker process's profile."""
+    """(instructions, is the edge) of each worker process's profile."""
     found = []
     for path in sorted(directory.glob("cg.*.out")):
         text = path.read_text(errors="replace")
@@ -46,9 +46,11 @@ def worker_profiles(directory):
         ).stdout
         front = re.search(r"^\s*([\d,]+) .*mcpgw::front::handle", inclusive, re.M)
         front_ir = int(front.group(1).replace(",", "")) if front else 0
-        total = int(totals.group(1))
-        found.append((total, front_ir > total * 0.3))
-    return found
+        found.append((int(totals.group(1)), front_ir))
+    # The edge is the worker that ran the front door most (start-up alone, which every
+    # worker pays, can outweigh a short window's requests).
+    busiest = max((front for _, front in found), default=0)
+    return [(total, front == busiest and front > 0) for total, front in found]
 
 
 def run_window(args, config, seconds, out):
