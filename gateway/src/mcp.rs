@@ -111,7 +111,7 @@ pub enum MessageKind {
 /// One parsed client message: its kind, the tool a `tools/call` names, and the body
 /// it came from, whose JSON tree is built only when a path asks for it
 /// ([`Message::json`]): a request that is relayed as it came never needs one, and
-/// building it cost more than a tenth of a local request.
+/// building it cost about 6,000 of a local request's 78,000 instructions.
 #[derive(Debug, Clone)]
 pub struct Message {
     pub kind: MessageKind,
@@ -168,8 +168,8 @@ const MAX_TREE_DEPTH: usize = 127;
 
 /// Whether valid JSON `body` nests arrays and objects at most `limit` deep.
 fn nests_within(body: &[u8], limit: usize) -> bool {
-    // Each level takes at least one byte.
-    if body.len() <= limit {
+    // Each level takes two bytes, its opening and its closing bracket.
+    if body.len() < 2 * (limit + 1) {
         return true;
     }
     let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
@@ -216,9 +216,9 @@ struct Envelope<'a> {
     #[serde(default, borrow)]
     params: Option<&'a serde_json::value::RawValue>,
     #[serde(default)]
-    result: Member,
+    result: Present,
     #[serde(default)]
-    error: Member,
+    error: Present,
 }
 
 /// A member that may be absent, apart from one that is `null` (which `Option` would
@@ -232,6 +232,17 @@ impl<'de> serde::Deserialize<'de> for Member {
     }
 }
 
+/// Whether a member is there (`null` included), its value checked and skipped: a
+/// client's answer to a server's request need not be built to be told one.
+#[derive(Default)]
+struct Present(bool);
+
+impl<'de> serde::Deserialize<'de> for Present {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        serde::de::IgnoredAny::deserialize(deserializer).map(|_| Present(true))
+    }
+}
+
 /// The one member of a `tools/call`'s params the hot path needs.
 #[derive(serde::Deserialize)]
 struct ToolParams {
@@ -240,11 +251,9 @@ struct ToolParams {
 }
 
 fn not_json(e: &serde_json::Error) -> GatewayError {
-    GatewayError::new(
-        StatusCode::BAD_REQUEST,
-        code::PARSE_ERROR,
-        format!("request body is not valid JSON ({e}): send one JSON-RPC message"),
-    )
+    GatewayError::parse_error(format!(
+        "request body is not valid JSON ({e}): send one JSON-RPC message"
+    ))
 }
 
 /// Parses and classifies one POST body.
@@ -267,14 +276,10 @@ pub fn parse_message(body: &Bytes) -> Result<Message, GatewayError> {
     }
     let envelope: Envelope<'_> = serde_json::from_slice(body).map_err(|e| not_json(&e))?;
     if !nests_within(body, MAX_TREE_DEPTH) {
-        return Err(GatewayError::new(
-            StatusCode::BAD_REQUEST,
-            code::PARSE_ERROR,
-            format!(
-                "request body nests arrays and objects more than {MAX_TREE_DEPTH} deep: \
-                 send a flatter JSON-RPC message"
-            ),
-        ));
+        return Err(GatewayError::parse_error(format!(
+            "request body nests arrays and objects more than {MAX_TREE_DEPTH} deep: \
+             send a flatter JSON-RPC message"
+        )));
     }
     let version_ok = envelope.jsonrpc.is_some_and(|raw| {
         raw.get() == "\"2.0\""
@@ -293,7 +298,7 @@ pub fn parse_message(body: &Bytes) -> Result<Message, GatewayError> {
             "JSON-RPC id must be a string or an integer",
         ));
     }
-    let is_response = envelope.result.0.is_some() || envelope.error.0.is_some();
+    let is_response = envelope.result.0 || envelope.error.0;
     let kind = match (envelope.method.0, id) {
         (Some(Value::String(method)), Some(id)) => MessageKind::Request { id, method },
         (Some(Value::String(method)), None) => MessageKind::Notification { method },
@@ -472,6 +477,10 @@ impl GatewayError {
 
     pub fn invalid_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, code::INVALID_REQUEST, message)
+    }
+
+    pub fn parse_error(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, code::PARSE_ERROR, message)
     }
 
     pub fn header_mismatch(message: impl Into<String>) -> Self {
