@@ -204,7 +204,8 @@ impl Forwarder {
         let started = Instant::now();
         // The target's mesh address, once the registry named it.
         let mut addr = String::new();
-        let mut sent = Arc::new(AtomicBool::new(false));
+        // Whether the last send's frame left; none before the first send.
+        let mut sent: Option<Arc<AtomicBool>> = None;
         let mut in_flight = None;
         let mut answer = None;
         let mut action = machine.start();
@@ -222,15 +223,11 @@ impl Forwarder {
                 }
                 Action::Send { suspect_after } => {
                     // A fresh flag per send: a probe reads whether this request left.
-                    sent = Arc::new(AtomicBool::new(false));
+                    let left = Arc::new(AtomicBool::new(false));
+                    sent = Some(Arc::clone(&left));
                     let owner = machine.target().to_owned();
                     let frame = self.frame_of(call);
-                    in_flight = Some(Box::pin(self.send(
-                        addr.clone(),
-                        owner,
-                        frame,
-                        Arc::clone(&sent),
-                    )));
+                    in_flight = Some(Box::pin(self.send(addr.clone(), owner, frame, left)));
                     self.await_answer(&mut in_flight, &mut answer, Some(suspect_after))
                         .await
                 }
@@ -239,7 +236,7 @@ impl Forwarder {
                         .await
                 }
                 Action::Probe { after } => {
-                    let probe = self.probe_after(after, machine.target(), &addr, &sent);
+                    let probe = self.probe_after(after, machine.target(), &addr, sent.as_deref());
                     Box::pin(self.raced(&mut in_flight, &mut answer, probe)).await
                 }
                 Action::AskRecord => {
@@ -290,13 +287,13 @@ impl Forwarder {
     }
 
     /// Probes `owner` at `addr` once `after` has passed; `sent` says whether the
-    /// forwarded request had been written by then.
+    /// forwarded request had been written by then (`None`: it was never sent).
     async fn probe_after(
         &self,
         after: Duration,
         owner: &str,
         addr: &str,
-        sent: &AtomicBool,
+        sent: Option<&AtomicBool>,
     ) -> Event {
         if !after.is_zero() {
             tokio::time::sleep(after).await;
@@ -304,7 +301,7 @@ impl Forwarder {
         let (sign, replaced_by) = self.probe(owner, addr).await;
         Event::Probed(Probed {
             sign,
-            sent: sent.load(Ordering::Acquire),
+            sent: sent.is_some_and(|sent| sent.load(Ordering::Acquire)),
             replaced_by,
         })
     }
