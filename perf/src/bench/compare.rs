@@ -694,7 +694,12 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<()> {
             None => "one redis-server per fleet".into(),
         },
     };
-    let targets = targets::evaluate(&outcomes, idle_sessions.as_ref(), machine.loopback.as_ref());
+    let targets = targets::evaluate(
+        &outcomes,
+        idle_sessions.as_ref(),
+        machine.loopback.as_ref(),
+        machine.cores,
+    );
     let report = CompareReport {
         started_utc,
         total_seconds: begun.elapsed().as_secs_f64(),

@@ -83,18 +83,21 @@ pub fn tools_call_rps(run: &RunResult) -> f64 {
 
 const MESH: [ConfigName; 2] = [ConfigName::Quic, ConfigName::Tcp];
 
+/// `cores`: the CPUs the machine gave every process under test, to tell a run that the
+/// machine's cores bounded (see [`cpu_ceiling`]).
 pub fn evaluate(
     outcomes: &[ConfigOutcome],
     sessions: Option<&SessionsReport>,
     loopback: Option<&LoopbackRtt>,
+    cores: usize,
 ) -> Vec<TargetCheck> {
     let levels = concurrency_levels(outcomes);
     vec![
         forwarded_p50(outcomes, &levels, loopback),
         mesh_vs_redis_p99(outcomes, &levels),
-        mesh_vs_redis_throughput(outcomes, &levels),
+        mesh_vs_redis_throughput(outcomes, &levels, cores),
         mesh_vs_redis_open_loop_p99(outcomes),
-        mesh_vs_redis_saturation(outcomes),
+        mesh_vs_redis_saturation(outcomes, cores),
         forwarded_cpu(outcomes),
         round_robin_throughput(outcomes),
         no_redis_per_request(outcomes),
@@ -187,7 +190,11 @@ fn mesh_vs_redis_p99(outcomes: &[ConfigOutcome], levels: &[usize]) -> TargetChec
     )
 }
 
-fn mesh_vs_redis_throughput(outcomes: &[ConfigOutcome], levels: &[usize]) -> TargetCheck {
+fn mesh_vs_redis_throughput(
+    outcomes: &[ConfigOutcome],
+    levels: &[usize],
+    cores: usize,
+) -> TargetCheck {
     let target =
         "QUIC and TCP mesh forward ≥2× the throughput of the Redis pub/sub baseline".to_owned();
     let mut parts = Vec::new();
@@ -214,7 +221,74 @@ fn mesh_vs_redis_throughput(outcomes: &[ConfigOutcome], levels: &[usize]) -> Tar
             ));
         }
     }
-    comparison(target, parts, all_met, "needs redis and quic or tcp runs")
+    let mut check = comparison(target, parts, all_met, "needs redis and quic or tcp runs");
+    let ceilings: Vec<String> = levels
+        .iter()
+        .filter_map(|&c| cpu_ceiling(outcomes, c, cores))
+        .map(|ceiling| format!("{} ({})", ratio_text(ceiling.ratio()), ceiling.figures()))
+        .collect();
+    if check.verdict != Verdict::NotMeasured && !ceilings.is_empty() {
+        check.measured += &format!(
+            ". Where the baseline kept the machine's {cores} cores busy, even a forward that \
+             cost no more CPU than a local request would reach at most {}",
+            ceilings.join("; ")
+        );
+    }
+    check
+}
+
+/// The most throughput a forwarding configuration can reach against the Redis baseline
+/// at one concurrency, on a machine whose cores every process under test shares (the
+/// load generator and the upstream too), if its hop cost nothing: a forward then costs
+/// the machine what a local request does. Present only when the baseline's run kept
+/// at least 90 % of the cores busy, so that cores, not latency, bounded it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct CpuCeiling {
+    sessions: usize,
+    /// Machine CPU per local (`sticky`) request, µs.
+    local_us: f64,
+    /// Machine CPU per request forwarded by the baseline, µs.
+    baseline_us: f64,
+}
+
+impl CpuCeiling {
+    fn ratio(&self) -> f64 {
+        self.baseline_us / self.local_us
+    }
+
+    /// What the ceiling was computed from.
+    fn figures(&self) -> String {
+        format!(
+            "CPU per request of every process under test at c={}: local {:.0} µs, redis {:.0} µs",
+            self.sessions, self.local_us, self.baseline_us
+        )
+    }
+}
+
+fn cpu_ceiling(outcomes: &[ConfigOutcome], c: usize, cores: usize) -> Option<CpuCeiling> {
+    let baseline = run_at(outcomes, ConfigName::Redis, c)?;
+    let local = run_at(outcomes, ConfigName::Sticky, c)?;
+    let busy = baseline.cpu.machine_cores?;
+    if cores == 0 || busy < 0.9 * cores as f64 {
+        return None;
+    }
+    let ceiling = CpuCeiling {
+        sessions: c,
+        local_us: machine_us_per_request(local)?,
+        baseline_us: machine_us_per_request(baseline)?,
+    };
+    (ceiling.local_us > 0.0).then_some(ceiling)
+}
+
+/// CPU per request, µs, of every process a request runs through on this machine: the
+/// gateway, Redis, the load generator and the upstream. `None` while one is unknown.
+fn machine_us_per_request(run: &RunResult) -> Option<f64> {
+    let cpu = &run.cpu;
+    let s_per_1k = cpu.gateway_s_per_1k?
+        + cpu.loadgen_s_per_1k?
+        + cpu.upstream_s_per_1k?
+        + cpu.redis_s_per_1k.unwrap_or(0.0);
+    Some(s_per_1k * 1000.0)
 }
 
 /// Open loop, at half the baseline's saturation rate: a rate the baseline sustains,
@@ -253,7 +327,7 @@ fn mesh_vs_redis_open_loop_p99(outcomes: &[ConfigOutcome]) -> TargetCheck {
 
 /// The saturation rates of the open-loop sweep. A mesh that never saturated is
 /// credited with its highest sustained rate, as a lower bound ("more than").
-fn mesh_vs_redis_saturation(outcomes: &[ConfigOutcome]) -> TargetCheck {
+fn mesh_vs_redis_saturation(outcomes: &[ConfigOutcome], cores: usize) -> TargetCheck {
     let target = "The mesh's open-loop saturation rate ≥2× the Redis baseline's".to_owned();
     let saturation = |name: ConfigName| outcome_of(outcomes, name)?.saturation.as_ref();
     let Some(redis) = saturation(ConfigName::Redis).and_then(|s| s.saturated_at_rps) else {
@@ -280,7 +354,23 @@ fn mesh_vs_redis_saturation(outcomes: &[ConfigOutcome]) -> TargetCheck {
             ratio_text(ratio)
         ));
     }
-    comparison(target, parts, all_met, "needs quic or tcp in the sweep")
+    let mut check = comparison(target, parts, all_met, "needs quic or tcp in the sweep");
+    // The sweep offers its load over the closed loop's 64 sessions' worth of work; the
+    // closed-loop ceiling nearest that level says what the cores allow.
+    let ceiling = concurrency_levels(outcomes)
+        .into_iter()
+        .filter(|&c| c <= 64)
+        .rev()
+        .find_map(|c| cpu_ceiling(outcomes, c, cores));
+    if let (Some(ceiling), false) = (ceiling, check.verdict == Verdict::NotMeasured) {
+        check.measured += &format!(
+            ". Bound by the machine's {cores} cores, a forward that cost no more CPU than a \
+             local request would saturate at {} the baseline's rate at most ({})",
+            ratio_text(ceiling.ratio()),
+            ceiling.figures()
+        );
+    }
+    check
 }
 
 /// Gateway CPU per forwarded request against a local one, closed loop at 64
@@ -557,22 +647,27 @@ mod tests {
     #[test]
     fn saturation_rates_compare_to_the_baselines_and_an_unsaturated_mesh_is_a_lower_bound() {
         let redis = swept(ConfigName::Redis, Some(4000.0), Some(6000.0));
-        let met = mesh_vs_redis_saturation(&[
-            redis.clone(),
-            swept(ConfigName::Tcp, Some(12_000.0), Some(14_000.0)),
-        ]);
+        let met = mesh_vs_redis_saturation(
+            &[
+                redis.clone(),
+                swept(ConfigName::Tcp, Some(12_000.0), Some(14_000.0)),
+            ],
+            2,
+        );
         assert_eq!(met.verdict, Verdict::Met, "{met:?}");
         assert!(
             met.measured.contains("tcp: 14,000 vs 6,000 req/s (2.3×)"),
             "{met:?}"
         );
-        let bound =
-            mesh_vs_redis_saturation(&[redis.clone(), swept(ConfigName::Tcp, Some(8000.0), None)]);
+        let bound = mesh_vs_redis_saturation(
+            &[redis.clone(), swept(ConfigName::Tcp, Some(8000.0), None)],
+            2,
+        );
         assert_eq!(bound.verdict, Verdict::Missed, "{bound:?}");
         assert!(bound.measured.contains("more than 8,000"), "{bound:?}");
         let unsaturated = swept(ConfigName::Redis, Some(32_000.0), None);
         assert_eq!(
-            mesh_vs_redis_saturation(&[unsaturated, swept(ConfigName::Tcp, Some(1.0), None)])
+            mesh_vs_redis_saturation(&[unsaturated, swept(ConfigName::Tcp, Some(1.0), None)], 2)
                 .verdict,
             Verdict::NotMeasured
         );
@@ -625,7 +720,7 @@ mod tests {
         let p99 = mesh_vs_redis_p99(&with, &[64]);
         assert_eq!(p99.verdict, Verdict::Met, "{p99:?}");
         assert!(p99.measured.contains("10.0×"), "{p99:?}");
-        let throughput = mesh_vs_redis_throughput(&with, &[64]);
+        let throughput = mesh_vs_redis_throughput(&with, &[64], 2);
         assert_eq!(throughput.verdict, Verdict::Met, "{throughput:?}");
         assert!(throughput.measured.contains("2.7×"), "{throughput:?}");
 
@@ -637,9 +732,72 @@ mod tests {
             Verdict::NotMeasured
         );
         assert_eq!(
-            mesh_vs_redis_throughput(&without, &[64]).verdict,
+            mesh_vs_redis_throughput(&without, &[64], 2).verdict,
             Verdict::NotMeasured
         );
+    }
+
+    /// A run whose every process used `us` of CPU per request in all (gateway `gateway`,
+    /// the rest split between the load generator and the upstream), with the machine
+    /// `busy` cores.
+    fn costing(mut run: RunResult, gateway: f64, us: f64, busy: f64) -> RunResult {
+        run.cpu.gateway_s_per_1k = Some(gateway / 1000.0);
+        run.cpu.redis_s_per_1k = None;
+        run.cpu.loadgen_s_per_1k = Some((us - gateway) / 2000.0);
+        run.cpu.upstream_s_per_1k = Some((us - gateway) / 2000.0);
+        run.cpu.machine_cores = Some(busy);
+        run
+    }
+
+    #[test]
+    fn the_cores_every_process_shares_bound_the_throughput_ratio_and_it_is_said() {
+        // Local: 30 µs in the gateway + 30 µs of harness; the baseline: 70 + 30 µs.
+        let sticky = outcome(
+            ConfigName::Sticky,
+            vec![costing(
+                sample("sticky", 64, 500, 30_000.0),
+                30.0,
+                60.0,
+                1.95,
+            )],
+        );
+        let mut baseline = costing(sample("redis", 64, 900, 15_000.0), 70.0, 90.0, 1.95);
+        baseline.cpu.redis_s_per_1k = Some(0.010);
+        let redis = outcome(ConfigName::Redis, vec![baseline.clone()]);
+        let tcp = outcome(ConfigName::Tcp, vec![sample("tcp", 64, 700, 20_000.0)]);
+        let check = mesh_vs_redis_throughput(&[sticky.clone(), redis, tcp.clone()], &[64], 2);
+        // The verdict is the measurement's; the ceiling only explains it.
+        assert_eq!(check.verdict, Verdict::Missed, "{check:?}");
+        assert!(
+            check.measured.contains(
+                "would reach at most 1.7× (CPU per request of every process under test at \
+                 c=64: local 60 µs, redis 100 µs)"
+            ),
+            "{check:?}"
+        );
+        let check = mesh_vs_redis_saturation(
+            &[
+                sticky.clone(),
+                ConfigOutcome {
+                    runs: vec![baseline.clone()],
+                    ..swept(ConfigName::Redis, Some(8000.0), Some(10_000.0))
+                },
+                swept(ConfigName::Tcp, Some(12_000.0), Some(14_000.0)),
+            ],
+            2,
+        );
+        assert_eq!(check.verdict, Verdict::Missed, "{check:?}");
+        assert!(
+            check
+                .measured
+                .contains("saturate at 1.7× the baseline's rate at most"),
+            "{check:?}"
+        );
+        // A baseline that left a core idle was bound by latency, not cores: no ceiling.
+        baseline.cpu.machine_cores = Some(1.2);
+        let idle = outcome(ConfigName::Redis, vec![baseline]);
+        let check = mesh_vs_redis_throughput(&[sticky, idle, tcp], &[64], 2);
+        assert!(!check.measured.contains("at most"), "{check:?}");
     }
 
     #[test]
