@@ -94,8 +94,10 @@ pub fn open_loop_section(report: &CompareReport) -> String {
          {} sessions share each offered rate; a request's latency counts from when it was \
          due, so waiting for a busy session is included (coordinated omission corrected). \
          A rate is sustained when at least {:.0} % of it is achieved, no request is left \
-         unsent, at most {:.0} % fail, and p99 stays within {:.0} × the p99 at the lowest \
-         rate; the saturation rate is the lowest offered rate that is not. Each \
+         unsent, at most {:.0} % fail, and p99 stays within {:.0} × the Redis baseline's p99 \
+         at the lowest rate (one bound for every configuration, as a latency objective is; \
+         a configuration's own while the baseline has none); the saturation rate is the \
+         lowest offered rate that is not. Each \
          configuration stops at its saturation rate; then runs halfway between its \
          highest sustained and lowest saturated rate narrow the bracket.\n\n\
          | configuration | sustained req/s | saturated at req/s | why |\n|---|---:|---:|---|",
