@@ -909,15 +909,7 @@ mod tests {
 
     #[test]
     fn refinement_halves_the_bracket_between_sustained_and_saturated_rates() {
-        let mut outcome = ConfigOutcome {
-            name: ConfigName::Tcp,
-            description: String::new(),
-            not_available: None,
-            runs: Vec::new(),
-            sweep: Vec::new(),
-            saturation: None,
-            at_half_baseline: None,
-        };
+        let mut outcome = unswept(ConfigName::Tcp);
         outcome.record_swept(1000.0, open(1000.0, 1000.0, 900), None);
         outcome.record_swept(2000.0, open(2000.0, 2000.0, 1_000), None);
         assert_eq!(outcome.bracket_middle(), None, "nothing saturated yet");
@@ -959,19 +951,26 @@ mod tests {
         });
         assert_eq!(outcome.bracket_middle(), None);
     }
+
+    /// A configuration with no run yet.
+    fn unswept(name: ConfigName) -> ConfigOutcome {
+        ConfigOutcome {
+            name,
+            description: String::new(),
+            not_available: None,
+            runs: Vec::new(),
+            sweep: Vec::new(),
+            saturation: None,
+            at_half_baseline: None,
+        }
+    }
+
     #[test]
     fn the_baselines_p99_at_its_lowest_rate_bounds_every_configuration() {
         let tcp = |p99_us| {
-            ConfigOutcome {
-                name: ConfigName::Tcp,
-                description: String::new(),
-                not_available: None,
-                runs: Vec::new(),
-                sweep: Vec::new(),
-                saturation: None,
-                at_half_baseline: None,
-            }
-            .tap_swept(1000.0, open(1000.0, 1000.0, p99_us))
+            let mut outcome = unswept(ConfigName::Tcp);
+            outcome.record_swept(1000.0, open(1000.0, 1000.0, p99_us), None);
+            outcome
         };
         let mut redis = tcp(3_000);
         redis.name = ConfigName::Redis;
@@ -1001,12 +1000,5 @@ mod tests {
         let saturation = alone.saturation.clone().expect("a saturation record");
         assert_eq!(saturation.saturated_at_rps, Some(4000.0), "{saturation:?}");
         assert_eq!(P99Yardstick::of_baseline(&[alone]), None);
-    }
-
-    impl ConfigOutcome {
-        fn tap_swept(mut self, rate: f64, result: RunResult) -> Self {
-            self.record_swept(rate, result, None);
-            self
-        }
     }
 }
