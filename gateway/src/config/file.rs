@@ -332,6 +332,8 @@ struct FileMesh {
     max_frame_bytes: Option<usize>,
     max_in_flight_per_peer: Option<usize>,
     max_streams_per_peer: Option<usize>,
+    max_handshakes_per_address: Option<usize>,
+    max_handshakes: Option<usize>,
     tcp_connections_per_peer: Option<usize>,
     stream_window_bytes: Option<usize>,
     protocol_version: Option<u32>,
@@ -479,6 +481,11 @@ impl Config {
         set(&mut limits.max_frame, m.max_frame_bytes);
         set(&mut limits.max_in_flight_per_peer, m.max_in_flight_per_peer);
         set(&mut limits.max_streams_per_peer, m.max_streams_per_peer);
+        set(
+            &mut limits.max_handshakes_per_addr,
+            m.max_handshakes_per_address,
+        );
+        set(&mut limits.max_handshakes, m.max_handshakes);
         set(&mut limits.tcp_pool_size, m.tcp_connections_per_peer);
         set(&mut limits.stream_window, m.stream_window_bytes);
         set(&mut limits.max_protocol_version, m.protocol_version);

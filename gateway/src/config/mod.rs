@@ -447,7 +447,8 @@ pub struct MeshConfig {
     /// The mesh endpoint's limits, handed to the mesh server and clients as they are;
     /// their defaults are `MeshLimits::default()`. File keys (and flags) map onto them:
     /// `connect_timeout_ms`, `max_frame_bytes` (`max_frame`), `max_in_flight_per_peer`,
-    /// `max_streams_per_peer`, `tcp_connections_per_peer` (`tcp_pool_size`),
+    /// `max_streams_per_peer`, `max_handshakes_per_address` (`max_handshakes_per_addr`),
+    /// `max_handshakes`, `tcp_connections_per_peer` (`tcp_pool_size`),
     /// `stream_window_bytes` (`stream_window`), `max_connection_age_ms` and
     /// `protocol_version` (`max_protocol_version`: the one before the current holds a
     /// fleet at the previous release's protocol while a rolling upgrade runs).
@@ -836,10 +837,13 @@ mod tests {
 
     /// Loads `text` as the configuration file, with `args` as the flags.
     fn load_file_with(text: &str, args: ServeArgs) -> Result<Config, ConfigError> {
+        // One folder per call: tests run in parallel, and two files of one length
+        // (the name's former key) overwrote each other.
+        static FILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
             "mcpgw-config-upstreams-{}-{}",
             std::process::id(),
-            text.len()
+            FILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("mcpgw.toml");
@@ -850,6 +854,25 @@ mod tests {
         });
         let _ = std::fs::remove_dir_all(&dir);
         loaded
+    }
+
+    #[test]
+    fn the_mesh_ports_handshake_caps_come_from_the_file_and_zero_is_refused() {
+        let upstream = "[[upstream]]\nname = \"a\"\nurl = \"http://x/mcp\"\n";
+        let defaults = load_file(upstream).unwrap();
+        assert_eq!(defaults.mesh.limits.max_handshakes_per_addr, 64);
+        assert_eq!(defaults.mesh.limits.max_handshakes, 1024);
+        let raised = load_file(&format!(
+            "[mesh]\nmax_handshakes_per_address = 256\nmax_handshakes = 4096\n\n{upstream}"
+        ))
+        .unwrap();
+        assert_eq!(raised.mesh.limits.max_handshakes_per_addr, 256);
+        assert_eq!(raised.mesh.limits.max_handshakes, 4096);
+        for key in ["max_handshakes_per_address", "max_handshakes"] {
+            let error = load_file(&format!("[mesh]\n{key} = 0\n\n{upstream}")).unwrap_err();
+            assert_eq!(error.field, format!("mesh.{key}"));
+            assert!(error.problem.contains("at least 1"), "{}", error.problem);
+        }
     }
 
     #[test]

@@ -206,6 +206,11 @@ impl Config {
         for (field, value) in [
             ("mesh.max_in_flight_per_peer", limits.max_in_flight_per_peer),
             ("mesh.max_streams_per_peer", limits.max_streams_per_peer),
+            (
+                "mesh.max_handshakes_per_address",
+                limits.max_handshakes_per_addr,
+            ),
+            ("mesh.max_handshakes", limits.max_handshakes),
             ("mesh.tcp_connections_per_peer", limits.tcp_pool_size),
         ] {
             if value == 0 {
