@@ -273,13 +273,16 @@ async fn serve_streams(
         match stream {
             Ok((send, recv)) => {
                 let held = allowance.opened(conn);
-                shared.exchanges.spawn(serve_stream(
+                // Boxed before it is spawned, as the TCP owner's exchange is: the
+                // stream's future is moved whole through the tracker into the task's
+                // cell and once more as it finishes; a box is copied once.
+                shared.exchanges.spawn(Box::pin(serve_stream(
                     send,
                     recv,
                     peer.clone(),
                     shared.clone(),
                     held,
-                ));
+                )));
             }
             Err(e) => {
                 debug!(%remote, peer = %peer.worker_id, reason = %e, "mesh QUIC connection closed");
