@@ -362,7 +362,9 @@ fn mesh_vs_redis_saturation(outcomes: &[ConfigOutcome], cores: usize) -> TargetC
         .filter(|&c| c <= 64)
         .rev()
         .find_map(|c| cpu_ceiling(outcomes, c, cores));
-    if let (Some(ceiling), false) = (ceiling, check.verdict == Verdict::NotMeasured) {
+    if let Some(ceiling) = ceiling
+        && check.verdict != Verdict::NotMeasured
+    {
         check.measured += &format!(
             ". Bound by the machine's {cores} cores, a forward that cost no more CPU than a \
              local request would saturate at {} the baseline's rate at most ({})",
