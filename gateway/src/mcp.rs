@@ -45,6 +45,7 @@ pub mod code {
     pub const PARSE_ERROR: i64 = -32700;
     pub const INVALID_REQUEST: i64 = -32600;
     pub const METHOD_NOT_FOUND: i64 = -32601;
+    pub const INVALID_PARAMS: i64 = -32602;
     /// Implementation-defined server error: the gateway could not complete the call
     /// (upstream unreachable, timeout, capacity); `data.reason` says which.
     pub const GATEWAY_ERROR: i64 = -32000;
@@ -141,10 +142,7 @@ impl Message {
 
     /// The JSON-RPC id to echo in an error, or null when there is none.
     pub fn id(&self) -> Value {
-        match &self.kind {
-            MessageKind::Request { id, .. } | MessageKind::Response { id } => id.clone(),
-            MessageKind::Notification { .. } => Value::Null,
-        }
+        kind_id(&self.kind)
     }
 
     pub fn method(&self) -> Option<&str> {
@@ -256,6 +254,179 @@ fn not_json(e: &serde_json::Error) -> GatewayError {
     ))
 }
 
+/// A key that one object of a message names twice, and where: parsers disagree on
+/// which of the two values counts (serde_json's tree keeps the last, a struct refuses,
+/// others keep the first), so the gateway's checks and the upstream could read two
+/// different messages from one body.
+#[derive(Debug, Default)]
+struct RepeatedKey {
+    key: String,
+    /// The keys (and `[index]`es) leading to the object, innermost first.
+    path: Vec<String>,
+}
+
+impl RepeatedKey {
+    fn refusal(&self) -> GatewayError {
+        let at = match self.path.is_empty() {
+            true => "the top level".to_owned(),
+            false => {
+                let mut at = String::new();
+                for step in self.path.iter().rev() {
+                    if !at.is_empty() && !step.starts_with('[') {
+                        at.push('.');
+                    }
+                    at.push_str(truncate(step, 64));
+                }
+                at
+            }
+        };
+        GatewayError::invalid_request(format!(
+            "request body repeats the key {:?} in one object (at {at}): name each key \
+             once, since the gateway and the upstream could read different values",
+            truncate(&self.key, 64)
+        ))
+        .with_data(json!({ "repeated_key": truncate(&self.key, 64), "at": at }))
+    }
+}
+
+/// The first key an object anywhere in `body` repeats; `None` when there is none or
+/// `body` is not JSON (which the envelope's parse then says).
+fn repeated_key(body: &[u8]) -> Option<RepeatedKey> {
+    use serde::de::DeserializeSeed;
+    let found = std::cell::RefCell::new(None);
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    let _ = KeyScan { found: &found }.deserialize(&mut deserializer);
+    found.into_inner()
+}
+
+/// Walks a JSON value checking that no object repeats a key; what it finds goes to
+/// `found`, and the walk stops with an error there.
+#[derive(Clone, Copy)]
+struct KeyScan<'s> {
+    found: &'s std::cell::RefCell<Option<RepeatedKey>>,
+}
+
+impl KeyScan<'_> {
+    /// Adds `step` to the path of a repetition found below it.
+    fn below<E>(self, step: impl FnOnce() -> String) -> impl FnOnce(E) -> E {
+        move |error| {
+            if let Some(found) = self.found.borrow_mut().as_mut() {
+                found.path.push(step());
+            }
+            error
+        }
+    }
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for KeyScan<'_> {
+    type Value = ();
+    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for KeyScan<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut items: A) -> Result<(), A::Error> {
+        let mut index = 0usize;
+        while items
+            .next_element_seed(self)
+            .map_err(self.below(|| format!("[{index}]")))?
+            .is_some()
+        {
+            index += 1;
+        }
+        Ok(())
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut members: A) -> Result<(), A::Error> {
+        // Objects are small: a scan of the keys so far costs less than hashing them,
+        // up to a few dozen; past that a set keeps a large object linear.
+        const SCANNED: usize = 32;
+        let mut keys: Vec<std::borrow::Cow<'de, str>> = Vec::new();
+        let mut many: Option<rustc_hash::FxHashSet<std::borrow::Cow<'de, str>>> = None;
+        while let Some(key) = members.next_key_seed(KeyText)? {
+            let repeated = match &mut many {
+                Some(set) => !set.insert(key.clone()),
+                None if keys.len() < SCANNED => keys.contains(&key),
+                None => {
+                    let set: rustc_hash::FxHashSet<_> = keys.drain(..).collect();
+                    let repeated = set.contains(&key);
+                    many = Some(set);
+                    repeated
+                }
+            };
+            if repeated {
+                *self.found.borrow_mut() = Some(RepeatedKey {
+                    key: key.into_owned(),
+                    path: Vec::new(),
+                });
+                return Err(serde::de::Error::custom("repeated key"));
+            }
+            members
+                .next_value_seed(self)
+                .map_err(self.below(|| key.to_string()))?;
+            match &mut many {
+                Some(set) => {
+                    set.insert(key);
+                }
+                None => keys.push(key),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An object's key, borrowed from the body unless it has escapes.
+struct KeyText;
+
+impl<'de> serde::de::DeserializeSeed<'de> for KeyText {
+    type Value = std::borrow::Cow<'de, str>;
+    fn deserialize<D: serde::Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for KeyText {
+    type Value = std::borrow::Cow<'de, str>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("an object key")
+    }
+    fn visit_borrowed_str<E>(self, key: &'de str) -> Result<Self::Value, E> {
+        Ok(std::borrow::Cow::Borrowed(key))
+    }
+    fn visit_str<E>(self, key: &str) -> Result<Self::Value, E> {
+        Ok(std::borrow::Cow::Owned(key.to_owned()))
+    }
+}
+
 /// Parses and classifies one POST body.
 pub fn parse_message(body: &Bytes) -> Result<Message, GatewayError> {
     let opens_object = body
@@ -273,6 +444,11 @@ pub fn parse_message(body: &Bytes) -> Result<Message, GatewayError> {
         return Err(GatewayError::invalid_request(format!(
             "request body is {what}"
         )));
+    }
+    // Before the envelope: its own parse refuses a repeated member it knows as
+    // "not JSON", and ignores one it does not know.
+    if let Some(repeated) = repeated_key(body) {
+        return Err(repeated.refusal());
     }
     let envelope: Envelope<'_> = serde_json::from_slice(body).map_err(|e| not_json(&e))?;
     if !nests_within(body, MAX_TREE_DEPTH) {
@@ -315,12 +491,13 @@ pub fn parse_message(body: &Bytes) -> Result<Message, GatewayError> {
         }
     };
     // A notification that says tools/call names its tool too: scopes are checked on it
-    // as on a request.
+    // as on a request. One whose name cannot be read is refused: read as "no tool",
+    // it would pass a tool's scope check and still reach the upstream.
     let tool = match &kind {
         MessageKind::Request { method, .. } | MessageKind::Notification { method }
             if method == "tools/call" =>
         {
-            envelope
+            let name = envelope
                 .params
                 // Only an object has a name (serde would read an array by position).
                 .filter(|raw| raw.get().starts_with('{'))
@@ -328,7 +505,19 @@ pub fn parse_message(body: &Bytes) -> Result<Message, GatewayError> {
                 .and_then(|params| match params.name {
                     Some(Value::String(name)) => Some(name),
                     _ => None,
-                })
+                });
+            match name {
+                Some(name) => Some(name),
+                None => {
+                    return Err(GatewayError::new(
+                        StatusCode::BAD_REQUEST,
+                        code::INVALID_PARAMS,
+                        "tools/call needs params.name, the tool's name as a string: send \
+                         {\"name\": \"<tool>\", \"arguments\": {...}} as params",
+                    )
+                    .with_id(kind_id(&kind)));
+                }
+            }
         }
         _ => None,
     };
@@ -338,6 +527,13 @@ pub fn parse_message(body: &Bytes) -> Result<Message, GatewayError> {
         body: body.clone(),
         json: std::sync::OnceLock::new(),
     })
+}
+
+fn kind_id(kind: &MessageKind) -> Value {
+    match kind {
+        MessageKind::Request { id, .. } | MessageKind::Response { id } => id.clone(),
+        MessageKind::Notification { .. } => Value::Null,
+    }
 }
 
 /// Checks a session id a client sent: visible ASCII only (0x21–0x7E), bounded length.
@@ -590,7 +786,7 @@ mod tests {
         // nesting depth of 128, so params nested deeper are refused here too.
         let nested = |levels: usize| {
             format!(
-                r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{}"[{{\"",1{}}}"#,
+                r#"{{"jsonrpc":"2.0","id":1,"method":"deep/params","params":{}"[{{\"",1{}}}"#,
                 "[".repeat(levels),
                 "]".repeat(levels)
             )
@@ -620,13 +816,82 @@ mod tests {
         );
         let spaced = b"{ \"params\" :\n {\"name\" : \"echo\"}, \"method\":\"tools/call\", \"id\":1, \"jsonrpc\":\"2.0\" }";
         assert_eq!(tool(spaced).as_deref(), Some("echo"));
-        for body in [
-            &br#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"name":"echo"}}"#[..],
-            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":7}}"#,
-            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":["echo"]}"#,
-            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call"}"#,
+        let listed = br#"{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"name":"echo"}}"#;
+        assert_eq!(tool(listed), None);
+    }
+
+    #[test]
+    fn a_key_repeated_anywhere_is_refused_naming_it() {
+        // The scope check and the upstream must read one value: a parser that keeps
+        // the first "name" and one that keeps the last would disagree on the tool.
+        for (body, key, at) in [
+            (
+                &br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo","name":"deploy"}}"#[..],
+                "name",
+                "params",
+            ),
+            (
+                br#"{"jsonrpc":"2.0","id":1,"method":"ping","method":"tools/call"}"#,
+                "method",
+                "the top level",
+            ),
+            (
+                br#"{"jsonrpc":"2.0","id":1,"id":2,"method":"ping"}"#,
+                "id",
+                "the top level",
+            ),
+            (
+                br#"{"jsonrpc":"2.0","id":1,"method":"resources/read","params":{"uri":"a://x","_meta":{"traceparent":"a","traceparent":"b"}}}"#,
+                "traceparent",
+                "params._meta",
+            ),
+            (
+                br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo","arguments":{"items":[{"a":1},{"b":1,"b":2}]}}}"#,
+                "b",
+                "params.arguments.items[1]",
+            ),
+            (
+                br#"{"jsonrpc":"2.0","id":1,"result":{"content":[],"content":[]}}"#,
+                "content",
+                "result",
+            ),
+            (
+                br#"{"jsonrpc":"2.0","id":1,"method":"x","params":{"key":1,"key":2}}"#,
+                "key",
+                "params",
+            ),
         ] {
-            assert_eq!(tool(body), None, "{}", String::from_utf8_lossy(body));
+            let text = String::from_utf8_lossy(body);
+            let err = parse(body).expect_err(&text);
+            assert_eq!(err.status, StatusCode::BAD_REQUEST, "{text}");
+            assert_eq!(err.code, code::INVALID_REQUEST, "{text}: {}", err.message);
+            assert!(
+                err.message.contains(&format!("{key:?}")) && err.message.contains(at),
+                "{text}: {}",
+                err.message
+            );
+            let data = err.data.as_deref().expect("data names the key");
+            assert_eq!(data["repeated_key"], key, "{text}");
+        }
+        // The same key in two different objects is no repetition.
+        let fine = br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo","arguments":{"name":"x","_meta":{"name":1}}}}"#;
+        assert_eq!(parse(fine).unwrap().tool_name(), Some("echo"));
+    }
+
+    #[test]
+    fn a_tools_call_whose_name_cannot_be_read_is_refused() {
+        for body in [
+            &br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":7}}"#[..],
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":["echo"]}"#,
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{}}"#,
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call"}"#,
+            br#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":null}}"#,
+        ] {
+            let text = String::from_utf8_lossy(body);
+            let err = parse(body).expect_err(&text);
+            assert_eq!(err.status, StatusCode::BAD_REQUEST, "{text}");
+            assert_eq!(err.code, code::INVALID_PARAMS, "{text}: {}", err.message);
+            assert!(err.message.contains("params.name"), "{}", err.message);
         }
     }
 

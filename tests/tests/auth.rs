@@ -897,6 +897,13 @@ scopes = ["mcp"]
     /// Sends a tools/call for `session` straight to its owner over the mesh, as a
     /// member of the mesh would, with `auth`; returns the status.
     fn to_owner(&self, session: &str, auth: mcpgw_wire::AuthContext) -> u16 {
+        let body = json!({"jsonrpc": "2.0", "id": 9, "method": "tools/call",
+                          "params": {"name": "echo", "arguments": {"text": "direct"}}});
+        self.to_owner_with(session, auth, body.to_string().as_bytes())
+    }
+
+    /// [`AuthFleet::to_owner`] with a body of the test's choosing, byte for byte.
+    fn to_owner_with(&self, session: &str, auth: mcpgw_wire::AuthContext, body: &[u8]) -> u16 {
         use mcpgw_mesh::transport::{MeshClient, MeshLimits, TransportKind};
         let owner = session.split_once('.').expect("owner hint").1.to_owned();
         let addr = self
@@ -909,8 +916,6 @@ scopes = ["mcp"]
             "host-b",
         ))
         .expect("mesh client config");
-        let body = json!({"jsonrpc": "2.0", "id": 9, "method": "tools/call",
-                          "params": {"name": "echo", "arguments": {"text": "direct"}}});
         let frame = mcpgw_wire::RequestFrame {
             request_id: 1,
             session_id: Some(session.into()),
@@ -925,7 +930,7 @@ scopes = ["mcp"]
                 ("mcp-protocol-version".into(), "2025-11-25".into()),
                 ("mcp-session-id".into(), session.into()),
             ],
-            body: body.to_string().into_bytes().into(),
+            body: body.to_vec().into(),
             auth,
             deadline_ms: 10_000,
         };
@@ -1045,6 +1050,16 @@ fn forwarded_requests_carry_the_edge_decision_in_every_mode() {
         200,
         "alice's context is served"
     );
+    // The owner parses as the edge does: a repeated key is refused there too, so a
+    // mesh peer cannot slip past the edge's reading either.
+    let calls_before = tool_calls(&fleet.upstream);
+    let repeated = br#"{"jsonrpc":"2.0","id":9,"method":"tools/call","params":{"name":"echo","name":"counter_increment","arguments":{}}}"#;
+    assert_eq!(
+        fleet.to_owner_with(&session, jwt_context("alice", Some(far)), repeated),
+        400,
+        "a repeated key at the owner"
+    );
+    assert_eq!(tool_calls(&fleet.upstream), calls_before, "it never ran");
 
     // The owner re-checks expiry: an expired context is refused even when an edge
     // forwarded it; a context for another route or mode is refused too.
@@ -1092,6 +1107,81 @@ fn forwarded_requests_carry_the_edge_decision_in_every_mode() {
         calls_before,
         "expired calls never ran"
     );
+}
+
+/// The scope check reads the tool the upstream will run: a body naming the tool twice
+/// (a parser that keeps the first and one that keeps the last would disagree) is
+/// refused with 400 in both eras, as is a tools/call whose name cannot be read; none
+/// of them reaches the upstream.
+#[test]
+fn a_repeated_key_cannot_talk_a_scope_check_around() {
+    let dir = temp_dir("repeated-key");
+    let upstream = Upstream::start();
+    let key = SigningKey::generate("ec-1", Algorithm::ES256);
+    let config = write_config(
+        &dir,
+        &format!(
+            r#"
+[[upstream]]
+name = "demo"
+url = "{upstream}"
+
+[auth]
+mode = "jwt"
+
+[auth.jwt]
+issuer = "{ISSUER}"
+audience = "{AUDIENCE}"
+jwks = "{jwks}"
+
+[auth.routes.demo]
+scopes = ["mcp"]
+tool_scopes = {{ counter_increment = ["mcp:write"] }}
+"#,
+            upstream = upstream.url,
+            jwks = jwks_file(&dir, &[&key]).display(),
+        ),
+    );
+    let gateway = LoggedGateway::with_config(&config, &dir);
+    let addr = gateway.addr.as_str();
+    let token = key.sign(&claims("alice", "mcp", 300));
+    let bearer = format!("Bearer {token}");
+    let session = open_session(addr, DEMO, Some(&token));
+    let plain = call(addr, DEMO, Some(&token), &session, "counter_increment");
+    assert_refused(&plain, 403, "insufficient_scope", None, &token, "plain");
+
+    let calls_before = tool_calls(&upstream);
+    let bodies: [&[u8]; 4] = [
+        br#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"echo","name":"counter_increment","arguments":{}}}"#,
+        br#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"counter_increment","name":"echo","arguments":{}}}"#,
+        br#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"echo","arguments":{},"_meta":{"progressToken":1,"progressToken":2}}}"#,
+        br#"{"jsonrpc":"2.0","id":7,"method":"ping","method":"tools/call","params":{"name":"counter_increment"}}"#,
+    ];
+    let mut legacy = http::mcp_headers(Some(&session));
+    legacy.push(("Authorization", &bearer));
+    let mut modern = http::modern_headers("tools/call", Some("counter_increment"));
+    modern.push(("Authorization", &bearer));
+    for (era, headers) in [("legacy", &legacy), ("2026-07-28", &modern)] {
+        for body in bodies {
+            let case = format!("{era}: {}", String::from_utf8_lossy(body));
+            let response = http::request(addr, "POST", DEMO, headers, body);
+            assert_eq!(response.status, 400, "{case}: {}", body_text(&response));
+            let error = response.error().expect("a JSON-RPC error");
+            assert_eq!(error["code"], -32600, "{case}");
+            assert!(error["data"]["repeated_key"].is_string(), "{case}: {error}");
+            assert!(!body_text(&response).contains(&token), "{case}");
+        }
+        let nameless = br#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":["counter_increment"]}}"#;
+        let response = http::request(addr, "POST", DEMO, headers, nameless);
+        assert_eq!(response.status, 400, "{era}: {}", body_text(&response));
+        assert_eq!(response.error_code(), Some(-32602), "{era}");
+    }
+    assert_eq!(
+        tool_calls(&upstream),
+        calls_before,
+        "no refused call reached the upstream"
+    );
+    assert!(!gateway.log().contains(&token), "the token is never logged");
 }
 
 /// N client requests scattered over four workers move the principal's rate-limit
