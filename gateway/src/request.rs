@@ -134,19 +134,6 @@ impl Call {
     pub fn is_initialize(&self) -> bool {
         self.message.as_ref().is_some_and(Message::is_initialize)
     }
-
-    /// What a new session counts against in the per-principal session quota: the
-    /// authenticated subject (within its auth mode), or in public mode (no subject)
-    /// the client's address.
-    pub fn quota_key(&self) -> String {
-        match (&self.auth.subject, self.client) {
-            (subject, _) if !subject.is_empty() => {
-                format!("principal:{:?}:{subject}", self.auth.mode)
-            }
-            (_, Some(addr)) => format!("addr:{addr}"),
-            (_, None) => "public".to_owned(),
-        }
-    }
 }
 
 /// Headers carried from the client to owners and upstreams. Everything else (cookies,

@@ -16,7 +16,7 @@ use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use mcpgw_testkit::fleet::{MeshCerts, supervisor_flags};
 use mcpgw_testkit::http::{self, Response};
 use mcpgw_testkit::tls::TestCa;
-use mcpgw_testkit::{Gateway, RedisServer, Upstream};
+use mcpgw_testkit::{Gateway, RedisServer, Upstream, python, python_script};
 use serde_json::{Value, json};
 
 const ISSUER: &str = "https://issuer.test";
@@ -1201,7 +1201,7 @@ fn rate_limit_counts_each_client_request_once_and_spares_public_routes() {
     let (a, b) = (fleet.a.addr.as_str(), fleet.b.addr.as_str());
     let token = fleet.jwt("dave", 3600);
     let session = open_session(a, "/servers/jwt/mcp", Some(&token));
-    let key = "mcpgw:ratelimit:jwt:dave";
+    let key = &format!("mcpgw:ratelimit:jwt:{ISSUER:?}:dave");
     let counted = |fleet: &AuthFleet| -> u64 {
         fleet
             .redis
@@ -1627,6 +1627,119 @@ fn claims_for(iss: &str, aud: &str, sub: &str, scope: &str) -> Value {
         "iss": iss, "aud": aud, "sub": sub, "scope": scope,
         "iat": now_secs(), "exp": now_secs() + 300,
     })
+}
+
+/// A 2026-07-28 request of `token` for `tool` on `path`, with its `Mcp-Name`.
+fn modern_call(addr: &str, path: &str, token: &str, tool: &str) -> Response {
+    let bearer = format!("Bearer {token}");
+    let mut headers = http::modern_headers("tools/call", Some(tool));
+    headers.push(("Authorization", &bearer));
+    let body = http::modern_body(7, "tools/call", json!({"name": tool, "arguments": {}}));
+    http::request(addr, "POST", path, &headers, &body)
+}
+
+/// alice of one issuer is not alice of another. The virtual server `all` trusts
+/// issuer A, its stateful member `st` (a stdio server keeping a counter per process,
+/// so per session) trusts issuer B: alice@A may not reach alice@B's shared session of
+/// `st` through `all` (501, named), and alice@B's counter starts at 1; the session
+/// quota counts each alice apart.
+#[test]
+fn a_subject_is_a_principal_only_within_its_issuer() {
+    let dir = temp_dir("issuers");
+    let upstream = Upstream::start();
+    let (a_secret, b_secret) = (
+        b"issuer A's HMAC secret, 32 bytes or more".as_slice(),
+        b"issuer B's HMAC secret, 32 bytes or more".as_slice(),
+    );
+    std::fs::write(dir.join("a.secret"), a_secret).expect("secret");
+    std::fs::write(dir.join("b.secret"), b_secret).expect("secret");
+    let b_iss = "https://issuer-b.test";
+    let config = write_config(
+        &dir,
+        &format!(
+            r#"
+[limits]
+max_sessions_per_principal = 2
+
+[[upstream]]
+name = "demo"
+url = "{url}"
+
+[[upstream]]
+name = "st"
+command = [{python:?}, {stateful:?}, "stdio"]
+
+[[server]]
+name = "all"
+[[server.member]]
+upstream = "st"
+
+[auth]
+mode = "jwt"
+
+[auth.jwt]
+issuer = "{ISSUER}"
+audience = "{AUDIENCE}"
+[[auth.jwt.keys]]
+kid = "hs-a"
+alg = "HS256"
+secret_file = "{dir}/a.secret"
+
+[auth.routes.st]
+issuer = "{b_iss}"
+audience = "{AUDIENCE}"
+[[auth.routes.st.keys]]
+kid = "hs-b"
+alg = "HS256"
+secret_file = "{dir}/b.secret"
+"#,
+            url = upstream.url,
+            python = python().display().to_string(),
+            stateful = python_script("stateful_server.py").display().to_string(),
+            dir = dir.display(),
+        ),
+    );
+    let gateway = LoggedGateway::with_config(&config, &dir);
+    let addr = gateway.addr.as_str();
+    let sign = |secret: &[u8], kid: &str, iss: &str| {
+        let key = EncodingKey::from_secret(secret).expect("HMAC key");
+        sign_with(
+            &key,
+            Algorithm::HS256,
+            Some(kid),
+            &claims_for(iss, AUDIENCE, "alice", "mcp"),
+        )
+    };
+    let alice_a = sign(a_secret, "hs-a", ISSUER);
+    let alice_b = sign(b_secret, "hs-b", b_iss);
+
+    for _ in 0..2 {
+        let through = modern_call(addr, "/servers/all/mcp", &alice_a, "st__counter_increment");
+        assert_eq!(
+            through.status,
+            501,
+            "alice@A through all: {}",
+            through.text()
+        );
+        assert_eq!(through.reason().as_deref(), Some("virtual_server_protocol"));
+        assert_eq!(through.error().expect("an error")["data"]["member"], "st");
+    }
+    let direct = modern_call(addr, "/servers/st/mcp", &alice_b, "counter_increment");
+    assert_eq!(direct.status, 200, "alice@B on st: {}", direct.text());
+    assert_eq!(
+        direct.tool_text().as_deref(),
+        Some("1"),
+        "alice@B's shared session is her own, untouched by alice@A"
+    );
+
+    // The quota (2 per principal) counts alice@A's two sessions, and alice@B's shared
+    // session and legacy session, apart.
+    for _ in 0..2 {
+        open_session(addr, DEMO, Some(&alice_a));
+    }
+    let third = post(addr, DEMO, Some(&alice_a), None, &initialize_body());
+    assert_eq!(third.status, 429, "alice@A's third: {}", body_text(&third));
+    open_session(addr, "/servers/st/mcp", Some(&alice_b));
 }
 
 /// Three jwt routes: `alpha` uses `[auth.jwt]` (its issuer and the HMAC key in

@@ -219,13 +219,78 @@ impl Authenticator {
     /// Counts one client request against its principal's rate limit. Called by the
     /// receiving worker only, once per client request.
     pub async fn admit(&self, call: &Call) -> Result<(), GatewayError> {
-        match &self.limiter {
-            Some(limiter) => limiter
-                .admit(&call.auth)
+        match (&self.limiter, self.principal(call)) {
+            (Some(limiter), Some(principal)) => limiter
+                .admit(&principal)
                 .await
                 .map_err(|e| e.with_id(call.id())),
-            None => Ok(()),
+            // Public requests have no principal and are not limited.
+            _ => Ok(()),
         }
+    }
+
+    /// Who the client of `call` is across routes: an API key's principal, or a JWT's
+    /// subject within its issuer (two issuers may each have an "alice", and they are
+    /// two people). `None` in public mode. Keys what is counted per principal over
+    /// several routes: rate-limit buckets, session and process quotas. What belongs to
+    /// one route (a session, a shared session, a catalog) is keyed by the subject
+    /// alone, since every request of a route is verified by that route's one issuer
+    /// (a virtual server calls a member route as the client only under the same
+    /// policy: [`Authenticator::same_policy`]).
+    pub fn principal(&self, call: &Call) -> Option<String> {
+        let policy = self.routes.get(call.upstream)?;
+        match (call.auth.mode, &policy.jwt) {
+            (AuthMode::Public, _) => None,
+            (AuthMode::ApiKey, _) => Some(format!("api-key:{}", call.auth.subject)),
+            (AuthMode::Jwt, Some(verifier)) => {
+                Some(format!("jwt:{:?}:{}", verifier.issuer, call.auth.subject))
+            }
+            // A jwt context on a route without a verifier: check_forwarded refuses
+            // it; counted apart from every verified principal meanwhile.
+            (AuthMode::Jwt, None) => Some(format!("jwt-unverified:{}", call.auth.subject)),
+        }
+    }
+
+    /// What a new session counts against in the per-principal session quota: the
+    /// [`Authenticator::principal`], or in public mode the client's address.
+    pub fn quota_key(&self, call: &Call) -> String {
+        match (self.principal(call), call.client) {
+            (Some(principal), _) => format!("principal:{principal}"),
+            (None, Some(addr)) => format!("addr:{addr}"),
+            (None, None) => "public".to_owned(),
+        }
+    }
+
+    /// Whether routes `a` and `b` authenticate clients by one policy: one mode, and
+    /// for API keys or JWTs the same keys and, for JWTs, the same issuer. Only then
+    /// is a subject authenticated on one a principal of the other; a mode alone is not
+    /// enough (two jwt routes of different issuers each have their own "alice").
+    pub fn same_policy(&self, a: usize, b: usize) -> bool {
+        let (Some(a), Some(b)) = (self.routes.get(a), self.routes.get(b)) else {
+            return false;
+        };
+        if a.mode != b.mode {
+            return false;
+        }
+        let same_keys = match (&a.api_keys, &b.api_keys) {
+            (Some(x), Some(y)) => Arc::ptr_eq(x, y),
+            (None, None) => true,
+            _ => false,
+        };
+        let same_issuer = match (&a.jwt, &b.jwt) {
+            (Some(x), Some(y)) => {
+                x.issuer == y.issuer
+                    && Arc::ptr_eq(&x.static_keys, &y.static_keys)
+                    && match (&x.jwks, &y.jwks) {
+                        (Some(p), Some(q)) => Arc::ptr_eq(p, q),
+                        (None, None) => true,
+                        _ => false,
+                    }
+            }
+            (None, None) => true,
+            _ => false,
+        };
+        same_keys && same_issuer
     }
 
     /// The owner's check of a forwarded call's auth context: the edge authenticated it

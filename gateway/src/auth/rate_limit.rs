@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use http::StatusCode;
 use mcpgw_mesh::RedisEndpoint;
-use mcpgw_wire::{AuthContext, AuthMode};
 use parking_lot::Mutex;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tokio::time::Instant;
@@ -114,23 +113,15 @@ impl RateLimiter {
         })
     }
 
-    /// The Redis key of `auth`'s bucket.
-    pub fn bucket_key(&self, auth: &AuthContext) -> String {
-        format!(
-            "{}ratelimit:{}:{}",
-            self.key_prefix,
-            auth.mode.name(),
-            auth.subject
-        )
+    /// The Redis key of `principal`'s bucket ([`super::Authenticator::principal`]).
+    pub fn bucket_key(&self, principal: &str) -> String {
+        format!("{}ratelimit:{principal}", self.key_prefix)
     }
 
-    /// Counts one request of `auth`'s principal: Ok when it may run, 429 when its
+    /// Counts one request of `principal` ([`super::Authenticator::principal`]; public
+    /// requests have none and are not counted): Ok when it may run, 429 when its
     /// bucket is empty, and the configured answer when Redis does not give one.
-    /// Public requests have no principal and are not limited.
-    pub async fn admit(&self, auth: &AuthContext) -> Result<(), GatewayError> {
-        if auth.mode == AuthMode::Public {
-            return Ok(());
-        }
+    pub async fn admit(&self, principal: &str) -> Result<(), GatewayError> {
         if self
             .skip_until
             .lock()
@@ -138,7 +129,7 @@ impl RateLimiter {
         {
             return self.unavailable("Redis failed a moment ago");
         }
-        let key = self.bucket_key(auth);
+        let key = self.bucket_key(principal);
         match tokio::time::timeout(self.timeout, self.take(&key)).await {
             Ok(Ok((1, _))) => Ok(()),
             Ok(Ok((_, retry_after_ms))) => {

@@ -550,7 +550,7 @@ impl Default for Config {
 }
 
 impl Limits {
-    /// The session quota of a quota key (see [`crate::request::Call::quota_key`]): by
+    /// The session quota of a quota key (see [`crate::auth::Authenticator::quota_key`]): by
     /// principal, or by client address in public mode; 0 means none.
     pub fn session_quota(&self, quota_key: &str) -> usize {
         if quota_key.starts_with("principal:") {

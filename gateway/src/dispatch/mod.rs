@@ -303,7 +303,7 @@ impl<'w> Router<'w> {
             link,
             streams,
         )
-        .with_quota_key(call.quota_key());
+        .with_quota_key(self.worker.auth.quota_key(&call));
         session.shared = call.is_shared_bound();
         session.upstream_init = upstream_init;
         let session = self.worker.sessions.insert(session);

@@ -184,7 +184,7 @@ impl<'w> Executor<'w> {
     /// registers ownership.
     async fn open_session(&self, call: Call) -> Result<Reply, GatewayError> {
         let id = call.id();
-        let quota_key = call.quota_key();
+        let quota_key = self.worker.auth.quota_key(&call);
         let session_id = self
             .admit_session(&quota_key)
             .map_err(|e| e.with_id(id.clone()))?;

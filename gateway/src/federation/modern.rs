@@ -412,10 +412,9 @@ impl Executor<'_> {
         Box::pin(async move {
             let route = &self.worker.routes[member.index];
             if route.config().legacy_only
-                && self.worker.config.auth.mode_of(&server.name)
-                    != self.worker.config.auth.mode_of(route.name())
+                && !self.worker.auth.same_policy(call.upstream, member.index)
             {
-                return Err(modes_differ(route.name(), &server.name).with_id(call.id()));
+                return Err(policies_differ(route.name(), &server.name).with_id(call.id()));
             }
             let mut headers = call.headers.clone();
             let method = message.get("method").and_then(Value::as_str).unwrap_or("");
@@ -462,17 +461,18 @@ impl Executor<'_> {
     }
 }
 
-/// A stateful member whose route authenticates in another mode than the virtual
-/// server: its shared session belongs to a principal of the member's own route.
-fn modes_differ(member: &str, server: &str) -> GatewayError {
+/// A stateful member whose route authenticates by another policy than the virtual
+/// server (another mode, issuer or keys): its shared session belongs to a principal of
+/// the member's own route, and the virtual server's client is not one.
+fn policies_differ(member: &str, server: &str) -> GatewayError {
     GatewayError::gateway(
         StatusCode::NOT_IMPLEMENTED,
         Reason::VirtualServerProtocol,
         format!(
             "member {member} of virtual server {server} keeps state in sessions and its route \
-             authenticates in another mode than the virtual server, so 2026-07-28 clients \
-             cannot reach it here: use a 2025-* protocol version, or give both routes one \
-             auth mode"
+             authenticates clients by another policy (mode, issuer or keys) than the virtual \
+             server, so a 2026-07-28 client of the virtual server is not a principal of that \
+             route: use a 2025-* protocol version, or give both routes one auth policy"
         ),
     )
     .with_data(json!({ "member": member, "retryable": false }))

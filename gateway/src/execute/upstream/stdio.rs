@@ -77,7 +77,7 @@ impl StdioUpstream {
 
     /// Starts the child of one session. `tag` labels its log lines (a short hash of the
     /// session id, never the id); `principal` is the quota key the child counts
-    /// against (see [`crate::request::Call::quota_key`]; `None`: only the upstream's
+    /// against (see [`crate::auth::Authenticator::quota_key`]; `None`: only the upstream's
     /// limit); what it writes outside any request goes to `unsolicited`; `on_exit`
     /// hears once why it stopped.
     pub async fn start(
