@@ -726,13 +726,15 @@ fn assert_each_member_got_its_own_answer(url: &str) {
         own(ids[1]),
         "the members' own ids collide: {out}"
     );
-    for (member, at) in [("a", 0), ("b", 1)] {
+    for member in ["a", "b"] {
+        // The tag names the member, not its place, so an adopter with the members in
+        // another order still delivers each answer to the member that asked.
         let meant = seen
             .iter()
             .find(|s| {
                 s["id"]
                     .as_str()
-                    .is_some_and(|id| id.starts_with(&format!("mcpgw~{at}~")))
+                    .is_some_and(|id| id.starts_with(&format!("mcpgw~@{member}~")))
             })
             .unwrap_or_else(|| panic!("member {member}'s request reached the client: {out}"));
         let report = out[member].as_str().unwrap_or_default();
@@ -1115,23 +1117,23 @@ fn what_members_send_outside_a_request_reaches_the_client_and_its_answer_the_ask
         "each member's update outside a request reached the client's GET stream: {out}"
     );
     let seen = out["seen"].as_array().expect("the requests the client saw");
-    let id_of = |at: usize| {
+    let id_of = |member: &str| {
         seen.iter()
             .filter_map(|s| s["id"].as_str())
-            .find(|id| id.starts_with(&format!("mcpgw~{at}~")))
-            .unwrap_or_else(|| panic!("member {at}'s request, under its tagged id: {out}"))
+            .find(|id| id.starts_with(&format!("mcpgw~@{member}~")))
+            .unwrap_or_else(|| panic!("member {member}'s request, under its tagged id: {out}"))
     };
     let own = |id: &str| id.rsplit('~').next().map(str::to_owned);
     assert_eq!(
-        own(id_of(0)),
-        own(id_of(1)),
+        own(id_of("h")),
+        own(id_of("s")),
         "the members' own ids collide, so only the tag tells them apart: {out}"
     );
-    for (member, at) in [("h", 0), ("s", 1)] {
+    for member in ["h", "s"] {
         let report = &out["reports"][member];
         assert_eq!(
             report["answer"],
-            json!([format!("answer to {}", id_of(at))]),
+            json!([format!("answer to {}", id_of(member))]),
             "member {member} got the answer meant for it: {out}"
         );
         assert_eq!(

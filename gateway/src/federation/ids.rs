@@ -2,20 +2,38 @@
 //! (the SDKs start at 0), so two members asking the client at once would send the
 //! same id, and the client's answer could not say which member it is for: sent to
 //! every member, it would answer both. So a member's request reaches the client under
-//! an id that names the member, `mcpgw~{member}~{its own id as JSON}`, and the
-//! client's answer, which echoes it, goes back to that member alone under its own id.
-//! That holds on a request's stream and outside one (the session's `GET` stream,
-//! `member_streams.rs`) alike. The tag is the whole state: any worker that receives
-//! the answer can route it.
+//! an id that names the member, `mcpgw~@{member's upstream name}~{its own id as JSON}`,
+//! and the client's answer, which echoes it, goes back to that member alone under its
+//! own id. That holds on a request's stream and outside one (the session's `GET`
+//! stream, `member_streams.rs`) alike. The tag is the whole state: any worker that
+//! receives the answer can route it.
+//!
+//! The tag names the member, not its place in the virtual server: an adopter whose
+//! configuration lists the members in another order (or one fewer) still delivers an
+//! answer to the member that asked, or to none. Upstream names hold no `~` or `@`
+//! (config validation), so the name ends at the first `~`. Earlier versions tagged by
+//! place (`mcpgw~{index}~...`); such a tag, minted by an older worker of a fleet
+//! mid-upgrade, is still read by place.
 
 use bytes::Bytes;
 use serde_json::Value;
 
 const TAG: &str = "mcpgw~";
+/// Marks a tag that names the member (after [`TAG`]).
+const NAMED: char = '@';
 
-/// Tags the id of `message` for member `member` if it is a request; false for
-/// notifications and answers, which pass unchanged.
-fn tag(member: usize, message: &mut Value) -> bool {
+/// Which member a tagged answer is for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TaggedFor {
+    /// The member of this upstream name.
+    Named(String),
+    /// The member at this place: a tag of an older worker.
+    Place(usize),
+}
+
+/// Tags the id of `message` for the member `member` (its upstream name) if it is a
+/// request; false for notifications and answers, which pass unchanged.
+fn tag(member: &str, message: &mut Value) -> bool {
     let Some(object) = message.as_object_mut() else {
         return false;
     };
@@ -25,28 +43,33 @@ fn tag(member: usize, message: &mut Value) -> bool {
     let Some(id) = object.get_mut("id") else {
         return false;
     };
-    *id = Value::String(format!("{TAG}{member}~{id}"));
+    *id = Value::String(format!("{TAG}{NAMED}{member}~{id}"));
     true
 }
 
 /// For an answer of the client to a tagged request: the member it is for, with the
 /// member's own id put back. `None` for anything else.
-pub fn untag(message: &mut Value) -> Option<usize> {
+pub fn untag(message: &mut Value) -> Option<TaggedFor> {
     let object = message.as_object_mut()?;
     if object.contains_key("method") {
         return None;
     }
     let tagged = object.get("id")?.as_str()?.strip_prefix(TAG)?;
     let (member, own) = tagged.split_once('~')?;
-    let member = member.parse().ok()?;
+    let member = match member.strip_prefix(NAMED) {
+        Some(name) if !name.is_empty() => TaggedFor::Named(name.to_owned()),
+        Some(_) => return None,
+        None => TaggedFor::Place(member.parse().ok()?),
+    };
     let own: Value = serde_json::from_str(own).ok()?;
     object.insert("id".into(), own);
     Some(member)
 }
 
-/// One SSE event of member `member` (on a request's stream, or sent outside one),
-/// with the id of a request it carries tagged. Events that carry no request pass untouched, byte for byte.
-pub fn tag_event(member: usize, event: Bytes) -> Bytes {
+/// One SSE event of the member `member` (its upstream name; on a request's stream, or
+/// sent outside one), with the id of a request it carries tagged. Events that carry no
+/// request pass untouched, byte for byte.
+pub fn tag_event(member: &str, event: Bytes) -> Bytes {
     // Most events are progress, logging and results: no need to parse them.
     if !contains(&event, b"\"method\"") || !contains(&event, b"\"id\"") {
         return event;
@@ -100,7 +123,7 @@ mod tests {
         let event = Bytes::from(
             "event: message\nid: 7\ndata: {\"jsonrpc\":\"2.0\",\"id\":0,\"method\":\"sampling/createMessage\",\"params\":{}}\n\n",
         );
-        let tagged = tag_event(2, event);
+        let tagged = tag_event("demo", event);
         let text = std::str::from_utf8(&tagged).expect("utf-8");
         assert!(text.starts_with("event: message\nid: 7\ndata: "), "{text}");
         assert!(text.ends_with("\n\n"), "{text}");
@@ -109,18 +132,22 @@ mod tests {
             .find_map(|l| l.strip_prefix("data: "))
             .expect("data");
         let sent: Value = serde_json::from_str(data).expect("JSON");
-        assert_eq!(sent["id"], "mcpgw~2~0");
+        assert_eq!(sent["id"], "mcpgw~@demo~0");
         assert_eq!(sent["method"], "sampling/createMessage");
 
         let mut answer = json!({"jsonrpc": "2.0", "id": sent["id"], "result": {"x": 1}});
-        assert_eq!(untag(&mut answer), Some(2));
+        assert_eq!(untag(&mut answer), Some(TaggedFor::Named("demo".into())));
         assert_eq!(answer["id"], 0, "the member gets its own id back");
         // A string id of the member's own survives the round trip too.
         let mut request = json!({"jsonrpc": "2.0", "id": "a~b", "method": "roots/list"});
-        assert!(tag(0, &mut request));
+        assert!(tag("st.v2", &mut request));
         let mut answer = json!({"jsonrpc": "2.0", "id": request["id"], "result": {}});
-        assert_eq!(untag(&mut answer), Some(0));
+        assert_eq!(untag(&mut answer), Some(TaggedFor::Named("st.v2".into())));
         assert_eq!(answer["id"], "a~b");
+        // An older worker's tag, by place, is still read.
+        let mut older = json!({"jsonrpc": "2.0", "id": "mcpgw~2~5", "result": {}});
+        assert_eq!(untag(&mut older), Some(TaggedFor::Place(2)));
+        assert_eq!(older["id"], 5);
     }
 
     #[test]
@@ -131,7 +158,7 @@ mod tests {
             "event: message\ndata: not json with \"method\" and \"id\"\n\n",
         ] {
             let bytes = Bytes::from(event);
-            assert_eq!(tag_event(1, bytes.clone()), bytes, "{event}");
+            assert_eq!(tag_event("demo", bytes.clone()), bytes, "{event}");
         }
         let mut answer = json!({"jsonrpc": "2.0", "id": 4, "result": {}});
         assert_eq!(untag(&mut answer), None);
@@ -142,5 +169,7 @@ mod tests {
             "a tag that names no member is no tag"
         );
         assert_eq!(forged["id"], "mcpgw~x~4");
+        let mut nameless = json!({"jsonrpc": "2.0", "id": "mcpgw~@~4", "result": {}});
+        assert_eq!(untag(&mut nameless), None, "a tag naming no one is no tag");
     }
 }

@@ -59,7 +59,7 @@ impl Executor<'_> {
         if link.members_followed.swap(true, Ordering::AcqRel) {
             return;
         }
-        for (at, member) in link.members.iter().enumerate() {
+        for member in &link.members {
             let session_id = match &member.link {
                 Some(UpstreamLink::Http {
                     session_id: Some(session_id),
@@ -76,7 +76,6 @@ impl Executor<'_> {
             let follower = Follower {
                 worker: Arc::downgrade(self.worker),
                 server: link.server.clone(),
-                at,
                 upstream: member.config.index,
                 name: member.name().to_owned(),
                 session_id,
@@ -90,9 +89,10 @@ impl Executor<'_> {
     }
 }
 
-/// Passes what the stdio member at `at` writes outside a request (into `outside`) on
-/// to the session's `GET` stream, its requests' ids tagged, until the session ends.
-pub(super) fn relay_stdio(at: usize, outside: Arc<StreamLog>, get_stream: Arc<StreamLog>) {
+/// Passes what the stdio member `member` (its upstream name) writes outside a request
+/// (into `outside`) on to the session's `GET` stream, its requests' ids tagged, until
+/// the session ends.
+pub(super) fn relay_stdio(member: String, outside: Arc<StreamLog>, get_stream: Arc<StreamLog>) {
     tokio::spawn(async move {
         // A fresh log has nothing to miss.
         let Ok(mut events) = outside.subscribe(None) else {
@@ -107,7 +107,7 @@ pub(super) fn relay_stdio(at: usize, outside: Arc<StreamLog>, get_stream: Arc<St
             if let Ok(event) = frame.into_data()
                 && !comments_only(&event)
             {
-                get_stream.push(&ids::tag_event(at, event));
+                get_stream.push(&ids::tag_event(&member, event));
             }
         }
     });
@@ -118,8 +118,6 @@ struct Follower {
     /// Weak: a pump never keeps a stopping worker alive.
     worker: Weak<Worker>,
     server: String,
-    /// The member's place in the session: the tag of its requests' ids.
-    at: usize,
     /// The member's upstream (index into the worker's upstreams).
     upstream: usize,
     name: String,
@@ -297,7 +295,7 @@ impl Follower {
             carried = true;
             reopen.note(&event);
             if !comments_only(&event) {
-                self.get_stream.push(&ids::tag_event(self.at, event));
+                self.get_stream.push(&ids::tag_event(&self.name, event));
             }
         }
     }
@@ -464,13 +462,13 @@ mod tests {
     async fn a_stdio_members_messages_reach_the_get_stream_tagged_until_the_session_ends() {
         let outside = StreamLog::unkept("w");
         let get_stream = StreamLog::new(Arc::from("w"), 1);
-        relay_stdio(1, Arc::clone(&outside), Arc::clone(&get_stream));
+        relay_stdio("st".into(), Arc::clone(&outside), Arc::clone(&get_stream));
         outside.push_message(br#"{"jsonrpc":"2.0","id":0,"method":"roots/list"}"#);
         outside.push(b": keepalive\n\n");
         outside.push_message(br#"{"jsonrpc":"2.0","method":"notifications/resources/updated"}"#);
         let mut reader = get_stream.subscribe(None).expect("a fresh log");
         let request = next_event(&mut reader).await;
-        assert!(request.contains(r#""id":"mcpgw~1~0""#), "{request}");
+        assert!(request.contains(r#""id":"mcpgw~@st~0""#), "{request}");
         assert!(
             request.starts_with("id: w:1:1\n"),
             "numbered by the session: {request}"

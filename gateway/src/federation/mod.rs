@@ -588,7 +588,7 @@ impl Executor<'_> {
             Err(MemberFailure::Failed(_)) => "failed",
         });
         match judged {
-            Ok(reply) => self.tag_member_requests(at, reply),
+            Ok(reply) => self.tag_member_requests(member.name(), reply),
             Err(MemberFailure::Lost(why)) => {
                 from_gateway_error(&member_lost(link, member, &why, id))
             }
@@ -619,12 +619,13 @@ impl Executor<'_> {
 
     /// A member's answer stream, with the requests it sends the client on it under
     /// ids that name the member ([`ids`]).
-    fn tag_member_requests(&self, at: usize, mut reply: UpstreamReply) -> UpstreamReply {
+    fn tag_member_requests(&self, member: &str, mut reply: UpstreamReply) -> UpstreamReply {
         if crate::execute::is_sse(&reply.headers) {
             let max_event = self.worker.config.limits.max_sse_event_bytes;
             let body = std::mem::replace(&mut reply.body, crate::body::full(Bytes::new()));
+            let member = member.to_owned();
             reply.body =
-                crate::body::rewrite_events(body, max_event, move |e| ids::tag_event(at, e));
+                crate::body::rewrite_events(body, max_event, move |e| ids::tag_event(&member, e));
         }
         reply
     }
@@ -662,8 +663,12 @@ impl Executor<'_> {
             .and_then(Value::as_str)
             .is_some_and(|m| m == "notifications/initialized");
         let live = |member: &&Member| member.lost().is_none();
-        if let Some(at) = ids::untag(&mut message) {
-            if let Some(member) = link.members.get(at).filter(live) {
+        if let Some(tagged) = ids::untag(&mut message) {
+            let member = match tagged {
+                ids::TaggedFor::Named(name) => link.members.iter().find(|m| m.name() == name),
+                ids::TaggedFor::Place(at) => link.members.get(at),
+            };
+            if let Some(member) = member.filter(live) {
                 let body = Bytes::from(message.to_string());
                 self.deliver(link, member, headers, body).await;
             }

@@ -93,7 +93,8 @@ impl Executor<'_> {
         });
         // Until the session ends: a refused initialize ends it too, its streams with it.
         for (at, written) in outside {
-            member_streams::relay_stdio(at, written, Arc::clone(&link.get_stream));
+            let member = link.members[at].name().to_owned();
+            member_streams::relay_stdio(member, written, Arc::clone(&link.get_stream));
         }
         if !refused.is_empty() {
             // The error answer is the truth for the client; whoever opened the link
