@@ -214,11 +214,22 @@ impl IdentityBook {
     }
 }
 
-/// When a connection made now should stop taking new exchanges (its age reached
-/// `max_age`, or the peer's certificate expires) and when it must close (the peer's
-/// certificate expired). `max_age` zero: no age limit.
+/// When a connection made now should have its replacement dialled, when it should
+/// stop taking new exchanges (its age reached `max_age`, or the peer's certificate
+/// expires) and when it must close (the peer's certificate expired). `max_age` zero:
+/// no age limit.
+///
+/// A caller replaces a connection make-before-break: from `renew_at` it dials the
+/// replacement in the background and keeps giving this connection new exchanges until
+/// the replacement is up or `retire_at` comes. So a handshake that is slow, or fails
+/// once, costs no request: the replacement has the lead ([`renewal_lead`]) to succeed,
+/// retries included. `retire_at` is unchanged by it: the owner's bound of one and a
+/// half ages ([`hard_age`]) leaves exchanges begun before `retire_at` the same half
+/// age to end as before.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ConnectionLife {
+    /// From then on a replacement is dialled in the background.
+    pub(crate) renew_at: Instant,
     /// No new exchange from then on; the connection closes when its last one ends.
     pub(crate) retire_at: Instant,
     /// Closed then, exchanges or not.
@@ -228,8 +239,23 @@ pub(crate) struct ConnectionLife {
 /// Far enough to mean "never" and still add to an `Instant` without overflow.
 const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// How long before a connection's retirement its replacement is dialled: two connect
+/// timeouts (a handshake that times out, and its retry), at most half the maximum age.
+pub(crate) fn renewal_lead(max_age: Duration, connect_timeout: Duration) -> Duration {
+    let lead = connect_timeout.saturating_mul(2);
+    match max_age.is_zero() {
+        true => lead,
+        false => lead.min(max_age / 2),
+    }
+}
+
 impl ConnectionLife {
-    pub(crate) fn starting_now(max_age: Duration, peer_not_after: SystemTime) -> Self {
+    /// The life of a connection made now; `lead`: see [`renewal_lead`].
+    pub(crate) fn starting_now(
+        max_age: Duration,
+        peer_not_after: SystemTime,
+        lead: Duration,
+    ) -> Self {
         let now = Instant::now();
         let cert_left = peer_not_after
             .duration_since(SystemTime::now())
@@ -241,7 +267,9 @@ impl ConnectionLife {
         } else {
             close_at.min(now + max_age)
         };
+        let renew_at = retire_at.checked_sub(lead).unwrap_or(now).max(now);
         Self {
+            renew_at,
             retire_at,
             close_at,
         }
@@ -249,12 +277,17 @@ impl ConnectionLife {
 
     /// The owner's bound: the peer's certificate, and [`hard_age`] after it connected.
     pub(crate) fn owner_close_at(max_age: Duration, peer_not_after: SystemTime) -> Instant {
-        let life = Self::starting_now(hard_age(max_age), peer_not_after);
+        let life = Self::starting_now(hard_age(max_age), peer_not_after, Duration::ZERO);
         life.retire_at
     }
 
     pub(crate) fn retire_due(&self) -> bool {
         Instant::now() >= self.retire_at
+    }
+
+    /// Whether its replacement should be under way.
+    pub(crate) fn renew_due(&self) -> bool {
+        Instant::now() >= self.renew_at
     }
 }
 

@@ -1,6 +1,6 @@
 //! The caller's end of QUIC: the peer pool (one connection per peer address, dialled
-//! by one task at a time and retired at its maximum age), the probe that notices a
-//! closed UDP port at once, and one request's stream pair.
+//! by one task at a time and replaced make-before-break at its maximum age), the probe
+//! that notices a closed UDP port at once, and one request's stream pair.
 
 use std::collections::HashMap;
 use std::future::pending;
@@ -25,7 +25,7 @@ use crate::transport::config::MeshLimits;
 use crate::transport::error::{LinkError, MeshError, quic_tls_cause};
 use crate::transport::framed::{FrameReader, FrameWriter, SendError};
 use crate::transport::observe::{self, Link, Observer};
-use crate::transport::tls::{ClientTls, ConnectionLife, IdentityBook};
+use crate::transport::tls::{ClientTls, ConnectionLife, IdentityBook, renewal_lead};
 
 /// Application error code on a stream the caller abandons (reset and stop).
 const CANCEL_CODE: VarInt = VarInt::from_u32(1);
@@ -44,8 +44,17 @@ fn quic_client_crypto(tls: Arc<rustls::ClientConfig>) -> Result<Arc<QuicClientCo
 /// calls the owner busy.
 const CREDIT_WAIT: Duration = Duration::from_secs(1);
 
+/// How long a replacement dial that failed waits before it tries again.
+const RENEW_RETRY: Duration = Duration::from_millis(50);
+
 /// The QUIC peer pool: one connection per peer address.
 pub(crate) struct QuicClient {
+    /// Shared with the tasks that dial replacements in the background.
+    pool: Arc<QuicPool>,
+}
+
+/// What dials, greets and pools QUIC connections.
+struct QuicPool {
     /// TLS material, read at every dial.
     tls: ClientTls,
     /// quinn transport limits, the same for every dial.
@@ -71,6 +80,8 @@ pub(crate) struct QuicClient {
 struct PeerSlot {
     /// The live connection, if any: read by every forward without waiting.
     live: Mutex<Option<PeerConn>>,
+    /// Set while a task dials the live connection's replacement.
+    renewing: std::sync::atomic::AtomicBool,
     /// Held while dialling. The last failed attempt: callers that were already
     /// waiting for it get its error instead of dialling again one after another.
     dialling: tokio::sync::Mutex<Option<(Instant, MeshError)>>,
@@ -91,6 +102,18 @@ impl PeerSlot {
                 None
             }
             None => None,
+        }
+    }
+
+    /// Makes `new` the live connection if `old` still is (or none is): a connection
+    /// dialled meanwhile by a request that found none stays.
+    fn replace(&self, old: &PeerConn, new: PeerConn) {
+        let mut live = self.live.lock();
+        let still_old = live
+            .as_ref()
+            .is_none_or(|pc| pc.conn.stable_id() == old.conn.stable_id());
+        if still_old {
+            *live = Some(new);
         }
     }
 }
@@ -128,6 +151,35 @@ impl QuicClient {
         identities: Arc<IdentityBook>,
         observer: Observer,
     ) -> Result<Self, MeshError> {
+        let pool = QuicPool::new(tls, worker_id, limits, identities, observer)?;
+        Ok(QuicClient {
+            pool: Arc::new(pool),
+        })
+    }
+
+    pub(crate) fn forget_peer(&self, peer_addr: &str) {
+        self.pool.peers.lock().remove(peer_addr);
+    }
+
+    /// Opens a stream to the peer and writes the encoded request on it.
+    pub(crate) async fn send_request(
+        &self,
+        peer_addr: &str,
+        expect: &str,
+        request: &[u8],
+    ) -> Result<QuicExchange, MeshError> {
+        self.pool.send_request(peer_addr, expect, request).await
+    }
+}
+
+impl QuicPool {
+    fn new(
+        tls: ClientTls,
+        worker_id: String,
+        limits: MeshLimits,
+        identities: Arc<IdentityBook>,
+        observer: Observer,
+    ) -> Result<Self, MeshError> {
         // Checked once here, so a config that cannot work fails at start, not at a dial.
         quic_client_crypto(tls.config())?;
         let mut transport = TransportConfig::default();
@@ -150,10 +202,6 @@ impl QuicClient {
             peers: Mutex::new(HashMap::new()),
             observer,
         })
-    }
-
-    pub(crate) fn forget_peer(&self, peer_addr: &str) {
-        self.peers.lock().remove(peer_addr);
     }
 
     fn slot(&self, peer_addr: &str) -> Arc<PeerSlot> {
@@ -179,10 +227,18 @@ impl QuicClient {
         Ok(endpoint)
     }
 
-    /// The peer's live connection, dialling it if needed.
-    async fn connection(&self, peer_addr: &str, expect: &str) -> Result<PeerConn, MeshError> {
+    /// The peer's live connection, dialling it if needed; its replacement is dialled in
+    /// the background once it is old enough ([`ConnectionLife`]).
+    async fn connection(
+        self: &Arc<Self>,
+        peer_addr: &str,
+        expect: &str,
+    ) -> Result<PeerConn, MeshError> {
         let slot = self.slot(peer_addr);
         if let Some(pc) = slot.current() {
+            if pc.life.renew_due() {
+                self.renew(&slot, &pc, peer_addr, expect);
+            }
             return Ok(pc);
         }
         let asked = Instant::now();
@@ -206,6 +262,49 @@ impl QuicClient {
                 Err(e)
             }
         }
+    }
+
+    /// Dials the replacement of `old`, the slot's live connection, in the background,
+    /// once at a time, while `old` takes the requests: again after a failure until
+    /// `old` retires (then requests dial in the foreground, as without a replacement).
+    /// A failure that proves the peer gone (nothing listens there now) retires `old` at
+    /// once: the death it proves must not turn into requests sent on a connection QUIC
+    /// has not yet noticed is dead; the next request dials and hears the proof itself.
+    /// The replacement's failures are not the slot's last failure: no request waited
+    /// for it.
+    fn renew(
+        self: &Arc<Self>,
+        slot: &Arc<PeerSlot>,
+        old: &PeerConn,
+        peer_addr: &str,
+        expect: &str,
+    ) {
+        use std::sync::atomic::Ordering;
+        if slot.renewing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (pool, slot, old) = (self.clone(), slot.clone(), old.clone());
+        let (addr, expect) = (peer_addr.to_owned(), expect.to_owned());
+        tokio::spawn(async move {
+            while !old.life.retire_due() && old.conn.close_reason().is_none() {
+                match pool.dial(&addr, &expect).await {
+                    Ok(new) => {
+                        slot.replace(&old, new);
+                        break;
+                    }
+                    Err(e) if e.proves_peer_gone() => {
+                        debug!(peer = %addr, error = %e, "the replacement of a mesh connection proves its peer gone");
+                        pool.invalidate(&addr, &old);
+                        break;
+                    }
+                    Err(e) => {
+                        debug!(peer = %addr, error = %e, "dialling the replacement of a mesh connection failed; the old one serves meanwhile");
+                        tokio::time::sleep(RENEW_RETRY).await;
+                    }
+                }
+            }
+            slot.renewing.store(false, Ordering::Release);
+        });
     }
 
     /// Forgets `pc` if it is still the peer's current connection.
@@ -275,7 +374,12 @@ impl QuicClient {
     /// A greeted connection, pooled from now on. A connection never outlives its
     /// peer's certificate, busy or not, nor its last user: a task closes it then.
     fn admitted(&self, conn: Connection, worker_id: String, identity: PeerIdentity) -> PeerConn {
-        let life = ConnectionLife::starting_now(self.limits.max_connection_age, identity.not_after);
+        let (max_age, connect) = (self.limits.max_connection_age, self.limits.connect_timeout);
+        let life = ConnectionLife::starting_now(
+            max_age,
+            identity.not_after,
+            renewal_lead(max_age, connect),
+        );
         let expiring = conn.clone();
         let open = self.observer.open("caller", &identity, Link::Tls);
         let unused = tokio_util::sync::CancellationToken::new();
@@ -327,8 +431,8 @@ impl QuicClient {
     }
 
     /// Opens a stream to the peer and writes the encoded request on it.
-    pub(crate) async fn send_request(
-        &self,
+    async fn send_request(
+        self: &Arc<Self>,
         peer_addr: &str,
         expect: &str,
         request: &[u8],

@@ -58,7 +58,7 @@ use super::framed::{FrameReader, FrameWriter};
 use super::guard::HandshakePermit;
 use super::observe::{self, Link, Observer};
 use super::serving::{AdmittedConnection, ServerShared, admit_connection, greet as server_greet};
-use super::tls::{ClientTls, ConnectionLife, IdentityBook, ServerTls};
+use super::tls::{ClientTls, ConnectionLife, IdentityBook, ServerTls, renewal_lead};
 
 /// Sets the socket options every mesh TCP connection wants, on both ends.
 fn tune(stream: &TcpStream, limits: &MeshLimits) {
@@ -251,6 +251,38 @@ struct Dialer {
     same_host: Arc<SameHostBook>,
 }
 
+/// How long a replacement dial that failed waits before it tries again.
+const RENEW_RETRY: Duration = Duration::from_millis(50);
+
+/// Replaces `peer`'s connections that are old enough, one for one and oldest first,
+/// each while it still takes requests (make-before-break, [`ConnectionLife`]): a dial
+/// that fails is tried again until the connection retires (then requests dial in the
+/// foreground, as without a replacement). A failure that proves the peer gone retires
+/// them at once, so requests dial and hear the proof themselves. Its failures are not
+/// the peer's last failure: no request waited for them.
+async fn renew_connections(dialer: Arc<Dialer>, peer: Arc<TcpPeer>, addr: String, expect: String) {
+    while let Some(old) = peer.oldest_due() {
+        match dialer.dial(&addr, &expect).await {
+            Ok(new) => {
+                peer.conns.lock().push(new);
+                old.retire();
+            }
+            Err(e) if e.proves_peer_gone() => {
+                debug!(peer = %addr, error = %e, "the replacement of a mesh connection proves its peer gone");
+                while let Some(due) = peer.oldest_due() {
+                    due.retire();
+                }
+                break;
+            }
+            Err(e) => {
+                debug!(peer = %addr, error = %e, "dialling the replacement of a mesh connection failed; the old one serves meanwhile");
+                tokio::time::sleep(RENEW_RETRY).await;
+            }
+        }
+    }
+    peer.renewing.store(false, Ordering::Release);
+}
+
 /// The TCP peer pool: up to [`MeshLimits::tcp_pool_size`] multiplexed connections
 /// per peer address.
 pub(crate) struct TcpClient {
@@ -270,6 +302,8 @@ struct TcpPeer {
     dialing: tokio::sync::Mutex<()>,
     /// Set while a background dial adds a connection.
     growing: AtomicBool,
+    /// Set while a background dial replaces connections old enough to be replaced.
+    renewing: AtomicBool,
     /// The last failed dial: requests that were already waiting for it when it failed
     /// get its error instead of each waiting out the connect timeout again.
     last_failure: Mutex<Option<(Instant, MeshError)>>,
@@ -277,8 +311,9 @@ struct TcpPeer {
 
 impl TcpPeer {
     /// The least loaded usable connection, and whether the pool should grow (every
-    /// connection is busy and there is room for another).
-    fn pick(&self, pool_size: usize) -> (Option<Arc<CallerConn>>, bool) {
+    /// connection is busy and there is room for another) or renew (a connection is old
+    /// enough for its replacement to be dialled: [`ConnectionLife`]).
+    fn pick(&self, pool_size: usize) -> (Option<Arc<CallerConn>>, bool, bool) {
         let mut conns = self.conns.lock();
         conns.retain(|c| {
             if c.usable() && c.life.retire_due() {
@@ -290,7 +325,18 @@ impl TcpPeer {
         });
         let best = conns.iter().min_by_key(|c| c.load()).cloned();
         let grow = conns.len() < pool_size && best.as_ref().is_some_and(|c| c.load() > 0);
-        (best, grow)
+        let renew = conns.iter().any(|c| c.life.renew_due());
+        (best, grow, renew)
+    }
+
+    /// The oldest usable connection due for replacement, if any.
+    fn oldest_due(&self) -> Option<Arc<CallerConn>> {
+        let conns = self.conns.lock();
+        conns
+            .iter()
+            .filter(|c| c.usable() && c.life.renew_due() && !c.life.retire_due())
+            .min_by_key(|c| c.life.renew_at)
+            .cloned()
     }
 
     fn failed_since(&self, asked: Instant) -> Option<MeshError> {
@@ -371,7 +417,16 @@ impl TcpClient {
         expect: &str,
     ) -> Result<Arc<CallerConn>, MeshError> {
         let pool_size = self.dialer.limits.tcp_pool_size.max(1);
-        let (best, grow) = peer.pick(pool_size);
+        let (best, grow, renew) = peer.pick(pool_size);
+        if renew && !peer.renewing.swap(true, Ordering::AcqRel) {
+            let (dialer, peer) = (self.dialer.clone(), peer.clone());
+            tokio::spawn(renew_connections(
+                dialer,
+                peer,
+                peer_addr.to_owned(),
+                expect.to_owned(),
+            ));
+        }
         if let Some(conn) = best {
             if grow && !peer.growing.swap(true, Ordering::AcqRel) {
                 let dialer = self.dialer.clone();
@@ -391,7 +446,7 @@ impl TcpClient {
         }
         let asked = Instant::now();
         let _one_at_a_time = peer.dialing.lock().await;
-        if let (Some(conn), _) = peer.pick(pool_size) {
+        if let (Some(conn), _, _) = peer.pick(pool_size) {
             return Ok(conn);
         }
         if let Some(e) = peer.failed_since(asked) {
@@ -558,7 +613,12 @@ impl Dialer {
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let limits = &self.limits;
-        let life = ConnectionLife::starting_now(limits.max_connection_age, identity.not_after);
+        let (max_age, connect) = (limits.max_connection_age, limits.connect_timeout);
+        let life = ConnectionLife::starting_now(
+            max_age,
+            identity.not_after,
+            renewal_lead(max_age, connect),
+        );
         let open = self.observer.open("caller", &identity, link);
         let outbox = Outbox::new(limits.max_frame);
         let certified = (link == Link::Tls).then_some(identity.uri);
