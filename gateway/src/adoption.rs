@@ -456,18 +456,26 @@ mod tests {
         assert_eq!(refused, OpenError::NotSealed);
         assert_eq!(refused.label(), "record_not_sealed");
         let why = refused.to_string();
-        assert!(why.contains("in the clear") && why.contains("write to Redis"), "{why}");
+        assert!(
+            why.contains("in the clear") && why.contains("write to Redis"),
+            "{why}"
+        );
         assert!(!why.contains("forged-upstream-id"), "{why}");
         // A virtual server's member, likewise.
         let member = MemberSession {
             session_id: Some("forged".into()),
             protocol_version: "2025-06-18".into(),
         };
-        let clear_member =
-            member_record("sid", "demo", Some(&member), &serde_json::json!({}), &AdoptionKeys::default())
-                .expect("clear")
-                .session
-                .expect("an http member's session");
+        let clear_member = member_record(
+            "sid",
+            "demo",
+            Some(&member),
+            &serde_json::json!({}),
+            &AdoptionKeys::default(),
+        )
+        .expect("clear")
+        .session
+        .expect("an http member's session");
         assert_eq!(
             keyed.open_member("sid", "demo", &clear_member),
             Err(OpenError::NotSealed)

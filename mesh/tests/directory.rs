@@ -1213,7 +1213,9 @@ async fn a_replica_promoted_behind_a_plain_url_makes_lost_records_unknown_not_ab
     // the shared session is claimed on the primary.
     assert_eq!(replica.command(&["REPLICAOF", "NO", "ONE"]), "OK");
     assert_eq!(
-        dir.claim_remembered_session("shared", "w", None).await.unwrap(),
+        dir.claim_remembered_session("shared", "w", None)
+            .await
+            .unwrap(),
         Claim::Claimed
     );
     assert_eq!(
@@ -1257,7 +1259,9 @@ async fn a_reconnection_to_the_same_server_behind_a_plain_url_is_no_failover() {
     .unwrap();
     dir.register_worker("w", &info(), "a:1").await.unwrap();
     assert_eq!(
-        dir.claim_remembered_session("shared", "w", None).await.unwrap(),
+        dir.claim_remembered_session("shared", "w", None)
+            .await
+            .unwrap(),
         Claim::Claimed
     );
     // Every connection is cut; the same server answers behind the address.
@@ -1279,7 +1283,9 @@ async fn a_plain_url_server_restarted_empty_is_marked_as_a_failover() {
     let dir = directory(&server, LONG).await;
     let lease = dir.register_worker("w", &info(), "a:1").await.unwrap();
     assert_eq!(
-        dir.claim_remembered_session("shared", "w", None).await.unwrap(),
+        dir.claim_remembered_session("shared", "w", None)
+            .await
+            .unwrap(),
         Claim::Claimed
     );
 

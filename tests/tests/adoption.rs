@@ -906,7 +906,10 @@ fn a_worker_with_keys_refuses_a_record_in_the_clear_and_the_session_is_gone() {
     let (fleet, relay) = fleet_behind_relay_hosts(&[], &["--adoption-key-file", &keyed]);
     let (session, upstream_id) = session_and_upstream_id(&fleet, &relay);
     let record = adoption_record(&fleet.redis, &session);
-    assert!(record.contains(&format!("clear:{upstream_id}")), "{record:?}");
+    assert!(
+        record.contains(&format!("clear:{upstream_id}")),
+        "{record:?}"
+    );
     let pid = fleet.pid_of(&owner(&session));
     signal::send(pid, Signal::SIGKILL);
     signal::wait_until_gone(pid, WITHIN);
