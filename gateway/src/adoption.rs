@@ -190,7 +190,9 @@ pub fn guard_of(route: &str, principal: &str) -> String {
 /// The fleet's adoption keys: the first seals, every one opens (so a key can be
 /// rotated in before it seals, and out once no session it sealed is left). Without
 /// any key, upstream session ids are recorded in the clear and the directory is
-/// inside the trust boundary.
+/// inside the trust boundary. With keys, a record in the clear is refused
+/// ([`OpenError::NotSealed`]): it would let whoever can write to Redis hand this
+/// worker an upstream session id of their choosing, past the seal.
 #[derive(Default)]
 pub struct AdoptionKeys {
     keys: Vec<(String, LessSafeKey)>,
@@ -283,6 +285,9 @@ impl AdoptionKeys {
 
     fn open_with(&self, aad: &[u8], recorded: &str) -> Result<String, OpenError> {
         if let Some(clear) = recorded.strip_prefix("clear:") {
+            if !self.keys.is_empty() {
+                return Err(OpenError::NotSealed);
+            }
             return Ok(clear.to_owned());
         }
         let Some((id, sealed)) = recorded
@@ -318,6 +323,20 @@ pub enum OpenError {
     UnknownKey(String),
     /// Not a value a worker wrote for this session (or tampered with).
     Malformed,
+    /// In the clear, while this worker holds keys: written by a worker without the key
+    /// file, or by someone who can write to Redis.
+    NotSealed,
+}
+
+impl OpenError {
+    /// The `why` label of `mcpgw_adoptions_refused_total`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            OpenError::UnknownKey(_) => "key_unknown",
+            OpenError::Malformed => "record_unreadable",
+            OpenError::NotSealed => "record_not_sealed",
+        }
+    }
 }
 
 impl std::fmt::Display for OpenError {
@@ -331,6 +350,13 @@ impl std::fmt::Display for OpenError {
             OpenError::Malformed => {
                 f.write_str("its recorded upstream session id does not open for this session")
             }
+            OpenError::NotSealed => f.write_str(
+                "its recorded upstream session id is in the clear, but this worker has \
+                 adoption keys and records are sealed wherever keys are configured: it was \
+                 written by a worker without the key file or by someone who can write to \
+                 Redis, so it is not trusted and the session is not adopted (give every \
+                 worker the same --adoption-key-file)",
+            ),
         }
     }
 }
@@ -418,6 +444,45 @@ mod tests {
         let recorded = none.seal("sid", "u-1").expect("clear");
         assert_eq!(recorded, "clear:u-1");
         assert_eq!(none.open("sid", &recorded).as_deref(), Ok("u-1"));
+    }
+
+    #[test]
+    fn with_keys_a_record_in_the_clear_is_refused_and_says_why() {
+        let keyed = keys(K1);
+        let clear = AdoptionKeys::default()
+            .seal("sid", "forged-upstream-id")
+            .expect("clear");
+        let refused = keyed.open("sid", &clear).expect_err("refused");
+        assert_eq!(refused, OpenError::NotSealed);
+        assert_eq!(refused.label(), "record_not_sealed");
+        let why = refused.to_string();
+        assert!(
+            why.contains("in the clear") && why.contains("write to Redis"),
+            "{why}"
+        );
+        assert!(!why.contains("forged-upstream-id"), "{why}");
+        // A virtual server's member, likewise.
+        let member = MemberSession {
+            session_id: Some("forged".into()),
+            protocol_version: "2025-06-18".into(),
+        };
+        let clear_member = member_record(
+            "sid",
+            "demo",
+            Some(&member),
+            &serde_json::json!({}),
+            &AdoptionKeys::default(),
+        )
+        .expect("clear")
+        .session
+        .expect("an http member's session");
+        assert_eq!(
+            keyed.open_member("sid", "demo", &clear_member),
+            Err(OpenError::NotSealed)
+        );
+        // What the keys sealed still opens.
+        let sealed = keyed.seal("sid", "u").expect("seals");
+        assert_eq!(keyed.open("sid", &sealed).as_deref(), Ok("u"));
     }
 
     #[test]

@@ -318,7 +318,7 @@ impl SessionMetrics {
             adoptions_refused: add(
                 r,
                 "adoptions_refused",
-                "Sessions whose owner left them that could not continue here, by why (stdio, upstream_forgot, key_unknown, record_unreadable)",
+                "Sessions whose owner left them that could not continue here, by why (stdio, upstream_forgot, key_unknown, record_unreadable, record_not_sealed)",
                 Family::default(),
             ),
             replay_bytes: add(
@@ -367,7 +367,7 @@ impl FleetMetrics {
             directory_failovers: add(
                 r,
                 "directory_failovers",
-                "Redis failovers this worker saw (a new primary behind Sentinel) and re-asserted its lease and sessions after",
+                "Redis failovers this worker saw (a new primary, or a new replication id behind a plain URL) and re-asserted its lease and sessions after",
                 Counter::default(),
             ),
             lease_valid: add(

@@ -493,6 +493,34 @@ async fn check_primary(
     let addr = format!("{host}:{port}");
     let client =
         node_client(host, port, data_settings(credentials), tls, tcp).map_err(|e| e.to_string())?;
+    read_primary(client, addr, named_by, cfg, op_timeout).await
+}
+
+/// The server behind a plain URL (`redis://`, `rediss://`), checked to call itself
+/// master, with its replication id: behind a managed failover endpoint (one address, a
+/// replica promoted behind it) the address stays and the replication id changes.
+pub(crate) async fn standalone_primary(
+    client: &redis::Client,
+    op_timeout: Duration,
+) -> Result<Primary, String> {
+    let cfg = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(op_timeout))
+        .set_response_timeout(Some(op_timeout));
+    let addr = client.get_connection_info().addr().to_string();
+    read_primary(client.clone(), addr, "the Redis URL", &cfg, op_timeout)
+        .await
+        .map_err(|e| scrub(&e, password(client).as_deref()))
+}
+
+/// Asks `client`'s server for `INFO replication` and checks that it calls itself
+/// master.
+async fn read_primary(
+    client: redis::Client,
+    addr: String,
+    named_by: &str,
+    cfg: &redis::AsyncConnectionConfig,
+    op_timeout: Duration,
+) -> Result<Primary, String> {
     let asked = async {
         let mut c = client
             .get_multiplexed_async_connection_with_config(cfg)

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use common::{RedisServer, eventually_async, redis_conn};
 use mcpgw_mesh::directory::{
-    Claim, Directory, DirectoryConfig, DirectoryError, GoneHow, Lease, LeaseRenewal, SessionQuota,
-    WorkerInfo,
+    Claim, Directory, DirectoryConfig, DirectoryError, GoneHow, Lease, LeaseRenewal, Remembered,
+    SessionQuota, WorkerInfo,
 };
 
 fn config(server: &RedisServer, lease: Duration) -> DirectoryConfig {
@@ -1084,5 +1084,229 @@ async fn a_draining_owner_hands_over_only_its_own_http_sessions() {
             payload: "{}".into(),
             cause: AdoptCause::Drain
         }
+    );
+}
+
+/// A TCP relay on one address whose backend a test can change, dropping every
+/// connection it carries: a managed failover endpoint (one DNS name or virtual IP)
+/// behind which a replica is promoted.
+struct FailoverEndpoint {
+    port: u16,
+    backend: std::sync::Arc<std::sync::Mutex<u16>>,
+    carried: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+}
+
+impl FailoverEndpoint {
+    fn start(backend: u16) -> FailoverEndpoint {
+        use std::net::{TcpListener, TcpStream};
+        use std::sync::{Arc, Mutex};
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the endpoint");
+        let port = listener.local_addr().expect("endpoint address").port();
+        let backend = Arc::new(Mutex::new(backend));
+        let carried: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let (to, kept) = (backend.clone(), carried.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { continue };
+                let port = *to.lock().unwrap_or_else(|e| e.into_inner());
+                let Ok(server) = TcpStream::connect(("127.0.0.1", port)) else {
+                    continue;
+                };
+                let streams = (client.try_clone(), server.try_clone());
+                let (Ok(client_out), Ok(server_out)) = streams else {
+                    continue;
+                };
+                {
+                    let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
+                    for s in [&client, &server] {
+                        if let Ok(s) = s.try_clone() {
+                            kept.push(s);
+                        }
+                    }
+                }
+                std::thread::spawn(move || relay(client, server_out));
+                std::thread::spawn(move || relay(server, client_out));
+            }
+        });
+        FailoverEndpoint {
+            port,
+            backend,
+            carried,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// New connections go to `port`; every connection carried so far is cut.
+    fn move_to(&self, port: u16) {
+        *self.backend.lock().unwrap_or_else(|e| e.into_inner()) = port;
+        for s in self
+            .carried
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+fn relay(mut from: std::net::TcpStream, mut to: std::net::TcpStream) {
+    let _ = std::io::copy(&mut from, &mut to);
+    let _ = to.shutdown(std::net::Shutdown::Both);
+}
+
+/// A primary P and its replica R, in sync.
+fn primary_and_replica() -> (RedisServer, RedisServer) {
+    let primary = RedisServer::start();
+    let replica = RedisServer::start();
+    let port = primary.port.to_string();
+    assert_eq!(replica.command(&["REPLICAOF", "127.0.0.1", &port]), "OK");
+    mcpgw_testkit::eventually(WITHIN, || {
+        let info = replica.command(&["INFO", "replication"]);
+        if info.contains("master_link_status:up") {
+            Ok(())
+        } else {
+            Err(info)
+        }
+    });
+    (primary, replica)
+}
+
+/// The first answer of `remembered_session` once the directory answers at all (a
+/// call that meets the cut connection is "unknown", and so are those while the
+/// server behind the URL is checked).
+async fn first_answer(dir: &Directory, sid: &str) -> Remembered {
+    eventually_async(WITHIN, || async {
+        match dir.remembered_session(sid).await {
+            Ok(answer) => Ok(answer),
+            Err(e @ DirectoryError::Unavailable { .. }) => Err(e.to_string()),
+            Err(e) => panic!("{e:?}"),
+        }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_replica_promoted_behind_a_plain_url_makes_lost_records_unknown_not_absent() {
+    let (primary, replica) = primary_and_replica();
+    let endpoint = FailoverEndpoint::start(primary.port);
+    let dir = Directory::connect(DirectoryConfig {
+        redis_url: endpoint.url(),
+        ..config(&primary, LONG)
+    })
+    .await
+    .unwrap();
+    let lease = dir.register_worker("w", &info(), "a:1").await.unwrap();
+    // The replica holds the generation (and the lease) before it is cut off.
+    let generation_key = "t*st:generation";
+    eventually_async(WITHIN, || async {
+        match replica.get(generation_key) {
+            Some(g) if g == lease.generation() => Ok(()),
+            other => Err(format!("the replica holds generation {other:?}")),
+        }
+    })
+    .await;
+    // Asynchronous replication loses the newest write: the replica is cut off before
+    // the shared session is claimed on the primary.
+    assert_eq!(replica.command(&["REPLICAOF", "NO", "ONE"]), "OK");
+    assert_eq!(
+        dir.claim_remembered_session("shared", "w", None)
+            .await
+            .unwrap(),
+        Claim::Claimed
+    );
+    assert_eq!(
+        dir.remembered_session("shared").await.unwrap(),
+        Remembered::Owner("w".into())
+    );
+    assert_eq!(replica.get("t*st:pool_owner:shared"), None, "lost");
+
+    // The replica is promoted behind the same address.
+    endpoint.move_to(replica.port);
+
+    match first_answer(&dir, "shared").await {
+        Remembered::Absent {
+            generation,
+            rebuilt,
+            ..
+        } => {
+            assert!(
+                rebuilt && generation != lease.generation(),
+                "a record the promoted replica lost must not read as proven absent \
+                 (a settled generation, nobody rebuilt): generation {generation:?} \
+                 (registered under {:?}), rebuilt {rebuilt}",
+                lease.generation()
+            );
+        }
+        other => panic!("the promoted replica never held the record: {other:?}"),
+    }
+    assert_eq!(dir.failovers_seen(), 1);
+    assert!(dir.take_failover(), "the lease holder is told to re-assert");
+}
+
+#[tokio::test]
+async fn a_reconnection_to_the_same_server_behind_a_plain_url_is_no_failover() {
+    let (primary, _replica) = primary_and_replica();
+    let endpoint = FailoverEndpoint::start(primary.port);
+    let dir = Directory::connect(DirectoryConfig {
+        redis_url: endpoint.url(),
+        ..config(&primary, LONG)
+    })
+    .await
+    .unwrap();
+    dir.register_worker("w", &info(), "a:1").await.unwrap();
+    assert_eq!(
+        dir.claim_remembered_session("shared", "w", None)
+            .await
+            .unwrap(),
+        Claim::Claimed
+    );
+    // Every connection is cut; the same server answers behind the address.
+    endpoint.move_to(primary.port);
+    assert_eq!(
+        first_answer(&dir, "shared").await,
+        Remembered::Owner("w".into())
+    );
+    assert_eq!(dir.failovers_seen(), 0);
+    assert!(!dir.take_failover());
+}
+
+/// A primary restarted without persistence comes back empty under a new replication
+/// id: the directory counts it as a failover (the case to catch: everything it held is
+/// lost), besides the lost generation its owners notice at their next renewal.
+#[tokio::test]
+async fn a_plain_url_server_restarted_empty_is_marked_as_a_failover() {
+    let server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    let lease = dir.register_worker("w", &info(), "a:1").await.unwrap();
+    assert_eq!(
+        dir.claim_remembered_session("shared", "w", None)
+            .await
+            .unwrap(),
+        Claim::Claimed
+    );
+
+    server.restart_empty();
+
+    match first_answer(&dir, "shared").await {
+        Remembered::Absent {
+            generation,
+            rebuilt,
+            ..
+        } => assert!(
+            rebuilt && generation != lease.generation(),
+            "generation {generation:?}, rebuilt {rebuilt}"
+        ),
+        other => panic!("the restarted server is empty: {other:?}"),
+    }
+    assert_eq!(dir.failovers_seen(), 1);
+    assert!(dir.take_failover());
+    // The owner's next renewal learns the directory was lost, as before.
+    assert_eq!(
+        dir.renew_lease(&lease).await.unwrap(),
+        LeaseRenewal::DirectoryLost
     );
 }

@@ -896,6 +896,40 @@ fn a_worker_without_the_sealing_key_refuses_the_adoption_and_the_session_is_gone
     );
 }
 
+/// A record in the clear where keys are configured was written by a worker without the
+/// key file, or by anyone who can write to Redis: a keyed worker does not take an
+/// upstream session id from it.
+#[test]
+fn a_worker_with_keys_refuses_a_record_in_the_clear_and_the_session_is_gone() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let keyed = key_file(&dir, "b", &["3c".repeat(32)]);
+    let (fleet, relay) = fleet_behind_relay_hosts(&[], &["--adoption-key-file", &keyed]);
+    let (session, upstream_id) = session_and_upstream_id(&fleet, &relay);
+    let record = adoption_record(&fleet.redis, &session);
+    assert!(
+        record.contains(&format!("clear:{upstream_id}")),
+        "{record:?}"
+    );
+    let pid = fleet.pid_of(&owner(&session));
+    signal::send(pid, Signal::SIGKILL);
+    signal::wait_until_gone(pid, WITHIN);
+    let r = first_answer_after_the_kill(&fleet.b.addr, "/mcp", &session);
+    assert_eq!(
+        r.outcome(),
+        "404 session_gone",
+        "host-b does not take an upstream session id from a record in the clear: {}",
+        r.text()
+    );
+    assert_eq!(r.header(ADOPTED), None, "{:?}", r.headers);
+    assert_fleet_metric(
+        &fleet,
+        "mcpgw_adoptions_refused_total",
+        "why=\"record_not_sealed\"",
+        1,
+    );
+    assert_adoptions(&fleet, 0, 0);
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }

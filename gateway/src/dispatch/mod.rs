@@ -13,7 +13,7 @@ use http::HeaderValue;
 use mcpgw_mesh::directory::{AdoptCause, Adoption, DirectoryError};
 use tracing::{debug, info, warn};
 
-use crate::adoption::{OpenError, SessionRecord};
+use crate::adoption::SessionRecord;
 use crate::decision::forward::Unanswered;
 use crate::decision::{
     self, AfterForward, Decision, Known, SessionKind, Side, Situation, Standing, decide,
@@ -371,10 +371,7 @@ impl<'w> Router<'w> {
             return Ok(UpstreamLink::Http { session_id: None });
         };
         let opened = keys.open(sid, &recorded).map_err(|e| {
-            self.worker.metrics.adoption_refused(match e {
-                OpenError::UnknownKey(_) => "key_unknown",
-                OpenError::Malformed => "record_unreadable",
-            });
+            self.worker.metrics.adoption_refused(e.label());
             e.to_string()
         })?;
         let session_id = HeaderValue::from_str(&opened)

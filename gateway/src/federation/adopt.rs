@@ -22,7 +22,7 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use super::PROCESS_LEFT_BEHIND;
-use crate::adoption::{AdoptionKeys, MemberRecord, MemberTransport, OpenError};
+use crate::adoption::{AdoptionKeys, MemberRecord, MemberTransport};
 use crate::config::MemberConfig;
 use crate::execute::Executor;
 use crate::execute::streams::SessionStreams;
@@ -182,13 +182,7 @@ fn reconnect(
 ) -> Result<(UpstreamLink, HeaderValue), AdoptRefusal> {
     let opened = keys
         .open_member(session_id, &record.upstream, sealed)
-        .map_err(|e| {
-            let label = match e {
-                OpenError::UnknownKey(_) => "key_unknown",
-                OpenError::Malformed => "record_unreadable",
-            };
-            refusal(label, format!("member {}: {e}", record.upstream))
-        })?;
+        .map_err(|e| refusal(e.label(), format!("member {}: {e}", record.upstream)))?;
     let unreadable = || {
         refusal(
             "record_unreadable",

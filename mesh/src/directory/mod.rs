@@ -18,7 +18,7 @@
 //! | `{p}drain:{id}` | an operator asked this worker to drain (`mcpgw drain`); its next renewal tells it | PX two to three leases; deleted when the worker registers or deregisters |
 //! | `{p}session_state:{sid}` | `<state>\|<kind>\|<guard>\|<payload>`: what a session needs to continue on another worker ([`SessionState`]); state `live`, or `death`/`drain` once its owner left it for adoption | no TTL while owned; PX [`DirectoryConfig::adoptable_for`] once left |
 //! | `{p}session_seen:{sid}` | a remembered session (a 2026-07-28 principal's shared one) existed; the first lookup after its end takes it | no TTL while it lives; PX [`REMEMBER_ENDED`] from its end |
-//! | `{p}rebuilt` | a worker registered again after Redis lost its data, or saw a Sentinel failover | PX two leases |
+//! | `{p}rebuilt` | a worker registered again after Redis lost its data, or saw a failover (a new primary, or a new replication id behind the same address) | PX two leases |
 //! | `{p}failover_seen` | `master_replid` of the primary whose failover was marked (the generation was renewed once for it) | PX four leases |
 //!
 //! By concern: [`lease`] (registration, renewal, what a lease proves), [`sessions`]
@@ -38,6 +38,16 @@
 //! worker), so every key must live on one server: behind a Redis Cluster endpoint
 //! (`redis+cluster://`) the prefix carries a hash tag ([`hash_tagged`]) and the whole
 //! directory is one slot on one primary, followed like a Sentinel primary.
+//!
+//! Every server the directory talks to is followed by its replication id
+//! (`master_replid`), whatever the URL: behind Sentinel or a Cluster the primary is
+//! looked up again, and behind a plain URL (a managed failover endpoint, one address
+//! for whichever server is primary) the server reached after a reconnection is asked
+//! again. A new id means a promoted replica, or a server restarted without its data:
+//! writes it never received read as missing, so the failover is marked (see
+//! [`FAILOVER_LUA`]) before a missing record is judged, and a lookup that finds no
+//! record reports the id of the server that answered, so a server nobody checked yet
+//! never proves an absence.
 //!
 //! Every call is bounded by [`DirectoryConfig::op_timeout`]. A timeout or a connection
 //! failure is [`DirectoryError::Unavailable`]: the state is *unknown*, never "absent".
@@ -207,8 +217,8 @@ pub struct Directory {
 }
 
 struct Inner {
-    /// Behind Sentinel, the current primary's `master_replid` (a new one means a
-    /// failover).
+    /// The current primary's `master_replid` (a new one means a failover); `None` only
+    /// behind a plain URL whose server refused `INFO` at connect.
     replid: RwLock<Option<String>>,
     /// Multiplexed connection that reconnects by itself after connection errors. It is
     /// replaced after repeated timeouts (see [`STALE_AFTER_TIMEOUTS`]), and, behind
@@ -216,12 +226,18 @@ struct Inner {
     conn: RwLock<ConnectionManager>,
     /// Kept to build a replacement connection; behind Sentinel, the current primary's.
     client: RwLock<redis::Client>,
-    /// Set behind Sentinel or a Cluster: how to find the primary again.
+    /// How to find the primary again and learn its replication id; `None` only behind a
+    /// plain URL whose server refused `INFO` at connect.
     follow: Option<Follow>,
     /// What the connection reached, for `mcpgw status`.
     topology: RwLock<Topology>,
-    /// A lookup of the primary through the sentinels is running (one at a time).
+    /// A lookup of the primary is running (one at a time).
     following: AtomicBool,
+    /// The last lookup attempt failed (the server is unreachable or not a primary):
+    /// calls behind a plain URL stop waiting for it.
+    follow_failing: AtomicBool,
+    /// Wakes calls waiting for a lookup behind a plain URL to end.
+    followed: tokio::sync::Notify,
     /// Failovers this directory saw (the primary's replication id changed).
     failovers: AtomicU64,
     /// A failover was seen and the lease holder has not re-asserted its records yet.
@@ -245,9 +261,12 @@ struct Inner {
     observer: std::sync::OnceLock<Arc<dyn DirectoryObserver>>,
 }
 
-/// How a directory whose server can change finds its primary again.
+/// How a directory finds its primary again, and reads its replication id.
 #[derive(Clone)]
 enum Follow {
+    /// A plain URL: whatever server answers at that address (behind a managed
+    /// failover endpoint, a promoted replica after a failover).
+    Standalone(redis::Client),
     Sentinel(SentinelSpec),
     /// A Redis Cluster, and a key in the directory's one slot (every key carries the
     /// prefix's hash tag).
@@ -255,22 +274,23 @@ enum Follow {
 }
 
 impl Follow {
-    /// How to follow `target`'s primary (`None` for a standalone server). A cluster
-    /// keeps every key in one slot: the prefix takes a hash tag.
-    fn of(target: RedisTarget, cfg: &mut DirectoryConfig) -> Option<Self> {
+    /// How to follow `target`'s primary. A cluster keeps every key in one slot: the
+    /// prefix takes a hash tag.
+    fn of(target: RedisTarget, cfg: &mut DirectoryConfig) -> Self {
         match target {
-            RedisTarget::Standalone(_) => None,
-            RedisTarget::Sentinel(spec) => Some(Follow::Sentinel(spec)),
+            RedisTarget::Standalone(client) => Follow::Standalone(client),
+            RedisTarget::Sentinel(spec) => Follow::Sentinel(spec),
             RedisTarget::Cluster(spec) => {
                 cfg.prefix = hash_tagged(&cfg.prefix);
                 let key = format!("{}generation", cfg.prefix);
-                Some(Follow::Cluster(spec, key))
+                Follow::Cluster(spec, key)
             }
         }
     }
 
     async fn resolve(&self, op_timeout: Duration) -> Result<redis_conn::Primary, String> {
         match self {
+            Follow::Standalone(client) => redis_conn::standalone_primary(client, op_timeout).await,
             Follow::Sentinel(spec) => redis_conn::resolve_primary(spec, op_timeout, None).await,
             Follow::Cluster(spec, key) => {
                 redis_conn::resolve_slot_primary(spec, key, op_timeout).await
@@ -280,6 +300,7 @@ impl Follow {
 
     fn topology(&self, primary: &redis_conn::Primary) -> Topology {
         match self {
+            Follow::Standalone(_) => Topology::Standalone,
             Follow::Sentinel(spec) => Topology::Sentinel {
                 name: spec.name.clone(),
                 primary: primary.addr.clone(),
@@ -295,6 +316,7 @@ impl Follow {
     /// Where the primary is looked up, for errors.
     fn source(&self) -> String {
         match self {
+            Follow::Standalone(_) => "behind the Redis URL".into(),
             Follow::Sentinel(spec) => format!("named {:?} through Sentinel", spec.name),
             Follow::Cluster(..) => "of the directory's slot in the Redis Cluster".into(),
         }
@@ -302,6 +324,7 @@ impl Follow {
 
     fn secrets(&self) -> Vec<String> {
         match self {
+            Follow::Standalone(client) => redis_conn::password(client).into_iter().collect(),
             Follow::Sentinel(spec) => spec.secrets(),
             Follow::Cluster(spec, _) => spec.secrets(),
         }
@@ -485,10 +508,6 @@ impl Directory {
         check_timing(&cfg)?;
         let target = redis_conn::parse_target(&cfg.redis_url, None)
             .map_err(DirectoryError::InvalidConfig)?;
-        let target_client = match &target {
-            RedisTarget::Standalone(client) => Some(client.clone()),
-            _ => None,
-        };
         let manager_cfg = ConnectionManagerConfig::new()
             // Each (re)connection attempt and each response is bounded inside redis-rs
             // too, so a reconnect never hangs on a frozen server; our own timeout below
@@ -501,30 +520,37 @@ impl Directory {
             reason,
         };
         let follow = Follow::of(target, &mut cfg);
-        let (client, topology, secrets, replid) = match (&follow, target_client) {
-            (None, Some(client)) => {
-                let secrets = redis_conn::password(&client).into_iter().collect();
-                (client, Topology::Standalone, secrets, None)
-            }
-            (Some(follow), _) => {
-                let primary = first_primary(follow, &cfg).await.map_err(connect_error)?;
+        let secrets = follow.secrets();
+        let (client, topology, replid) = match &follow {
+            // A plain URL: first waited for as it is, then asked for its replication id.
+            Follow::Standalone(client) => (client.clone(), Topology::Standalone, None),
+            _ => {
+                let primary = first_primary(&follow, &cfg).await.map_err(connect_error)?;
                 let topology = follow.topology(&primary);
-                (
-                    primary.client,
-                    topology,
-                    follow.secrets(),
-                    Some(primary.replid),
-                )
-            }
-            (None, None) => {
-                return Err(DirectoryError::InvalidConfig(
-                    "the Redis URL names no server".into(),
-                ));
+                (primary.client, topology, Some(primary.replid))
             }
         };
         let conn = connect_first(&client, &manager_cfg, &cfg)
             .await
             .map_err(|reason| connect_error(scrub_all(&reason, &secrets)))?;
+        let (follow, replid) = match follow {
+            Follow::Standalone(_) => {
+                match redis_conn::standalone_primary(&client, cfg.op_timeout).await {
+                    Ok(primary) => (Some(follow), Some(primary.replid)),
+                    Err(why) => {
+                        tracing::warn!(
+                            redis = %url,
+                            error = %why,
+                            "cannot read the Redis server's replication id (INFO replication): \
+                             a replica promoted behind this URL would not be noticed, and a \
+                             record it lost would read as absent"
+                        );
+                        (None, None)
+                    }
+                }
+            }
+            _ => (Some(follow), replid),
+        };
         Ok(Self {
             inner: Arc::new(Inner {
                 replid: RwLock::new(replid),
@@ -533,6 +559,8 @@ impl Directory {
                 follow,
                 topology: RwLock::new(topology),
                 following: AtomicBool::new(false),
+                follow_failing: AtomicBool::new(false),
+                followed: tokio::sync::Notify::new(),
                 failovers: AtomicU64::new(0),
                 failover_pending: AtomicBool::new(false),
                 failover_notify: tokio::sync::Notify::new(),
@@ -562,7 +590,9 @@ impl Directory {
         self.inner.topology.read().clone()
     }
 
-    /// How many failovers (a new primary behind Sentinel) this directory saw.
+    /// How many failovers this directory saw: a new primary (behind Sentinel or a
+    /// Cluster), or a new replication id behind the same address (a replica promoted
+    /// behind a plain URL's failover endpoint, or a server restarted without its data).
     pub fn failovers_seen(&self) -> u64 {
         self.inner.failovers.load(Ordering::Relaxed)
     }
@@ -592,14 +622,17 @@ impl Directory {
         }
     }
 
-    /// Behind Sentinel, looks the primary up again in the background (one lookup at a
-    /// time), after a call found the connection broken or the server read-only. A
-    /// new primary is marked as a failover (see [`FAILOVER_LUA`]) before any call is
-    /// sent to it, so no worker judges a record it may have lost as absent.
+    /// Looks the primary up again in the background (one lookup at a time), after a
+    /// call found the connection broken, the server read-only or answering under
+    /// another replication id. A new primary is marked as a failover (see
+    /// [`FAILOVER_LUA`]) before any call is sent to it (behind a plain URL, calls wait
+    /// for the lookup: see [`Directory::wait_for_lookup`]), so no worker judges a
+    /// record it may have lost as absent.
     fn follow_primary(&self) {
         if self.inner.follow.is_none() || self.inner.following.swap(true, Ordering::AcqRel) {
             return;
         }
+        self.inner.follow_failing.store(false, Ordering::Release);
         let weak = Arc::downgrade(&self.inner);
         tokio::spawn(async move {
             loop {
@@ -607,10 +640,14 @@ impl Directory {
                 let dir = Directory { inner };
                 match dir.try_follow().await {
                     Ok(()) => {
+                        dir.inner.follow_failing.store(false, Ordering::Release);
                         dir.inner.following.store(false, Ordering::Release);
+                        dir.inner.followed.notify_waiters();
                         return;
                     }
                     Err(why) => {
+                        dir.inner.follow_failing.store(true, Ordering::Release);
+                        dir.inner.followed.notify_waiters();
                         tracing::warn!(redis = %dir.inner.url, error = %why, "looking up the Redis primary again failed; retrying");
                     }
                 }
@@ -620,8 +657,9 @@ impl Directory {
         });
     }
 
-    /// One lookup: if the sentinels name a different primary (or the same one with a
-    /// new replication id), mark the failover there and switch to it.
+    /// One lookup: if the sentinels (the cluster, the plain URL) name a different
+    /// primary, or the same one with a new replication id, mark the failover there and
+    /// switch to it.
     async fn try_follow(&self) -> Result<(), String> {
         let Some(follow) = &self.inner.follow else {
             return Ok(());
@@ -672,10 +710,10 @@ impl Directory {
         {
             let mut client = self.inner.client.write();
             *self.inner.conn.write() = conn;
+            *self.inner.replid.write() = Some(primary.replid);
             *client = primary.client;
         }
         *self.inner.topology.write() = topology;
-        *self.inner.replid.write() = Some(primary.replid);
         self.inner.failovers.fetch_add(1, Ordering::Relaxed);
         self.inner.failover_pending.store(true, Ordering::Release);
         self.inner.failover_notify.notify_waiters();
@@ -700,8 +738,22 @@ impl Directory {
     {
         let timeout = self.inner.cfg.op_timeout;
         let started = tokio::time::Instant::now();
+        let deadline = started + timeout;
+        if !self.wait_for_lookup(deadline).await {
+            if let Some(observer) = self.inner.observer.get() {
+                observer.observe(op, started.elapsed(), false);
+            }
+            return Err(DirectoryError::Unavailable {
+                url: self.inner.url.clone(),
+                op,
+                reason: format!(
+                    "did not answer within {timeout:?}: the server behind the URL was still \
+                     being asked for its replication id after a reconnection"
+                ),
+            });
+        }
         let fut = f(self.connection(), &self.inner.scripts);
-        let result = tokio::time::timeout(timeout, fut).await;
+        let result = tokio::time::timeout_at(deadline, fut).await;
         if let Some(observer) = self.inner.observer.get() {
             observer.observe(op, started.elapsed(), matches!(result, Ok(Ok(_))));
         }
@@ -735,6 +787,54 @@ impl Directory {
                 reason: format!("did not answer within {timeout:?}"),
             }),
         }
+    }
+
+    /// Behind a plain URL, waits (until `deadline`) while the server is asked for its
+    /// replication id after a broken connection: the connection manager reconnects to
+    /// whatever answers at the address, and a promoted replica must be marked as a
+    /// failover before a call reads it. A lookup whose last attempt failed (the server
+    /// is unreachable, frozen or not a primary) is not waited for: the call meets the
+    /// same failure, or answers from a server whose missing records
+    /// [`Directory::check_absence`] does not take as proof. False if the deadline came
+    /// first.
+    async fn wait_for_lookup(&self, deadline: tokio::time::Instant) -> bool {
+        if !matches!(self.inner.follow, Some(Follow::Standalone(_))) {
+            return true;
+        }
+        let ended = async {
+            loop {
+                let woken = self.inner.followed.notified();
+                if !self.inner.following.load(Ordering::Acquire)
+                    || self.inner.follow_failing.load(Ordering::Acquire)
+                {
+                    return;
+                }
+                woken.await;
+            }
+        };
+        tokio::time::timeout_at(deadline, ended).await.is_ok()
+    }
+
+    /// Checks that a lookup which found no record was answered by the primary this
+    /// directory follows (`answered_by`: the replication id the script read, '' if the
+    /// server refused `INFO`). Another id is a failover not marked yet (the connection
+    /// reached a promoted replica before the lookup of the primary did): the absence
+    /// proves nothing, the lookup is started, and the answer is unknown.
+    fn check_absence(&self, op: &'static str, answered_by: &str) -> Result<(), DirectoryError> {
+        let known = self.known_replid();
+        let unmarked = !answered_by.is_empty() && known.is_some_and(|k| k != answered_by);
+        if !unmarked {
+            return Ok(());
+        }
+        self.follow_primary();
+        Err(DirectoryError::Unavailable {
+            url: self.inner.url.clone(),
+            op,
+            reason: "answered by a Redis server with another replication id than the \
+                     primary followed (a failover not marked yet): a missing record \
+                     proves nothing"
+                .into(),
+        })
     }
 
     fn connection(&self) -> ConnectionManager {
@@ -865,7 +965,10 @@ impl Directory {
     /// The primary this directory follows (`host:port`), or '' for a standalone Redis
     /// (nothing to disagree about).
     fn followed_primary(&self) -> String {
-        if self.inner.follow.is_none() {
+        if !matches!(
+            self.inner.follow,
+            Some(Follow::Sentinel(_) | Follow::Cluster(..))
+        ) {
             return String::new();
         }
         self.inner

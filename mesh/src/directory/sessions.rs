@@ -236,7 +236,7 @@ impl Directory {
     /// ended (told to this caller alone: the marker is taken), or nothing.
     pub async fn remembered_session(&self, sid: &str) -> Result<Remembered, DirectoryError> {
         check_name("session id", sid)?;
-        let (kind, value, age, rebuilt): (String, String, i64, i64) = self
+        let (kind, value, age, rebuilt, answered_by): (String, String, i64, i64, String) = self
             .run("remembered_session", |mut c, s| async move {
                 s.remembered
                     .key(self.key_pool_owner(sid))
@@ -252,11 +252,14 @@ impl Directory {
             "owner" => Remembered::Owner(value),
             "ended" => Remembered::Ended,
             "adoptable" => Remembered::Adoptable,
-            _ => Remembered::Absent {
-                generation: value,
-                generation_age: Duration::from_millis(u64::try_from(age).unwrap_or(0)),
-                rebuilt: rebuilt == 1,
-            },
+            _ => {
+                self.check_absence("remembered_session", &answered_by)?;
+                Remembered::Absent {
+                    generation: value,
+                    generation_age: Duration::from_millis(u64::try_from(age).unwrap_or(0)),
+                    rebuilt: rebuilt == 1,
+                }
+            }
         })
     }
 
@@ -289,7 +292,7 @@ impl Directory {
         if check_name("session id", sid).is_err() {
             return Ok(Recorded::Never);
         }
-        let (kind, value, age, rebuilt): (String, String, i64, i64) = self
+        let (kind, value, age, rebuilt, answered_by): (String, String, i64, i64, String) = self
             .run("recorded_owner", |mut c, s| async move {
                 s.recorded_owner
                     .key(self.key_pool_owner(sid))
@@ -301,11 +304,14 @@ impl Directory {
             .await?;
         Ok(match kind.as_str() {
             "owner" => Recorded::Owner(value),
-            _ => Recorded::Absent {
-                generation: value,
-                generation_age: Duration::from_millis(u64::try_from(age).unwrap_or(0)),
-                rebuilt: rebuilt == 1,
-            },
+            _ => {
+                self.check_absence("recorded_owner", &answered_by)?;
+                Recorded::Absent {
+                    generation: value,
+                    generation_age: Duration::from_millis(u64::try_from(age).unwrap_or(0)),
+                    rebuilt: rebuilt == 1,
+                }
+            }
         })
     }
 
@@ -642,30 +648,35 @@ return 0
 }
 
 /// KEYS: pool_owner, session_seen, generation, rebuilt, session_state.
-/// {'owner', id, 0, 0} while recorded; {'adoptable', '', 0, 0} when its owner
-/// left it for adoption and it can continue; {'ended', '', 0, 0} when it ended
-/// and this call is the first to learn it (the marker is taken, so only one
-/// caller fleet-wide is told); else {'absent', generation or '', generation
-/// age ms, rebuilt 0/1}.
+/// {'owner', id, 0, 0, ''} while recorded; {'adoptable', '', 0, 0, ''} when its
+/// owner left it for adoption and it can continue; {'ended', '', 0, 0, ''} when it
+/// ended and this call is the first to learn it (the marker is taken, so only one
+/// caller fleet-wide is told); else {'absent', generation or '', generation age ms,
+/// rebuilt 0/1, replication id}.
 /// `absent(generation key, rebuilt key)`: the answer of a lookup that found no record,
-/// with what the directory's generation says of that absence.
+/// with what the directory's generation says of that absence and the replication id of
+/// the server that answered ('' if it refuses `INFO`), so that a promoted replica not
+/// yet marked as a failover is not taken for the primary that held the record.
 const ABSENT_LUA: &str = r#"
 local function absent(generation_key, rebuilt_key)
   local rebuilt = redis.call('EXISTS', rebuilt_key)
+  local info = redis.pcall('INFO', 'replication')
+  local replid = ''
+  if type(info) == 'string' then replid = string.match(info, 'master_replid:(%w+)') or '' end
   local g = redis.call('GET', generation_key)
-  if not g then return {'absent', '', 0, rebuilt} end
-  return {'absent', g, generation_age(g), rebuilt}
+  if not g then return {'absent', '', 0, rebuilt, replid} end
+  return {'absent', g, generation_age(g), rebuilt, replid}
 end
 "#;
 
-/// KEYS: pool_owner, generation, rebuilt. Returns {'owner', id, 0, 0} or
-/// {'absent', generation or '', its age in ms, rebuilt 0|1}.
+/// KEYS: pool_owner, generation, rebuilt. Returns {'owner', id, 0, 0, ''} or
+/// {'absent', generation or '', its age in ms, rebuilt 0|1, replication id}.
 pub(super) fn recorded_owner() -> Script {
     Script::new(&format!(
         r#"{GEN_LUA}
 {ABSENT_LUA}
 local owner = redis.call('GET', KEYS[1])
-if owner then return {{'owner', owner, 0, 0}} end
+if owner then return {{'owner', owner, 0, 0, ''}} end
 return absent(KEYS[2], KEYS[3])
 "#
     ))
@@ -676,14 +687,14 @@ pub(super) fn remembered() -> Script {
         r#"{GEN_LUA}
 {ABSENT_LUA}
 local owner = redis.call('GET', KEYS[1])
-if owner then return {{'owner', owner, 0, 0}} end
+if owner then return {{'owner', owner, 0, 0, ''}} end
 local state = redis.call('GET', KEYS[5])
 if state and string.match(state, '^%a+|http|') and string.sub(state, 1, 5) ~= 'live|' then
-  return {{'adoptable', '', 0, 0}}
+  return {{'adoptable', '', 0, 0, ''}}
 end
 if redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('DEL', KEYS[2])
-  return {{'ended', '', 0, 0}}
+  return {{'ended', '', 0, 0, ''}}
 end
 return absent(KEYS[3], KEYS[4])
 "#
