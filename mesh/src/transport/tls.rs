@@ -241,12 +241,10 @@ const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// How long before a connection's retirement its replacement is dialled: two connect
 /// timeouts (a handshake that times out, and its retry), at most half the maximum age.
+/// Without a maximum age a connection is never replaced (only closed when the peer's
+/// certificate expires), so there is no lead.
 pub(crate) fn renewal_lead(max_age: Duration, connect_timeout: Duration) -> Duration {
-    let lead = connect_timeout.saturating_mul(2);
-    match max_age.is_zero() {
-        true => lead,
-        false => lead.min(max_age / 2),
-    }
+    connect_timeout.saturating_mul(2).min(max_age / 2)
 }
 
 impl ConnectionLife {
@@ -297,4 +295,38 @@ impl ConnectionLife {
 /// anyway. Zero: no limit.
 pub fn hard_age(max_age: Duration) -> Duration {
     max_age + max_age / 2
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replacement_is_dialled_ahead_and_retirement_stays_at_the_maximum_age() {
+        let year = SystemTime::now() + Duration::from_secs(365 * 24 * 3600);
+        let (age, connect) = (Duration::from_secs(600), Duration::from_secs(2));
+        let lead = renewal_lead(age, connect);
+        assert_eq!(lead, Duration::from_secs(4), "two connect timeouts");
+        let before = Instant::now();
+        let life = ConnectionLife::starting_now(age, year, lead);
+        assert_eq!(life.retire_at - life.renew_at, lead);
+        assert!(
+            life.retire_at >= before + age,
+            "retired at the maximum age, as before"
+        );
+        assert!(!life.renew_due() && !life.retire_due());
+        // Short ages: at most half an age ahead; no age: never replaced.
+        assert_eq!(
+            renewal_lead(Duration::from_secs(3), connect),
+            Duration::from_millis(1500)
+        );
+        assert_eq!(renewal_lead(Duration::ZERO, connect), Duration::ZERO);
+        let forever = ConnectionLife::starting_now(Duration::ZERO, year, Duration::ZERO);
+        assert_eq!(forever.renew_at, forever.retire_at);
+        // A certificate ending before the age: replaced ahead of its end.
+        let soon = SystemTime::now() + Duration::from_secs(60);
+        let life = ConnectionLife::starting_now(age, soon, lead);
+        assert!(life.retire_at <= life.close_at);
+        assert_eq!(life.retire_at - life.renew_at, lead);
+    }
 }
