@@ -1065,14 +1065,14 @@ async fn a_draining_owner_hands_over_only_its_own_http_sessions() {
             .unwrap();
     }
     dir.claim_session("plain", "drainer", None).await.unwrap();
-    assert!(!dir.hand_over_session("h", "other", None).await.unwrap());
-    assert!(!dir.hand_over_session("s", "drainer", None).await.unwrap());
+    assert!(!dir.hand_over_session("h", "other").await.unwrap());
+    assert!(!dir.hand_over_session("s", "drainer").await.unwrap());
     assert!(
-        !dir.hand_over_session("plain", "drainer", None)
+        !dir.hand_over_session("plain", "drainer")
             .await
             .unwrap()
     );
-    assert!(dir.hand_over_session("h", "drainer", None).await.unwrap());
+    assert!(dir.hand_over_session("h", "drainer").await.unwrap());
     assert_eq!(dir.session_owner("h").await.unwrap(), None);
     assert_eq!(
         dir.worker_sessions("drainer").await.unwrap(),
