@@ -539,6 +539,44 @@ mod tests {
         );
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_session_in_transit_is_not_entered_and_its_waiters_go_on_when_it_ends() {
+        let registry = SessionRegistry::default();
+        registry.insert(session("s"));
+        let transit = registry.begin_transit("s").expect("no move under way");
+        assert!(registry.begin_transit("s").is_none(), "one move at a time");
+        assert!(
+            registry.enter("s").is_none(),
+            "no exchange enters a moving session"
+        );
+        let waiting = registry.wait_transit("s", Duration::from_secs(10));
+        tokio::pin!(waiting);
+        assert!(futures_util::poll!(waiting.as_mut()).is_pending());
+        drop(transit);
+        assert!(waiting.await, "a move was under way");
+        assert!(registry.enter("s").is_some(), "entered once the move ended");
+        assert!(!registry.wait_transit("s", Duration::from_secs(10)).await);
+        // A move that does not end in time: the waiter goes on after the bound.
+        let _stuck = registry.begin_transit("s").expect("no move under way");
+        let started = tokio::time::Instant::now();
+        assert!(registry.wait_transit("s", Duration::from_secs(3)).await);
+        assert_eq!(started.elapsed(), Duration::from_secs(3));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn unused_resolves_once_the_last_exchange_in_the_session_ends() {
+        let registry = SessionRegistry::default();
+        let held = registry.insert(session("s"));
+        let (first, second) = (registry.enter("s"), registry.enter("s"));
+        let unused = held.unused();
+        tokio::pin!(unused);
+        assert!(futures_util::poll!(unused.as_mut()).is_pending());
+        drop(first);
+        assert!(futures_util::poll!(unused.as_mut()).is_pending());
+        drop(second);
+        unused.await;
+    }
+
     #[test]
     fn a_second_insert_of_a_live_id_returns_the_first() {
         let registry = SessionRegistry::default();

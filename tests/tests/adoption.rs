@@ -1196,11 +1196,13 @@ fn a_request_on_a_third_worker_during_an_adoption_is_never_told_gone() {
         .expect("an answer from host-c");
     let adopted = adopting.join().expect("the adopting request's thread");
     assert_eq!(adopted.status, 200, "{}", adopted.text());
-    assert_eq!(adopted.header(ADOPTED), Some("death"), "{:?}", adopted.headers);
     assert_eq!(
-        adopted.header("mcpgw-owner-worker"),
-        Some(adopter.as_str())
+        adopted.header(ADOPTED),
+        Some("death"),
+        "{:?}",
+        adopted.headers
     );
+    assert_eq!(adopted.header("mcpgw-owner-worker"), Some(adopter.as_str()));
     match during.outcome().as_str() {
         "200" => assert_eq!(
             during.header("mcpgw-owner-worker"),
@@ -1209,7 +1211,11 @@ fn a_request_on_a_third_worker_during_an_adoption_is_never_told_gone() {
             during.headers
         ),
         "503 ownership_unknown" => {
-            assert!(during.header("retry-after").is_some(), "{:?}", during.headers);
+            assert!(
+                during.header("retry-after").is_some(),
+                "{:?}",
+                during.headers
+            );
         }
         other => panic!(
             "a request during the adoption runs in the session or is refused as \
@@ -1285,10 +1291,16 @@ fn a_drain_hands_a_session_over_only_after_the_calls_running_in_it() {
         match r.outcome().as_str() {
             "200" => Ok(r),
             "503 ownership_unknown" => Err(r.outcome()),
-            other => panic!("served or told to retry, never an error: {other}: {}", r.text()),
+            other => panic!(
+                "served or told to retry, never an error: {other}: {}",
+                r.text()
+            ),
         }
     });
-    let slow = slow.join().expect("the slow call's thread").expect("an answer");
+    let slow = slow
+        .join()
+        .expect("the slow call's thread")
+        .expect("an answer");
     assert_eq!(slow.status, 200, "the slow call finished: {}", slow.text());
     assert_eq!(next.expect_tool_text(), "2", "the counter goes on exactly");
     eprintln!(

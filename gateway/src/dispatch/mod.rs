@@ -207,10 +207,9 @@ impl<'w> Router<'w> {
                 self.run_adopted(fleet, call, &payload, Some(cause), transit)
                     .await,
             ),
-            Ok(Adoption::AlreadyOwned { payload }) => AdoptionOutcome::Ran(
-                self.run_adopted(fleet, call, &payload, None, transit)
-                    .await,
-            ),
+            Ok(Adoption::AlreadyOwned { payload }) => {
+                AdoptionOutcome::Ran(self.run_adopted(fleet, call, &payload, None, transit).await)
+            }
             Ok(Adoption::OwnedBy(owner)) if owner != self.worker.id => {
                 if let Some(forwarder) = forwarder {
                     forwarder.remember_moved(&sid, &owner);
@@ -266,10 +265,7 @@ impl<'w> Router<'w> {
     /// not held here gets).
     ///
     /// [`SessionRegistry::begin_transit`]: crate::session::SessionRegistry::begin_transit
-    async fn begin_adoption(
-        &self,
-        sid: &str,
-    ) -> Result<Transit<'w>, Option<SessionUse>> {
+    async fn begin_adoption(&self, sid: &str) -> Result<Transit<'w>, Option<SessionUse>> {
         let sessions = &self.worker.sessions;
         if let Some(transit) = sessions.begin_transit(sid) {
             return Ok(transit);

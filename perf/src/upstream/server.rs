@@ -232,8 +232,7 @@ impl Upstream {
                     self.stats.record_during_sleep();
                 }
                 let reply = self.execute(Era::Legacy, method, params, Some(&session));
-                let _sleeping =
-                    matches!(reply, Reply::Sleep(_)).then(|| session.begin_sleep());
+                let _sleeping = matches!(reply, Reply::Sleep(_)).then(|| session.begin_sleep());
                 if let Some(delay) = self.ping_delay.filter(|_| method == "ping") {
                     tokio::time::sleep(delay).await;
                 }
