@@ -1203,6 +1203,7 @@ fn a_request_on_a_third_worker_during_an_adoption_is_never_told_gone() {
         adopted.headers
     );
     assert_eq!(adopted.header("mcpgw-owner-worker"), Some(adopter.as_str()));
+    eprintln!("during the adoption, host-c answered {}", during.outcome());
     match during.outcome().as_str() {
         "200" => assert_eq!(
             during.header("mcpgw-owner-worker"),

@@ -189,8 +189,16 @@ impl<'w> Router<'w> {
         // recorded as its owner) wait for it instead of hearing "not mine".
         let transit = match self.begin_adoption(&sid).await {
             Ok(transit) => transit,
-            Err(held) => {
-                return AdoptionOutcome::Ran(self.executor().execute_held(call, held).await);
+            Err(Some(held)) => {
+                return AdoptionOutcome::Ran(self.executor().execute_held(call, Some(held)).await);
+            }
+            // The other adoption failed, or outlasted the wait: nothing ran.
+            Err(None) => {
+                return AdoptionOutcome::Ran(Err(self.refuse(
+                    &Situation::Unknown,
+                    "another request on this worker was adopting it and did not finish",
+                    call.id(),
+                )));
             }
         };
         match self
@@ -261,8 +269,7 @@ impl<'w> Router<'w> {
     /// Records an adoption of `sid` as under way here ([`SessionRegistry::begin_transit`]).
     /// When another request is adopting it here already, waits for that one instead:
     /// `Err` with the session held, to run the call in (`None`: that adoption failed,
-    /// or is still under way after the wait; the call then gets the refusal a session
-    /// not held here gets).
+    /// or is still under way after the wait).
     ///
     /// [`SessionRegistry::begin_transit`]: crate::session::SessionRegistry::begin_transit
     async fn begin_adoption(&self, sid: &str) -> Result<Transit<'w>, Option<SessionUse>> {
