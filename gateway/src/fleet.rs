@@ -82,12 +82,7 @@ impl Fleet {
         session: &Session,
         initialize: Option<&serde_json::Value>,
     ) -> Result<(), ClaimError> {
-        let quota = self.config.limits.session_quota(&session.quota_key);
-        let quota = (quota > 0).then_some(SessionQuota {
-            key: &session.quota_key,
-            limit: quota,
-            ttl: self.config.limits.session_idle_timeout * 2,
-        });
+        let quota = self.session_quota(&session.quota_key);
         let (kind, guard, payload) = self.adoption_record(session, initialize)?;
         let state = kind.map(|kind| SessionState {
             kind,
@@ -107,6 +102,18 @@ impl Fleet {
             Ok(Claim::Taken) => Err(ClaimError::Collision),
             Err(e) => Err(ClaimError::DirectoryUnavailable(e.to_string())),
         }
+    }
+
+    /// The fleet-wide session quota of `quota_key` (see
+    /// [`crate::request::Call::quota_key`]), counted in the directory as a session is
+    /// claimed or adopted; `None` when it has none.
+    pub fn session_quota<'k>(&self, quota_key: &'k str) -> Option<SessionQuota<'k>> {
+        let limit = self.config.limits.session_quota(quota_key);
+        (limit > 0).then_some(SessionQuota {
+            key: quota_key,
+            limit,
+            ttl: self.config.limits.session_idle_timeout * 2,
+        })
     }
 
     /// What the directory records for `session` so another worker can adopt it (see

@@ -318,7 +318,7 @@ impl SessionMetrics {
             adoptions_refused: add(
                 r,
                 "adoptions_refused",
-                "Sessions whose owner left them that could not continue here, by why (stdio, upstream_forgot, key_unknown, record_unreadable, record_not_sealed)",
+                "Sessions whose owner left them that could not continue here, by why (stdio, upstream_forgot, key_unknown, record_unreadable, record_not_sealed, quota)",
                 Family::default(),
             ),
             replay_bytes: add(

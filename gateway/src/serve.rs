@@ -283,9 +283,10 @@ async fn decide_stop(
 }
 
 /// The drain, once the public port is closed and its exchanges are done. Sessions that
-/// can continue elsewhere are handed over first, while the mesh still takes requests:
-/// from then on a forwarded request for one is answered "not mine", and its edge
-/// adopts it, so no client sees an error (exchanges already running here finish).
+/// can continue elsewhere are handed over first, while the mesh still takes requests,
+/// each once the forwarded calls running in it finished (requests arriving meanwhile
+/// wait): from then on a forwarded request for one is answered "not mine", and its
+/// edge adopts it, so no client sees an error and no two workers act for it at once.
 /// Then forwarded requests in flight finish; only then do the other sessions end
 /// (upstream and in the directory), so later requests for them get a fast "gone".
 async fn drain(
@@ -382,9 +383,11 @@ enum Ending {
 }
 
 /// Leaves `session` for another worker to adopt instead of ending it, when its state
-/// lives in its HTTP upstream: it leaves this worker (its streams end; exchanges still
-/// running finish) and its record waits in the directory for the session's next
-/// request. False when it cannot continue elsewhere, or the directory did not take it:
+/// lives in its HTTP upstream. Only once no call of it runs here: from the moment the
+/// move begins no exchange enters it (requests for it wait for the move, then go to the
+/// adopter), its streams end, and the calls still running in it finish first, so the
+/// adopter never acts while this worker still does. False when it cannot continue
+/// elsewhere, its calls ran past the drain's grace, or the directory did not take it:
 /// then it is ended as before.
 async fn hand_over(worker: &Worker, session: &Session) -> bool {
     let Some(fleet) = worker.fleet() else {
@@ -393,14 +396,24 @@ async fn hand_over(worker: &Worker, session: &Session) -> bool {
     if fleet.adoption.is_none() || !session.link.continues_elsewhere() {
         return false;
     }
-    match fleet
+    let Some(transit) = worker.sessions.begin_transit(&session.id) else {
+        return false;
+    };
+    session.streams.close();
+    if tokio::time::timeout(DRAIN_GRACE, session.unused())
+        .await
+        .is_err()
+    {
+        warn!(session = %session.tag, "calls still running in the session at the drain deadline; ending it");
+        return false;
+    }
+    let handed_over = match fleet
         .directory
-        .hand_over_session(&session.id, &worker.id, Some(&session.quota_key))
+        .hand_over_session(&session.id, &worker.id)
         .await
     {
         Ok(true) => {
             worker.sessions.remove(&session.id);
-            session.streams.close();
             true
         }
         Ok(false) => false,
@@ -408,7 +421,11 @@ async fn hand_over(worker: &Worker, session: &Session) -> bool {
             warn!(session = %session.tag, error = %e, "could not hand the session over; ending it");
             false
         }
-    }
+    };
+    // Requests that waited for the move go on now: to the adopter, or (not handed
+    // over) here until the session ends.
+    drop(transit);
+    handed_over
 }
 
 /// Sessions a drain ends at once: each may wait on Redis and the upstream.

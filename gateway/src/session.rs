@@ -56,8 +56,11 @@ pub struct Session {
     /// When a request last used the session (idle expiry).
     last_activity: parking_lot::Mutex<Instant>,
     /// Exchanges running in the session right now (requests being answered, held GET
-    /// streams): a session in use never expires.
+    /// streams): a session in use never expires, and is never handed over.
     in_use: AtomicUsize,
+    /// Woken when the last exchange running in the session ends, for a handover
+    /// waiting until no call of the session runs here.
+    released: tokio::sync::Notify,
     /// Why the session ended under the gateway, once it has.
     ended: OnceLock<String>,
 }
@@ -82,7 +85,23 @@ impl Session {
             streams,
             last_activity: parking_lot::Mutex::new(Instant::now()),
             in_use: AtomicUsize::new(0),
+            released: tokio::sync::Notify::new(),
             ended: OnceLock::new(),
+        }
+    }
+
+    /// Resolves once no exchange runs in the session (at once if none does). New
+    /// exchanges may still enter unless the session is in transit
+    /// ([`SessionRegistry::begin_transit`]).
+    pub async fn unused(&self) {
+        loop {
+            let released = self.released.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            if self.in_use.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            released.await;
         }
     }
 
@@ -128,7 +147,9 @@ impl Drop for SessionUse {
     fn drop(&mut self) {
         if self.counted {
             self.session.touch();
-            self.session.in_use.fetch_sub(1, Ordering::AcqRel);
+            if self.session.in_use.fetch_sub(1, Ordering::AcqRel) == 1 {
+                self.session.released.notify_waiters();
+            }
         }
     }
 }
@@ -183,6 +204,40 @@ pub struct SessionRegistry {
     /// One lock per shared session being opened, so concurrent first requests of one
     /// principal open one upstream session, not several.
     opening: parking_lot::Mutex<HashMap<String, std::sync::Weak<tokio::sync::Mutex<()>>>>,
+    /// Sessions moving between this worker and another right now (being adopted here,
+    /// or handed over by a drain), each with a channel that closes when the move ends.
+    /// Written under the sessions' write lock and read under their read lock, so no
+    /// exchange enters a session once its move began: two workers never act for it.
+    transit: parking_lot::Mutex<HashMap<String, tokio::sync::watch::Receiver<()>>>,
+    /// How many sessions `transit` holds: every request asks whether its session is in
+    /// transit, and almost always none is, so it looks at this counter, not the map's
+    /// lock. Changed under the sessions' write lock, read under their read lock.
+    in_transit: AtomicUsize,
+}
+
+/// A session's move between workers (see [`SessionRegistry::begin_transit`]): while
+/// it lives, no exchange enters the session here, and requests for it wait
+/// ([`SessionRegistry::wait_transit`]). Dropping it ends the move.
+#[derive(Debug)]
+pub struct Transit<'r> {
+    registry: &'r SessionRegistry,
+    id: String,
+    /// Dropped with the move: its receivers learn that it ended.
+    done: tokio::sync::watch::Sender<()>,
+}
+
+impl Drop for Transit<'_> {
+    fn drop(&mut self) {
+        let _sessions = self.registry.write();
+        let mut transit = self.registry.transit.lock();
+        if transit
+            .get(&self.id)
+            .is_some_and(|ended| ended.same_channel(&self.done.subscribe()))
+        {
+            transit.remove(&self.id);
+            self.registry.in_transit.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -203,8 +258,13 @@ impl SessionRegistry {
     /// The session `id`, held for one exchange (see [`SessionUse`]): a live one is
     /// taken under the lock that expiry takes, so it never expires under a starting
     /// exchange; a retired one is found (its requests hear why it ended), not held.
+    /// A session in transit is not entered (see [`Self::begin_transit`]).
     pub fn enter(&self, id: &str) -> Option<SessionUse> {
-        if let Some(session) = self.read().get(id) {
+        let sessions = self.read();
+        if self.in_transit.load(Ordering::Acquire) > 0 && self.transit.lock().contains_key(id) {
+            return None;
+        }
+        if let Some(session) = sessions.get(id) {
             session.in_use.fetch_add(1, Ordering::AcqRel);
             return Some(SessionUse {
                 session: Arc::clone(session),
@@ -216,6 +276,41 @@ impl SessionRegistry {
             session: retired,
             counted: false,
         })
+    }
+
+    /// Marks session `id` as moving between this worker and another (adopted here, or
+    /// handed over): until the returned [`Transit`] is dropped no exchange enters it
+    /// here, and requests for it wait in [`Self::wait_transit`]. `None` when another
+    /// move of it is under way here.
+    pub fn begin_transit(&self, id: &str) -> Option<Transit<'_>> {
+        let _sessions = self.write();
+        let mut transit = self.transit.lock();
+        if transit.contains_key(id) {
+            return None;
+        }
+        let (done, ended) = tokio::sync::watch::channel(());
+        transit.insert(id.to_owned(), ended);
+        self.in_transit.fetch_add(1, Ordering::AcqRel);
+        Some(Transit {
+            registry: self,
+            id: id.to_owned(),
+            done,
+        })
+    }
+
+    /// Waits, at most `bound`, for a move of session `id` to end; returns at once if
+    /// none is under way. Whether one was.
+    pub async fn wait_transit(&self, id: &str, bound: Duration) -> bool {
+        if self.in_transit.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let ended = self.transit.lock().get(id).cloned();
+        let Some(mut ended) = ended else {
+            return false;
+        };
+        // The sender is only dropped, never used: `changed` resolves when it is.
+        let _ = tokio::time::timeout(bound, ended.changed()).await;
+        true
     }
 
     /// Adds a session unless one with its id is live already; returns the one held.
@@ -451,6 +546,44 @@ mod tests {
             registry.enter("recent").is_none(),
             "an expired session is gone"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_session_in_transit_is_not_entered_and_its_waiters_go_on_when_it_ends() {
+        let registry = SessionRegistry::default();
+        registry.insert(session("s"));
+        let transit = registry.begin_transit("s").expect("no move under way");
+        assert!(registry.begin_transit("s").is_none(), "one move at a time");
+        assert!(
+            registry.enter("s").is_none(),
+            "no exchange enters a moving session"
+        );
+        let waiting = registry.wait_transit("s", Duration::from_secs(10));
+        tokio::pin!(waiting);
+        assert!(futures_util::poll!(waiting.as_mut()).is_pending());
+        drop(transit);
+        assert!(waiting.await, "a move was under way");
+        assert!(registry.enter("s").is_some(), "entered once the move ended");
+        assert!(!registry.wait_transit("s", Duration::from_secs(10)).await);
+        // A move that does not end in time: the waiter goes on after the bound.
+        let _stuck = registry.begin_transit("s").expect("no move under way");
+        let started = tokio::time::Instant::now();
+        assert!(registry.wait_transit("s", Duration::from_secs(3)).await);
+        assert_eq!(started.elapsed(), Duration::from_secs(3));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn unused_resolves_once_the_last_exchange_in_the_session_ends() {
+        let registry = SessionRegistry::default();
+        let held = registry.insert(session("s"));
+        let (first, second) = (registry.enter("s"), registry.enter("s"));
+        let unused = held.unused();
+        tokio::pin!(unused);
+        assert!(futures_util::poll!(unused.as_mut()).is_pending());
+        drop(first);
+        assert!(futures_util::poll!(unused.as_mut()).is_pending());
+        drop(second);
+        unused.await;
     }
 
     #[test]

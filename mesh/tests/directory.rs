@@ -1065,14 +1065,10 @@ async fn a_draining_owner_hands_over_only_its_own_http_sessions() {
             .unwrap();
     }
     dir.claim_session("plain", "drainer", None).await.unwrap();
-    assert!(!dir.hand_over_session("h", "other", None).await.unwrap());
-    assert!(!dir.hand_over_session("s", "drainer", None).await.unwrap());
-    assert!(
-        !dir.hand_over_session("plain", "drainer", None)
-            .await
-            .unwrap()
-    );
-    assert!(dir.hand_over_session("h", "drainer", None).await.unwrap());
+    assert!(!dir.hand_over_session("h", "other").await.unwrap());
+    assert!(!dir.hand_over_session("s", "drainer").await.unwrap());
+    assert!(!dir.hand_over_session("plain", "drainer").await.unwrap());
+    assert!(dir.hand_over_session("h", "drainer").await.unwrap());
     assert_eq!(dir.session_owner("h").await.unwrap(), None);
     assert_eq!(
         dir.worker_sessions("drainer").await.unwrap(),
@@ -1308,5 +1304,89 @@ async fn a_plain_url_server_restarted_empty_is_marked_as_a_failover() {
     assert_eq!(
         dir.renew_lease(&lease).await.unwrap(),
         LeaseRenewal::DirectoryLost
+    );
+}
+
+/// A session its owner handed over still counts toward its quota key while it waits
+/// to be adopted, and is counted again as it is adopted; an adoption that would put the
+/// key over its limit (its count expired and it opened new sessions since) changes
+/// nothing and leaves the session adoptable.
+#[tokio::test]
+async fn a_handed_over_session_keeps_counting_and_its_adoption_is_within_the_quota() {
+    use mcpgw_mesh::directory::{AdoptCause, Adoption, SessionKind, SessionState};
+    let server = RedisServer::start();
+    let dir = directory(&server, LONG).await;
+    for id in ["drainer", "adopter"] {
+        dir.register_worker(id, &info(), "a:1").await.unwrap();
+    }
+    let quota = Some(SessionQuota {
+        key: "alice",
+        limit: 2,
+        ttl: Duration::from_secs(60),
+    });
+    let state = Some(SessionState {
+        kind: SessionKind::Http,
+        guard: "g",
+        payload: "{}",
+    });
+    for sid in ["h1", "h2"] {
+        assert_eq!(
+            dir.claim_session_with_state(sid, "drainer", quota, state)
+                .await
+                .unwrap(),
+            Claim::Claimed
+        );
+    }
+    assert!(dir.hand_over_session("h1", "drainer").await.unwrap());
+    assert_eq!(
+        dir.claim_session("h3", "adopter", quota).await.unwrap(),
+        Claim::OverQuota,
+        "a handed-over session still counts"
+    );
+    assert_eq!(
+        dir.adopt_session_within("h1", "adopter", "g", quota)
+            .await
+            .unwrap(),
+        Adoption::Adopted {
+            payload: "{}".into(),
+            cause: AdoptCause::Drain
+        },
+        "its own place in the count is kept for it"
+    );
+    assert_eq!(
+        dir.claim_session("h3", "adopter", quota).await.unwrap(),
+        Claim::OverQuota,
+        "the adopted session counts"
+    );
+    // The key's count expired meanwhile, and it opened two new sessions since.
+    assert!(dir.hand_over_session("h2", "drainer").await.unwrap());
+    for key in server.keys("*principal_sessions:*") {
+        server.command(&["DEL", &key]);
+    }
+    for sid in ["n1", "n2"] {
+        assert_eq!(
+            dir.claim_session(sid, "adopter", quota).await.unwrap(),
+            Claim::Claimed
+        );
+    }
+    assert_eq!(
+        dir.adopt_session_within("h2", "adopter", "g", quota)
+            .await
+            .unwrap(),
+        Adoption::OverQuota
+    );
+    assert!(
+        dir.release_session("n1", "adopter", Some("alice"))
+            .await
+            .unwrap()
+    );
+    assert!(
+        matches!(
+            dir.adopt_session_within("h2", "adopter", "g", quota)
+                .await
+                .unwrap(),
+            Adoption::Adopted { .. }
+        ),
+        "still adoptable once there is room"
     );
 }

@@ -1147,3 +1147,258 @@ fn a_virtual_servers_session_whose_members_are_all_gone_is_gone_after_its_owner_
     );
     assert_adoptions(&fleet, 0, 0);
 }
+
+/// A virtual server `vs` with the demo upstream as its one (HTTP) member; the
+/// configuration file lives in `dir`.
+fn http_only_virtual_server(dir: &tempfile::TempDir) -> Vec<String> {
+    let config = dir.path().join("vs.toml");
+    std::fs::write(
+        &config,
+        "[[server]]\nname = \"vs\"\n[[server.member]]\nupstream = \"demo\"\n",
+    )
+    .expect("write the virtual server's configuration");
+    vec!["--config".into(), config.display().to_string()]
+}
+
+/// The counter values of `answers` that are 200s, sorted.
+fn counted(answers: &[&http::Response]) -> Vec<u64> {
+    let mut values: Vec<u64> = answers
+        .iter()
+        .filter(|r| r.status == 200)
+        .map(|r| {
+            r.expect_tool_text()
+                .parse()
+                .unwrap_or_else(|_| panic!("a counter value: {}", r.text()))
+        })
+        .collect();
+    values.sort_unstable();
+    values
+}
+
+/// Issue #41, item 4: while one worker adopts a session (it won the directory's claim
+/// and is still building the session's link: its HTTP member answers `ping` slowly), a
+/// request for the session on a third worker is sent to the adopter, which does not
+/// hold the session yet. That request waits for the adoption and runs in the session,
+/// or is refused as retryable; it is never told the session is gone, and the counter
+/// goes on exactly.
+#[test]
+fn a_request_on_a_third_worker_during_an_adoption_is_never_told_gone() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let flags = http_only_virtual_server(&dir);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let redis = RedisServer::start();
+    // The adopter pings every member before it registers the session: 3 s here.
+    let upstream = Upstream::start_with(&["--ping-delay-ms", "3000"]);
+    let certs = MeshCerts::create(&["host-a", "host-b", "host-c"]);
+    let redis_url = redis.url();
+    let host = |member| {
+        start_supervisor(&SupervisorSpec {
+            redis_url: &redis_url,
+            upstream_url: &upstream.url,
+            workers: 1,
+            transport: "tcp",
+            certs: &certs,
+            member,
+            extra: &flags,
+        })
+    };
+    let (a, b, c) = (host("host-a"), host("host-b"), host("host-c"));
+    let session = initialize(&a.addr, VS);
+    let victim = owner(&session);
+    let first = try_call(&a.addr, VS, &session, 2, "demo__counter_increment").expect("an answer");
+    assert_eq!(first.expect_tool_text(), "1");
+    let pid = mcpgw_testkit::fleet::leases(&redis)
+        .get(&victim)
+        .map(|lease| lease.pid)
+        .expect("the owner's lease");
+    signal::send(pid, Signal::SIGKILL);
+    signal::wait_until_gone(pid, WITHIN);
+
+    let adopting = {
+        let (addr, session) = (b.addr.clone(), session.clone());
+        thread::spawn(move || {
+            first_call_after_the_kill(&addr, VS, &session, "demo__counter_increment")
+        })
+    };
+    // The adopter won the claim: the directory names it while it pings the member.
+    let adopter = eventually(WITHIN, || {
+        mcpgw_testkit::fleet::recorded_owner(&redis, &session)
+            .filter(|owner| owner != &victim)
+            .ok_or("not claimed by an adopter yet")
+    });
+    let during = try_call(&c.addr, VS, &session, 300, "demo__counter_increment")
+        .expect("an answer from host-c");
+    let adopted = adopting.join().expect("the adopting request's thread");
+    assert_eq!(adopted.status, 200, "{}", adopted.text());
+    assert_eq!(
+        adopted.header(ADOPTED),
+        Some("death"),
+        "{:?}",
+        adopted.headers
+    );
+    assert_eq!(adopted.header("mcpgw-owner-worker"), Some(adopter.as_str()));
+    eprintln!("during the adoption, host-c answered {}", during.outcome());
+    match during.outcome().as_str() {
+        "200" => assert_eq!(
+            during.header("mcpgw-owner-worker"),
+            Some(adopter.as_str()),
+            "run by the adopter once it holds the session: {:?}",
+            during.headers
+        ),
+        "503 ownership_unknown" => {
+            assert!(
+                during.header("retry-after").is_some(),
+                "{:?}",
+                during.headers
+            );
+        }
+        other => panic!(
+            "a request during the adoption runs in the session or is refused as \
+             retryable, never gone: {other}: {}",
+            during.text()
+        ),
+    }
+    let values = counted(&[&adopted, &during]);
+    let next = values.len() as u64 + 2;
+    assert_eq!(
+        values,
+        (2..next).collect::<Vec<_>>(),
+        "each request ran once, in order"
+    );
+    let after = try_call(&c.addr, VS, &session, 301, "demo__counter_increment").expect("an answer");
+    assert_eq!(
+        after.expect_tool_text(),
+        next.to_string(),
+        "the counter goes on exactly"
+    );
+    assert_eq!(after.header(ADOPTED), None, "adopted once");
+}
+
+/// A `sleep_ms` call of `ms` on `addr` in `session`.
+fn try_sleep(addr: &str, session: &str, id: u64, ms: u64) -> Result<http::Response, String> {
+    http::try_request(
+        addr,
+        "POST",
+        "/mcp",
+        &mcp_headers(Some(session)),
+        &http::tool_call_body(id, "sleep_ms", json!({ "ms": ms })),
+    )
+}
+
+/// Issue #41, item 5: a drain hands a session over only once no call of it runs at
+/// the owner. A slow call (forwarded from host-b) runs at host-a's worker when it is
+/// drained; a request for the same session through host-b meanwhile must not run at
+/// the upstream while the slow call still runs there (the demo upstream counts
+/// requests that begin in a session during one of its `sleep_ms` calls), unless the
+/// draining owner itself ran it.
+#[test]
+fn a_drain_hands_a_session_over_only_after_the_calls_running_in_it() {
+    let fleet = LocalFleet::start("tcp", 1, &[]);
+    let session = initialize(&fleet.a.addr, "/mcp");
+    let drained = owner(&session);
+    let first = try_count(&fleet.b.addr, "/mcp", &session, 2).expect("an answer");
+    assert_eq!(first.expect_tool_text(), "1");
+    let calls = fleet.upstream.counter("tool_calls");
+    let slow = {
+        let (addr, session) = (fleet.b.addr.clone(), session.clone());
+        thread::spawn(move || try_sleep(&addr, &session, 3, 4000))
+    };
+    eventually(WITHIN, || {
+        (fleet.upstream.counter("tool_calls") > calls)
+            .then_some(())
+            .ok_or("the slow call has not reached the upstream yet")
+    });
+    let admin = admin_of(&fleet.redis, &drained);
+    signal::send(fleet.pid_of(&drained), Signal::SIGTERM);
+    // The drain has begun (its sessions are being handed over) once the worker says so.
+    eventually(WITHIN, || {
+        let ready = http::try_request(&admin, "GET", "/readyz", &[], b"")?;
+        ready
+            .text()
+            .contains("draining")
+            .then_some(())
+            .ok_or_else(|| format!("not draining yet: {}", ready.text()))
+    });
+    let mut id = 10;
+    let next = eventually(WITHIN, || {
+        id += 1;
+        let r = try_count(&fleet.b.addr, "/mcp", &session, id)?;
+        match r.outcome().as_str() {
+            "200" => Ok(r),
+            "503 ownership_unknown" => Err(r.outcome()),
+            other => panic!(
+                "served or told to retry, never an error: {other}: {}",
+                r.text()
+            ),
+        }
+    });
+    let slow = slow
+        .join()
+        .expect("the slow call's thread")
+        .expect("an answer");
+    assert_eq!(slow.status, 200, "the slow call finished: {}", slow.text());
+    assert_eq!(next.expect_tool_text(), "2", "the counter goes on exactly");
+    eprintln!(
+        "the request during the slow call was served by {:?} (drained: {drained})",
+        next.header("mcpgw-owner-worker")
+    );
+    if next.header("mcpgw-owner-worker") != Some(drained.as_str()) {
+        assert_eq!(next.header(ADOPTED), Some("drain"), "{:?}", next.headers);
+        assert_eq!(
+            fleet.upstream.counter("during_sleep"),
+            0,
+            "the adopter ran the request while the slow call still ran at the drained owner"
+        );
+    }
+}
+
+/// Issue #41, item 6: a session handed over by a drain still counts toward its
+/// client's fleet-wide session quota, and once adopted it counts at the adopter,
+/// within that worker's `--max-sessions`: an adoption that would exceed it is refused
+/// as retryable (the session stays adoptable), and goes through once room is made.
+#[test]
+fn handed_over_and_adopted_sessions_still_count_toward_the_quotas() {
+    let quota = ["--max-sessions-per-client-address", "2"];
+    let adopter_flags = [quota[0], quota[1], "--max-sessions", "1"];
+    let fleet = LocalFleet::start_hosts("tcp", (1, &quota), (1, &adopter_flags));
+    let sessions = [
+        initialize(&fleet.a.addr, "/mcp"),
+        initialize(&fleet.a.addr, "/mcp"),
+    ];
+    let drained = owner(&sessions[0]);
+    assert_eq!(owner(&sessions[1]), drained);
+    for (id, session) in sessions.iter().enumerate() {
+        let r = try_count(&fleet.b.addr, "/mcp", session, id as u64 + 2).expect("an answer");
+        assert_eq!(r.expect_tool_text(), "1");
+    }
+    let pid = fleet.pid_of(&drained);
+    signal::send(pid, Signal::SIGTERM);
+    signal::wait_until_gone(pid, WITHIN);
+
+    let adopted = try_count(&fleet.b.addr, "/mcp", &sessions[0], 10).expect("an answer");
+    assert_eq!(adopted.expect_tool_text(), "2", "{}", adopted.text());
+    assert_eq!(adopted.header(ADOPTED), Some("drain"));
+    // One session adopted, one waiting to be: the client's quota of 2 is full.
+    let over = eventually(WITHIN, || http::try_initialize(&fleet.a.addr, "/mcp"));
+    assert_eq!(
+        over.outcome(),
+        "429 session_quota",
+        "handed-over and adopted sessions count: {}",
+        over.text()
+    );
+    // host-b holds its maximum of one session: it does not adopt the second.
+    let full = try_count(&fleet.b.addr, "/mcp", &sessions[1], 11).expect("an answer");
+    assert_eq!(full.outcome(), "503 session_limit", "{}", full.text());
+    assert_eq!(full.header("retry-after"), Some("1"));
+    // Ending the adopted session makes room: the second is adopted, counting on.
+    let ended = http::delete_session(&fleet.b.addr, "/mcp", &sessions[0]);
+    assert_eq!(ended.status, 200, "{}", ended.text());
+    let second = try_count(&fleet.b.addr, "/mcp", &sessions[1], 12).expect("an answer");
+    assert_eq!(second.expect_tool_text(), "2", "{}", second.text());
+    assert_eq!(second.header(ADOPTED), Some("drain"));
+    // One session counts now: room for one more, not two.
+    let third = http::try_initialize(&fleet.a.addr, "/mcp").expect("an answer");
+    assert_eq!(third.status, 200, "{}", third.text());
+    let fourth = http::try_initialize(&fleet.a.addr, "/mcp").expect("an answer");
+    assert_eq!(fourth.outcome(), "429 session_quota", "{}", fourth.text());
+}

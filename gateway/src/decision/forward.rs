@@ -373,6 +373,10 @@ impl Forwarding {
                 self.retargeted = true;
                 self.address()
             }
+            AfterNotOwner::Answer(Situation::Unknown) => refuse(Unanswered::new(
+                Situation::Unknown,
+                "its recorded owner does not hold it yet (it is being adopted or handed over)",
+            )),
             AfterNotOwner::Answer(situation) => {
                 refuse(Unanswered::new(situation, "its owner no longer holds it"))
             }
@@ -599,9 +603,11 @@ impl Forwarding {
                     bury: bury.then_some(proof),
                 }
             }
+            // The worker the directory named a moment ago said "not mine" too: the
+            // session is moving to or from it; the request did not run.
             Verdict::AskDirectory if self.retargeted => refuse(Unanswered::new(
-                Situation::OwnerGone,
-                "the recorded owner no longer holds it",
+                Situation::Unknown,
+                "its recorded owner does not hold it yet (it is being adopted or handed over)",
             )),
             Verdict::AskDirectory => {
                 self.phase = Phase::NotOwner;
@@ -1094,14 +1100,19 @@ mod tests {
         assert_eq!(machine.on(ms(3), record), Action::AskAddress);
         assert_eq!(machine.target(), "w2");
         machine.on(ms(4), Event::Address(Address::Found));
+        // The recorded owner says "not mine" too: the session is moving there
+        // (adopted, or handed over); unknown, retryable, never gone.
         let again = machine.on(ms(5), remote(ErrorKind::NotOwner));
-        assert_eq!(refusal(&again), (Situation::OwnerGone, None));
-        assert_eq!(why(&again), "the recorded owner no longer holds it");
-        // The directory still names the worker that said "not mine": gone.
+        assert_eq!(refusal(&again), (Situation::Unknown, None));
+        assert_eq!(
+            why(&again),
+            "its recorded owner does not hold it yet (it is being adopted or handed over)"
+        );
+        // The directory still names the worker that said "not mine": unknown too.
         let mut machine = sent();
         machine.on(ms(2), remote(ErrorKind::NotOwner));
         let same = machine.on(ms(3), Event::Record(Ok(Recorded::Owner("w1".into()))));
-        assert_eq!(refusal(&same), (Situation::OwnerGone, None));
+        assert_eq!(refusal(&same), (Situation::Unknown, None));
         let mut machine = sent();
         machine.on(ms(2), remote(ErrorKind::NotOwner));
         let down = machine.on(ms(3), Event::Record(Err("timeout".into())));

@@ -58,14 +58,14 @@ pub enum Situation {
     /// record, instead of answering "not mine" forever.
     StaleOwnRecord,
     /// The owner is provably gone: lease expired in Redis, its address refused or
-    /// answered as another worker, it was reclaimed, or it said "not mine" and the
-    /// directory agrees.
+    /// answered as another worker, or it was reclaimed.
     OwnerGone,
     /// The directory confirms the session does not exist (never did, or ended).
     NoSuchSession,
-    /// Ownership cannot be established, and the request did not reach the owner:
-    /// directory unreachable, or the owner's lease is alive but it could not be
-    /// reached (no connection within the connect timeout).
+    /// Ownership cannot be established, and the request did not run: directory
+    /// unreachable, the owner's lease is alive but it could not be reached (no
+    /// connection within the connect timeout), or the worker the directory records
+    /// said "not mine" (the session is moving there: adopted, or handed over).
     Unknown,
     /// The request was forwarded and the owner died before the answer completed: it
     /// may or may not have run, and the session went with the owner.

@@ -420,6 +420,11 @@ pub enum AfterNotOwner {
 
 /// `hinted`: the worker that said "not mine"; `this_worker`: the receiving worker
 /// (which does not hold the session either).
+///
+/// "Not mine" from the worker the directory still records as the owner proves no
+/// absence: the session is between its record and its registry there (being adopted
+/// by it, or handed over by its drain), so whether it goes on is unknown, and the
+/// request did not run: retryable, never "gone".
 pub fn after_not_owner(
     hinted: &str,
     this_worker: &str,
@@ -429,6 +434,7 @@ pub fn after_not_owner(
         Ok(Some(owner)) if owner != hinted && owner != this_worker => {
             AfterNotOwner::ForwardTo(owner.clone())
         }
+        Ok(Some(owner)) if owner == hinted => AfterNotOwner::Answer(Situation::Unknown),
         Ok(Some(_)) => AfterNotOwner::Answer(Situation::OwnerGone),
         Ok(None) => AfterNotOwner::Answer(Situation::NoSuchSession),
         Err(_) => AfterNotOwner::Answer(Situation::Unknown),
@@ -800,12 +806,16 @@ mod tests {
             after_not_owner("w1", "w0", &Ok(Some("w2".into()))),
             AfterNotOwner::ForwardTo("w2".into())
         );
-        for recorded in ["w1", "w0"] {
-            assert_eq!(
-                after_not_owner("w1", "w0", &Ok(Some(recorded.into()))),
-                AfterNotOwner::Answer(Situation::OwnerGone)
-            );
-        }
+        // The recorded owner itself said "not mine": the session is moving there.
+        assert_eq!(
+            after_not_owner("w1", "w0", &Ok(Some("w1".into()))),
+            AfterNotOwner::Answer(Situation::Unknown)
+        );
+        // Recorded for the asking worker, which holds nothing for it: gone.
+        assert_eq!(
+            after_not_owner("w1", "w0", &Ok(Some("w0".into()))),
+            AfterNotOwner::Answer(Situation::OwnerGone)
+        );
         assert_eq!(
             after_not_owner("w1", "w0", &Ok(None)),
             AfterNotOwner::Answer(Situation::NoSuchSession)

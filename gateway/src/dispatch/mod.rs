@@ -25,7 +25,7 @@ use crate::link::UpstreamLink;
 use crate::mcp::{Era, GatewayError};
 use crate::reply::{HEADER_ADOPTED, Reply};
 use crate::request::Call;
-use crate::session::Session;
+use crate::session::{Session, SessionUse, Transit};
 use crate::worker::Worker;
 
 /// How often, and how long apart, an adoption asks again while the session is still
@@ -173,24 +173,65 @@ impl<'w> Router<'w> {
         let route = self.worker.routes[call.upstream].name();
         let guard = crate::adoption::guard_of(route, &call.auth.subject);
         let tag = crate::digest::tag_of(&sid);
-        match self.ask_adoption(fleet, &sid, &guard, known_dead).await {
+        // An adopted session is one more here, as a new one is: within this worker's
+        // maximum (else a retry, which may reach another worker, adopts it; it stays
+        // adoptable meanwhile), and counted for its principal (the directory counts it
+        // fleet-wide as it hands it over, the registry here).
+        if self.worker.sessions.get(&sid).is_none()
+            && let Err(full) = self.executor().admit_new_session()
+        {
+            return AdoptionOutcome::Ran(Err(full.with_id(call.id())));
+        }
+        let quota_key = self.worker.auth.quota_key(&call);
+        // The adoption is recorded here as under way before the directory is asked, and
+        // stays so until the session is registered here with its link built: requests
+        // for it reaching this worker meanwhile (forwarded by workers that find this one
+        // recorded as its owner) wait for it instead of hearing "not mine".
+        let transit = match self.begin_adoption(&sid).await {
+            Ok(transit) => transit,
+            Err(Some(held)) => {
+                return AdoptionOutcome::Ran(self.executor().execute_held(call, Some(held)).await);
+            }
+            // The other adoption failed, or outlasted the wait: nothing ran.
+            Err(None) => {
+                return AdoptionOutcome::Ran(Err(self.refuse(
+                    &Situation::Unknown,
+                    "another request on this worker was adopting it and did not finish",
+                    call.id(),
+                )));
+            }
+        };
+        match self
+            .ask_adoption(fleet, &sid, &guard, &quota_key, known_dead)
+            .await
+        {
             Ok(Adoption::OwnedBy(owner)) if known_dead(&owner) => AdoptionOutcome::Ran(Err(self
                 .refuse(
                     &Situation::Unknown,
                     "its owner was found dead and its sessions are still being freed",
                     call.id(),
                 ))),
-            Ok(Adoption::Adopted { payload, cause }) => {
-                AdoptionOutcome::Ran(self.run_adopted(fleet, call, &payload, Some(cause)).await)
-            }
+            Ok(Adoption::Adopted { payload, cause }) => AdoptionOutcome::Ran(
+                self.run_adopted(fleet, call, &payload, Some(cause), transit)
+                    .await,
+            ),
             Ok(Adoption::AlreadyOwned { payload }) => {
-                AdoptionOutcome::Ran(self.run_adopted(fleet, call, &payload, None).await)
+                AdoptionOutcome::Ran(self.run_adopted(fleet, call, &payload, None, transit).await)
             }
             Ok(Adoption::OwnedBy(owner)) if owner != self.worker.id => {
                 if let Some(forwarder) = forwarder {
                     forwarder.remember_moved(&sid, &owner);
                 }
                 AdoptionOutcome::OwnedBy(owner, call)
+            }
+            // Its principal opened new sessions since this one stopped counting: the
+            // quota's answer, as for a new session; it stays adoptable until then.
+            Ok(Adoption::OverQuota) => {
+                self.worker.metrics.adoption_refused("quota");
+                let limit = self.worker.config.limits.session_quota(&quota_key);
+                AdoptionOutcome::Ran(Err(
+                    refuse::quota_exceeded(limit, &quota_key).with_id(call.id())
+                ))
             }
             Ok(Adoption::CannotContinue) => {
                 self.worker.metrics.adoption_refused("stdio");
@@ -225,6 +266,26 @@ impl<'w> Router<'w> {
         }
     }
 
+    /// Records an adoption of `sid` as under way here ([`SessionRegistry::begin_transit`]).
+    /// When another request is adopting it here already, waits for that one instead:
+    /// `Err` with the session held, to run the call in (`None`: that adoption failed,
+    /// or is still under way after the wait).
+    ///
+    /// [`SessionRegistry::begin_transit`]: crate::session::SessionRegistry::begin_transit
+    async fn begin_adoption(&self, sid: &str) -> Result<Transit<'w>, Option<SessionUse>> {
+        let sessions = &self.worker.sessions;
+        if let Some(transit) = sessions.begin_transit(sid) {
+            return Ok(transit);
+        }
+        sessions
+            .wait_transit(sid, self.executor().transit_wait())
+            .await;
+        if let Some(held) = sessions.enter(sid) {
+            return Err(Some(held));
+        }
+        sessions.begin_transit(sid).ok_or(None)
+    }
+
     /// Asks the directory to hand `sid` to this worker. While it is still recorded for
     /// an owner this worker proved dead, its reclaim (by another request, here or
     /// elsewhere) is under way and takes milliseconds: ask again shortly rather than
@@ -234,9 +295,15 @@ impl<'w> Router<'w> {
         fleet: &Fleet,
         sid: &str,
         guard: &str,
+        quota_key: &str,
         known_dead: impl Fn(&str) -> bool,
     ) -> Result<Adoption, DirectoryError> {
-        let ask = || fleet.directory.adopt_session(sid, &self.worker.id, guard);
+        let quota = fleet.session_quota(quota_key);
+        let ask = || {
+            fleet
+                .directory
+                .adopt_session_within(sid, &self.worker.id, guard, quota)
+        };
         let mut asked = ask().await;
         for _ in 0..RECLAIM_WAITS {
             match &asked {
@@ -259,16 +326,17 @@ impl<'w> Router<'w> {
         call: Call,
         payload: &str,
         cause: Option<AdoptCause>,
+        transit: Transit<'_>,
     ) -> Result<Reply, GatewayError> {
         let Some(sid) = call.session_id.clone() else {
             return Err(GatewayError::session_not_found().with_id(call.id()));
         };
         let tag = crate::digest::tag_of(&sid);
-        if cause.is_none()
-            && let Some(held) = self.worker.sessions.enter(&sid)
-        {
+        if cause.is_none() && self.worker.sessions.get(&sid).is_some() {
             // Another request adopted it here a moment ago: its link is built.
-            return self.executor().execute_held(call, Some(held)).await;
+            drop(transit);
+            let held = self.worker.sessions.enter(&sid);
+            return self.executor().execute_held(call, held).await;
         }
         let streams = self.worker.new_streams();
         let mut upstream_init = None;
@@ -307,6 +375,8 @@ impl<'w> Router<'w> {
         session.shared = call.is_shared_bound();
         session.upstream_init = upstream_init;
         let session = self.worker.sessions.insert(session);
+        // Registered with its link: requests that waited for the adoption go on.
+        drop(transit);
         let held = self.worker.sessions.enter(&sid);
         let result = self.executor().execute_held(call, held).await;
         if let Some(cause) = cause {

@@ -58,17 +58,33 @@ impl<'w> Executor<'w> {
     /// The session `call` names, if this worker holds it, held for the exchange. A
     /// lease past its own deadline is revalidated first (one attempt shared by every
     /// request that waits for it); if that fenced the worker, the session is gone.
+    ///
+    /// A session moving between this worker and another (adopted here, or handed over
+    /// by a drain) is waited for first, a bounded time: then it is held here (adopted)
+    /// or not (handed over, or its adoption failed), and the caller decides from that.
     pub(crate) async fn hold_session(&self, call: &Call) -> Option<SessionUse> {
-        let held = || {
-            call.session_id
-                .as_deref()
-                .and_then(|id| self.worker.sessions.enter(id))
-        };
-        let local = held();
+        let id = call.session_id.as_deref()?;
+        let sessions = &self.worker.sessions;
+        let bound = self.transit_wait();
+        sessions.wait_transit(id, bound).await;
+        let held = || sessions.enter(id);
+        let mut local = held();
+        // Its move may have begun between the wait and the look: wait for it once more.
+        if local.is_none() && sessions.wait_transit(id, bound).await {
+            local = held();
+        }
         if local.is_some() && !self.worker.lease_confirmed().await {
             return held();
         }
         local
+    }
+
+    /// How long a request waits for its session's move between workers: a drain's
+    /// grace at most (a handover waits that long for the calls running in the session),
+    /// and well within a forward's deadline, so the owner answers before its caller
+    /// gives up on it.
+    pub(crate) fn transit_wait(&self) -> std::time::Duration {
+        crate::process::DRAIN_GRACE.min(self.worker.config.mesh.forward_timeout / 2)
     }
 
     /// Runs `call` here, holding its session (if any) until the answer is fully sent.

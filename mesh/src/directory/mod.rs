@@ -10,7 +10,7 @@
 //! | `{p}pool_owner:{sid}` | owner worker id | until released or reclaimed |
 //! | `{p}worker_sessions:{id}` | SET of sids the worker owns | until released or reclaimed |
 //! | `{p}workers` | ZSET of worker ids that hold a lease, scored by their last renewal (ms) | until reclaimed or deregistered |
-//! | `{p}principal_sessions:{sha1}` | SET of sids one principal (or client address) holds, for the session quota | PX twice the idle timeout, from its last new session |
+//! | `{p}principal_sessions:{sha1}` | SET of sids one principal (or client address) holds (owned, or left adoptable), for the session quota | PX twice the idle timeout, from its last new session |
 //! | `{p}sweeper` | worker id of the one worker sweeping dead workers' keys now | PX one sweep interval |
 //! | `{p}worker_gone:{id}` | `reclaimed@ms` (proven dead and reclaimed) or `deregistered@ms` (ended cleanly), Redis time | PX four leases |
 //! | `{p}generation` | random token `@` creation time (ms), created when absent | no TTL |

@@ -121,6 +121,10 @@ pub enum Adoption {
     /// Its owner left it, but it cannot continue elsewhere (a stdio session); this
     /// caller is the one told (the record is taken).
     CannotContinue,
+    /// Taking it would put its quota key over its session quota (the key opened new
+    /// sessions since it stopped counting this one); nothing changed, and it stays
+    /// adoptable.
+    OverQuota,
     /// No record for this guard: never recorded, ended, or its adoption window passed.
     NoRecord,
 }
@@ -370,10 +374,29 @@ impl Directory {
         adopter: &str,
         guard: &str,
     ) -> Result<Adoption, DirectoryError> {
+        self.adopt_session_within(sid, adopter, guard, None).await
+    }
+
+    /// [`adopt_session`](Self::adopt_session), the session counted in `quota`'s key
+    /// again as it is taken: [`Adoption::OverQuota`] (and nothing changed) when the key
+    /// holds its limit without it. A session its owner left still counts while it is
+    /// adoptable, so this refuses only when the key's count expired meanwhile and it
+    /// opened new sessions since.
+    pub async fn adopt_session_within(
+        &self,
+        sid: &str,
+        adopter: &str,
+        guard: &str,
+        quota: Option<SessionQuota<'_>>,
+    ) -> Result<Adoption, DirectoryError> {
         if check_name("session id", sid).is_err() || check_name("session guard", guard).is_err() {
             return Ok(Adoption::NoRecord);
         }
         check_name("worker id", adopter)?;
+        let (limit, key, ttl) = match &quota {
+            Some(q) => (q.limit, q.key, duration_px(q.ttl)),
+            None => (0, "", 0),
+        };
         let (kind, value, cause): (String, String, String) = self
             .run("adopt_session", |mut c, s| async move {
                 s.adopt
@@ -385,6 +408,10 @@ impl Directory {
                     .arg(adopter)
                     .arg(guard)
                     .arg(sid)
+                    .arg(limit)
+                    .arg(key)
+                    .arg(ttl)
+                    .arg(&self.inner.cfg.prefix)
                     .invoke_async(&mut c)
                     .await
             })
@@ -400,6 +427,7 @@ impl Directory {
             "mine" => Adoption::AlreadyOwned { payload: value },
             "owned" => Adoption::OwnedBy(value),
             "stdio" => Adoption::CannotContinue,
+            "over_quota" => Adoption::OverQuota,
             "unregistered" => {
                 return Err(DirectoryError::NotRegistered {
                     id: adopter.to_owned(),
@@ -410,14 +438,15 @@ impl Directory {
     }
 
     /// A draining `owner_id` leaves `sid` for adoption instead of ending it: its owner
-    /// record goes, its state stays for [`DirectoryConfig::adoptable_for`]. Returns
-    /// false (and changes nothing) unless `owner_id` owns it and it can continue
-    /// elsewhere; the caller then ends it as before.
+    /// record goes, its state stays for [`DirectoryConfig::adoptable_for`], and it
+    /// still counts in its quota key's sessions meanwhile (it is a live session of
+    /// the key, only without a worker). Returns false (and changes nothing) unless
+    /// `owner_id` owns it and it can continue elsewhere; the caller then ends it as
+    /// before.
     pub async fn hand_over_session(
         &self,
         sid: &str,
         owner_id: &str,
-        quota_key: Option<&str>,
     ) -> Result<bool, DirectoryError> {
         check_name("session id", sid)?;
         check_name("worker id", owner_id)?;
@@ -430,7 +459,6 @@ impl Directory {
                     .arg(owner_id)
                     .arg(sid)
                     .arg(duration_px(self.inner.cfg.adoptable_for))
-                    .arg(quota_key.unwrap_or(""))
                     .arg(&self.inner.cfg.prefix)
                     .arg(duration_px(REMEMBER_ENDED))
                     .invoke_async(&mut c)
@@ -590,23 +618,35 @@ impl Directory {
     }
 }
 
+/// `counts(prefix, sid)`: whether `sid` still counts in its quota key's sessions: it
+/// has an owner, or its owner left it adoptable (it goes on once adopted). Quota sets
+/// are cleaned lazily with it.
+const COUNTS_LUA: &str = r#"
+local function counts(prefix, sid)
+  if redis.call('EXISTS', prefix .. 'pool_owner:' .. sid) == 1 then return true end
+  local state = redis.call('GET', prefix .. 'session_state:' .. sid)
+  return state ~= false and string.match(state, '^%a+|http|') ~= nil
+    and string.sub(state, 1, 5) ~= 'live|'
+end
+"#;
+
 /// KEYS: pool_owner, worker_sessions, worker.
 /// ARGV: owner, sid, quota limit ('0': none), quota key, quota ttl px,
 /// key prefix, remember ('1': keep a session_seen marker while it lives), the
 /// session's state record or ''.
 /// 1 claimed (also when the record names this owner already: a claim
 /// whose answer was lost is confirmed), 0 another owner's, -1 owner has no lease, -2 the
-/// quota key holds its limit. Quota sets are cleaned lazily: a member whose
-/// session record is gone (ended, reclaimed) no longer counts.
+/// quota key holds its limit. Quota sets are cleaned lazily: a member that no
+/// longer counts (see `COUNTS_LUA`: ended, or reclaimed and no longer adoptable) goes.
 pub(super) fn claim() -> Script {
-    Script::new(
-        r#"
+    Script::new(&format!(
+        r#"{COUNTS_LUA}
 if redis.call('EXISTS', KEYS[3]) == 0 then return -1 end
 local limit = tonumber(ARGV[3])
 local quota_set = ARGV[6] .. 'principal_sessions:' .. redis.sha1hex(ARGV[4])
 if limit > 0 and redis.call('SCARD', quota_set) >= limit then
   for _, sid in ipairs(redis.call('SMEMBERS', quota_set)) do
-    if redis.call('EXISTS', ARGV[6] .. 'pool_owner:' .. sid) == 0 then
+    if not counts(ARGV[6], sid) then
       redis.call('SREM', quota_set, sid)
     end
   end
@@ -623,8 +663,8 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX') or redis.call('GET', KEYS[1]) == AR
   return 1
 end
 return 0
-"#,
-    )
+"#
+    ))
 }
 
 /// KEYS: pool_owner, worker_sessions. ARGV: owner, sid, quota key or '', key
@@ -776,39 +816,56 @@ return taken
 
 /// KEYS: session_state, pool_owner, adopter's worker_sessions, adopter's lease,
 /// session_seen (a remembered session lives again: its memory no longer expires).
-/// ARGV: adopter, guard, sid. {'adopted', payload, 'death'|'drain'} for the one
-/// caller that takes it; {'mine', payload, ''} when the adopter owns it already;
-/// {'owned', owner, ''} when another worker does; {'stdio', '', ''} (the record
-/// is taken) when its owner left a session that cannot continue;
-/// {'unregistered', '', ''} when the adopter holds no lease; else {'none', '', ''}.
+/// ARGV: adopter, guard, sid, quota limit ('0': none), quota key, quota ttl px, key
+/// prefix. {'adopted', payload, 'death'|'drain'} for the one caller that takes it
+/// (counted in its quota key's sessions); {'mine', payload, ''} when the adopter
+/// owns it already; {'owned', owner, ''} when another worker does; {'stdio', '', ''}
+/// (the record is taken) when its owner left a session that cannot continue;
+/// {'unregistered', '', ''} when the adopter holds no lease; {'over_quota', '', ''}
+/// (nothing changed) when its quota key holds its limit without it; else
+/// {'none', '', ''}.
 pub(super) fn adopt() -> Script {
-    Script::new(
-        r#"
+    Script::new(&format!(
+        r#"{COUNTS_LUA}
 local recorded = redis.call('GET', KEYS[1])
-if not recorded then return {'none', '', ''} end
+if not recorded then return {{'none', '', ''}} end
 local state, kind, guard, payload = string.match(recorded, '^(%a+)|(%a+)|([^|]*)|(.*)$')
-if not state or guard ~= ARGV[2] then return {'none', '', ''} end
+if not state or guard ~= ARGV[2] then return {{'none', '', ''}} end
 local owner = redis.call('GET', KEYS[2])
-if owner == ARGV[1] then return {'mine', payload, ''} end
-if owner then return {'owned', owner, ''} end
-if state == 'live' then return {'none', '', ''} end
+if owner == ARGV[1] then return {{'mine', payload, ''}} end
+if owner then return {{'owned', owner, ''}} end
+if state == 'live' then return {{'none', '', ''}} end
 if kind ~= 'http' then
   redis.call('DEL', KEYS[1])
-  return {'stdio', '', ''}
+  return {{'stdio', '', ''}}
 end
-if redis.call('EXISTS', KEYS[4]) == 0 then return {'unregistered', '', ''} end
+if redis.call('EXISTS', KEYS[4]) == 0 then return {{'unregistered', '', ''}} end
+local limit = tonumber(ARGV[4])
+if limit > 0 then
+  local quota_set = ARGV[7] .. 'principal_sessions:' .. redis.sha1hex(ARGV[5])
+  if redis.call('SISMEMBER', quota_set, ARGV[3]) == 0
+    and redis.call('SCARD', quota_set) >= limit then
+    for _, sid in ipairs(redis.call('SMEMBERS', quota_set)) do
+      if not counts(ARGV[7], sid) then redis.call('SREM', quota_set, sid) end
+    end
+    if redis.call('SCARD', quota_set) >= limit then return {{'over_quota', '', ''}} end
+  end
+  redis.call('SADD', quota_set, ARGV[3])
+  redis.call('PEXPIRE', quota_set, ARGV[6])
+end
 redis.call('SET', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[3])
 redis.call('SET', KEYS[1], 'live|' .. kind .. '|' .. guard .. '|' .. payload)
 redis.call('PERSIST', KEYS[5])
-return {'adopted', payload, state}
-"#,
-    )
+return {{'adopted', payload, state}}
+"#
+    ))
 }
 
 /// KEYS: pool_owner, worker_sessions, session_state. ARGV: owner, sid, px the
-/// record stays adoptable, quota key or '', key prefix, px a remembered session's
-/// end is kept (if nobody adopts it). 1 handed over, else 0.
+/// record stays adoptable, key prefix, px a remembered session's end is kept (if
+/// nobody adopts it). 1 handed over, else 0. It stays in its quota key's set: it
+/// counts while adoptable (see `COUNTS_LUA`).
 pub(super) fn hand_over() -> Script {
     Script::new(
         r#"
@@ -817,12 +874,9 @@ local recorded = redis.call('GET', KEYS[3])
 if not recorded or string.sub(recorded, 1, 10) ~= 'live|http|' then return 0 end
 redis.call('DEL', KEYS[1])
 redis.call('SREM', KEYS[2], ARGV[2])
-if ARGV[4] ~= '' then
-  redis.call('SREM', ARGV[5] .. 'principal_sessions:' .. redis.sha1hex(ARGV[4]), ARGV[2])
-end
 redis.call('SET', KEYS[3], 'drain|' .. string.sub(recorded, 6), 'PX', ARGV[3])
-local seen = ARGV[5] .. 'session_seen:' .. ARGV[2]
-if redis.call('EXISTS', seen) == 1 then redis.call('PEXPIRE', seen, ARGV[6]) end
+local seen = ARGV[4] .. 'session_seen:' .. ARGV[2]
+if redis.call('EXISTS', seen) == 1 then redis.call('PEXPIRE', seen, ARGV[5]) end
 return 1
 "#,
     )

@@ -53,6 +53,12 @@ pub struct UpstreamConfig {
     #[arg(long, value_name = "MS", default_value_t = 200, requires = "stall_after",
           value_parser = clap::value_parser!(u64).range(1..=tools::MAX_SLEEP_MS))]
     pub stall_ms: u64,
+    /// Answer every `ping` in a session only after this many milliseconds, as a slow
+    /// server would (the gateway pings a virtual server's members as it adopts a
+    /// session: tests use it to widen that moment).
+    #[arg(long, value_name = "MS",
+          value_parser = clap::value_parser!(u64).range(1..=tools::MAX_SLEEP_MS))]
+    pub ping_delay_ms: Option<u64>,
 }
 
 /// Binds, announces the address on stdout, and serves until SIGINT or SIGTERM.
@@ -80,6 +86,9 @@ pub async fn run(config: UpstreamConfig) -> anyhow::Result<()> {
     let mut upstream = Upstream::new(config.sse_always);
     if let Some(after) = config.stall_after {
         upstream = upstream.with_stall(after, Duration::from_millis(config.stall_ms));
+    }
+    if let Some(delay) = config.ping_delay_ms {
+        upstream = upstream.with_ping_delay(Duration::from_millis(delay));
     }
     let upstream = Arc::new(upstream);
     tokio::select! {

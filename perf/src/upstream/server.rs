@@ -41,6 +41,10 @@ pub struct Upstream {
     sessions: SessionStore,
     stats: Stats,
     stall: Option<Stall>,
+    /// `--ping-delay-ms`: how long every `ping` in a session waits before its answer,
+    /// as a slow or distant server's would (the gateway pings a virtual server's
+    /// members when it adopts a session).
+    ping_delay: Option<Duration>,
 }
 
 /// `--stall-after`: one server-wide pause, triggered by the Nth POST.
@@ -78,7 +82,14 @@ impl Upstream {
             sessions: SessionStore::default(),
             stats: Stats::default(),
             stall: None,
+            ping_delay: None,
         }
+    }
+
+    /// Makes every `ping` in a session wait `delay` before it is answered.
+    pub fn with_ping_delay(mut self, delay: Duration) -> Self {
+        self.ping_delay = Some(delay);
+        self
     }
 
     /// Makes the Nth POST (1-based) begin a server-wide pause of `length`.
@@ -217,7 +228,14 @@ impl Upstream {
         };
         match message {
             Message::Request { id, method, params } => {
+                if session.is_sleeping() {
+                    self.stats.record_during_sleep();
+                }
                 let reply = self.execute(Era::Legacy, method, params, Some(&session));
+                let _sleeping = matches!(reply, Reply::Sleep(_)).then(|| session.begin_sleep());
+                if let Some(delay) = self.ping_delay.filter(|_| method == "ping") {
+                    tokio::time::sleep(delay).await;
+                }
                 self.respond(Era::Legacy, id, reply).await
             }
             Message::Notification { .. } | Message::ClientResponse => accepted(),

@@ -1,7 +1,7 @@
 //! Legacy-era sessions: minted by `initialize`, ended by DELETE.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use serde_json::{Value, json};
@@ -31,6 +31,18 @@ pub struct Session {
     state: Mutex<SessionState>,
     /// Flips to `true` when the session ends, so its open GET streams close.
     ended: watch::Sender<bool>,
+    /// `sleep_ms` calls running in the session: tests learn whether another request
+    /// of the session ran meanwhile (two gateway workers acting for it at once).
+    sleeping: AtomicUsize,
+}
+
+/// A `sleep_ms` call running in a session; dropping it ends it.
+pub struct Sleeping<'s>(&'s Session);
+
+impl Drop for Sleeping<'_> {
+    fn drop(&mut self) {
+        self.0.sleeping.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Session {
@@ -38,7 +50,19 @@ impl Session {
         Self {
             state: Mutex::new(SessionState::default()),
             ended: watch::Sender::new(false),
+            sleeping: AtomicUsize::new(0),
         }
+    }
+
+    /// Marks a `sleep_ms` call as running in the session until the guard drops.
+    pub fn begin_sleep(&self) -> Sleeping<'_> {
+        self.sleeping.fetch_add(1, Ordering::AcqRel);
+        Sleeping(self)
+    }
+
+    /// Whether a `sleep_ms` call runs in the session now.
+    pub fn is_sleeping(&self) -> bool {
+        self.sleeping.load(Ordering::Acquire) > 0
     }
 
     pub fn state(&self) -> &Mutex<SessionState> {

@@ -18,6 +18,10 @@ pub struct Stats {
     requests: AtomicU64,
     /// The subset of `requests` whose method was `tools/call`.
     tool_calls: AtomicU64,
+    /// Requests that began in a session while a `sleep_ms` call of the same session
+    /// was running (tests check that no second worker acts for a session whose slow
+    /// call still runs at its owner).
+    during_sleep: AtomicU64,
     /// The W3C `traceparent` header of the last POST that carried one, so tests can
     /// check that trace context reaches the upstream through the gateway.
     last_traceparent: parking_lot::Mutex<Option<String>>,
@@ -32,6 +36,11 @@ impl Stats {
         }
     }
 
+    /// Counts a request that begins while a `sleep_ms` of its session runs.
+    pub fn record_during_sleep(&self) {
+        self.during_sleep.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Remembers the trace context a request came with.
     pub fn record_traceparent(&self, traceparent: &str) {
         *self.last_traceparent.lock() = Some(traceparent.to_owned());
@@ -41,6 +50,7 @@ impl Stats {
         json!({
             "requests": self.requests.load(Ordering::Relaxed),
             "tool_calls": self.tool_calls.load(Ordering::Relaxed),
+            "during_sleep": self.during_sleep.load(Ordering::Relaxed),
             "sessions_open": sessions.open_count(),
             "sessions_created": sessions.created_count(),
             "last_traceparent": *self.last_traceparent.lock(),
@@ -61,7 +71,7 @@ mod tests {
         }
         assert_eq!(
             stats.to_json(&sessions),
-            json!({"requests": 4, "tool_calls": 2, "sessions_open": 0, "sessions_created": 0, "last_traceparent": null})
+            json!({"requests": 4, "tool_calls": 2, "during_sleep": 0, "sessions_open": 0, "sessions_created": 0, "last_traceparent": null})
         );
     }
 }
