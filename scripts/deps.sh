@@ -37,4 +37,4 @@ fi
 # manifests in tests/tests/kubernetes.rs; Debian's kubernetes-client is too old, so it
 # is not installed here. Without it the test checks the base's files unrendered.
 command -v kubectl >/dev/null ||
-  echo "deps: kubectl not found: tests/tests/kubernetes.rs will check deploy/kubernetes/base unrendered and skip the overlay (install kubectl from https://kubernetes.io/docs/tasks/tools/)"
+  echo "deps: kubectl not found: tests/tests/kubernetes.rs will fail; install kubectl >= 1.27 from https://kubernetes.io/docs/tasks/tools/ (or set MCPGW_ALLOW_SKIP=kubectl to check deploy/kubernetes/base unrendered)" >&2
