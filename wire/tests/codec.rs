@@ -102,6 +102,7 @@ fn frame() -> impl Strategy<Value = Frame> {
             .prop_map(|(kind, message)| Frame::Error(ErrorFrame { kind, message })),
         Just(Frame::Cancel),
         any::<u32>().prop_map(Frame::Credit),
+        Just(Frame::GoAway),
     ]
 }
 

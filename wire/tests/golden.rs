@@ -1,13 +1,15 @@
-//! Frames of the previous mesh protocol version, kept as bytes that version's code
-//! encoded (`tests/golden/v3/`), decode with the current code to the same values; and
-//! every frame a current worker may send to a peer of that version encodes to exactly
-//! those bytes, so an older worker reads it. This is what lets old and new workers
-//! forward to each other for the length of a rolling upgrade.
+//! Frames of every mesh protocol version this code speaks, kept as bytes that
+//! version's code encoded (`tests/golden/v3/`, `tests/golden/v4/`), decode with the
+//! current code to the same values; and every frame a current worker may send to a
+//! peer of that version encodes to exactly those bytes, so an older worker reads it.
+//! This is what lets old and new workers forward to each other for the length of a
+//! rolling upgrade.
 //!
-//! The files were written by the code of version 3 (commit "golden frames of mesh
-//! protocol 3"). They are never rewritten by a test run: a missing or changed file
-//! fails. To add the files of a new version when the protocol moves on, run once with
-//! `MCPGW_WRITE_GOLDEN=<version>` and commit what it writes.
+//! The files of version 3 were written by the code of version 3 (commit "golden frames
+//! of mesh protocol 3"), those of version 4 by the code of version 4. They are never
+//! rewritten: a missing or changed file fails, and the writer refuses to replace a file
+//! that exists. To add the files of a new version when the protocol moves on, run once
+//! with `MCPGW_WRITE_GOLDEN=<version>` and commit what it writes.
 
 use std::path::PathBuf;
 
@@ -97,6 +99,13 @@ fn v3_frames() -> Vec<(&'static str, Frame)> {
     ]
 }
 
+/// Version 4: every frame of version 3, and `GoAway`.
+fn v4_frames() -> Vec<(&'static str, Frame)> {
+    let mut frames = v3_frames();
+    frames.push(("goaway", Frame::GoAway));
+    frames
+}
+
 fn golden_dir(version: u32) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/golden/v{version}"))
 }
@@ -122,19 +131,45 @@ fn write_golden_if_asked(version: u32, frames: &[(&str, Frame)]) {
     let dir = golden_dir(version);
     std::fs::create_dir_all(&dir).expect("golden dir");
     for (name, frame) in frames {
-        std::fs::write(dir.join(format!("{name}.bin")), encode(frame)).expect("write golden");
+        let path = dir.join(format!("{name}.bin"));
+        // A golden file records what a released version encoded: never replaced.
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{}: {e}: golden files are never rewritten; a frame that encodes \
+                     differently needs a new protocol version",
+                    path.display()
+                )
+            });
+        std::io::Write::write_all(&mut file, &encode(frame)).expect("write golden");
     }
 }
 
 #[test]
 fn frames_of_protocol_3_decode_and_current_frames_for_it_are_byte_identical() {
-    let frames = v3_frames();
-    write_golden_if_asked(3, &frames);
-    let codec = MeshCodec::new(mcpgw_wire::DEFAULT_MAX_FRAME);
     assert_eq!(Frame::GoAway.since(), 4, "GoAway is new in version 4");
-    for (name, frame) in &frames {
-        assert_eq!(frame.since(), 3, "{name} is a frame of version 3");
-        let path = golden_dir(3).join(format!("{name}.bin"));
+    check_golden(3, &v3_frames());
+}
+
+#[test]
+fn frames_of_protocol_4_decode_and_current_frames_for_it_are_byte_identical() {
+    assert_eq!(mcpgw_wire::PROTOCOL_VERSION, 4, "add the golden files of the new version");
+    check_golden(4, &v4_frames());
+}
+
+/// Every frame of `version` decodes from its golden bytes and encodes to them.
+fn check_golden(version: u32, frames: &[(&'static str, Frame)]) {
+    write_golden_if_asked(version, frames);
+    let codec = MeshCodec::new(mcpgw_wire::DEFAULT_MAX_FRAME);
+    for (name, frame) in frames {
+        assert!(
+            frame.since() <= version,
+            "{name} is a frame of version {version}"
+        );
+        let path = golden_dir(version).join(format!("{name}.bin"));
         let golden = std::fs::read(&path)
             .unwrap_or_else(|e| panic!("{}: {e} (golden files are committed)", path.display()));
         // The whole message first, then the multiplexed one.
@@ -142,24 +177,24 @@ fn frames_of_protocol_3_decode_and_current_frames_for_it_are_byte_identical() {
         let (whole, muxed) = golden.split_at(4 + len);
         let decoded = codec
             .decode_frame(whole)
-            .unwrap_or_else(|e| panic!("{name}: version 3's bytes no longer decode: {e}"));
+            .unwrap_or_else(|e| panic!("{name}: version {version}'s bytes no longer decode: {e}"));
         assert_eq!(
             &decoded, frame,
-            "{name}: version 3's bytes decode to another frame"
+            "{name}: version {version}'s bytes decode to another frame"
         );
         let mut src = BytesMut::from(muxed);
         let (exchange, decoded) = tokio_util::codec::Decoder::decode(
             &mut MuxCodec::new(mcpgw_wire::DEFAULT_MAX_FRAME),
             &mut src,
         )
-        .unwrap_or_else(|e| panic!("{name}: multiplexed bytes of version 3: {e:?}"))
+        .unwrap_or_else(|e| panic!("{name}: multiplexed bytes of version {version}: {e:?}"))
         .unwrap_or_else(|| panic!("{name}: a whole multiplexed frame is incomplete"));
         assert_eq!((exchange, &decoded), (7, frame), "{name}: multiplexed");
         assert_eq!(
             encode(frame),
             golden,
-            "{name}: the current code encodes this frame differently from version 3, so a \
-             worker of version 3 cannot read it"
+            "{name}: the current code encodes this frame differently from version {version}, \
+             so a worker of version {version} cannot read it"
         );
     }
 }
