@@ -146,12 +146,21 @@ fn compare_sweeps_to_saturation_narrows_the_bracket_and_compares_at_half_the_bas
             .as_array()
             .map(|runs| runs.iter().map(offered).collect())
             .unwrap_or_default();
+        assert_eq!(
+            rates.first(),
+            Some(&100.0),
+            "{name}: the sweep ran, from the lowest rate: {config}"
+        );
         assert!(
             rates.windows(2).all(|w| w[0] < w[1]),
             "{name}: sweep in rate order: {rates:?}"
         );
         // A slow moment may saturate even the low rate; then there is no bracket.
         if let Some(sustained) = saturation["sustained_rps"].as_f64() {
+            assert!(
+                rates.contains(&100_000.0),
+                "{name}: the sweep went on to the rate no machine sustains: {rates:?}"
+            );
             assert!(
                 rates.iter().any(|&r| r > sustained && r < 100_000.0),
                 "{name}: a run between {sustained} and 100,000 req/s narrowed the bracket: {rates:?}"
