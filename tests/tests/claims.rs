@@ -6,6 +6,7 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
+use mcpgw_testkit::fleet::{MeshCerts, supervisor_flags};
 use mcpgw_testkit::http::{self, Response};
 use mcpgw_testkit::signal::{Signal, send};
 use mcpgw_testkit::{Gateway, RedisServer, Upstream, eventually, python, python_script};
@@ -60,14 +61,11 @@ fn workers_and_their_stdio_children_end_with_a_supervisor_killed_with_sigkill() 
         python().display(),
         python_script("stateful_server.py").display()
     );
-    let gateway = Gateway::start(&[
-        "--workers",
-        "2",
-        "--redis",
-        &redis.url(),
-        "--upstream",
-        &stdio,
-    ]);
+    let certs = MeshCerts::create(&["host-a"]);
+    let mut args = supervisor_flags(&redis.url(), 2, "tcp", &certs, "host-a");
+    args.extend(["--upstream".into(), stdio]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let gateway = Gateway::start(&args);
     // A session's stdio child, under one of the workers.
     let session = http::initialize(&gateway.addr, "/mcp");
     let counted = http::call_tool(
