@@ -180,3 +180,15 @@ pub const NOT_MINE_GRACE: Duration = Duration::from_millis(500);
 pub const DRAIN_WORST_CASE: Duration = Duration::from_millis(
     4 * DRAIN_GRACE.as_millis() as u64 + NOT_MINE_GRACE.as_millis() as u64 + 1000,
 );
+
+/// `--drain-delay-ms`'s long help, which says [`DRAIN_WORST_CASE`]: the deployment
+/// checks (tests/tests/kubernetes.rs) read it from there, not from a copy.
+pub fn drain_delay_help() -> String {
+    format!(
+        "On a drain, keep serving the public port this long (milliseconds, default 0) with \
+         /readyz at 503 and `Connection: close`, before it closes. After it, a drain takes at \
+         most {} s (drain worst case): a supervisor's, Kubernetes' or compose's stop grace \
+         must allow the delay plus that.",
+        DRAIN_WORST_CASE.as_secs_f64()
+    )
+}

@@ -21,11 +21,24 @@ use serde_json::Value;
 /// default from 1.30) and the newest the pinned kubernetes-validate knows.
 const KUBERNETES_VERSIONS: [&str; 2] = ["1.30", "1.37"];
 
-/// The worst case of a SIGTERM drain after its lame-duck delay, in seconds
-/// (`DRAIN_WORST_CASE` in gateway/src/process.rs): the public port's exchanges (10 s),
-/// the handover (10 s), forwarded requests in flight (10 s), ending the sessions
-/// (10 s), "not mine" answers and the mesh's close (1.5 s).
-const DRAIN_WORST_CASE_SECS: f64 = 41.5;
+/// The worst case of a SIGTERM drain after its lame-duck delay, in seconds, as the
+/// binary says it (`--drain-delay-ms`'s help: `DRAIN_WORST_CASE` in
+/// gateway/src/process.rs): the public port's exchanges, the handover, forwarded
+/// requests in flight, ending the sessions, "not mine" answers and the mesh's close.
+fn drain_worst_case_secs() -> f64 {
+    let out = Command::new(mcpgw_testkit::bin("mcpgw"))
+        .args(["serve", "--help"])
+        .output()
+        .expect("run mcpgw serve --help");
+    let help = String::from_utf8_lossy(&out.stdout);
+    // "... a drain takes at most 41.5 s (drain worst case) ...", wrapped anywhere.
+    let words: Vec<&str> = help.split_whitespace().collect();
+    words
+        .windows(4)
+        .find(|w| w[0] == "most" && w[2] == "s" && w[3] == "(drain")
+        .and_then(|w| w[1].parse().ok())
+        .unwrap_or_else(|| panic!("mcpgw serve --help states the drain's worst case:\n{help}"))
+}
 
 fn deploy_dir() -> PathBuf {
     mcpgw_testkit::workspace_root().join("deploy/kubernetes")
@@ -99,6 +112,40 @@ fn validated_objects(files: &[PathBuf]) -> Vec<Value> {
         invalid.join("\n")
     );
     entries.into_iter().map(|e| e["object"].clone()).collect()
+}
+
+/// The schema check can fail: a Deployment whose `replicas` is a string is refused,
+/// the error named, under every Kubernetes version checked.
+#[test]
+fn the_schema_check_refuses_an_invalid_object() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let file = tmp.path().join("invalid.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata:\n  name: broken\nspec:\n  \
+         replicas: \"three\"\n  selector:\n    matchLabels: {app: broken}\n  template:\n    \
+         metadata:\n      labels: {app: broken}\n    spec:\n      containers:\n      - image: mcpgw\n",
+    )
+    .expect("write the invalid object");
+    let mut args: Vec<String> = Vec::new();
+    for version in KUBERNETES_VERSIONS {
+        args.push("--kubernetes-version".into());
+        args.push(version.into());
+    }
+    args.push(file.display().to_string());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let report = mcpgw_testkit::run_python("k8s_validate.py", &args);
+    let entries = report["objects"].as_array().expect("objects");
+    assert_eq!(entries.len(), 1, "{report}");
+    let errors = entries[0]["errors"].as_array().expect("errors");
+    for version in KUBERNETES_VERSIONS {
+        assert!(
+            errors.iter().any(|e| e
+                .as_str()
+                .is_some_and(|e| e.starts_with(&format!("{version}: spec.replicas")))),
+            "Kubernetes {version} refuses the string replicas: {errors:?}"
+        );
+    }
 }
 
 fn kind_name(object: &Value) -> String {
@@ -423,6 +470,7 @@ fn probes_mesh_port_policy_drain_grace_and_certificates_are_wired_as_documented(
         );
 
         // SIGTERM drain: the preStop pause plus the drain's worst case fit the grace.
+        let drain_worst_case = drain_worst_case_secs();
         let grace = pod["spec"]["terminationGracePeriodSeconds"]
             .as_f64()
             .unwrap_or(30.0);
@@ -433,11 +481,11 @@ fn probes_mesh_port_policy_drain_grace_and_certificates_are_wired_as_documented(
             .map(|ms| ms.parse::<f64>().expect("--drain-delay-ms is a number") / 1000.0)
             .unwrap_or(0.0);
         println!(
-            "{label}: grace {grace} s for {pause} s preStop + {delay} s lame duck + {DRAIN_WORST_CASE_SECS} s drain"
+            "{label}: grace {grace} s for {pause} s preStop + {delay} s lame duck + {drain_worst_case} s drain"
         );
         assert!(
-            grace > pause + delay + DRAIN_WORST_CASE_SECS,
-            "{label}: terminationGracePeriodSeconds {grace} does not cover {pause} s preStop + {delay} s lame duck + {DRAIN_WORST_CASE_SECS} s drain"
+            grace > pause + delay + drain_worst_case,
+            "{label}: terminationGracePeriodSeconds {grace} does not cover {pause} s preStop + {delay} s lame duck + {drain_worst_case} s drain"
         );
 
         // Certificates: a Secret volume mounted whole (a subPath mount never sees the

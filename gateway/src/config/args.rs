@@ -132,7 +132,7 @@ pub struct ServeArgs {
     pub directory_timeout_ms: Option<u64>,
     /// On a drain, keep serving the public port this long (milliseconds, default 0)
     /// with /readyz at 503 and `Connection: close`, before it closes.
-    #[arg(long, env = "MCPGW_DRAIN_DELAY_MS")]
+    #[arg(long, env = "MCPGW_DRAIN_DELAY_MS", long_help = crate::process::drain_delay_help())]
     pub drain_delay_ms: Option<u64>,
     /// Bytes all replay logs of a worker keep at most (default 268435456, 256 MiB).
     #[arg(long, env = "MCPGW_REPLAY_BUDGET_BYTES")]
