@@ -1,7 +1,8 @@
 //! What the README and docs/configuration.md promise, each checked once with real
 //! processes: workers (and their stdio children) do not outlive a supervisor killed
 //! with `kill -9`; a 2024-11-05 client gets a session; `MCPGW_*` variables win over
-//! the file; a request in flight keeps its session alive under idle expiry.
+//! the file; a request in flight keeps its session alive under idle expiry; the
+//! file's `[mesh] max_handshakes_per_address` reaches the mesh port.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -213,4 +214,61 @@ fn a_request_in_flight_keeps_its_session_alive_under_idle_expiry() {
     );
     let error: Value = expired.error().expect("a JSON-RPC error");
     assert_eq!(error["code"], -32001, "{error}");
+}
+
+/// `[mesh] max_handshakes_per_address` in the file reaches the worker's mesh port:
+/// with 2, a third silent connection from one address is closed at once, before any
+/// TLS, while the two under the cap wait for their (long) handshake deadline.
+#[test]
+fn the_files_handshake_cap_reaches_the_mesh_port() {
+    use std::io::Read;
+    let redis = RedisServer::start();
+    let upstream = Upstream::start();
+    let certs = MeshCerts::create(&["host-a"]);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("mcpgw.toml");
+    std::fs::write(
+        &file,
+        "[mesh]\nmax_handshakes_per_address = 2\nconnect_timeout_ms = 60000\n",
+    )
+    .expect("config file");
+    let mut args = supervisor_flags(&redis.url(), 1, "tcp", &certs, "host-a");
+    args.extend([
+        "--config".into(),
+        file.display().to_string(),
+        "--upstream".into(),
+        format!("demo={}", upstream.url),
+    ]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let _gateway = Gateway::start(&args);
+    let worker = redis
+        .keys("mcpgw:worker_addr:*")
+        .pop()
+        .expect("the worker's mesh address");
+    let mesh = redis.get(&worker).expect("a mesh address");
+    let silent: Vec<std::net::TcpStream> = (0..3)
+        .map(|_| std::net::TcpStream::connect(&mesh).expect("connect to the mesh port"))
+        .collect();
+    // Closed: the server ended it (end of stream or reset) within `within`; else open.
+    let closed = |stream: &std::net::TcpStream, within: Duration| -> bool {
+        stream.set_read_timeout(Some(within)).expect("timeout");
+        let mut byte = [0u8; 1];
+        match (&*stream).read(&mut byte) {
+            Ok(_) => true,
+            Err(e) => !matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ),
+        }
+    };
+    assert!(
+        closed(&silent[2], Duration::from_secs(30)),
+        "the connection over the cap is closed"
+    );
+    for (i, stream) in silent[..2].iter().enumerate() {
+        assert!(
+            !closed(stream, Duration::from_millis(300)),
+            "connection {i}, under the cap, still waits for its handshake"
+        );
+    }
 }
