@@ -41,6 +41,8 @@ pub struct Upstream {
     sessions: SessionStore,
     stats: Stats,
     stall: Option<Stall>,
+    /// `--resources`: generated resources listed in pages.
+    generated: Option<methods::GeneratedResources>,
 }
 
 /// `--stall-after`: one server-wide pause, triggered by the Nth POST.
@@ -78,7 +80,15 @@ impl Upstream {
             sessions: SessionStore::default(),
             stats: Stats::default(),
             stall: None,
+            generated: None,
         }
+    }
+
+    /// Lists `count` generated resources besides the session's state, `page` per
+    /// `resources/list` page.
+    pub fn with_generated_resources(mut self, count: usize, page: usize) -> Self {
+        self.generated = Some(methods::GeneratedResources { count, page });
+        self
     }
 
     /// Makes the Nth POST (1-based) begin a server-wide pause of `length`.
@@ -294,6 +304,17 @@ impl Upstream {
         session: Option<&Arc<Session>>,
     ) -> Reply {
         self.stats.record_request(method);
+        if let Some(generated) = &self.generated {
+            match method {
+                "resources/list" => return generated.page(era, params, session.is_some()),
+                "resources/read" => {
+                    if let Some(read) = generated.read(era, params) {
+                        return read;
+                    }
+                }
+                _ => {}
+            }
+        }
         methods::dispatch(era, method, params, session.map(|session| session.state()))
     }
 

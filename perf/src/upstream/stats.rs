@@ -18,6 +18,9 @@ pub struct Stats {
     requests: AtomicU64,
     /// The subset of `requests` whose method was `tools/call`.
     tool_calls: AtomicU64,
+    /// The subset of `requests` whose method was `resources/list` (each page), so
+    /// tests see how often and how far a gateway followed a list.
+    resource_lists: AtomicU64,
     /// The W3C `traceparent` header of the last POST that carried one, so tests can
     /// check that trace context reaches the upstream through the gateway.
     last_traceparent: parking_lot::Mutex<Option<String>>,
@@ -30,6 +33,9 @@ impl Stats {
         if method == "tools/call" {
             self.tool_calls.fetch_add(1, Ordering::Relaxed);
         }
+        if method == "resources/list" {
+            self.resource_lists.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Remembers the trace context a request came with.
@@ -41,6 +47,7 @@ impl Stats {
         json!({
             "requests": self.requests.load(Ordering::Relaxed),
             "tool_calls": self.tool_calls.load(Ordering::Relaxed),
+            "resource_lists": self.resource_lists.load(Ordering::Relaxed),
             "sessions_open": sessions.open_count(),
             "sessions_created": sessions.created_count(),
             "last_traceparent": *self.last_traceparent.lock(),
