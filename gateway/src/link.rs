@@ -147,8 +147,10 @@ pub struct FederatedLink {
     /// The server's merge bounds.
     pub(crate) merge: MergeLimits,
     /// When an unknown name or URI last read each list again (at most once per
-    /// `merge.unknown_refresh_interval`).
-    pub(crate) refreshes: Mutex<Refreshes>,
+    /// `merge.unknown_refresh_interval`); held while it does, so requests that find
+    /// a name unknown meanwhile wait for that reading rather than answer "unknown"
+    /// from the catalog it is renewing.
+    pub(crate) refreshes: tokio::sync::Mutex<Refreshes>,
     /// List (its method) → the members its last merge cut: a name or URI no catalog
     /// knows may be theirs, beyond the cut.
     pub(crate) cut: Mutex<HashMap<&'static str, Vec<usize>>>,

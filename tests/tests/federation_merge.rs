@@ -99,11 +99,19 @@ fn a_merge_of_40000_resources_holds_no_runtime_thread() {
          held the runtime thread"
     );
     let uris = uris(&answer);
-    assert_eq!(uris.len() as u64, COUNT + 1, "every resource and the state's");
+    assert_eq!(
+        uris.len() as u64,
+        COUNT + 1,
+        "every resource and the state's"
+    );
     let unique: HashSet<&String> = uris.iter().collect();
     assert_eq!(unique.len(), uris.len(), "no URI twice");
     assert!(unique.contains(&"demo://item/39999".to_owned()));
-    assert!(answer["result"].get("_meta").is_none(), "nothing cut: {}", answer["result"]["_meta"]);
+    assert!(
+        answer["result"].get("_meta").is_none(),
+        "nothing cut: {}",
+        answer["result"]["_meta"]
+    );
     assert_eq!(demo.counter("resource_lists"), PAGES, "each page once");
 }
 
@@ -171,7 +179,11 @@ fn an_unknown_uri_or_name_reads_the_lists_at_most_once_per_interval() {
         "three unknown URIs within the interval: the lists read once"
     );
     let after_reads = demo.counter("requests");
-    assert_eq!(after_reads - before, 2, "resources/list and resources/templates/list");
+    assert_eq!(
+        after_reads - before,
+        2,
+        "resources/list and resources/templates/list"
+    );
 
     for id in 4..=6 {
         let call = rpc(

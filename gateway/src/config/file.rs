@@ -159,9 +159,10 @@ impl FileServer {
                 self.max_template_uri_bytes,
                 defaults.max_template_uri_bytes,
             )?,
-            unknown_refresh_interval: self
-                .unknown_refresh_ms
-                .map_or(defaults.unknown_refresh_interval, std::time::Duration::from_millis),
+            unknown_refresh_interval: self.unknown_refresh_ms.map_or(
+                defaults.unknown_refresh_interval,
+                std::time::Duration::from_millis,
+            ),
         })
     }
 }

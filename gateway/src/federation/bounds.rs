@@ -221,7 +221,10 @@ mod tests {
         let mut list = CappedList::new(cap);
         assert!(!list.take_page("resources/list", page(0, 5)));
         assert_eq!(list.items.len(), 2);
-        let why = list.note("demo").unwrap()["why"].as_str().unwrap().to_owned();
+        let why = list.note("demo").unwrap()["why"]
+            .as_str()
+            .unwrap()
+            .to_owned();
         assert!(why.contains("max_member_bytes"), "{why}");
     }
 

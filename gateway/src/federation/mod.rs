@@ -80,10 +80,17 @@ impl FederatedLink {
         if let Some(owner) = known(self) {
             return Some(owner);
         }
-        if self.may_refresh(kind.listing().method) {
-            self.merged_list(executor, kind).await;
+        {
+            let mut refreshes = self.refreshes.lock().await;
+            // A reading that ran while this waited may have found it.
             if let Some(owner) = known(self) {
                 return Some(owner);
+            }
+            if self.may_refresh(&mut refreshes, kind.listing().method) {
+                self.merged_list(executor, kind).await;
+                if let Some(owner) = known(self) {
+                    return Some(owner);
+                }
             }
         }
         self.unlisted_owner_of(kind, name)
@@ -91,10 +98,9 @@ impl FederatedLink {
 
     /// Whether an unknown name or URI may read `list` again now (at most once per
     /// the server's `unknown_refresh_ms` per session).
-    fn may_refresh(&self, list: &'static str) -> bool {
+    fn may_refresh(&self, refreshes: &mut bounds::Refreshes, list: &'static str) -> bool {
         let now = tokio::time::Instant::now();
-        let interval = self.merge.unknown_refresh_interval;
-        self.refreshes.lock().may_refresh(list, now, interval)
+        refreshes.may_refresh(list, now, self.merge.unknown_refresh_interval)
     }
 
     /// The members the last merge of `list` cut.
@@ -210,9 +216,10 @@ impl FederatedLink {
                 return Ok(CappedList::new(cap));
             }
             let deadline = member.config.list_deadline(&executor.worker.config.limits);
-            let listed = tokio::time::timeout(deadline, self.list_member(executor, member, of, cap))
-                .await
-                .unwrap_or_else(|_| Err(too_slow(of.method, deadline)));
+            let listed =
+                tokio::time::timeout(deadline, self.list_member(executor, member, of, cap))
+                    .await
+                    .unwrap_or_else(|_| Err(too_slow(of.method, deadline)));
             count(
                 member,
                 match (&listed, member.lost()) {
@@ -380,7 +387,11 @@ impl Notes {
     /// Puts the notes (and `hidden`, when any) under `_meta["mcpgw/federation"]`.
     pub(super) fn into_meta(self, listed: &mut Value, hidden: Vec<Value>) {
         let mut federation = serde_json::Map::new();
-        for (key, notes) in [("missing", self.missing), ("hidden", hidden), ("cut", self.cut)] {
+        for (key, notes) in [
+            ("missing", self.missing),
+            ("hidden", hidden),
+            ("cut", self.cut),
+        ] {
             if !notes.is_empty() {
                 federation.insert(key.into(), Value::from(notes));
             }
@@ -913,7 +924,10 @@ mod tests {
             missing: vec![json!({"member": "a", "why": "down"})],
             cut: vec![json!({"member": "b", "listed": 10, "why": "too many"})],
         };
-        notes.into_meta(&mut listed, vec![json!({"uri": "u", "member": "b", "kept_by": "a"})]);
+        notes.into_meta(
+            &mut listed,
+            vec![json!({"uri": "u", "member": "b", "kept_by": "a"})],
+        );
         let federation = &listed["_meta"]["mcpgw/federation"];
         assert_eq!(federation["missing"][0]["member"], "a");
         assert_eq!(federation["hidden"][0]["kept_by"], "a");
@@ -941,8 +955,12 @@ mod tests {
                 .collect()
         };
         let mut items = vec![list("a"), list("b")];
-        let (exposure, merged) =
-            merge_names(crate::config::PrefixRule::Conflicts, "__", &members, &mut items);
+        let (exposure, merged) = merge_names(
+            crate::config::PrefixRule::Conflicts,
+            "__",
+            &members,
+            &mut items,
+        );
         assert_eq!(merged.len(), 2 * EACH);
         assert_eq!(exposure.owners.len(), 2 * EACH);
         assert_eq!(merged[0], json!({"name": "a__t0", "from": "a"}));

@@ -90,7 +90,7 @@ impl Executor<'_> {
             catalog: Mutex::default(),
             resources: Mutex::default(),
             merge: server.server.merge,
-            refreshes: Mutex::default(),
+            refreshes: tokio::sync::Mutex::default(),
             cut: Mutex::default(),
             own_ids: OwnIds::new(&self.worker.id),
         });

@@ -15,9 +15,9 @@ use http::HeaderMap;
 use serde_json::{Value, json};
 use tracing::warn;
 
+use super::bounds::merge_off_thread;
 use super::names::{self, Listed};
 use super::uris::ResourceCatalog;
-use super::bounds::merge_off_thread;
 use super::{Gathered, INVALID_PARAMS, Notes, error, result_off_thread, take_items};
 use crate::config::{NameFilter, PrefixRule};
 use crate::execute::Executor;
@@ -275,9 +275,8 @@ impl FederatedLink {
         uri: &str,
         as_template: bool,
     ) -> Option<usize> {
-        let passes = |member: usize, uri: &str| {
-            names::passes(&self.members[member].config.resources, uri)
-        };
+        let passes =
+            |member: usize, uri: &str| names::passes(&self.members[member].config.resources, uri);
         let max_uri = self.merge.max_template_uri_bytes;
         let known = || {
             self.resources
@@ -287,23 +286,30 @@ impl FederatedLink {
         if let Some(member) = known() {
             return Some(member);
         }
-        // Both lists are read again together: one interval for the pair.
-        if self.may_refresh(ResourceList::Resources.listing().method) {
-            futures_util::future::join(
-                self.merged_resources(executor, ResourceList::Resources),
-                self.merged_resources(executor, ResourceList::Templates),
-            )
-            .await;
+        {
+            let mut refreshes = self.refreshes.lock().await;
+            // A reading that ran while this waited may have found it.
             if let Some(member) = known() {
                 return Some(member);
+            }
+            // Both lists are read again together: one interval for the pair.
+            let list = ResourceList::Resources.listing().method;
+            if self.may_refresh(&mut refreshes, list) {
+                futures_util::future::join(
+                    self.merged_resources(executor, ResourceList::Resources),
+                    self.merged_resources(executor, ResourceList::Templates),
+                )
+                .await;
+                if let Some(member) = known() {
+                    return Some(member);
+                }
             }
         }
         // Beyond a cut list, the URI may be that member's: it answers for itself.
         let mut cut = self.cut_members(ResourceList::Resources.listing().method);
         cut.extend(self.cut_members(ResourceList::Templates.listing().method));
-        (0..self.members.len()).find(|at| {
-            cut.contains(at) && self.members[*at].lost().is_none() && passes(*at, uri)
-        })
+        (0..self.members.len())
+            .find(|at| cut.contains(at) && self.members[*at].lost().is_none() && passes(*at, uri))
     }
 
     /// -32602 for a URI no member serves, saying what to do.

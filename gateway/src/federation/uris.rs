@@ -89,7 +89,11 @@ mod tests {
         let longer = format!("{long}y");
         assert_eq!(catalog.route(&longer, ANY, all), Some(0));
         assert_eq!(catalog.route(&longer, 100, all), None, "too long to match");
-        assert_eq!(catalog.route(&long, 100, all), Some(1), "listed: no match needed");
+        assert_eq!(
+            catalog.route(&long, 100, all),
+            Some(1),
+            "listed: no match needed"
+        );
         assert_eq!(catalog.route("mem://a/short", 100, all), Some(0));
     }
 
@@ -107,12 +111,18 @@ mod tests {
         assert_eq!(catalog.route("mem://b/notes/pinned", ANY, all), Some(1));
         assert_eq!(catalog.route("mem://b/notes/n1", ANY, all), Some(0));
         let no_b_for_zero = |member: usize, uri: &str| member != 0 || !uri.starts_with("mem://b");
-        assert_eq!(catalog.route("mem://b/notes/n1", ANY, no_b_for_zero), Some(1));
+        assert_eq!(
+            catalog.route("mem://b/notes/n1", ANY, no_b_for_zero),
+            Some(1)
+        );
         assert_eq!(catalog.route("mem://a/readme", ANY, all), Some(0));
         assert_eq!(catalog.route("mem://c", ANY, all), None);
         assert_eq!(catalog.template_owner("mem://b/notes/{n}"), Some(1));
         assert_eq!(catalog.template_owner("mem://b/{n}"), None);
-        assert_eq!(catalog.serving("mem://b/notes/{n}", true, ANY, all), Some(1));
+        assert_eq!(
+            catalog.serving("mem://b/notes/{n}", true, ANY, all),
+            Some(1)
+        );
         assert_eq!(catalog.serving("mem://b/notes/{n}", false, ANY, all), None);
         assert_eq!(catalog.serving("mem://a/x", true, ANY, all), Some(0));
     }

@@ -89,7 +89,8 @@ pub async fn run(config: UpstreamConfig) -> anyhow::Result<()> {
     tracing::info!(%address, sse_always = config.sse_always, stall_after = config.stall_after, "upstream MCP server ready");
     let mut upstream = Upstream::new(config.sse_always);
     if config.resources > 0 {
-        upstream = upstream.with_generated_resources(config.resources, config.resource_page as usize);
+        upstream =
+            upstream.with_generated_resources(config.resources, config.resource_page as usize);
     }
     if let Some(after) = config.stall_after {
         upstream = upstream.with_stall(after, Duration::from_millis(config.stall_ms));

@@ -153,7 +153,8 @@ impl Executor<'_> {
         let principal = &call.auth.subject;
         let max_uri = server.server.merge.max_template_uri_bytes;
         let kept = server.catalogs.resources(principal);
-        if let Some(member) = kept.and_then(|kept| kept.serving(uri, as_template, max_uri, passes)) {
+        if let Some(member) = kept.and_then(|kept| kept.serving(uri, as_template, max_uri, passes))
+        {
             return Some(member);
         }
         // Not known (or nothing kept): the lists, read now, decide and renew the catalog.
