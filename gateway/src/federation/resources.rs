@@ -470,7 +470,7 @@ mod tests {
     }
 
     #[test]
-    fn a_listed_templates_catalog_keeps_an_unlisted_members_templates_in_member_order() {
+    fn the_catalog_of_two_lists_knows_each_templates_owner() {
         let owner = |member| names::Owner {
             member,
             own: String::new(),
