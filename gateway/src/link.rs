@@ -15,9 +15,10 @@ use serde_json::{Value, json};
 use tracing::warn;
 
 use crate::adoption::{self, AdoptionKeys, MemberRecord, MemberSession};
-use crate::config::{MemberConfig, NameFilter, PrefixRule};
+use crate::config::{MemberConfig, MergeLimits, NameFilter, PrefixRule};
 use crate::execute::streams::StreamLog;
 use crate::execute::upstream::stdio::StdioProcess;
+use crate::federation::bounds::Refreshes;
 use crate::federation::names::Owner;
 use crate::federation::uris::ResourceCatalog;
 
@@ -143,6 +144,16 @@ pub struct FederatedLink {
     pub(crate) catalog: Mutex<HashMap<Kind, HashMap<String, Owner>>>,
     /// The URIs and templates of the last merged resource lists, kept the same way.
     pub(crate) resources: Mutex<ResourceCatalog>,
+    /// The server's merge bounds.
+    pub(crate) merge: MergeLimits,
+    /// When an unknown name or URI last read each list again (at most once per
+    /// `merge.unknown_refresh_interval`); held while it does, so requests that find
+    /// a name unknown meanwhile wait for that reading rather than answer "unknown"
+    /// from the catalog it is renewing.
+    pub(crate) refreshes: tokio::sync::Mutex<Refreshes>,
+    /// List (its method) → the members its last merge cut: a name or URI no catalog
+    /// knows may be theirs, beyond the cut.
+    pub(crate) cut: Mutex<HashMap<&'static str, Vec<usize>>>,
     /// Ids for the gateway's own requests in the members' sessions.
     pub(crate) own_ids: OwnIds,
 }

@@ -60,6 +60,11 @@ struct FileServer {
     separator: Option<String>,
     #[serde(default, rename = "member")]
     members: Vec<FileMember>,
+    max_member_items: Option<usize>,
+    max_member_bytes: Option<usize>,
+    max_member_templates: Option<usize>,
+    max_template_uri_bytes: Option<usize>,
+    unknown_refresh_ms: Option<u64>,
 }
 
 /// One `[[server.member]]` table.
@@ -104,6 +109,7 @@ impl FileServer {
                 ),
             ));
         }
+        let merge = self.merge_limits(field)?;
         let separator = resolve_separator(field, self.separator)?;
         let members = resolve_members(field, self.members, upstreams)?;
         check_exposed_names(field, self.prefix, &members)?;
@@ -113,8 +119,50 @@ impl FileServer {
                 prefix: self.prefix,
                 separator,
                 members,
+                merge,
             }),
             legacy_only: false,
+        })
+    }
+}
+
+impl FileServer {
+    /// The server's merge bounds over the defaults; a bound of 0 is refused (it would
+    /// list nothing: leave the key out for the default).
+    fn merge_limits(&self, field: &str) -> Result<MergeLimits, ConfigError> {
+        let defaults = MergeLimits::default();
+        let at_least_one = |key: &str, value: Option<usize>, default: usize| match value {
+            Some(0) => Err(invalid(
+                &format!("{field}.{key}"),
+                format!("must be at least 1; leave it out for the default, {default}"),
+            )),
+            value => Ok(value.unwrap_or(default)),
+        };
+        Ok(MergeLimits {
+            max_member_items: at_least_one(
+                "max_member_items",
+                self.max_member_items,
+                defaults.max_member_items,
+            )?,
+            max_member_bytes: at_least_one(
+                "max_member_bytes",
+                self.max_member_bytes,
+                defaults.max_member_bytes,
+            )?,
+            max_member_templates: at_least_one(
+                "max_member_templates",
+                self.max_member_templates,
+                defaults.max_member_templates,
+            )?,
+            max_template_uri_bytes: at_least_one(
+                "max_template_uri_bytes",
+                self.max_template_uri_bytes,
+                defaults.max_template_uri_bytes,
+            )?,
+            unknown_refresh_interval: self.unknown_refresh_ms.map_or(
+                defaults.unknown_refresh_interval,
+                std::time::Duration::from_millis,
+            ),
         })
     }
 }

@@ -142,6 +142,42 @@ pub struct VirtualServer {
     /// Between a member's prefix and a tool's own name (`demo__echo`).
     pub separator: String,
     pub members: Vec<MemberConfig>,
+    /// What one member may put into one merged list, and what routing a URI may cost.
+    pub merge: MergeLimits,
+}
+
+/// Bounds of a virtual server's merges (`[[server]]` keys of the same names): a
+/// member's list is data from a peer, and one client's list or read must not cost a
+/// worker without bound. The defaults serve real servers (a GitHub or filesystem
+/// server lists hundreds to a few thousand items) with room to spare.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MergeLimits {
+    /// Items one member may contribute to one merged list; past it the member's list
+    /// is cut (its pages are no longer followed) and the answer says so in `_meta`.
+    pub max_member_items: usize,
+    /// The same in bytes (the items as JSON): a few huge items cost what many do.
+    pub max_member_bytes: usize,
+    /// Resource templates one member may contribute: every template is tried against
+    /// a URI no member listed, so they bound what routing one read costs.
+    pub max_member_templates: usize,
+    /// A URI longer than this is routed by the URIs members listed only, never matched
+    /// against templates (the match is linear in the URI's length per template).
+    pub max_template_uri_bytes: usize,
+    /// An unknown name or URI reads the members' lists again at most once per this
+    /// interval per session (per list); within it the catalog's answer stands.
+    pub unknown_refresh_interval: std::time::Duration,
+}
+
+impl Default for MergeLimits {
+    fn default() -> Self {
+        MergeLimits {
+            max_member_items: 10_000,
+            max_member_bytes: 8 * 1024 * 1024,
+            max_member_templates: 1_000,
+            max_template_uri_bytes: 2_048,
+            unknown_refresh_interval: std::time::Duration::from_secs(2),
+        }
+    }
 }
 
 /// When a member's prefix goes in front of its names.
@@ -1052,7 +1088,32 @@ max_body_bytes = 1000
         assert_eq!(server.members[0].prefix, "demo");
         assert_eq!(server.members[1].index, 1);
         assert!(server.members[0].required && !server.members[1].required);
+        assert_eq!(server.merge, MergeLimits::default());
+        let config = load(
+            "[[server]]\nname = \"all\"\nmax_member_items = 50000\nmax_member_bytes = 1024\n\
+             max_member_templates = 3\nmax_template_uri_bytes = 64\nunknown_refresh_ms = 0\n\
+             [[server.member]]\nupstream = \"demo\"\n",
+        )
+        .expect("a server with merge bounds");
+        let UpstreamTarget::Virtual(server) = &config.upstreams[2].target else {
+            panic!("a virtual server")
+        };
+        assert_eq!(
+            server.merge,
+            MergeLimits {
+                max_member_items: 50_000,
+                max_member_bytes: 1024,
+                max_member_templates: 3,
+                max_template_uri_bytes: 64,
+                unknown_refresh_interval: std::time::Duration::ZERO,
+            }
+        );
         for (servers, field, words) in [
+            (
+                "[[server]]\nname = \"all\"\nmax_member_items = 0\n[[server.member]]\nupstream = \"demo\"\n",
+                "server[0].max_member_items",
+                "at least 1",
+            ),
             (
                 "[[server]]\nname = \"all\"\n[[server.member]]\nupstream = \"nope\"\n",
                 "server[0].member[0].upstream",

@@ -95,6 +95,9 @@ impl Executor<'_> {
             ending: Arc::new(AtomicBool::new(false)),
             catalog: Mutex::default(),
             resources: Mutex::default(),
+            merge: server.server.merge,
+            refreshes: tokio::sync::Mutex::default(),
+            cut: Mutex::default(),
             own_ids: OwnIds::new(&self.worker.id),
         };
         for (at, why) in &lost {

@@ -22,6 +22,7 @@
 //! opens the session's, and what a stdio member writes outside a request.
 
 mod adopt;
+pub(crate) mod bounds;
 mod ids;
 mod member_streams;
 pub(crate) mod modern;
@@ -47,6 +48,7 @@ use crate::link::{FederatedLink, Kind, ListOf, Member, UpstreamLink};
 use crate::mcp::{self, GatewayError};
 use crate::reason::Reason;
 use crate::reply::Reply;
+use bounds::{CappedList, MemberCap, merge_off_thread};
 use names::{Exposure, Listed, Owner};
 
 /// JSON-RPC "invalid params": an unknown tool or prompt name, a cursor never issued.
@@ -78,18 +80,46 @@ impl FederatedLink {
         if let Some(owner) = known(self) {
             return Some(owner);
         }
-        self.merged_list(executor, kind).await;
-        known(self).or_else(|| self.lost_owner_of(kind, name))
+        {
+            let mut refreshes = self.refreshes.lock().await;
+            // A reading that ran while this waited may have found it.
+            if let Some(owner) = known(self) {
+                return Some(owner);
+            }
+            if self.may_refresh(&mut refreshes, kind.listing().method) {
+                self.merged_list(executor, kind).await;
+                if let Some(owner) = known(self) {
+                    return Some(owner);
+                }
+            }
+        }
+        self.unlisted_owner_of(kind, name)
     }
 
-    /// A lost member that may own `name`, when no catalog knows it: the names of a
-    /// member lost before this worker listed it (a stdio member of an adopted
-    /// session) are in no catalog here, but its client listed them on the worker
-    /// before, and is told the loss rather than "unknown". By its prefix, or, where
-    /// names go unprefixed, by its filter.
-    fn lost_owner_of(&self, kind: Kind, name: &str) -> Option<Owner> {
+    /// Whether an unknown name or URI may read `list` again now (at most once per
+    /// the server's `unknown_refresh_ms` per session).
+    fn may_refresh(&self, refreshes: &mut bounds::Refreshes, list: &'static str) -> bool {
+        let now = tokio::time::Instant::now();
+        refreshes.may_refresh(list, now, self.merge.unknown_refresh_interval)
+    }
+
+    /// The members the last merge of `list` cut.
+    fn cut_members(&self, list: &'static str) -> Vec<usize> {
+        self.cut.lock().get(list).cloned().unwrap_or_default()
+    }
+
+    /// A member that may own `name` though no catalog knows it: a lost member (the
+    /// names of a member lost before this worker listed it, a stdio member of an
+    /// adopted session, are in no catalog here, but its client listed them on the
+    /// worker before, and is told the loss rather than "unknown"), or one the last
+    /// list cut (the name may be beyond the cut: the member answers for itself). By
+    /// its prefix, or, where names go unprefixed, by its filter.
+    fn unlisted_owner_of(&self, kind: Kind, name: &str) -> Option<Owner> {
+        let cut = self.cut_members(kind.listing().method);
         self.members.iter().enumerate().find_map(|(at, member)| {
-            member.lost()?;
+            if member.lost().is_none() && !cut.contains(&at) {
+                return None;
+            }
             let prefixed = format!("{}{}", member.config.prefix, self.separator);
             let own = match (name.strip_prefix(&prefixed), self.rule) {
                 (Some(own), PrefixRule::Always | PrefixRule::Conflicts) => own,
@@ -105,31 +135,32 @@ impl FederatedLink {
 
     /// Every live member's list of `kind`, followed page by page, merged and exposed
     /// by the server's rule; the catalog is renewed from it. Returns the list and the
-    /// members missing from it with why.
-    async fn merged_list(&self, executor: &Executor<'_>, kind: Kind) -> (Vec<Value>, Vec<Value>) {
+    /// members missing from it or cut, with why.
+    async fn merged_list(&self, executor: &Executor<'_>, kind: Kind) -> (Vec<Value>, Notes) {
         let Gathered {
-            mut items,
+            items,
             missing,
             unlisted,
+            cut,
         } = self.gather(executor, kind.listing()).await;
-        let listed: Vec<Listed<'_>> = self
+        let filters: Vec<(String, crate::config::NameFilter)> = self
             .members
             .iter()
-            .zip(&items)
-            .map(|(member, list)| Listed {
-                prefix: &member.config.prefix,
-                filter: kind.filter(&member.config),
-                names: list
-                    .iter()
-                    .filter_map(|item| item.get("name")?.as_str().map(str::to_owned))
-                    .collect(),
+            .map(|member| {
+                let filter = kind.filter(&member.config).clone();
+                (member.config.prefix.clone(), filter)
             })
             .collect();
+        let (rule, separator) = (self.rule, self.separator.clone());
+        let count = items.iter().map(Vec::len).sum();
+        let (exposure, merged) = merge_off_thread(count, move || {
+            let mut items = items;
+            merge_names(rule, &separator, &filters, &mut items)
+        })
+        .await;
         let Exposure {
-            mut owners,
-            exposed,
-            hidden,
-        } = names::expose(self.rule, &self.separator, &listed);
+            mut owners, hidden, ..
+        } = exposure;
         for (name, loser, keeper) in &hidden {
             warn!(
                 server = %self.server,
@@ -139,7 +170,7 @@ impl FederatedLink {
                 self.members[*keeper].name()
             );
         }
-        let merged = take_exposed(&mut items, exposed);
+        self.note_cut(kind.listing().method, &cut);
         let mut catalog = self.catalog.lock();
         let previous = catalog.remove(&kind).unwrap_or_default();
         // The names of a member missing from this list (lost, or failing now) stay
@@ -150,7 +181,19 @@ impl FederatedLink {
             }
         }
         catalog.insert(kind, owners);
-        (merged, missing)
+        (merged, Notes { missing, cut })
+    }
+
+    /// Remembers which members the merge of `list` cut (from its notes).
+    fn note_cut(&self, list: &'static str, cut: &[Value]) {
+        let members = cut
+            .iter()
+            .filter_map(|note| {
+                let name = note.get("member")?.as_str()?;
+                self.members.iter().position(|m| m.name() == name)
+            })
+            .collect();
+        self.cut.lock().insert(list, members);
     }
 
     /// Every member's whole list of `of`, at once: the items per member (none for a
@@ -168,13 +211,15 @@ impl FederatedLink {
                 count(member, "lost");
                 return Err(format!("its upstream session was lost ({why})"));
             }
+            let cap = MemberCap::of(&self.merge, of.method);
             if !member.has(of.capability) {
-                return Ok(Vec::new());
+                return Ok(CappedList::new(cap));
             }
             let deadline = member.config.list_deadline(&executor.worker.config.limits);
-            let listed = tokio::time::timeout(deadline, self.list_member(executor, member, of))
-                .await
-                .unwrap_or_else(|_| Err(too_slow(of.method, deadline)));
+            let listed =
+                tokio::time::timeout(deadline, self.list_member(executor, member, of, cap))
+                    .await
+                    .unwrap_or_else(|_| Err(too_slow(of.method, deadline)));
             count(
                 member,
                 match (&listed, member.lost()) {
@@ -190,10 +235,14 @@ impl FederatedLink {
             items: Vec::with_capacity(listings.len()),
             missing: Vec::new(),
             unlisted: vec![false; listings.len()],
+            cut: Vec::new(),
         };
         for (at, (member, listing)) in self.members.iter().zip(listings).enumerate() {
             match listing {
-                Ok(list) => gathered.items.push(list),
+                Ok(list) => {
+                    gathered.cut.extend(list.note(member.name()));
+                    gathered.items.push(list.items);
+                }
                 Err(why) => {
                     gathered
                         .missing
@@ -206,14 +255,16 @@ impl FederatedLink {
         gathered
     }
 
-    /// One member's whole list of `of`, following its `nextCursor` to the end.
+    /// One member's whole list of `of`, following its `nextCursor` to the end or to
+    /// its `cap`.
     async fn list_member(
         &self,
         executor: &Executor<'_>,
         member: &Member,
         of: ListOf,
-    ) -> Result<Vec<Value>, String> {
-        let mut items = Vec::new();
+        cap: MemberCap,
+    ) -> Result<CappedList, String> {
+        let mut items = CappedList::new(cap);
         let mut cursor: Option<Value> = None;
         for _ in 0..MAX_LIST_PAGES {
             let mut request = json!({
@@ -231,8 +282,10 @@ impl FederatedLink {
             };
             // Moved out of the answer, not copied: a merged list holds each member
             // item once.
-            if let Some(Value::Array(list)) = result.get_mut(of.key).map(Value::take) {
-                items.extend(list);
+            if let Some(Value::Array(list)) = result.get_mut(of.key).map(Value::take)
+                && !items.take_page(of.method, list)
+            {
+                return Ok(items);
             }
             match result.get_mut("nextCursor").map(Value::take) {
                 Some(next) if !next.is_null() => cursor = Some(next),
@@ -318,20 +371,96 @@ struct Gathered {
     missing: Vec<Value>,
     /// Per member: it is in `missing`.
     unlisted: Vec<bool>,
+    /// `{member, listed, why}` of each member whose list was cut at its bound.
+    cut: Vec<Value>,
+}
+
+/// What a merged list's `_meta["mcpgw/federation"]` says of its members.
+pub(super) struct Notes {
+    /// `{member, why}` of each member that could not list.
+    pub missing: Vec<Value>,
+    /// `{member, listed, why}` of each member cut at its bound.
+    pub cut: Vec<Value>,
+}
+
+impl Notes {
+    /// Puts the notes (and `hidden`, when any) under `_meta["mcpgw/federation"]`.
+    pub(super) fn into_meta(self, listed: &mut Value, hidden: Vec<Value>) {
+        let mut federation = serde_json::Map::new();
+        for (key, notes) in [
+            ("missing", self.missing),
+            ("hidden", hidden),
+            ("cut", self.cut),
+        ] {
+            if !notes.is_empty() {
+                federation.insert(key.into(), Value::from(notes));
+            }
+        }
+        if !federation.is_empty() {
+            listed["_meta"] = json!({ "mcpgw/federation": federation });
+        }
+    }
+}
+
+/// The members' lists of names merged by `rule`: the exposure, and the exposed items
+/// moved out of `items` and renamed. Each item is looked at a bounded number of times
+/// (hash maps, no search), so a merge is linear in the items.
+pub(super) fn merge_names(
+    rule: crate::config::PrefixRule,
+    separator: &str,
+    members: &[(String, crate::config::NameFilter)],
+    items: &mut [Vec<Value>],
+) -> (Exposure, Vec<Value>) {
+    let listed: Vec<Listed<'_>> = members
+        .iter()
+        .zip(items.iter())
+        .map(|((prefix, filter), list)| Listed {
+            prefix,
+            filter,
+            names: list
+                .iter()
+                .filter_map(|item| item.get("name")?.as_str().map(str::to_owned))
+                .collect(),
+        })
+        .collect();
+    let mut exposure = names::expose(rule, separator, &listed);
+    let exposed = std::mem::take(&mut exposure.exposed);
+    let merged = take_exposed(items, exposed);
+    (exposure, merged)
 }
 
 /// The merged list: each exposed item moved out of its member's list (not copied;
 /// `Null` is left in its place) and renamed. A member that lists a name twice is
 /// exposed with the first item.
 pub(super) fn take_exposed(items: &mut [Vec<Value>], exposed: Vec<(String, Owner)>) -> Vec<Value> {
+    let taken = take_items(items, &exposed, "name");
+    let mut merged = Vec::with_capacity(exposed.len());
+    for ((name, _), item) in exposed.into_iter().zip(taken) {
+        if let Some(mut item) = item {
+            item["name"] = Value::from(name);
+            merged.push(item);
+        }
+    }
+    merged
+}
+
+/// Each exposed item moved out of its member's list (`Null` left in its place), found
+/// by its `key` through one hash map per member (the first item of a repeated key):
+/// each item is looked at once. `None` where the member has no such item (or gave it
+/// already).
+pub(super) fn take_items(
+    items: &mut [Vec<Value>],
+    exposed: &[(String, Owner)],
+    key: &str,
+) -> Vec<Option<Value>> {
     let picks: Vec<Option<(usize, usize)>> = {
         let positions: Vec<HashMap<&str, usize>> = items
             .iter()
             .map(|list| {
                 let mut at = HashMap::with_capacity(list.len());
                 for (index, item) in list.iter().enumerate() {
-                    if let Some(name) = item.get("name").and_then(Value::as_str) {
-                        at.entry(name).or_insert(index);
+                    if let Some(identity) = item.get(key).and_then(Value::as_str) {
+                        at.entry(identity).or_insert(index);
                     }
                 }
                 at
@@ -345,19 +474,14 @@ pub(super) fn take_exposed(items: &mut [Vec<Value>], exposed: Vec<(String, Owner
             })
             .collect()
     };
-    let mut merged = Vec::with_capacity(exposed.len());
-    for ((name, _), pick) in exposed.into_iter().zip(picks) {
-        let Some((member, index)) = pick else {
-            continue;
-        };
-        let mut item = items[member][index].take();
-        if item.is_null() {
-            continue;
-        }
-        item["name"] = Value::from(name);
-        merged.push(item);
-    }
-    merged
+    picks
+        .into_iter()
+        .map(|pick| {
+            let (member, index) = pick?;
+            let item = items[member][index].take();
+            (!item.is_null()).then_some(item)
+        })
+        .collect()
 }
 
 /// Why a member did not answer.
@@ -384,12 +508,17 @@ fn member_headers(version: &HeaderValue, client: Option<&HeaderMap>) -> HeaderMa
 
 /// A complete JSON answer to the client, as the session's "upstream" gives it.
 fn answer(message: Value) -> UpstreamReply {
+    answer_body(Bytes::from(message.to_string()))
+}
+
+/// A complete JSON answer of `body`, a JSON-RPC message's text.
+fn answer_body(body: Bytes) -> UpstreamReply {
     let mut headers = HeaderMap::new();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     UpstreamReply {
         status: StatusCode::OK,
         headers,
-        body: crate::body::full(Bytes::from(message.to_string())),
+        body: crate::body::full(body),
     }
 }
 
@@ -725,12 +854,22 @@ async fn list_names(
     kind: Kind,
     id: &Value,
 ) -> UpstreamReply {
-    let (list, missing) = link.merged_list(executor, kind).await;
+    let (list, notes) = link.merged_list(executor, kind).await;
+    let count = list.len();
     let mut listed = json!({ kind.key(): list });
-    if !missing.is_empty() {
-        listed["_meta"] = json!({ "mcpgw/federation": { "missing": missing } });
-    }
-    result(id, listed)
+    notes.into_meta(&mut listed, Vec::new());
+    result_off_thread(id, listed, count).await
+}
+
+/// `result`, its text written off the runtime's threads when it holds many items.
+async fn result_off_thread(id: &Value, result: Value, items: usize) -> UpstreamReply {
+    let id = id.clone();
+    let body = merge_off_thread(items, move || {
+        let message = json!({ "jsonrpc": "2.0", "id": id, "result": result });
+        Bytes::from(message.to_string())
+    })
+    .await;
+    answer_body(body)
 }
 
 /// A call for a lost member's name: 200 with a JSON-RPC error, since the client's
@@ -781,5 +920,56 @@ mod tests {
                 json!({"name": "demo__echo", "description": "first"}),
             ]
         );
+    }
+
+    #[test]
+    fn the_notes_name_missing_hidden_and_cut_members_under_the_federation_key() {
+        let mut listed = json!({ "resources": [] });
+        let notes = Notes {
+            missing: vec![json!({"member": "a", "why": "down"})],
+            cut: vec![json!({"member": "b", "listed": 10, "why": "too many"})],
+        };
+        notes.into_meta(
+            &mut listed,
+            vec![json!({"uri": "u", "member": "b", "kept_by": "a"})],
+        );
+        let federation = &listed["_meta"]["mcpgw/federation"];
+        assert_eq!(federation["missing"][0]["member"], "a");
+        assert_eq!(federation["hidden"][0]["kept_by"], "a");
+        assert_eq!(federation["cut"][0]["listed"], 10);
+
+        let mut quiet = json!({ "tools": [] });
+        let none = Notes {
+            missing: Vec::new(),
+            cut: Vec::new(),
+        };
+        none.into_meta(&mut quiet, Vec::new());
+        assert!(quiet.get("_meta").is_none(), "no notes, no _meta");
+    }
+
+    /// 200,000 tools of two members, prefixed: a correctness test at a size a search
+    /// per item could not finish.
+    #[test]
+    fn two_hundred_thousand_names_merge_each_once() {
+        const EACH: usize = 100_000;
+        let all = crate::config::NameFilter::default();
+        let members = [("a".to_owned(), all.clone()), ("b".to_owned(), all)];
+        let list = |from: &str| -> Vec<Value> {
+            (0..EACH)
+                .map(|n| json!({ "name": format!("t{n}"), "from": from }))
+                .collect()
+        };
+        let mut items = vec![list("a"), list("b")];
+        let (exposure, merged) = merge_names(
+            crate::config::PrefixRule::Conflicts,
+            "__",
+            &members,
+            &mut items,
+        );
+        assert_eq!(merged.len(), 2 * EACH);
+        assert_eq!(exposure.owners.len(), 2 * EACH);
+        assert_eq!(merged[0], json!({"name": "a__t0", "from": "a"}));
+        assert_eq!(merged[EACH], json!({"name": "b__t0", "from": "b"}));
+        assert!(exposure.hidden.is_empty());
     }
 }

@@ -30,7 +30,8 @@ use tracing::debug;
 pub(crate) mod catalog;
 mod resources;
 
-use super::names::{self, Listed};
+use super::bounds::{CappedList, MemberCap, merge_off_thread};
+use super::names;
 use super::resources::ResourceList;
 use super::{INVALID_PARAMS, MAX_ANSWER_BYTES, MAX_LIST_PAGES};
 use crate::config::{MemberConfig, PrefixRule};
@@ -47,9 +48,10 @@ use crate::request::{self, Call};
 /// the client's request here.
 type Dispatched<'a> = Pin<Box<dyn Future<Output = Result<Reply, GatewayError>> + Send + 'a>>;
 
-/// One member's whole list of a kind, with the caching hints its last page gave.
+/// One member's whole list of a kind (within its cap), with the caching hints its
+/// last page gave.
 struct MemberList {
-    items: Vec<Value>,
+    items: CappedList,
     hints: CacheHints,
 }
 
@@ -98,36 +100,43 @@ struct MemberLists {
     missing: Vec<Value>,
     /// Positions (in the server's members) of the members left out.
     unlisted: Vec<usize>,
+    /// `{member, listed, why}` of each member whose list was cut at its bound.
+    cut: Vec<Value>,
+    /// Positions of the members cut: a name or URI no list has may be theirs.
+    cut_members: Vec<usize>,
     hints: CacheHints,
 }
 
 impl MemberLists {
     /// How long what these lists say may be reused: a complete set's smallest `ttlMs`.
     fn reusable_for(&self) -> Option<std::time::Duration> {
-        let ttl = self.hints.ttl_ms.filter(|_| self.missing.is_empty())?;
+        let complete = self.missing.is_empty() && self.cut.is_empty();
+        let ttl = self.hints.ttl_ms.filter(|_| complete)?;
         Some(std::time::Duration::from_millis(ttl))
     }
 
     /// A 2026-07-28 list result of these lists' `items` under `key`; `hidden` names
     /// what was left out for a name or URI an earlier member has.
-    fn answer(&self, id: &Value, key: &str, items: Vec<Value>, hidden: Vec<Value>) -> Reply {
+    async fn answer(&self, id: &Value, key: &str, items: Vec<Value>, hidden: Vec<Value>) -> Reply {
         let listed_any = self.unlisted.len() < self.items.len();
-        let (ttl, scope) = self.hints.of_answer(self.missing.is_empty(), listed_any);
+        let complete = self.missing.is_empty() && self.cut.is_empty();
+        let (ttl, scope) = self.hints.of_answer(complete, listed_any);
+        let count = items.len();
         let mut result = json!({
             key: items, "resultType": "complete", "ttlMs": ttl, "cacheScope": scope,
         });
-        let mut federation = serde_json::Map::new();
-        if !self.missing.is_empty() {
-            federation.insert("missing".into(), Value::from(self.missing.clone()));
-        }
-        if !hidden.is_empty() {
-            federation.insert("hidden".into(), Value::from(hidden));
-        }
-        if !federation.is_empty() {
-            result["_meta"] = json!({ "mcpgw/federation": federation });
-        }
-        let body = json!({ "jsonrpc": "2.0", "id": id, "result": result });
-        Reply::json(StatusCode::OK, Bytes::from(body.to_string()))
+        let notes = super::Notes {
+            missing: self.missing.clone(),
+            cut: self.cut.clone(),
+        };
+        notes.into_meta(&mut result, hidden);
+        let id = id.clone();
+        let body = merge_off_thread(count, move || {
+            let body = json!({ "jsonrpc": "2.0", "id": id, "result": result });
+            Bytes::from(body.to_string())
+        })
+        .await;
+        Reply::json(StatusCode::OK, body)
     }
 }
 
@@ -188,6 +197,7 @@ impl Executor<'_> {
         merged
             .lists
             .answer(&id, kind.key(), merged.items, Vec::new())
+            .await
     }
 
     /// Every member's list of `kind`, merged and exposed by the server's rule.
@@ -199,19 +209,21 @@ impl Executor<'_> {
     ) -> Merged {
         let members = &server.server.members;
         let mut lists = self.gather_modern(server, call, kind.listing()).await;
-        let listed: Vec<Listed<'_>> = members
+        let filters: Vec<(String, crate::config::NameFilter)> = members
             .iter()
-            .zip(&lists.items)
-            .map(|(member, list)| Listed {
-                prefix: &member.prefix,
-                filter: kind.filter(member),
-                names: list
-                    .iter()
-                    .filter_map(|item| item.get("name")?.as_str().map(str::to_owned))
-                    .collect(),
-            })
+            .map(|member| (member.prefix.clone(), kind.filter(member).clone()))
             .collect();
-        let exposure = names::expose(server.server.prefix, &server.server.separator, &listed);
+        let (rule, separator) = (server.server.prefix, server.server.separator.clone());
+        let mut items = std::mem::take(&mut lists.items);
+        let count = items.iter().map(Vec::len).sum();
+        let (exposure, merged, items) = merge_off_thread(count, move || {
+            let (exposure, merged) = super::merge_names(rule, &separator, &filters, &mut items);
+            // The lists go back emptied: only their number is read after.
+            items.iter_mut().for_each(Vec::clear);
+            (exposure, merged, items)
+        })
+        .await;
+        lists.items = items;
         for (name, loser, keeper) in &exposure.hidden {
             debug!(server = %server.name, "{} {name:?} of member {} is hidden by member {}",
                 kind.singular(), members[*loser].upstream, members[*keeper].upstream);
@@ -221,9 +233,8 @@ impl Executor<'_> {
         server
             .catalogs
             .keep_names(principal, kind, &exposure.owners, ttl);
-        let items = super::take_exposed(&mut lists.items, exposure.exposed);
         Merged {
-            items,
+            items: merged,
             owners: exposure.owners,
             lists,
         }
@@ -239,7 +250,8 @@ impl Executor<'_> {
         let members = &server.server.members;
         let listings = futures_util::future::join_all(members.iter().map(|member| async move {
             let deadline = member.list_deadline(&self.worker.config.limits);
-            let listed = self.list_member_modern(server, call, member, of);
+            let cap = MemberCap::of(&server.server.merge, of.method);
+            let listed = self.list_member_modern(server, call, member, of, cap);
             tokio::time::timeout(deadline, listed)
                 .await
                 .unwrap_or_else(|_| Err(super::too_slow(of.method, deadline)))
@@ -249,13 +261,19 @@ impl Executor<'_> {
             items: Vec::with_capacity(members.len()),
             missing: Vec::new(),
             unlisted: Vec::new(),
+            cut: Vec::new(),
+            cut_members: Vec::new(),
             hints: CacheHints::NONE,
         };
         for (at, (member, listing)) in members.iter().zip(listings).enumerate() {
             match listing {
                 Ok(list) => {
                     lists.hints = lists.hints.and(list.hints);
-                    lists.items.push(list.items);
+                    if let Some(note) = list.items.note(&member.upstream) {
+                        lists.cut.push(note);
+                        lists.cut_members.push(at);
+                    }
+                    lists.items.push(list.items.items);
                 }
                 Err(why) => {
                     lists
@@ -277,9 +295,10 @@ impl Executor<'_> {
         call: &Call,
         member: &MemberConfig,
         of: ListOf,
+        cap: MemberCap,
     ) -> Result<MemberList, String> {
         let mut list = MemberList {
-            items: Vec::new(),
+            items: CappedList::new(cap),
             hints: CacheHints::NONE,
         };
         let mut cursor: Option<Value> = None;
@@ -303,14 +322,16 @@ impl Executor<'_> {
             let Some(result) = answer.get_mut("result") else {
                 return Err(format!("it answered {}: {answer}", of.method));
             };
-            // Moved out of the answer, not copied, as for sessions.
-            if let Some(Value::Array(items)) = result.get_mut(of.key).map(Value::take) {
-                list.items.extend(items);
-            }
             list.hints = list.hints.and(CacheHints {
                 ttl_ms: result.get("ttlMs").and_then(Value::as_u64),
                 public: result.get("cacheScope").and_then(Value::as_str) == Some("public"),
             });
+            // Moved out of the answer, not copied, as for sessions.
+            if let Some(Value::Array(items)) = result.get_mut(of.key).map(Value::take)
+                && !list.items.take_page(of.method, items)
+            {
+                return Ok(list);
+            }
             match result.get_mut("nextCursor").map(Value::take) {
                 Some(next) if !next.is_null() => cursor = Some(next),
                 _ => return Ok(list),
@@ -384,7 +405,8 @@ impl Executor<'_> {
         if let Some(owner) = merged.owners.get(name) {
             return Some((&members[owner.member], owner.own.clone()));
         }
-        merged.lists.unlisted.iter().find_map(|&at| {
+        let unlisted = merged.lists.unlisted.iter();
+        unlisted.chain(&merged.lists.cut_members).find_map(|&at| {
             let member = &members[at];
             let prefixed = format!("{}{separator}", member.prefix);
             let own = match (name.strip_prefix(&prefixed), server.server.prefix) {

@@ -89,6 +89,9 @@ impl Executor<'_> {
             ending,
             catalog: Mutex::default(),
             resources: Mutex::default(),
+            merge: server.server.merge,
+            refreshes: tokio::sync::Mutex::default(),
+            cut: Mutex::default(),
             own_ids: OwnIds::new(&self.worker.id),
         });
         // Until the session ends: a refused initialize ends it too, its streams with it.

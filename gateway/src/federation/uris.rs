@@ -25,10 +25,20 @@ pub struct ResourceCatalog {
 
 impl ResourceCatalog {
     /// The member that serves `uri`: the one that listed it, else the first whose
-    /// template matches it and whose filter (`passes`) lets the URI through.
-    pub fn route(&self, uri: &str, passes: impl Fn(usize, &str) -> bool) -> Option<usize> {
+    /// template matches it and whose filter (`passes`) lets the URI through. A URI
+    /// longer than `max_template_uri` bytes is matched against no template: a match
+    /// costs the URI's length per template, and templates are many.
+    pub fn route(
+        &self,
+        uri: &str,
+        max_template_uri: usize,
+        passes: impl Fn(usize, &str) -> bool,
+    ) -> Option<usize> {
         if let Some(member) = self.uris.get(uri) {
             return Some(*member);
+        }
+        if uri.len() > max_template_uri {
+            return None;
         }
         self.templates
             .iter()
@@ -51,18 +61,41 @@ impl ResourceCatalog {
         &self,
         uri: &str,
         as_template: bool,
+        max_template_uri: usize,
         passes: impl Fn(usize, &str) -> bool,
     ) -> Option<usize> {
         as_template
             .then(|| self.template_owner(uri))
             .flatten()
-            .or_else(|| self.route(uri, passes))
+            .or_else(|| self.route(uri, max_template_uri, passes))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// No bound on the URI's length.
+    const ANY: usize = usize::MAX;
+
+    #[test]
+    fn a_uri_past_the_bound_is_routed_by_listed_uris_only() {
+        let long = format!("mem://a/{}", "x".repeat(100));
+        let catalog = ResourceCatalog {
+            uris: HashMap::from([(long.clone(), 1)]),
+            templates: vec![("mem://a/{x}".to_owned(), 0)],
+        };
+        let all = |_: usize, _: &str| true;
+        let longer = format!("{long}y");
+        assert_eq!(catalog.route(&longer, ANY, all), Some(0));
+        assert_eq!(catalog.route(&longer, 100, all), None, "too long to match");
+        assert_eq!(
+            catalog.route(&long, 100, all),
+            Some(1),
+            "listed: no match needed"
+        );
+        assert_eq!(catalog.route("mem://a/short", 100, all), Some(0));
+    }
 
     #[test]
     fn a_listed_uri_wins_then_the_first_matching_template_the_filter_allows() {
@@ -75,17 +108,23 @@ mod tests {
             ],
         };
         let all = |_: usize, _: &str| true;
-        assert_eq!(catalog.route("mem://b/notes/pinned", all), Some(1));
-        assert_eq!(catalog.route("mem://b/notes/n1", all), Some(0));
+        assert_eq!(catalog.route("mem://b/notes/pinned", ANY, all), Some(1));
+        assert_eq!(catalog.route("mem://b/notes/n1", ANY, all), Some(0));
         let no_b_for_zero = |member: usize, uri: &str| member != 0 || !uri.starts_with("mem://b");
-        assert_eq!(catalog.route("mem://b/notes/n1", no_b_for_zero), Some(1));
-        assert_eq!(catalog.route("mem://a/readme", all), Some(0));
-        assert_eq!(catalog.route("mem://c", all), None);
+        assert_eq!(
+            catalog.route("mem://b/notes/n1", ANY, no_b_for_zero),
+            Some(1)
+        );
+        assert_eq!(catalog.route("mem://a/readme", ANY, all), Some(0));
+        assert_eq!(catalog.route("mem://c", ANY, all), None);
         assert_eq!(catalog.template_owner("mem://b/notes/{n}"), Some(1));
         assert_eq!(catalog.template_owner("mem://b/{n}"), None);
-        assert_eq!(catalog.serving("mem://b/notes/{n}", true, all), Some(1));
-        assert_eq!(catalog.serving("mem://b/notes/{n}", false, all), None);
-        assert_eq!(catalog.serving("mem://a/x", true, all), Some(0));
+        assert_eq!(
+            catalog.serving("mem://b/notes/{n}", true, ANY, all),
+            Some(1)
+        );
+        assert_eq!(catalog.serving("mem://b/notes/{n}", false, ANY, all), None);
+        assert_eq!(catalog.serving("mem://a/x", true, ANY, all), Some(0));
     }
 
     #[test]
@@ -99,13 +138,13 @@ mod tests {
             ],
         };
         let all = |_: usize, _: &str| true;
-        assert_eq!(catalog.route("files://a/x/y/z", all), Some(0));
+        assert_eq!(catalog.route("files://a/x/y/z", ANY, all), Some(0));
         assert_eq!(
-            catalog.route("search://b/items?q=red&limit=2", all),
+            catalog.route("search://b/items?q=red&limit=2", ANY, all),
             Some(1)
         );
-        assert_eq!(catalog.route("search://b/items", all), Some(1));
-        assert_eq!(catalog.route("search://b/items?sort=up", all), None);
-        assert_eq!(catalog.route("docs://b/guide/intro#top", all), Some(1));
+        assert_eq!(catalog.route("search://b/items", ANY, all), Some(1));
+        assert_eq!(catalog.route("search://b/items?sort=up", ANY, all), None);
+        assert_eq!(catalog.route("docs://b/guide/intro#top", ANY, all), Some(1));
     }
 }

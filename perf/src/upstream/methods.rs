@@ -195,6 +195,71 @@ fn resource_list(has_session: bool) -> Value {
     json!({ "resources": resources })
 }
 
+/// `--resources`: `count` generated resources after the session's state, listed
+/// `page` at a time; a page's `nextCursor` is the position of the next item.
+#[derive(Debug, Clone, Copy)]
+pub struct GeneratedResources {
+    pub count: usize,
+    pub page: usize,
+}
+
+impl GeneratedResources {
+    /// The `resources/list` page `params.cursor` asks for.
+    pub fn page(&self, era: Era, params: Option<&Map<String, Value>>, has_session: bool) -> Reply {
+        let cursor = params.and_then(|params| params.get("cursor"));
+        let from = match cursor {
+            None | Some(Value::Null) => 0,
+            Some(cursor) => match cursor.as_str().and_then(|c| c.parse::<usize>().ok()) {
+                Some(from) if from <= self.count => from,
+                _ => {
+                    return Reply::Error(RpcError::invalid_params(format!(
+                        "resources/list cursor {cursor} was never issued"
+                    )));
+                }
+            },
+        };
+        let to = (from + self.page).min(self.count);
+        let mut resources = match (from, resource_list(has_session)) {
+            (0, Value::Object(mut list)) => match list.remove("resources") {
+                Some(Value::Array(first)) => first,
+                _ => Vec::new(),
+            },
+            _ => Vec::new(),
+        };
+        resources.extend((from..to).map(|n| {
+            json!({
+                "uri": format!("demo://item/{n}"),
+                "name": format!("item-{n}"),
+                "mimeType": "text/plain",
+            })
+        }));
+        let mut result = json!({ "resources": resources });
+        if to < self.count {
+            result["nextCursor"] = Value::from(to.to_string());
+        }
+        match era {
+            Era::Legacy => Reply::Result(result),
+            Era::Modern => Reply::Result(modern_shape("resources/list", result)),
+        }
+    }
+
+    /// `resources/read` of a generated resource (its text names it); None for any
+    /// other URI.
+    pub fn read(&self, era: Era, params: Option<&Map<String, Value>>) -> Option<Reply> {
+        let uri = params?.get("uri")?.as_str()?;
+        let n: usize = uri.strip_prefix("demo://item/")?.parse().ok()?;
+        (n < self.count).then(|| {
+            let result = json!({
+                "contents": [{ "uri": uri, "mimeType": "text/plain", "text": format!("item {n}") }]
+            });
+            Reply::Result(match era {
+                Era::Legacy => result,
+                Era::Modern => modern_shape("resources/read", result),
+            })
+        })
+    }
+}
+
 fn read_resource(
     params: Option<&Map<String, Value>>,
     session: Option<&Mutex<SessionState>>,
@@ -281,6 +346,32 @@ mod tests {
             Reply::Error(error) => error.code,
             other => panic!("expected an error, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn generated_resources_come_in_pages_that_end() {
+        let generated = GeneratedResources { count: 5, page: 2 };
+        let mut uris = Vec::new();
+        let mut cursor: Option<Value> = None;
+        for _ in 0..10 {
+            let params = cursor.take().map(|c| params(json!({ "cursor": c })));
+            let page = result(generated.page(Era::Legacy, params.as_ref(), true));
+            for item in page["resources"].as_array().unwrap() {
+                uris.push(item["uri"].as_str().unwrap().to_owned());
+            }
+            match page.get("nextCursor") {
+                Some(next) => cursor = Some(next.clone()),
+                None => break,
+            }
+        }
+        assert_eq!(uris.len(), 6, "{uris:?}");
+        assert_eq!(uris[0], STATE_RESOURCE_URI);
+        assert_eq!(uris[5], "demo://item/4");
+        let bad = params(json!({ "cursor": "99" }));
+        assert!(matches!(
+            generated.page(Era::Legacy, Some(&bad), true),
+            Reply::Error(_)
+        ));
     }
 
     #[test]

@@ -59,6 +59,16 @@ pub struct UpstreamConfig {
     #[arg(long, value_name = "MS",
           value_parser = clap::value_parser!(u64).range(1..=tools::MAX_SLEEP_MS))]
     pub ping_delay_ms: Option<u64>,
+    /// List N generated resources (`demo://item/0` …) after the session's state,
+    /// in pages of --resource-page: a member with a large list, for the gateway's
+    /// merge (its tests and benchmarks).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub resources: usize,
+    /// Resources per `resources/list` page (with --resources); a page's
+    /// `nextCursor` is the position of the next one.
+    #[arg(long, value_name = "N", default_value_t = 2_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub resource_page: u64,
 }
 
 /// Binds, announces the address on stdout, and serves until SIGINT or SIGTERM.
@@ -84,6 +94,10 @@ pub async fn run(config: UpstreamConfig) -> anyhow::Result<()> {
     }
     tracing::info!(%address, sse_always = config.sse_always, stall_after = config.stall_after, "upstream MCP server ready");
     let mut upstream = Upstream::new(config.sse_always);
+    if config.resources > 0 {
+        upstream =
+            upstream.with_generated_resources(config.resources, config.resource_page as usize);
+    }
     if let Some(after) = config.stall_after {
         upstream = upstream.with_stall(after, Duration::from_millis(config.stall_ms));
     }

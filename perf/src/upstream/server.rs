@@ -45,6 +45,8 @@ pub struct Upstream {
     /// as a slow or distant server's would (the gateway pings a virtual server's
     /// members when it adopts a session).
     ping_delay: Option<Duration>,
+    /// `--resources`: generated resources listed in pages.
+    generated: Option<methods::GeneratedResources>,
 }
 
 /// `--stall-after`: one server-wide pause, triggered by the Nth POST.
@@ -83,12 +85,20 @@ impl Upstream {
             stats: Stats::default(),
             stall: None,
             ping_delay: None,
+            generated: None,
         }
     }
 
     /// Makes every `ping` in a session wait `delay` before it is answered.
     pub fn with_ping_delay(mut self, delay: Duration) -> Self {
         self.ping_delay = Some(delay);
+        self
+    }
+
+    /// Lists `count` generated resources besides the session's state, `page` per
+    /// `resources/list` page.
+    pub fn with_generated_resources(mut self, count: usize, page: usize) -> Self {
+        self.generated = Some(methods::GeneratedResources { count, page });
         self
     }
 
@@ -312,6 +322,17 @@ impl Upstream {
         session: Option<&Arc<Session>>,
     ) -> Reply {
         self.stats.record_request(method);
+        if let Some(generated) = &self.generated {
+            match method {
+                "resources/list" => return generated.page(era, params, session.is_some()),
+                "resources/read" => {
+                    if let Some(read) = generated.read(era, params) {
+                        return read;
+                    }
+                }
+                _ => {}
+            }
+        }
         methods::dispatch(era, method, params, session.map(|session| session.state()))
     }
 

@@ -22,6 +22,9 @@ pub struct Stats {
     /// was running (tests check that no second worker acts for a session whose slow
     /// call still runs at its owner).
     during_sleep: AtomicU64,
+    /// The subset of `requests` whose method was `resources/list` (each page), so
+    /// tests see how often and how far a gateway followed a list.
+    resource_lists: AtomicU64,
     /// The W3C `traceparent` header of the last POST that carried one, so tests can
     /// check that trace context reaches the upstream through the gateway.
     last_traceparent: parking_lot::Mutex<Option<String>>,
@@ -33,6 +36,9 @@ impl Stats {
         self.requests.fetch_add(1, Ordering::Relaxed);
         if method == "tools/call" {
             self.tool_calls.fetch_add(1, Ordering::Relaxed);
+        }
+        if method == "resources/list" {
+            self.resource_lists.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -51,6 +57,7 @@ impl Stats {
             "requests": self.requests.load(Ordering::Relaxed),
             "tool_calls": self.tool_calls.load(Ordering::Relaxed),
             "during_sleep": self.during_sleep.load(Ordering::Relaxed),
+            "resource_lists": self.resource_lists.load(Ordering::Relaxed),
             "sessions_open": sessions.open_count(),
             "sessions_created": sessions.created_count(),
             "last_traceparent": *self.last_traceparent.lock(),

@@ -19,6 +19,7 @@ use super::{Kind, MemberLists, refuse_cursor, rpc_error};
 use crate::execute::Executor;
 use crate::execute::upstream::VirtualUpstream;
 use crate::federation::INVALID_PARAMS;
+use crate::federation::bounds::merge_off_thread;
 use crate::federation::names;
 use crate::federation::resources::{
     CompletionRef, MemberResources, MergedResources, ResourceList, catalog_of, completion_ref,
@@ -41,7 +42,9 @@ impl Executor<'_> {
             return refused;
         }
         let (lists, merged) = self.merged_modern_resources(server, call, list).await;
-        lists.answer(&call.id(), list.listing().key, merged.items, merged.hidden)
+        lists
+            .answer(&call.id(), list.listing().key, merged.items, merged.hidden)
+            .await
     }
 
     /// `resources/read`: to the member that serves `params.uri`, unchanged (its
@@ -107,19 +110,26 @@ impl Executor<'_> {
         call: &Call,
         list: ResourceList,
     ) -> (MemberLists, MergedResources) {
-        let lists = self.gather_modern(server, call, list.listing()).await;
-        let members: Vec<MemberResources<'_>> = server
+        let mut lists = self.gather_modern(server, call, list.listing()).await;
+        let members: Vec<MemberResources> = server
             .server
             .members
             .iter()
-            .zip(&lists.items)
-            .map(|(member, items)| MemberResources {
-                name: &member.upstream,
-                filter: &member.resources,
-                items,
+            .map(|member| MemberResources {
+                name: member.upstream.clone(),
+                filter: member.resources.clone(),
             })
             .collect();
-        let merged = merge_resources(list, &members);
+        let mut items = std::mem::take(&mut lists.items);
+        let count = items.iter().map(Vec::len).sum();
+        let (merged, items) = merge_off_thread(count, move || {
+            let merged = merge_resources(list, &members, &mut items);
+            // The lists go back emptied: only their number is read after.
+            items.iter_mut().for_each(Vec::clear);
+            (merged, items)
+        })
+        .await;
+        lists.items = items;
         for hidden in &merged.hidden {
             debug!(server = %server.name, "{} {} of member {} is hidden by member {}",
                 list.identity(), hidden[list.identity()], hidden["member"], hidden["kept_by"]);
@@ -141,8 +151,10 @@ impl Executor<'_> {
         let members = &server.server.members;
         let passes = |member: usize, uri: &str| names::passes(&members[member].resources, uri);
         let principal = &call.auth.subject;
+        let max_uri = server.server.merge.max_template_uri_bytes;
         let kept = server.catalogs.resources(principal);
-        if let Some(member) = kept.and_then(|kept| kept.serving(uri, as_template, passes)) {
+        if let Some(member) = kept.and_then(|kept| kept.serving(uri, as_template, max_uri, passes))
+        {
             return Some(member);
         }
         // Not known (or nothing kept): the lists, read now, decide and renew the catalog.
@@ -153,14 +165,17 @@ impl Executor<'_> {
             )
             .await;
         let catalog = catalog_of(&resources.exposed, &templates.exposed);
-        let found = catalog.serving(uri, as_template, passes);
+        let found = catalog.serving(uri, as_template, max_uri, passes);
         let ttl = min_duration(resource_lists.reusable_for(), template_lists.reusable_for());
         server.catalogs.keep_resources(principal, || catalog, ttl);
         if let Some(member) = found {
             return Some(member);
         }
+        // Left out, or cut (the URI may be beyond the cut): the member answers itself.
         let unlisted = |at: &usize| {
-            resource_lists.unlisted.contains(at) || template_lists.unlisted.contains(at)
+            [&resource_lists, &template_lists]
+                .iter()
+                .any(|lists| lists.unlisted.contains(at) || lists.cut_members.contains(at))
         };
         (0..members.len()).find(|at| unlisted(at) && passes(*at, uri))
     }
