@@ -216,7 +216,14 @@ async fn executed_names_the_ids_that_ran_in_each_session() {
         call_tool(server.address, &first, id, "counter_increment", json!({})).await;
     }
     call_tool(server.address, &second, 9, "counter_increment", json!({})).await;
-    exchange(server.address, "DELETE", "/mcp", &[("mcp-session-id", &second)], "").await;
+    exchange(
+        server.address,
+        "DELETE",
+        "/mcp",
+        &[("mcp-session-id", &second)],
+        "",
+    )
+    .await;
     let refused = call_tool(server.address, &second, 10, "counter_increment", json!({})).await;
     assert_eq!(refused.status, StatusCode::NOT_FOUND);
     let executed = exchange(server.address, "GET", "/executed", &[], "").await;
