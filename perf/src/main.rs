@@ -26,7 +26,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the demo upstream MCP server (Streamable HTTP at /mcp, counters at /stats).
+    /// Run the demo upstream MCP server (Streamable HTTP at /mcp, counters at /stats, the
+    /// ids of the requests run in each session at /executed).
     Upstream(upstream::UpstreamConfig),
     /// Drive concurrent MCP sessions against gateway URLs and report latency,
     /// throughput, forwarding, Redis commands and CPU per request.

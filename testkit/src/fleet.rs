@@ -2,7 +2,7 @@
 //! share one Redis, and what the directory says about their workers.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -113,6 +113,20 @@ pub fn supervisor_flags(
 
 /// Starts `mcpgw serve --workers N --redis …` and waits until every worker serves.
 pub fn start_supervisor(spec: &SupervisorSpec<'_>) -> Gateway {
+    let args = supervisor_args(spec);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    Gateway::start(&refs)
+}
+
+/// Like [`start_supervisor`], with the supervisor's and its workers' log lines appended
+/// to `log` (for a test that reads what a worker logged, such as its fencing).
+pub fn start_supervisor_logged(spec: &SupervisorSpec<'_>, log: &Path) -> Gateway {
+    let args = supervisor_args(spec);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    Gateway::start_logged(&refs, log)
+}
+
+fn supervisor_args(spec: &SupervisorSpec<'_>) -> Vec<String> {
     let mut args = supervisor_flags(
         spec.redis_url,
         spec.workers,
@@ -127,8 +141,7 @@ pub fn start_supervisor(spec: &SupervisorSpec<'_>) -> Gateway {
     }
     args.extend(["--upstream".into(), format!("demo={}", spec.upstream_url)]);
     args.extend(spec.extra.iter().map(|s| s.to_string()));
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    Gateway::start(&refs)
+    args
 }
 
 /// What a test fleet keeps its directory on: one Redis, a Sentinel set or a Cluster.
@@ -181,6 +194,18 @@ impl LocalFleet {
     ) -> LocalFleet {
         LocalFleet::on(RedisServer::start(), transport, hosts_a, hosts_b)
     }
+
+    /// Like [`start`](Self::start), with host-a's and host-b's log lines in
+    /// `logs/host-a.log` and `logs/host-b.log`.
+    pub fn start_logged(
+        transport: &str,
+        workers: usize,
+        extra: &[&str],
+        logs: &Path,
+    ) -> LocalFleet {
+        let hosts = (workers, extra);
+        LocalFleet::on_logged(RedisServer::start(), transport, hosts, hosts, Some(logs))
+    }
 }
 
 impl<D: Directory> LocalFleet<D> {
@@ -189,8 +214,21 @@ impl<D: Directory> LocalFleet<D> {
     pub fn on(
         redis: D,
         transport: &str,
+        hosts_a: (usize, &[&str]),
+        hosts_b: (usize, &[&str]),
+    ) -> LocalFleet<D> {
+        Self::on_logged(redis, transport, hosts_a, hosts_b, None)
+    }
+
+    /// Like [`on`](Self::on); with `logs`, each supervisor's (and its workers') log
+    /// lines go to `host-a.log` and `host-b.log` in that directory instead of the
+    /// test's stderr.
+    pub fn on_logged(
+        redis: D,
+        transport: &str,
         (workers_a, extra_a): (usize, &[&str]),
         (workers_b, extra_b): (usize, &[&str]),
+        logs: Option<&Path>,
     ) -> LocalFleet<D> {
         let upstream = Upstream::start();
         let certs = MeshCerts::create(&["host-a", "host-b"]);
@@ -204,8 +242,12 @@ impl<D: Directory> LocalFleet<D> {
             member,
             extra,
         };
-        let a = start_supervisor(&spec("host-a", workers_a, extra_a));
-        let b = start_supervisor(&spec("host-b", workers_b, extra_b));
+        let start = |spec: &SupervisorSpec<'_>| match logs {
+            Some(dir) => start_supervisor_logged(spec, &dir.join(format!("{}.log", spec.member))),
+            None => start_supervisor(spec),
+        };
+        let a = start(&spec("host-a", workers_a, extra_a));
+        let b = start(&spec("host-b", workers_b, extra_b));
         LocalFleet {
             a,
             b,

@@ -10,6 +10,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread;
 
+/// The header on an answer the proxy gave itself, instead of a backend.
+pub const PROXY_HEADER: &str = "x-scatter-proxy";
+/// [`PROXY_HEADER`]'s value when the chosen backend refused the connection: the
+/// request reached no backend (an L4 balancer would have tried another).
+pub const BACKEND_REFUSED: &str = "backend_refused";
+
 pub struct ScatterProxy {
     /// `host:port` clients connect to.
     pub addr: String,
@@ -134,8 +140,14 @@ fn serve_client(client: TcpStream, backends: &[String], sent: &[AtomicU64], rout
     let index = route(&method, &body) % backends.len();
     sent[index].fetch_add(1, Ordering::Relaxed);
     let Ok(mut backend) = TcpStream::connect(&backends[index]) else {
+        // Said in a header of its own, so a test tells this answer (nothing reached a
+        // gateway) from a gateway's 502.
         let _ = writer.write_all(
-            b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            format!(
+                "HTTP/1.1 502 Bad Gateway\r\n{PROXY_HEADER}: {BACKEND_REFUSED}\r\n\
+                 Content-Length: 0\r\nConnection: close\r\n\r\n"
+            )
+            .as_bytes(),
         );
         return;
     };

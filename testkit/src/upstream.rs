@@ -1,5 +1,6 @@
 //! The demo upstream (`mcpgw-bench upstream`): a fast, stateful MCP server with exact
-//! execution counters at `GET /stats`.
+//! execution counters at `GET /stats` and the ids of the requests run in each session
+//! at `GET /executed`.
 
 use std::path::Path;
 use std::time::Duration;
@@ -68,4 +69,41 @@ impl Upstream {
             .as_u64()
             .unwrap_or_else(|| panic!("upstream /stats has no counter {name:?}: {stats}"))
     }
+
+    /// The ids of the requests run in each upstream session (`GET /executed`): upstream
+    /// session id → ids in the order they ran, and how many runs the bounded log left
+    /// out.
+    #[track_caller]
+    pub fn executed(&self) -> Executed {
+        let response = crate::http::request(&self.addr(), "GET", "/executed", &[], b"");
+        assert_eq!(
+            response.status,
+            200,
+            "upstream /executed: {}",
+            response.text()
+        );
+        let body = response.json();
+        let sessions = body["sessions"]
+            .as_object()
+            .unwrap_or_else(|| panic!("upstream /executed names no sessions: {body}"))
+            .iter()
+            .map(|(session, ids)| {
+                let ids = ids.as_array().cloned().unwrap_or_default();
+                (session.clone(), ids)
+            })
+            .collect();
+        let dropped = body["dropped"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("upstream /executed has no dropped count: {body}"));
+        Executed { sessions, dropped }
+    }
+}
+
+/// What [`Upstream::executed`] read.
+#[derive(Debug, Clone, Default)]
+pub struct Executed {
+    /// Upstream session id → the JSON-RPC ids of the requests run in it, in order.
+    pub sessions: std::collections::BTreeMap<String, Vec<serde_json::Value>>,
+    /// Runs the upstream's bounded log did not keep: above zero, the picture is partial.
+    pub dropped: u64,
 }

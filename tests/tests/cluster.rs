@@ -11,7 +11,7 @@ use mcpgw_testkit::eventually;
 use mcpgw_testkit::fleet::{FLEET_CHANGE_WITHIN, LocalFleet, owner_of, run_mcpgw};
 use mcpgw_testkit::gateway::RateLimited;
 use mcpgw_testkit::http::{self, call_tool, initialize};
-use mcpgw_tests::load::{Load, assert_counting_on, every_session_progressed};
+use mcpgw_tests::load::{Load, assert_truthful, every_session_progressed};
 use serde_json::json;
 
 /// Bound for every wait: generous, so that only a hang fails a test.
@@ -109,9 +109,7 @@ fn a_fleet_on_a_redis_cluster_survives_the_failover_of_its_slots_primary() {
             _ => panic!("no session is lost to a failover: {o:?}"),
         }
     }
-    for session in &sessions {
-        assert_counting_on(&outcomes, session);
-    }
+    assert_truthful(&outcomes, &sessions, &fleet.upstream);
 }
 
 #[test]

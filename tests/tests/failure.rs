@@ -20,7 +20,7 @@ use mcpgw_testkit::fleet::{FLEET_CHANGE_WITHIN, LocalFleet, PREFIX, owner_of, re
 use mcpgw_testkit::http::{self, call_tool, initialize, try_call_tool};
 use mcpgw_testkit::signal::{self, Paused, Signal};
 use mcpgw_testkit::{ScatterProxy, eventually};
-use mcpgw_tests::load::{Load, Outcome, assert_counting_on, every_session_progressed};
+use mcpgw_tests::load::{Load, Outcome, assert_truthful, every_session_progressed};
 use serde_json::json;
 
 /// Bound for every wait below: generous, so that only a hang fails a test.
@@ -69,8 +69,20 @@ fn killing_an_owner_reached_over_the_same_host_path_proves_it_dead() {
     );
 }
 
+/// A lease no test waits out: a dead owner's sessions are told gone within the test
+/// only on proof of its death (its address refuses), never by its lease expiring.
+const LONG_LEASE_MS: u64 = 60_000;
+
 fn killing_an_owner(transport: &str, extra: &[&str]) {
-    let mut flags = vec!["--forward-timeout-ms", NEVER, "--adopt", "never"];
+    let lease_ms = LONG_LEASE_MS.to_string();
+    let mut flags = vec![
+        "--forward-timeout-ms",
+        NEVER,
+        "--adopt",
+        "never",
+        "--lease-ms",
+        &lease_ms,
+    ];
     flags.extend_from_slice(extra);
     let fleet = LocalFleet::start(transport, 2, &flags);
     let proxy = proxy_for(&fleet);
@@ -172,6 +184,14 @@ fn killing_an_owner(transport: &str, extra: &[&str]) {
         "first truthful answer {first:?} after kill -9 of the owner; {reset} connections \
          queued at the killed worker's listener were reset"
     );
+    // Not a speed target: an ordering against the lease. Only the proof of death can
+    // answer before half the lease; its expiry could not have.
+    let lease = Duration::from_millis(LONG_LEASE_MS);
+    assert!(
+        first < lease / 2,
+        "the first truthful answer came {first:?} after the kill, not well before the \
+         {lease:?} lease could expire: death was not proven"
+    );
     for session in &mine {
         let last = outcomes
             .iter()
@@ -180,9 +200,7 @@ fn killing_an_owner(transport: &str, extra: &[&str]) {
             .expect("victim sessions were exercised");
         assert_eq!(last.status, 404, "in the end the session is gone: {last:?}");
     }
-    for session in &others {
-        assert_counting_on(&outcomes, session);
-    }
+    assert_truthful(&outcomes, &sessions, &fleet.upstream);
     // The supervisor replaced the dead worker, under a new id.
     let workers = eventually(WITHIN, || {
         let now = mcpgw_testkit::fleet::workers_of(&fleet.redis, supervisor);
@@ -563,8 +581,8 @@ fn redis_paused_past_the_lease_loses_no_session_and_admits_none() {
             _ => panic!("only 200 or 503: {o:?}"),
         }
     }
+    assert_truthful(&outcomes, &sessions, &fleet.upstream);
     for session in &sessions {
-        assert_counting_on(&outcomes, session);
         assert_eq!(
             recorded_owner(&fleet.redis, session).as_deref(),
             Some(owner(session).as_str()),
@@ -721,8 +739,8 @@ fn redis_restarted_empty_loses_no_session() {
             _ => panic!("no session is lost to a forgetful Redis: {o:?}"),
         }
     }
+    assert_truthful(&outcomes, &sessions, &fleet.upstream);
     for session in &sessions {
-        assert_counting_on(&outcomes, session);
         let tail = outcomes
             .iter()
             .rev()
@@ -856,19 +874,52 @@ fn a_draining_owner_keeps_its_lease_and_serves_forwarded_requests_until_its_sess
     let sessions: Vec<String> = (0..2).map(|_| initialize(&fleet.a.addr, "/mcp")).collect();
     let victim = owner(&sessions[0]);
     assert_eq!(owner(&sessions[1]), victim, "host-a runs one worker");
+    let victim_pid = fleet.pid_of(&victim);
+    let admin = mcpgw_testkit::admin::admin_of(&fleet.redis, &victim);
+    let lease_key = format!("{PREFIX}worker:{victim}");
+    // Milliseconds the lease has left in the directory (negative: it is gone).
+    let lease_left = || -> i64 {
+        let pttl = fleet.redis.command(&["PTTL", &lease_key]);
+        pttl.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("PTTL {lease_key}: {pttl:?}"))
+    };
     let calls_before = fleet.upstream.counter("tool_calls");
     let slow = {
         let (addr, session) = (fleet.a.addr.clone(), sessions[0].clone());
-        thread::spawn(move || try_call_tool(&addr, &session, 2, "sleep_ms", json!({"ms": 4000})))
+        thread::spawn(move || {
+            let answer = try_call_tool(&addr, &session, 2, "sleep_ms", json!({"ms": 4000}));
+            (answer, Instant::now())
+        })
     };
     eventually(WITHIN, || {
         let now = fleet.upstream.counter("tool_calls");
         if now > calls_before { Ok(()) } else { Err(now) }
     });
-    signal::send(fleet.pid_of(&victim), Signal::SIGTERM);
-    // Well past the lease's own deadline (1.2 s after its last renewal) while the
-    // drain still waits for the slow call.
-    thread::sleep(Duration::from_millis(2500));
+    signal::send(victim_pid, Signal::SIGTERM);
+    // The lease's deadline as it stood when the drain began (a renewal since can only
+    // have moved it later, which makes the wait below the longer).
+    let left = lease_left();
+    assert!(
+        left > 0,
+        "the owner holds its lease as it starts draining: {left}"
+    );
+    let original_deadline = Instant::now() + Duration::from_millis(left as u64);
+    // The drain has begun (/readyz says so), and the lease's original deadline has
+    // passed while the lease lives on: renewed by the draining owner, or Redis would
+    // have expired it.
+    eventually(WITHIN, || {
+        let ready = http::request(&admin, "GET", "/readyz", &[], b"");
+        if ready.status != 503 {
+            return Err(format!("/readyz {}: not draining yet", ready.status));
+        }
+        if Instant::now() <= original_deadline {
+            return Err("the lease's original deadline is still ahead".to_owned());
+        }
+        let left = lease_left();
+        assert!(left > 0, "the draining owner let its lease lapse: {left}");
+        Ok(())
+    });
     let forwarded = call_tool(
         &fleet.b.addr,
         "/mcp",
@@ -877,6 +928,7 @@ fn a_draining_owner_keeps_its_lease_and_serves_forwarded_requests_until_its_sess
         "counter_increment",
         json!({}),
     );
+    let forwarded_at = Instant::now();
     assert_eq!(forwarded.status, 200, "{}", forwarded.text());
     assert_eq!(forwarded.expect_tool_text(), "1");
     assert_eq!(
@@ -884,11 +936,22 @@ fn a_draining_owner_keeps_its_lease_and_serves_forwarded_requests_until_its_sess
         Some(victim.as_str()),
         "served by its draining owner"
     );
-    let slow = match slow.join() {
-        Ok(answer) => answer.expect("an HTTP answer"),
+    let (slow, slow_at) = match slow.join() {
+        Ok(answer) => answer,
         Err(panic) => std::panic::resume_unwind(panic),
     };
+    let slow = slow.expect("an HTTP answer");
     assert_eq!(slow.status, 200, "{}", slow.text());
+    assert!(
+        forwarded_at < slow_at,
+        "the forwarded request was served while the drain still waited for the slow call"
+    );
+    // Once the slow call is done, the drain ends the sessions and the worker exits.
+    signal::wait_until_gone(victim_pid, WITHIN);
+    assert!(
+        !fleet.leases().contains_key(&victim),
+        "the drained worker gave its lease up"
+    );
 }
 
 /// README: "Drain (SIGTERM to a worker or the supervisor): the public port closes,

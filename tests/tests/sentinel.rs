@@ -17,7 +17,7 @@ use mcpgw_testkit::http::{self, call_tool, initialize};
 use mcpgw_testkit::redis::RedisTls;
 use mcpgw_testkit::sentinel::{PRIMARY_NAME, SentinelSet, data_port};
 use mcpgw_testkit::tls::TestCa;
-use mcpgw_tests::load::{Load, assert_counting_on, every_session_progressed};
+use mcpgw_tests::load::{Load, assert_truthful, every_session_progressed};
 use serde_json::json;
 
 /// Bound for every wait: generous, so that only a hang fails a test.
@@ -162,9 +162,7 @@ fn a_sentinel_failover_loses_no_session_and_runs_no_call_twice() {
             _ => panic!("no session is lost to a failover: {o:?}"),
         }
     }
-    for session in &sessions {
-        assert_counting_on(&outcomes, session);
-    }
+    assert_truthful(&outcomes, &sessions, &fleet.upstream);
     // Every worker renews through the promoted replica, and status finds no worker
     // that follows another primary.
     let promoted = format!("127.0.0.1:{}", fleet.redis.replica.port);

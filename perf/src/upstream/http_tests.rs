@@ -204,6 +204,38 @@ async fn legacy_sessions_keep_separate_state_and_end_on_delete() {
     assert_eq!(counters["requests"], 5, "refused requests are not executed");
 }
 
+/// `/executed` names every request that ran in each session, by id and in order,
+/// including one that ran twice and those of a session since ended; a request refused
+/// before it ran (an unknown session) is not there.
+#[tokio::test]
+async fn executed_names_the_ids_that_ran_in_each_session() {
+    let server = start(false).await;
+    let first = initialize(server.address).await;
+    let second = initialize(server.address).await;
+    for id in [7, 8, 7] {
+        call_tool(server.address, &first, id, "counter_increment", json!({})).await;
+    }
+    call_tool(server.address, &second, 9, "counter_increment", json!({})).await;
+    exchange(
+        server.address,
+        "DELETE",
+        "/mcp",
+        &[("mcp-session-id", &second)],
+        "",
+    )
+    .await;
+    let refused = call_tool(server.address, &second, 10, "counter_increment", json!({})).await;
+    assert_eq!(refused.status, StatusCode::NOT_FOUND);
+    let executed = exchange(server.address, "GET", "/executed", &[], "").await;
+    assert_eq!(executed.status, StatusCode::OK);
+    assert_eq!(
+        executed.json(),
+        json!({"sessions": {first: [7, 8, 7], second: [9]}, "dropped": 0})
+    );
+    let posted = exchange(server.address, "POST", "/executed", &[], "").await;
+    assert_eq!(posted.status, StatusCode::METHOD_NOT_ALLOWED);
+}
+
 #[tokio::test]
 async fn bad_legacy_requests_get_a_status_and_a_jsonrpc_error() {
     let server = start(false).await;

@@ -4,10 +4,13 @@
 //! benchmarks. It speaks Streamable HTTP at `/mcp` in both protocol eras
 //! (session-based legacy versions and sessionless 2026-07-28), keeps
 //! per-session state so tests can prove session affinity, and counts every
-//! request it executes (`GET /stats`) so tests can prove nothing ran twice.
+//! request it executes (`GET /stats`) and the id of each request that ran in a
+//! session (`GET /executed`) so tests can prove nothing ran twice, and that nothing a
+//! client was told did not run ran.
 //! It is plain hyper on tokio so that it costs little next to the gateway.
 
 mod body;
+mod executed;
 mod methods;
 mod protocol;
 mod server;

@@ -1,4 +1,4 @@
-//! HTTP handling for `/mcp` and `/stats`: reads the request, lets
+//! HTTP handling for `/mcp`, `/stats` and `/executed`: reads the request, lets
 //! `protocol` and `methods` decide, and writes the answer.
 
 use std::sync::Arc;
@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 use tokio::time::MissedTickBehavior;
 
 use super::body::{Body, EVENT_QUEUE, sse_event};
+use super::executed::Executed;
 use super::methods::{self, Reply};
 use super::protocol::{
     self, Era, HEADER_METHOD, HEADER_NAME, HEADER_PROTOCOL_VERSION, HEADER_SESSION_ID,
@@ -40,6 +41,8 @@ pub struct Upstream {
     sse_always: bool,
     sessions: SessionStore,
     stats: Stats,
+    /// The id of every request run in a session, for `GET /executed`.
+    executed: Executed,
     stall: Option<Stall>,
     /// `--ping-delay-ms`: how long every `ping` in a session waits before its answer,
     /// as a slow or distant server's would (the gateway pings a virtual server's
@@ -83,6 +86,7 @@ impl Upstream {
             sse_always,
             sessions: SessionStore::default(),
             stats: Stats::default(),
+            executed: Executed::default(),
             stall: None,
             ping_delay: None,
             generated: None,
@@ -123,11 +127,17 @@ impl Upstream {
                 self.stats.to_json(&self.sessions).to_string().into_bytes(),
             ),
             "/stats" => method_not_allowed("GET", "/stats only answers GET"),
+            "/executed" if request.method() == Method::GET => json_response(
+                StatusCode::OK,
+                self.executed.to_json().to_string().into_bytes(),
+            ),
+            "/executed" => method_not_allowed("GET", "/executed only answers GET"),
             path => error_response(
                 StatusCode::NOT_FOUND,
                 &Value::Null,
                 &RpcError::invalid_request(format!(
-                    "Not Found: nothing is served at {path}; MCP is at /mcp and counters at /stats"
+                    "Not Found: nothing is served at {path}; MCP is at /mcp, counters at /stats \
+                     and the ids that ran at /executed"
                 )),
             ),
         }
@@ -240,6 +250,10 @@ impl Upstream {
             Message::Request { id, method, params } => {
                 if session.is_sleeping() {
                     self.stats.record_during_sleep();
+                }
+                // find_session took the id as UTF-8, so it reads as a string here too.
+                if let Some(session_id) = session_id.and_then(|raw| std::str::from_utf8(raw).ok()) {
+                    self.executed.record(session_id, id);
                 }
                 let reply = self.execute(Era::Legacy, method, params, Some(&session));
                 let _sleeping = matches!(reply, Reply::Sleep(_)).then(|| session.begin_sleep());
