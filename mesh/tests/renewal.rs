@@ -77,7 +77,7 @@ impl Drop for HoldingProxy {
 
 /// Whether the `n`th new connection (from 1) is held: every second one.
 fn holds(n: usize) -> bool {
-    n % 2 == 0
+    n.is_multiple_of(2)
 }
 
 async fn tcp_proxy(

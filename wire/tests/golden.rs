@@ -156,7 +156,11 @@ fn frames_of_protocol_3_decode_and_current_frames_for_it_are_byte_identical() {
 
 #[test]
 fn frames_of_protocol_4_decode_and_current_frames_for_it_are_byte_identical() {
-    assert_eq!(mcpgw_wire::PROTOCOL_VERSION, 4, "add the golden files of the new version");
+    assert_eq!(
+        mcpgw_wire::PROTOCOL_VERSION,
+        4,
+        "add the golden files of the new version"
+    );
     check_golden(4, &v4_frames());
 }
 

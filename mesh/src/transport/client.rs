@@ -51,10 +51,6 @@ fn budgets_for(limits: &MeshLimits) -> Arc<Budgets> {
     Budgets::new(limits.max_in_flight_per_peer, limits.max_streams_per_peer)
 }
 
-#[expect(
-    clippy::large_enum_variant,
-    reason = "one per client, behind an Arc; boxing would only add an indirection"
-)]
 enum Transport {
     Quic(quic::caller::QuicClient),
     Tcp(tcp::TcpClient),
