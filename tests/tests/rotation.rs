@@ -365,7 +365,9 @@ fn full_rotation_under_load(transport: &str) {
     // Current material is served (any HTTP answer: the mesh let the request in).
     let current = mcpgw_certs::MeshTls::load(&mcpgw_certs::MeshTlsFiles::in_dir(&dir, "host-b"))
         .expect("current material");
-    for outcome in dial_every_worker(&fleet.redis, transport, current.client_config(), "probe") {
+    let served = dial_every_worker(&fleet.redis, transport, current.client_config(), "probe");
+    assert_eq!(served.len(), 4, "{transport}: every worker dialled");
+    for outcome in served {
         assert!(
             outcome.is_ok(),
             "{transport}: current material: {outcome:?}"
@@ -380,6 +382,7 @@ fn full_rotation_under_load(transport: &str) {
         current.client_config(),
         &host_a_worker,
     );
+    assert_eq!(impostor.len(), 4, "{transport}: every worker dialled");
     for outcome in impostor {
         let refusal = outcome.expect_err("a Hello from the wrong identity is refused");
         assert!(
@@ -388,12 +391,14 @@ fn full_rotation_under_load(transport: &str) {
         );
     }
     let host_b_worker = worker_registered_as(&fleet.redis, "host-b");
-    for outcome in dial_every_worker(
+    let own = dial_every_worker(
         &fleet.redis,
         transport,
         current.client_config(),
         &host_b_worker,
-    ) {
+    );
+    assert_eq!(own.len(), 4, "{transport}: every worker dialled");
+    for outcome in own {
         assert!(
             outcome.is_ok(),
             "{transport}: its own worker id: {outcome:?}"

@@ -173,7 +173,7 @@ async fn legacy_sessions_keep_separate_state_and_end_on_delete() {
 
     assert_eq!(
         stats(server.address).await,
-        json!({"requests": 5, "tool_calls": 3, "during_sleep": 0, "sessions_open": 2, "sessions_created": 2, "last_traceparent": null})
+        json!({"requests": 5, "tool_calls": 3, "during_sleep": 0, "resource_lists": 0, "sessions_open": 2, "sessions_created": 2, "last_traceparent": null})
     );
 
     let deleted = exchange(
@@ -375,7 +375,7 @@ async fn modern_requests_need_no_session_and_matching_headers() {
 
     assert_eq!(
         stats(server.address).await,
-        json!({"requests": 1, "tool_calls": 1, "during_sleep": 0, "sessions_open": 0, "sessions_created": 0, "last_traceparent": null})
+        json!({"requests": 1, "tool_calls": 1, "during_sleep": 0, "resource_lists": 0, "sessions_open": 0, "sessions_created": 0, "last_traceparent": null})
     );
 }
 

@@ -78,7 +78,7 @@ mod tests {
         }
         assert_eq!(
             stats.to_json(&sessions),
-            json!({"requests": 4, "tool_calls": 2, "during_sleep": 0, "sessions_open": 0, "sessions_created": 0, "last_traceparent": null})
+            json!({"requests": 4, "tool_calls": 2, "during_sleep": 0, "resource_lists": 0, "sessions_open": 0, "sessions_created": 0, "last_traceparent": null})
         );
     }
 }
