@@ -174,6 +174,16 @@ async fn silent_handshakes_are_capped_per_address_and_logged_in_few_lines(kind: 
                 }
             })
             .await;
+            // The cap's value: exactly that many silent handshakes hold their place.
+            eventually_async(TEST_TIMEOUT / 2, || async {
+                match mesh.server.handshakes_in_progress() {
+                    n if n == cap => Ok(()),
+                    n => Err(format!(
+                        "{n} QUIC handshakes in progress, expected the cap {cap}"
+                    )),
+                }
+            })
+            .await;
             (QUIC_FLOODER, None, Some(flood))
         }
         TransportKind::Redis => unreachable!("no mesh port"),

@@ -96,8 +96,7 @@ impl HandshakeGate {
     }
 
     /// Handshakes in progress now.
-    #[cfg(test)]
-    fn in_progress(&self) -> usize {
+    pub(crate) fn in_progress(&self) -> usize {
         self.books.lock().total
     }
 }

@@ -129,6 +129,13 @@ pub struct MeshServerHandle {
 }
 
 impl MeshServerHandle {
+    /// Handshakes in progress at the mesh port now (each holds a place of
+    /// [`MeshLimits::max_handshakes`](super::config::MeshLimits::max_handshakes) and of
+    /// its source address's `max_handshakes_per_addr`).
+    pub fn handshakes_in_progress(&self) -> usize {
+        self.shared.handshakes.in_progress()
+    }
+
     /// What this server has in flight, by budget, for metrics.
     pub fn stream_counter(&self) -> super::budget::StreamCounter {
         super::budget::StreamCounter(Arc::clone(&self.shared.budgets))
