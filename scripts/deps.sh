@@ -17,6 +17,8 @@ command -v redis-server >/dev/null || apt_packages+=(redis-server)
 # redis-cli makes the test Redis Cluster (redis-server depends on it; named in case).
 command -v redis-cli >/dev/null || apt_packages+=(redis-tools)
 command -v python3 >/dev/null || apt_packages+=(python3)
+# promtool checks and unit-tests the alert rules (deploy/monitoring).
+command -v promtool >/dev/null || apt_packages+=(prometheus)
 if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then apt_packages+=(python3-venv); fi
 if ((${#apt_packages[@]})); then
   echo "deps: installing ${apt_packages[*]} (apt-get)"
