@@ -179,6 +179,9 @@ fn metrics(worker: &Worker) -> Response<ReplyBody> {
     if let Some(tls) = worker.mesh_tls.get() {
         metrics.set_mesh_certs(tls);
     }
+    if let Some((passed, refused)) = worker.auth.rate_limit_unavailable() {
+        metrics.set_rate_limit_unavailable(passed, refused);
+    }
     if let Some((caller, owner)) = worker.mesh_streams.get() {
         metrics.set_mesh_streams("caller", caller.counts());
         metrics.set_mesh_streams("owner", owner.counts());

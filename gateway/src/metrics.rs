@@ -157,6 +157,11 @@ pub struct ResultLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ActionLabels {
+    pub action: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BuildLabels {
     pub version: &'static str,
 }
@@ -203,6 +208,7 @@ struct FleetMetrics {
     sessions_reclaimed: Counter,
     leases_in_doubt: Counter,
     directory_failovers: Counter,
+    rate_limit_unavailable: Family<ActionLabels, Counter>,
     lease_valid: Gauge,
     draining: Gauge,
     runtime_threads: Gauge,
@@ -369,6 +375,12 @@ impl FleetMetrics {
                 "directory_failovers",
                 "Redis failovers this worker saw (a new primary, or a new replication id behind a plain URL) and re-asserted its lease and sessions after",
                 Counter::default(),
+            ),
+            rate_limit_unavailable: add(
+                r,
+                "rate_limit_unavailable",
+                "Requests the rate limiter could not count (its Redis failed), by action: passed (on_redis_error = open) or refused (closed)",
+                Family::default(),
             ),
             lease_valid: add(
                 r,
@@ -728,6 +740,18 @@ impl Metrics {
         self.mesh
             .cert_refused_pending
             .set(i64::from(stats.pending_refusal.is_some()));
+    }
+
+    /// Sets the rate limiter's uncounted requests from its own counts (at scrape time;
+    /// the counters only ever move up to them).
+    pub fn set_rate_limit_unavailable(&self, passed: u64, refused: u64) {
+        for (action, total) in [("passed", passed), ("refused", refused)] {
+            let counter = self
+                .fleet
+                .rate_limit_unavailable
+                .get_or_create(&ActionLabels { action });
+            counter.inc_by(total.saturating_sub(counter.get()));
+        }
     }
 
     /// Sets the mesh gauges from one side's counts (at scrape time).

@@ -1603,6 +1603,22 @@ fn rate_limiter_without_redis_fails_open_or_closed_as_configured() {
             }
         });
 
+        // The metrics count what went uncounted, for the alert on a limiter failing open.
+        let log = gateway.log();
+        let admin = log
+            .split("admin=")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .expect("the worker's admin address in its log");
+        let metrics = http::request(admin, "GET", "/metrics", &[], b"").text();
+        let action = if closed { "refused" } else { "passed" };
+        assert!(
+            metrics.lines().any(
+                |l| l == format!("mcpgw_rate_limit_unavailable_total{{action=\"{action}\"}} 2")
+            ),
+            "{case}: two requests {action} uncounted in the metrics"
+        );
+
         // Redis answers again: after its back-off the limiter counts every request.
         paused.resume();
         mcpgw_testkit::eventually(Duration::from_secs(30), || {

@@ -229,6 +229,12 @@ impl Authenticator {
         }
     }
 
+    /// Requests the rate limiter could not count (Redis failed): let through, and
+    /// refused; `None` without a rate limit.
+    pub fn rate_limit_unavailable(&self) -> Option<(u64, u64)> {
+        self.limiter.as_ref().map(RateLimiter::unavailable_counts)
+    }
+
     /// Who the client of `call` is across routes: an API key's principal, or a JWT's
     /// subject within its issuer (two issuers may each have an "alice", and they are
     /// two people). `None` in public mode. Keys what is counted per principal over

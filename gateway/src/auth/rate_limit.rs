@@ -70,6 +70,11 @@ pub struct RateLimiter {
     timeout: Duration,
     /// Until when Redis is skipped after a failure.
     skip_until: Mutex<Option<Instant>>,
+    /// Requests let through uncounted (Redis failed, on_redis_error = open), for the
+    /// metrics: a limiter failing open limits nothing.
+    passed_uncounted: std::sync::atomic::AtomicU64,
+    /// Requests refused because Redis failed (on_redis_error = closed).
+    refused_uncounted: std::sync::atomic::AtomicU64,
 }
 
 /// Why a token could not be taken.
@@ -110,6 +115,8 @@ impl RateLimiter {
             fail: config.on_redis_error,
             timeout: config.timeout(),
             skip_until: Mutex::new(None),
+            passed_uncounted: Default::default(),
+            refused_uncounted: Default::default(),
         })
     }
 
@@ -216,7 +223,22 @@ impl RateLimiter {
         *self.skip_until.lock() = Some(Instant::now() + BACKOFF);
     }
 
+    /// Requests it could not count (Redis failed): let through, and refused.
+    pub fn unavailable_counts(&self) -> (u64, u64) {
+        (
+            self.passed_uncounted
+                .load(std::sync::atomic::Ordering::Relaxed),
+            self.refused_uncounted
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
+    }
+
     fn unavailable(&self, why: &str) -> Result<(), GatewayError> {
+        let uncounted = match self.fail {
+            FailMode::Open => &self.passed_uncounted,
+            FailMode::Closed => &self.refused_uncounted,
+        };
+        uncounted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         match self.fail {
             FailMode::Open => {
                 warn!(
