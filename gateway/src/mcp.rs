@@ -878,6 +878,21 @@ mod tests {
         assert_eq!(parse(fine).unwrap().tool_name(), Some("echo"));
     }
 
+    /// Not a test: a workload for counting the repeated-key scan's share of a parse
+    /// under callgrind (`valgrind --tool=callgrind <test binary> --ignored
+    /// parse_workload`, then `callgrind_annotate --inclusive=yes`), on the benchmark's
+    /// `tools/call` body.
+    #[test]
+    #[ignore]
+    fn parse_workload() {
+        let body = Bytes::from_static(
+            br#"{"jsonrpc":"2.0","id":17,"method":"tools/call","params":{"name":"echo","arguments":{"text":"hello"}}}"#,
+        );
+        for _ in 0..10_000 {
+            std::hint::black_box(parse_message(std::hint::black_box(&body)).is_ok());
+        }
+    }
+
     #[test]
     fn a_tools_call_whose_name_cannot_be_read_is_refused() {
         for body in [
