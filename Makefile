@@ -3,7 +3,7 @@ CARGO ?= cargo
 JOBS ?= 2
 export CARGO_BUILD_JOBS := $(JOBS)
 
-.PHONY: run test deps build build-release bench fmt clippy clean compose-up compose-down compose-test
+.PHONY: run test deps build build-release bench fmt clippy clean compose-up compose-down compose-test nemesis
 
 deps:
 	@scripts/deps.sh
@@ -49,6 +49,14 @@ compose-down:
 ## base images are made locally when missing; binaries come from target/debug.
 compose-test: deps build
 	@scripts/compose-test.sh
+
+## The container fleet under a seeded random schedule of faults (worker kill -9,
+## container kill, pauses below and above the lease, network cuts; at most two at
+## once), clients that record every request, and a checker of the whole history
+## (docs/compose.md, "make nemesis"). NEMESIS_SECONDS (300), NEMESIS_SEED (random,
+## printed first: the same seed repeats the schedule), NEMESIS_FAULTS (a cap).
+nemesis: deps build
+	@scripts/nemesis.sh
 
 fmt:
 	$(CARGO) fmt --all
