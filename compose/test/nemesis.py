@@ -181,6 +181,7 @@ class History:
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self.file.flush()  # a run cut short by `timeout` keeps what it saw
 
     def close(self) -> None:
         self.file.close()
@@ -315,6 +316,9 @@ async def inject(fleet: ff.Fleet, workers: ff.Workers, p: Planned, history: Hist
             await asyncio.sleep(p.hold)
             await ff.sh("docker", "unpause", container)
             record["healing"] = round(ff.now(), 4)
+            # Its workers that were declared dead find out and fence themselves within
+            # a lease; only then is it whole (a fresh worker in each slot that fenced).
+            await asyncio.sleep(LEASE_S)
             await wait_whole(fleet, workers, p.target, set())
         elif p.cls == "disconnect":
             network = await fleet.network()
@@ -324,6 +328,7 @@ async def inject(fleet: ff.Fleet, workers: ff.Workers, p: Planned, history: Hist
             await ff.sh("docker", "network", "connect", "--ip", fleet.ip[p.target], "--alias",
                         p.target, network, container)
             record["healing"] = round(ff.now(), 4)
+            await asyncio.sleep(LEASE_S)
             await wait_whole(fleet, workers, p.target, set())
     except ff.TestFailure as e:
         record["error"] = str(e)[:500]
@@ -485,7 +490,7 @@ def check_history(records: list[dict], executed: dict) -> Verdict:
                     else:
                         earlier.append(owner)
                         owner = w
-                elif owner is None:
+                elif not owner:
                     owner = w
                 elif w != owner:
                     flag("two_owners", r, f"owned by {owner} but served by {w} "
