@@ -416,6 +416,9 @@ class Verdict:
     anomalies: list[Anomaly] = field(default_factory=list)
     table: list[list[str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Each session told it is gone (truthful, so no anomaly; but here every session
+    # could go on, since the demo upstream keeps its state and every gateway can adopt).
+    lost: list[str] = field(default_factory=list)
 
 
 def describe(r: dict) -> str:
@@ -562,6 +565,12 @@ def check_history(records: list[dict], executed: dict) -> Verdict:
                  f"(the settle time); its last answers: "
                  + "; ".join(describe(r) for r in mine[-4:]), at=settle_from)
 
+    ws = windows(faults)
+    for r in requests:
+        if r["op"] == "call" and truthful_loss(r):
+            verdict.lost.append(f"slot {r['slot']} session {r['session']} at {r['sent']:.2f} s "
+                                f"(during {', '.join(classes_at(ws, r['sent']))}): {describe(r)}: "
+                                f"{r.get('message', '')[:160]}")
     verdict.table = class_table(requests, faults, anomalies, end.get("load_end"))
     if run:
         verdict.notes.insert(0, f"seed {run.get('seed')}, {run.get('seconds')} s, "
@@ -643,6 +652,10 @@ def print_verdict(v: Verdict) -> None:
     kinds: dict[str, int] = {}
     for a in v.anomalies:
         kinds[a.kind] = kinds.get(a.kind, 0) + 1
+    print(f"  sessions told they are gone: {len(v.lost)} (no anomaly: the client was told; but "
+          f"every session here could go on elsewhere)")
+    for line in v.lost:
+        print(f"  LOST {line}")
     print(f"  anomalies: {len(v.anomalies)}" + (f" ({kinds})" if kinds else ""))
     for a in v.anomalies:
         print(f"  ANOMALY {a.kind} at {a.at:.2f} s slot {a.slot} session {a.session}: {a.detail}")
