@@ -407,7 +407,9 @@ impl<'w> Router<'w> {
                 info!(
                     session = %session.tag,
                     cause = cause.as_str(),
-                    previous_owner = crate::session::owner_hint(&session.id).unwrap_or("unknown"),
+                    // The worker that minted the id: after an earlier adoption it is
+                    // not the owner that left the session (a nemesis run read it so).
+                    minted_by = crate::session::owner_hint(&session.id).unwrap_or("unknown"),
                     "adopted a session its owner left"
                 );
             }
