@@ -58,10 +58,8 @@ fn kubectl_available() -> Result<(), String> {
         ),
         Err(e) => format!("kubectl cannot run: {e}"),
     };
-    let allowed = std::env::var("MCPGW_ALLOW_SKIP")
-        .is_ok_and(|skips| skips.split(',').any(|s| s.trim() == "kubectl"));
     assert!(
-        allowed,
+        mcpgw_testkit::skip_allowed("kubectl"),
         "{reason}: install kubectl 1.27 or later (kustomize 5; Debian's kubernetes-client \
          is older), https://kubernetes.io/docs/tasks/tools/, or set MCPGW_ALLOW_SKIP=kubectl \
          to check the base's files unrendered"

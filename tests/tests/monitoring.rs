@@ -25,10 +25,8 @@ fn promtool(args: &[&str]) -> Option<std::process::Output> {
     {
         Ok(out) => Some(out),
         Err(e) => {
-            let allowed = std::env::var("MCPGW_ALLOW_SKIP")
-                .is_ok_and(|skips| skips.split(',').any(|s| s.trim() == "promtool"));
             assert!(
-                allowed,
+                mcpgw_testkit::skip_allowed("promtool"),
                 "promtool cannot run ({e}): install Debian's prometheus package (make deps does), \
                  or set MCPGW_ALLOW_SKIP=promtool"
             );

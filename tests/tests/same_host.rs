@@ -162,10 +162,8 @@ fn a_process_of_another_user_is_refused_at_the_socket() {
         .unwrap_or(u32::MAX);
     if our_uid != 0 {
         // A skip that passes would hide a socket open to every user; CI runs as root.
-        let allowed = std::env::var("MCPGW_ALLOW_SKIP")
-            .is_ok_and(|skips| skips.split(',').any(|s| s.trim() == "other-user"));
         assert!(
-            allowed,
+            mcpgw_testkit::skip_allowed("other-user"),
             "this test starts a helper as another user (nobody, uid {NOBODY}), which needs \
              root: run the tests as root, or set MCPGW_ALLOW_SKIP=other-user to skip it"
         );
